@@ -35,6 +35,8 @@ from array import array
 from dataclasses import dataclass, field
 from typing import Iterator, NamedTuple, Sequence
 
+import xxhash
+
 # -----------------------------------------------------------------------------
 # 1. Block hashes
 #
@@ -53,16 +55,25 @@ BlockHash = bytes
 
 HASH_ALGOS = ("sha256", "xxhash")
 
-# The parent of the first block: a fixed constant, so the chain starts the same everywhere.
-NONE_HASH: BlockHash = hashlib.sha256(b"prefix-caching/none-hash").digest()
+_DIGEST = {
+    "sha256": lambda data: hashlib.sha256(data).digest(),  # 32 bytes, collision resistant
+    "xxhash": xxhash.xxh3_128_digest,  # 16 bytes, several times faster, not collision resistant
+}
 
 
-def _digest(algo: str, data: bytes) -> BlockHash:
-    if algo == "sha256":
-        return hashlib.sha256(data).digest()
-    import xxhash  # 128-bit xxh3: far faster than SHA256, but not collision resistant
+# The parent of the first block: a fixed constant per algorithm, so every chain starts the
+# same way everywhere, and every parent of one algorithm has the same length.
+NONE_HASH: dict[str, BlockHash] = {algo: digest(b"prefix-caching/none-hash") for algo, digest in _DIGEST.items()}
 
-    return xxhash.xxh3_128_digest(data)
+
+def _encode_extra(extra_keys: tuple) -> bytes:
+    return json.dumps(extra_keys, separators=(",", ":")).encode() if extra_keys else b""
+
+
+def _encode(parent: BlockHash, token_bytes: bytes, extra: bytes) -> bytes:
+    # The parent has a fixed length per algorithm, the tokens are length-prefixed and the
+    # extra keys (if any) fill the rest: no two different inputs share an encoding.
+    return parent + len(token_bytes).to_bytes(4, "little") + token_bytes + extra
 
 
 def hash_block_tokens(
@@ -73,36 +84,27 @@ def hash_block_tokens(
 ) -> BlockHash:
     """Hash one block: (parent hash, token ids, extra keys) -> bytes.
 
-    Each part is length-prefixed, so no two different inputs share an encoding.
-
     >>> h0 = hash_block_tokens(None, [1, 2, 3, 4])
     >>> h1 = hash_block_tokens(h0, [5, 6, 7, 8])
     >>> h1 == hash_block_tokens(None, [5, 6, 7, 8])   # same tokens, other position
     False
     """
-    parent = NONE_HASH if parent_hash is None else parent_hash
-    tokens = array("q", token_ids).tobytes()
-    extra = json.dumps(list(extra_keys), separators=(",", ":")).encode() if extra_keys else b""
-    data = b"".join(
-        (
-            len(parent).to_bytes(2, "little"), parent,
-            len(tokens).to_bytes(4, "little"), tokens,
-            len(extra).to_bytes(4, "little"), extra,
-        )
-    )
-    return _digest(algo, data)
+    parent = NONE_HASH[algo] if parent_hash is None else parent_hash
+    return _DIGEST[algo](_encode(parent, array("q", token_ids).tobytes(), _encode_extra(extra_keys)))
 
 
 def block_extra_keys(block_index: int, cache_salt: str | None, extra_keys: tuple) -> tuple:
     """The extra keys of block `block_index`: `extra_keys` always, the salt on block 0 only.
 
+    The salt is tagged so it can never be mistaken for an extra key of the same text.
+
     >>> block_extra_keys(0, "tenant-a", ("lora-7",))
-    ('lora-7', 'tenant-a')
+    ('lora-7', ('cache_salt', 'tenant-a'))
     >>> block_extra_keys(1, "tenant-a", ("lora-7",))
     ('lora-7',)
     """
     if block_index == 0 and cache_salt is not None:
-        return (*extra_keys, cache_salt)
+        return (*extra_keys, ("cache_salt", cache_salt))
     return extra_keys
 
 
@@ -115,14 +117,22 @@ def compute_block_hashes(
 ) -> list[BlockHash]:
     """Chained hashes of every *full* block of `token_ids`; a partial tail gets none.
 
+    The same result as calling hash_block_tokens block by block, but the tokens are
+    turned into bytes once for the whole prompt: that conversion would otherwise cost
+    more than the hashing itself.
+
     >>> [h.hex()[:8] for h in compute_block_hashes(list(range(10)), block_size=4)]  # 2 full blocks
-    ['7c5419d6', 'ed80f7a8']
+    ['d1855706', 'b4a2fa65']
     """
+    digest = _DIGEST[algo]
+    raw = array("q", token_ids).tobytes()
+    step = block_size * 8  # bytes per block: 8 per token id
+    first_extra = _encode_extra(block_extra_keys(0, cache_salt, extra_keys))
+    extra = _encode_extra(extra_keys)
     hashes: list[BlockHash] = []
-    parent = None
+    parent = NONE_HASH[algo]
     for i in range(len(token_ids) // block_size):
-        block = token_ids[i * block_size : (i + 1) * block_size]
-        parent = hash_block_tokens(parent, block, block_extra_keys(i, cache_salt, extra_keys), algo)
+        parent = digest(_encode(parent, raw[i * step : (i + 1) * step], first_extra if i == 0 else extra))
         hashes.append(parent)
     return hashes
 
@@ -277,10 +287,12 @@ class _Request:
 def _check_tokens(token_ids, what: str) -> list[int]:
     if isinstance(token_ids, (str, bytes)) or not isinstance(token_ids, Sequence):
         raise TypeError(f"{what} must be a list of int token ids, got {type(token_ids).__name__}")
-    for t in token_ids:
-        if isinstance(t, bool) or not isinstance(t, int) or t < 0:
-            raise TypeError(f"{what} must hold non-negative int token ids, found {t!r}")
-    return list(token_ids)
+    token_ids = list(token_ids)
+    # `type(t) is int` rather than isinstance: True and False are ints to isinstance.
+    if not all(type(t) is int for t in token_ids) or (token_ids and min(token_ids) < 0):
+        bad = next(t for t in token_ids if type(t) is not int or t < 0)
+        raise TypeError(f"{what} must hold non-negative int token ids, found {bad!r}")
+    return token_ids
 
 
 class PrefixCachingAllocator:
@@ -417,6 +429,9 @@ class PrefixCachingAllocator:
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise TypeError(f"cache_salt must be a str or None, got {type(cache_salt).__name__}")
         extra_keys = tuple(extra_keys)
+        for key in extra_keys:
+            if isinstance(key, bool) or not isinstance(key, (str, int)):
+                raise TypeError(f"extra_keys must hold str or int values (e.g. a LoRA name), found {key!r}")
         num_needed = -(-len(token_ids) // self.block_size)  # ceil division
         if num_needed > self.num_blocks:
             raise ValueError(

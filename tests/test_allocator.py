@@ -357,3 +357,24 @@ def test_unknown_request_ids_are_refused():
     with pytest.raises(TypeError, match="token"):
         alloc.append_token("s", "x")
     assert alloc.num_tokens("s") == 1
+
+
+def test_a_salt_never_equals_an_extra_key_with_the_same_text():
+    assert compute_block_hashes([1, 2], 2, cache_salt="x") != compute_block_hashes([1, 2], 2, extra_keys=("x",))
+
+
+def test_allocator_benchmark_runs_and_reports_every_figure(tmp_path):
+    out = tmp_path / "alloc.json"
+    result = subprocess.run(
+        [sys.executable, "prefix_caching.py", "--bench", "allocator", "--quick", "--json", str(out)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    import json
+
+    data = json.loads(out.read_text())
+    assert {"sha256_ns_per_token", "xxhash_ns_per_token", "miss", "hit_heavy"} <= data.keys()
+    assert data["miss"]["overhead_ns_per_token"] == pytest.approx(
+        data["miss"]["caching_on_ns_per_token"] - data["miss"]["caching_off_ns_per_token"]
+    )
+    assert "100k / 1k throughput" in result.stdout
