@@ -1,0 +1,335 @@
+"""The engine's spec: prefix caching changes how much the model computes, never what it says.
+
+The oracle is plain Hugging Face: model.generate(do_sample=False) on the whole prompt, and a
+full forward pass. Most tests use the tiny random model of conftest.py, in float32.
+"""
+
+import pytest
+import torch
+
+from conftest import assert_pool_whole
+from engine_part import Engine, OutOfBlocksError, PagedKVCache, SamplingParams, sample
+
+PROMPTS = {
+    "token ids": list(range(100, 123)),  # 23 tokens: 5 full blocks of 4 and a partial one
+    "text": "Prefix caching keeps the key and value tensors of a shared prompt around.",
+    "chat": [
+        {"role": "system", "content": "You answer in one short sentence."},
+        {"role": "user", "content": "Why reuse the KV cache?"},
+    ],
+}
+
+
+def hf_greedy(model, prompt_ids: list[int], max_tokens: int) -> list[int]:
+    """What plain Hugging Face generates, greedy, on the whole prompt."""
+    input_ids = torch.tensor([prompt_ids])
+    out = model.generate(
+        input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
+        max_new_tokens=max_tokens, pad_token_id=model.generation_config.pad_token_id,
+    )
+    return out[0, len(prompt_ids) :].tolist()
+
+
+class EmbeddingCounter:
+    """Counts the tokens the model embeds: the tokens it actually computes."""
+
+    def __init__(self, model):
+        self.count = 0
+        self.handle = model.get_input_embeddings().register_forward_hook(self.hook)
+
+    def hook(self, module, args, output):
+        self.count += args[0].numel()
+
+
+# --- exactness against the oracle ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", PROMPTS)
+def test_greedy_equals_hf_generate_cold_and_warm(make_engine, kind):
+    engine = make_engine()
+    ids = engine.tokenize(PROMPTS[kind])
+    expected = hf_greedy(engine.model, ids, max_tokens=10)
+
+    cold = engine.generate(PROMPTS[kind], max_tokens=10)
+    predicted = engine.allocator.peek(ids)  # what the allocator will hit for the same prompt now
+    warm = engine.generate(PROMPTS[kind], max_tokens=10)
+
+    assert cold.token_ids == warm.token_ids == expected
+    assert cold.cached_tokens == 0
+    assert warm.cached_tokens == predicted == (len(ids) - 1) // 4 * 4
+    assert warm.text == cold.text == engine.tokenizer.decode(expected, skip_special_tokens=True)
+    assert warm.prompt_tokens == len(ids) and warm.finish_reason == "length"
+
+
+def test_logits_of_cached_prefix_plus_suffix_equal_a_full_forward(make_engine):
+    engine = make_engine()
+    shared = list(range(200, 216))  # 4 full blocks
+    engine.generate(shared + [7, 8, 9], max_tokens=1)  # leaves the shared blocks in the pool
+    prompt = shared + [300, 301, 302, 303, 304]
+
+    alloc = engine.allocator
+    num_cached, _ = alloc.allocate_with_prefix("probe", prompt)
+    try:
+        cache = engine.kv.gather(alloc.block_tables["probe"][: num_cached // 4], engine.model.config)
+        with torch.no_grad():
+            cached = engine.model(torch.tensor([prompt[num_cached:]]), past_key_values=cache).logits
+            full = engine.model(torch.tensor([prompt])).logits
+    finally:
+        alloc.free("probe")
+    assert num_cached == 16
+    torch.testing.assert_close(cached[0], full[0, num_cached:], atol=1e-5, rtol=1e-5)
+
+
+def test_the_model_embeds_only_the_uncached_suffix(make_engine):
+    engine = make_engine()
+    counter = EmbeddingCounter(engine.model)
+    try:
+        prompt = list(range(400, 430))  # 30 tokens
+        cold = engine.generate(prompt, max_tokens=5)
+        cold_count, counter.count = counter.count, 0
+        warm = engine.generate(prompt[:28] + [999, 998], max_tokens=5)
+    finally:
+        counter.handle.remove()
+    # The prompt's uncached tokens once, then each generated token but the last.
+    assert cold_count == 30 + 4
+    assert warm.cached_tokens == 28 and counter.count == 2 + 4
+
+
+def test_a_multi_turn_chat_reuses_its_history(make_engine):
+    engine = make_engine(num_blocks=128)
+    system = {"role": "system", "content": "You are a terse assistant for a bike rental shop."}
+    turn1 = [system, {"role": "user", "content": "When do you open?"}]
+    first = engine.generate(turn1, max_tokens=8)
+    turn2 = turn1 + [
+        {"role": "assistant", "content": first.text},
+        {"role": "user", "content": "And on Sundays?"},
+    ]
+    ids = engine.tokenize(turn2)
+    predicted = engine.allocator.peek(ids)
+    second = engine.generate(turn2, max_tokens=8)
+
+    assert second.token_ids == hf_greedy(engine.model, ids, max_tokens=8)
+    assert second.cached_tokens == predicted
+    assert second.cached_tokens >= len(engine.tokenize(turn1)) // 4 * 4  # at least turn 1's full blocks
+
+
+def test_different_cache_salts_never_share_blocks(make_engine):
+    engine = make_engine()
+    prompt = list(range(500, 520))
+    a = engine.generate(prompt, max_tokens=4, cache_salt="tenant-a")
+    b = engine.generate(prompt, max_tokens=4, cache_salt="tenant-b")
+    a_again = engine.generate(prompt, max_tokens=4, cache_salt="tenant-a")
+    assert (a.cached_tokens, b.cached_tokens, a_again.cached_tokens) == (0, 0, 16)
+    assert a.token_ids == b.token_ids == a_again.token_ids == hf_greedy(engine.model, prompt, 4)
+
+
+def test_a_prompt_of_exactly_whole_blocks_recomputes_its_last_block(make_engine):
+    engine = make_engine()
+    prompt = list(range(600, 612))  # 3 blocks of 4
+    engine.generate(prompt, max_tokens=3)
+    warm = engine.generate(prompt, max_tokens=3)
+    # The model must run on at least one token to give the next token's logits.
+    assert warm.cached_tokens == 8
+    assert warm.token_ids == hf_greedy(engine.model, prompt, 3)
+
+
+def test_a_small_pool_evicts_between_requests_and_stays_exact(make_engine):
+    engine = make_engine(num_blocks=12)  # 48 slots: room for about two 20-token requests
+    prompts = [[1000 + 50 * p + i for i in range(18)] for p in range(4)]
+    for prompt in prompts + prompts:
+        assert engine.generate(prompt, max_tokens=4).token_ids == hf_greedy(engine.model, prompt, 4)
+    assert engine.allocator.stats.evictions > 0
+
+
+def test_blocks_filled_while_decoding_are_hit_by_the_next_request(make_engine):
+    engine = make_engine()
+    prompt = list(range(700, 710))
+    first = engine.generate(prompt, max_tokens=8)
+    # The first request decoded 7 tokens into its blocks; a prompt that continues its reply hits them.
+    follow_up = prompt + first.token_ids[:7] + [42]
+    second = engine.generate(follow_up, max_tokens=3)
+    assert second.cached_tokens == 16
+    assert second.token_ids == hf_greedy(engine.model, follow_up, 3)
+
+
+def test_the_stop_token_ends_a_reply_with_finish_reason_stop(make_engine):
+    engine = make_engine()
+    prompt = list(range(800, 810))
+    greedy = engine.generate(prompt, max_tokens=6).token_ids
+    engine.stop_token_ids = {greedy[2]}  # pretend the third token is EOS
+    reply = engine.generate(prompt, max_tokens=6)
+    assert reply.token_ids == greedy[:3] and reply.finish_reason == "stop"
+
+
+# --- streaming, several requests, sampling -------------------------------------------------
+
+
+def test_two_interleaved_streams_share_blocks_by_ref_count(make_engine):
+    engine = make_engine()
+    shared = list(range(900, 912))
+    a_prompt, b_prompt = shared + [1, 2, 3], shared + [4, 5]
+    a = engine.stream(a_prompt, max_tokens=6)
+    b = engine.stream(b_prompt, max_tokens=6)
+    a_tokens, b_tokens = [next(a).token_id], [next(b).token_id]  # both now hold their blocks
+    shared_blocks = engine.allocator.block_tables["request-1"][:3]
+    assert shared_blocks == engine.allocator.block_tables["request-0"][:3]
+    assert [engine.allocator.ref_count(block) for block in shared_blocks] == [2, 2, 2]
+    for a_event, b_event in zip(a, b):
+        a_tokens.append(a_event.token_id)
+        b_tokens.append(b_event.token_id)
+    assert a_tokens == hf_greedy(engine.model, a_prompt, 6)
+    assert b_tokens == hf_greedy(engine.model, b_prompt, 6)
+
+
+def test_closing_a_stream_early_gives_its_blocks_back(make_engine):
+    engine = make_engine()
+    stream = engine.stream(list(range(30)), max_tokens=20)
+    next(stream), next(stream)
+    assert engine.allocator.block_tables  # it holds blocks while open
+    stream.close()  # what a server does when the client disconnects
+    assert_pool_whole(engine)
+
+
+def test_streamed_text_adds_up_to_the_reply(make_engine):
+    engine = make_engine()
+    events = list(engine.stream(PROMPTS["chat"], max_tokens=12))
+    reply = events[-1].generation
+    assert "".join(e.text for e in events) == reply.text
+    assert [e.token_id for e in events] == reply.token_ids
+    assert [e.finish_reason for e in events] == [None] * 11 + ["length"]
+
+
+def test_sampling_with_a_seed_repeats_and_a_tiny_top_p_is_greedy(make_engine):
+    engine = make_engine()
+    prompt = list(range(40, 60))
+    one = engine.generate(prompt, max_tokens=8, temperature=1.5, seed=7)
+    two = engine.generate(prompt, max_tokens=8, temperature=1.5, seed=7)
+    assert one.token_ids == two.token_ids
+    narrow = engine.generate(prompt, max_tokens=8, temperature=1.5, top_p=1e-6, seed=3)
+    assert narrow.token_ids == hf_greedy(engine.model, prompt, 8)
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    seen = {sample(logits, SamplingParams(temperature=1.0, top_p=0.8), torch.Generator().manual_seed(s)) for s in range(200)}
+    assert seen == {0, 1}
+
+
+# --- the pool ------------------------------------------------------------------------------
+
+
+def test_the_pool_gives_back_what_was_written_in_block_table_order():
+    kv = PagedKVCache(num_layers=2, num_kv_heads=3, head_dim=4, num_blocks=6, block_size=2)
+    keys = [torch.randn(1, 3, 5, 4) for _ in range(2)]
+    values = [torch.randn(1, 3, 5, 4) for _ in range(2)]
+    table = [4, 1, 3]  # 5 tokens: 2 + 2 + 1
+    kv.write(list(zip(keys, values)), table, 0, 5)
+    cache = kv.gather([4, 1], config=None)
+    for layer in range(2):
+        assert torch.equal(cache.layers[layer].keys, keys[layer][:, :, :4])
+        assert torch.equal(cache.layers[layer].values, values[layer][:, :, :4])
+
+
+def test_engine_shapes_its_pool_from_the_model(make_engine):
+    engine = make_engine(num_blocks=10)
+    assert tuple(engine.kv.data.shape) == (2, 2, 10, 4, 2, 16)  # layers, K/V, blocks, slots, KV heads, dim
+    assert "10 blocks x 4 slots" in str(engine.kv)
+
+
+# --- errors teach, and leak nothing --------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "prompt, kwargs, match",
+    [
+        ("", {}, "empty"),
+        ([], {}, "non-empty"),
+        ([5, -1], {}, r"\[0, 49152\)"),
+        ([49152], {}, r"\[0, 49152\)"),
+        ([{"role": "user"}], {}, "content"),
+        ([1, "two"], {}, "role"),
+        ("hi", {"max_tokens": 0}, "max_tokens"),
+        ("hi", {"temperature": -1}, "temperature"),
+        ("hi", {"top_p": 0}, "top_p"),
+        ("hi", {"seed": 1.5}, "seed"),
+        (list(range(300)), {"max_tokens": 10}, "num_blocks"),  # more than the whole pool
+        (list(range(300)), {"max_tokens": 300}, "context"),  # more than the model's 512 positions
+    ],
+)
+def test_bad_requests_raise_value_error_saying_what_to_change(make_engine, prompt, kwargs, match):
+    engine = make_engine()
+    with pytest.raises(ValueError, match=match):
+        engine.generate(prompt, **kwargs)
+
+
+def test_a_full_pool_raises_out_of_blocks_and_nothing_leaks(make_engine):
+    engine = make_engine(num_blocks=8)
+    holder = engine.stream(list(range(20)), max_tokens=2)  # 5 blocks
+    next(holder)
+    with pytest.raises(OutOfBlocksError, match="blocks"):
+        engine.generate(list(range(50, 70)), max_tokens=2)  # 5 more
+    assert list(holder)[-1].generation.finish_reason == "length"
+    assert_pool_whole(engine)
+
+
+@pytest.mark.parametrize("fail_at_call", [1, 3], ids=["prefill", "decode"])
+def test_a_request_failing_midway_frees_its_blocks_and_caches_no_unwritten_slot(make_engine, monkeypatch, fail_at_call):
+    engine = make_engine()
+    prompt = list(range(100, 114))  # 14 tokens: 3 full blocks; the 4th fills while decoding
+    real_forward, calls = engine._forward, []
+
+    def flaky_forward(token_ids, cache):
+        calls.append(len(token_ids))
+        if len(calls) == fail_at_call:
+            raise RuntimeError("the GPU fell over")
+        return real_forward(token_ids, cache)
+
+    monkeypatch.setattr(engine, "_forward", flaky_forward)
+    with pytest.raises(RuntimeError, match="fell over"):
+        engine.generate(prompt, max_tokens=8)
+    assert_pool_whole(engine)
+
+    monkeypatch.undo()
+    # Blocks whose K/V were written stay cached; a block cached just before the failure does not.
+    # prefill: nothing was written. decode: tokens 0..14 were; the block of tokens 12..15 was
+    # cached when token 15 joined, then the forward for token 15 failed.
+    expected = hf_greedy(engine.model, prompt, 8)
+    assert engine.allocator.peek(prompt + expected[:2] + [5]) == {1: 0, 3: 12}[fail_at_call]
+    assert engine.generate(prompt, max_tokens=8).token_ids == expected
+
+
+def test_engine_arguments_are_checked(tiny_model, tokenizer):
+    with pytest.raises(ValueError, match="both"):
+        Engine(model=tiny_model)
+    with pytest.raises(ValueError, match="model.to"):
+        Engine(model=tiny_model, tokenizer=tokenizer, dtype="bf16")
+    with pytest.raises(ValueError, match="not both"):
+        Engine(model=tiny_model, tokenizer=tokenizer, num_blocks=4, kv_memory_gb=1)
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        Engine("anything", dtype="float8")
+
+
+def test_a_model_that_cannot_be_loaded_names_the_offline_default():
+    with pytest.raises(OSError, match="SmolLM2-135M-Instruct"):
+        Engine("/no/such/model-dir")
+
+
+# --- the real default model ----------------------------------------------------------------
+
+
+def test_default_model_answers_like_hf_generate_and_a_warm_request_hits(smollm):
+    messages = [
+        {"role": "system", "content": "You are a helpful assistant. Answer in one short sentence."},
+        {"role": "user", "content": "What is the capital of France?"},
+    ]
+    ids = smollm.tokenize(messages)
+    cold = smollm.generate(messages, max_tokens=12)
+    assert cold.token_ids == hf_greedy(smollm.model, ids, 12)
+    assert "Paris" in cold.text
+
+    messages[-1]["content"] = "What is the capital of Italy?"
+    warm_ids = smollm.tokenize(messages)
+    shared = next(i for i, (a, b) in enumerate(zip(ids, warm_ids)) if a != b)  # up to "France"/"Italy"
+    warm = smollm.generate(messages, max_tokens=12)
+    assert warm.cached_tokens == shared // 16 * 16 > 0  # every full block before the first difference
+    assert warm.token_ids == hf_greedy(smollm.model, warm_ids, 12)
