@@ -1,0 +1,113 @@
+"""
+Stage 9: going further. How much does the cache hit on real traffic shapes, where does LRU
+fail, how does SGLang's radix tree compare, and what does current vLLM do differently?
+
+Everything here runs the real PrefixCachingAllocator on simulated workloads
+(lessons/workloads.py) and a tiny radix tree (lessons/radix_tree.py). It is seeded: every
+run prints the same hit rates.
+
+New in this stage (marked # NEW): workloads.replay, lru_burst, RadixTree, radix_vs_hash.
+
+Run:  python lessons/09_going_further.py
+"""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find prefix_caching.py from anywhere
+
+from rich.console import Console
+from rich.padding import Padding
+from rich.rule import Rule
+from rich.table import Table
+
+from figures import POOL_SIZES
+from radix_tree import RadixTree
+from words import Words
+from workloads import WORKLOADS, hit_rate_table, lru_burst, radix_vs_hash
+
+# What the long vLLM v1 article (seed 003) reports for the same kinds of traffic.
+SEED_003_HIT_RATES = {"chatbot": "92-97%", "multi-turn chat": "80-95%", "RAG": "25-40%", "unique prompts": "0-2%"}
+BURSTS = [0, 4, 8, 9, 10, 11, 12, 16]
+
+VLLM_TODAY = [
+    ("block 0 is the null block",
+     "BlockPool pops block 0 at start-up as a placeholder for blocks a request skips (sliding window, Mamba); "
+     "it is never cached or freed, so a pool of 10 has 9 usable blocks. Here all 10 are usable, so the "
+     "design doc's block ids hold.", "vllm/v1/core/block_pool.py"),
+    ("blocks without a hash go to the head",
+     "free_blocks prepends freed blocks that have no hash (prepend_n) and appends cached ones. Here: "
+     "free_uncached_first=True, measured in stage 6.", "vllm/v1/core/block_pool.py, kv_cache_utils.py"),
+    ("no de-duplication",
+     "BlockHashToBlockMap lets one hash name several blocks (stage 6's duplicated blocks) instead of merging "
+     "them, because block tables are append-only; it stores a lone block, and a dict only when there are "
+     "several, to spare the garbage collector. Here: always a dict.", "vllm/v1/core/block_pool.py"),
+    ("hashes live on the request",
+     "A request computes its block hashes as its tokens arrive (get_request_block_hasher); the pool only "
+     "looks them up. Here the allocator hashes in allocate_with_prefix and append_token.",
+     "vllm/v1/core/kv_cache_utils.py"),
+    ("one table per KV cache group",
+     "Keys are block hash + group id (BlockHashWithGroupId), so hybrid models (full + sliding-window "
+     "layers) cache each group apart. Here: one group.", "vllm/v1/core/kv_cache_utils.py"),
+    ("free in reverse: the same",
+     "SingleTypeKVCacheManager.free passes reversed(req_blocks) to free_blocks, as here.",
+     "vllm/v1/core/single_type_kv_cache_manager.py"),
+]
+
+
+def main() -> None:
+    console = Console()
+
+    console.print(Rule("1. Hit rate vs cache size, per workload (real allocator, blocks of 16 tokens)"))
+    rates = hit_rate_table(POOL_SIZES)  # NEW
+    table = Table("workload", *[f"{n:,}" for n in POOL_SIZES], "seed 003", title="hit rate by num_blocks")
+    for name, row in rates.items():
+        table.add_row(name, *[f"{r:.0%}" for r in row], SEED_003_HIT_RATES[name])
+    console.print(table)
+    console.print("chatbot: the hot set is one 512-token prompt (32 blocks), so any size hits; the ceiling is "
+                  "512 / the average prompt (581 tokens here). Multi-turn and RAG grow with the cache until their "
+                  "working set (every live conversation, every popular document) fits. Unique prompts never hit. "
+                  "The article counts prefix blocks found, we count prompt tokens; our RAG draws from only 100 "
+                  "documents, so a big cache holds them all. Plot: assets/hit_rate_vs_cache_size.png "
+                  "(python lessons/figures.py).")
+
+    console.print(Rule("2. LRU's weakness: a burst of unique requests evicts a hot system prompt"))
+    table = Table("unique requests in the burst", "burst tokens", "next chatbot request hits",
+                  title="20 chatbot requests, then a burst, then one more (256 blocks)")
+    for k, tokens, hit in lru_burst(BURSTS):  # NEW
+        table.add_row(str(k), f"{tokens:,}", f"{hit} of 512", style="red" if hit < 512 else "")
+    console.print(table)
+    console.print("The system prompt served 20 requests, but LRU only knows *when* a block was last used, not "
+                  "how often. Once the burst needs more blocks than the rest of the free queue holds, it eats "
+                  "the prompt from its end (freed in reverse, the last block goes first) down to nothing. A "
+                  "frequency-aware policy (LFU, ARC) or a pinned prefix would keep it; vLLM keeps plain LRU.")
+
+    console.print(Rule("3. A radix tree (SGLang's RadixAttention) beside the hash table"))
+    vocab, tree = Words(), RadixTree()  # NEW
+    for text in ("You are a helpful assistant . What is 2 + 2 ?",
+                 "You are a helpful assistant . What is the capital of France ?",
+                 "You are a helpful assistant . Name three colours ."):
+        tree.insert(vocab.encode(text))
+    console.print(tree.render(vocab.word))
+    probe = vocab.encode("You are a helpful assistant . What is the time ?")
+    console.print(f"'...What is the time ?' matches {tree.match_prefix(probe)} tokens in the tree; with blocks of "
+                  f"4 tokens the hash table can reuse only {tree.match_prefix(probe) // 4 * 4}.")
+    table = Table("workload", "hash table hits", "radix tree hits", "radix, whole blocks only", "agree per request")
+    for name, make in WORKLOADS.items():
+        result = radix_vs_hash(make())  # NEW
+        table.add_row(name, f"{sum(result.hash_table):,}", f"{sum(result.radix_tokens):,}",
+                      f"{sum(result.radix_blocks):,}", "yes" if result.hash_table == result.radix_blocks else "NO")
+    console.print(table)
+    console.print("Same workloads, a pool big enough that nothing is evicted. Rounded down to whole blocks the two "
+                  "agree on every request: the chained hash and the tree store the same prefixes. The tree also "
+                  "reuses the partly shared block at the end of each prefix (token granularity, SGLang's "
+                  "default page size of 1); vLLM cannot, since a block's K/V is one unit of memory. The "
+                  "price: a tree walk and node splits instead of one dict probe per block.")
+
+    console.print(Rule("4. What current vLLM does differently (checked in its source)"))
+    for what, how, where in VLLM_TODAY:
+        console.print(f"[bold]{what}[/]  [dim]{where}[/]", Padding(how, (0, 0, 0, 2)))
+
+
+if __name__ == "__main__":
+    main()
