@@ -1,0 +1,73 @@
+"""
+Exercises 3 and 4: allocate with prefix, and free in reverse order (stages 5 and 6).
+
+A small PrefixCachingAllocator: the ideas of prefix_caching.py without decode, argument
+checks or views. It uses your hashes (exercise 1) and your free queue (exercise 2), so do
+those first.
+
+Finish lines:
+    EXERCISE_IMPL=starter python -m pytest tests/exercises/test_ex3_allocate.py
+    EXERCISE_IMPL=starter python -m pytest tests/exercises/test_ex4_free.py
+The second ends with the design doc's worked example, replayed block for block: request 2
+gets blocks [0, 1, 2, 7, 8, 9, 4, 3] and block 3's old hash is evicted.
+"""
+
+from typing import Sequence
+
+from exercises.block_hash import BlockHash, compute_block_hashes
+from exercises.free_queue import FreeKVCacheBlockQueue
+from prefix_caching import Allocation, KVCacheBlock, OutOfBlocksError
+
+
+class PrefixCachingAllocator:
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.block_size = block_size
+        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        self.free_queue = FreeKVCacheBlockQueue(self.blocks)
+        # block hash -> the block holding that content. One block per hash: when a new full
+        # block's hash is already cached by another block, leave the new one without a hash.
+        # (prefix_caching.py caches both: the design doc's "duplicated blocks".)
+        self.cached_blocks: dict[BlockHash, KVCacheBlock] = {}
+        self.block_tables: dict[str, list[int]] = {}
+
+    # --- exercise 3 ---------------------------------------------------------------------
+
+    def allocate_with_prefix(self, request_id: str, token_ids: Sequence[int], cache_salt: str | None = None) -> Allocation:
+        """Give a new request its blocks, reusing the longest cached prefix.
+
+        In this order (the design doc's "Block Allocation"):
+          1. lookup  Hash the prompt's full blocks. Walk them from block 0: block i hits while
+                     its hash is in self.cached_blocks AND that block's token_ids equal the
+                     prompt's tokens of block i (a cheap guard against collisions). Stop at
+                     the first miss. Hit at most (len(token_ids) - 1) // block_size blocks:
+                     the model must compute at least one token to produce logits.
+          2. room    The prompt needs ceil(len / block_size) blocks; the hits cover some.
+                     Hits whose ref_cnt is 0 sit in the free queue, so taking them uses up
+                     free blocks too. Not enough free blocks: raise OutOfBlocksError before
+                     changing anything.
+          3. touch   Each hit: ref_cnt 0 means it is in the free queue, so remove it from
+                     there; then ref_cnt += 1. Touch before popping: a pop must never evict
+                     a block this request is about to reuse.
+          4. pop     Each new block comes from the head of the free queue. If it still holds
+                     a hash, evict it: drop it from self.cached_blocks, set block_hash None.
+                     Its ref_cnt becomes 1.
+          5. cache   Store each new block's tokens in block.token_ids. A full one gets its
+                     block_hash and goes into self.cached_blocks (unless that hash is cached).
+        Record the block table (hits first, then new blocks) and return
+        Allocation(num_cached_tokens, num_new_tokens).
+        """
+        # TODO exercise 3
+        raise NotImplementedError("exercise 3: allocate_with_prefix is not written yet (exercises/allocator.py)")
+
+    # --- exercise 4 ---------------------------------------------------------------------
+
+    def free(self, request_id: str) -> None:
+        """Release a request's blocks, last block first, and forget its block table.
+
+        Each block: ref_cnt -= 1; one that reaches 0 joins the tail of the free queue. Keep
+        its hash and tokens: a later request can still hit it until it is popped again.
+        Why last first: the last block names the longest prefix and is the least likely to
+        be shared, so it should be evicted first.
+        """
+        # TODO exercise 4
+        raise NotImplementedError("exercise 4: free is not written yet (exercises/allocator.py)")

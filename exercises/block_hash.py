@@ -1,0 +1,53 @@
+"""
+Exercise 1: the chained block hash (stage 4).
+
+Write the two functions below. The reference is `prefix_caching.py`, section 1; try
+without reading it first.
+
+Finish line:
+    EXERCISE_IMPL=starter python -m pytest tests/exercises/test_ex1_block_hash.py
+is green: your hashes are deterministic in every process, chained to their parent, change
+with any token or extra key, exist only for full blocks, and carry the cache_salt in
+block 0 only.
+"""
+
+import hashlib
+from typing import Sequence
+
+BlockHash = bytes
+
+# The parent of the first block. A constant, so the chain starts the same in every process.
+NONE_HASH: BlockHash = hashlib.sha256(b"exercise/none-hash").digest()
+
+
+def hash_block_tokens(parent_hash: BlockHash | None, token_ids: Sequence[int], extra_keys: tuple = ()) -> BlockHash:
+    """SHA256 of (parent hash, token ids, extra keys) -> 32 bytes.
+
+    `parent_hash` None means "first block": use NONE_HASH instead.
+    Extra keys are strings (a LoRA name, a cache_salt).
+
+    Turn the three parts into bytes such that no two different inputs give the same bytes:
+    [1, 23] and [12, 3] must differ, and so must extra keys ("a", "b") and ("ab",).
+    Never use Python's hash(): it changes from one process to the next.
+
+    >>> len(hash_block_tokens(None, [1, 2, 3, 4]))
+    32
+    """
+    # TODO exercise 1a
+    raise NotImplementedError("exercise 1a: hash_block_tokens is not written yet (exercises/block_hash.py)")
+
+
+def compute_block_hashes(
+    token_ids: Sequence[int], block_size: int, cache_salt: str | None = None, extra_keys: tuple = ()
+) -> list[BlockHash]:
+    """Chained hashes of every *full* block of `token_ids`; a partial tail gets none.
+
+    Block i's parent is block i-1's hash (None for block 0). Every block gets `extra_keys`;
+    block 0 alone gets extra_keys + (cache_salt,) when a salt is given: every later hash
+    is chained to block 0, so one salted block separates whole prompts.
+
+    >>> len(compute_block_hashes(list(range(10)), block_size=4))   # 2 full blocks, 2 tokens left over
+    2
+    """
+    # TODO exercise 1b
+    raise NotImplementedError("exercise 1b: compute_block_hashes is not written yet (exercises/block_hash.py)")

@@ -1,0 +1,151 @@
+"""Exercise 2: the free queue's O(1) operations (exercises/free_queue.py)."""
+
+import random
+
+import pytest
+
+from grading import exercise
+from prefix_caching import KVCacheBlock
+
+impl = exercise("free_queue")
+
+
+def make(n: int):
+    blocks = [KVCacheBlock(i) for i in range(n)]
+    return blocks, impl.FreeKVCacheBlockQueue(blocks)
+
+
+def assert_linked(queue, blocks) -> None:
+    """The order must live in the blocks' own prev_free / next_free links."""
+    ids = queue.block_ids()
+    assert len(queue) == len(ids)
+    for a, b in zip(ids, ids[1:]):
+        assert blocks[a].next_free is blocks[b] and blocks[b].prev_free is blocks[a], (
+            f"blocks {a} and {b} are neighbours in the queue but not linked to each other"
+        )
+    for block in blocks:
+        if block.block_id not in ids:
+            assert block.prev_free is None and block.next_free is None, (
+                f"block {block.block_id} left the queue but still has links"
+            )
+
+
+def test_a_new_queue_holds_every_block_in_order():
+    blocks, queue = make(5)
+    assert queue.block_ids() == [0, 1, 2, 3, 4]
+    assert_linked(queue, blocks)
+
+
+def test_popleft_takes_the_head():
+    blocks, queue = make(3)
+    assert [queue.popleft().block_id for _ in range(3)] == [0, 1, 2]
+    assert len(queue) == 0
+    with pytest.raises(IndexError):
+        queue.popleft()
+    assert_linked(queue, blocks)
+
+
+def test_append_joins_the_tail_and_appendleft_the_head():
+    blocks, queue = make(4)
+    queue.popleft()
+    queue.append(blocks[0])
+    assert queue.block_ids() == [1, 2, 3, 0]
+    queue.remove(blocks[3])
+    queue.appendleft(blocks[3])
+    assert queue.block_ids() == [3, 1, 2, 0]
+    assert_linked(queue, blocks)
+
+
+@pytest.mark.parametrize("block_id", [0, 2, 4])  # head, middle, tail
+def test_remove_from_anywhere(block_id):
+    blocks, queue = make(5)
+    queue.remove(blocks[block_id])
+    assert queue.block_ids() == [i for i in range(5) if i != block_id]
+    assert_linked(queue, blocks)
+
+
+def test_removing_a_block_that_is_not_free_is_an_error():
+    blocks, queue = make(3)
+    queue.remove(blocks[1])
+    with pytest.raises(ValueError):
+        queue.remove(blocks[1])
+
+
+def test_an_emptied_queue_works_again():
+    blocks, queue = make(2)
+    queue.popleft()
+    queue.popleft()
+    queue.appendleft(blocks[1])
+    queue.append(blocks[0])
+    assert queue.block_ids() == [1, 0]
+    assert_linked(queue, blocks)
+
+
+def test_agrees_with_a_list_over_1000_random_operations():
+    rng = random.Random(0)
+    blocks, queue = make(20)
+    model = list(range(20))
+    for _ in range(1000):
+        outside = [b for b in blocks if b.block_id not in model]
+        op = rng.choice(["popleft", "remove", "append", "appendleft"])
+        if op == "popleft" and model:
+            assert queue.popleft().block_id == model.pop(0)
+        elif op == "remove" and model:
+            block_id = rng.choice(model)
+            queue.remove(blocks[block_id])
+            model.remove(block_id)
+        elif op in ("append", "appendleft") and outside:
+            block = rng.choice(outside)
+            getattr(queue, op)(block)
+            model.insert(len(model) if op == "append" else 0, block.block_id)
+        assert queue.block_ids() == model
+    assert_linked(queue, blocks)
+
+
+class CountingBlock(KVCacheBlock):
+    """A block that counts how often its links are read."""
+
+    reads = 0
+
+    def __getattribute__(self, name):
+        if name in ("prev_free", "next_free"):
+            CountingBlock.reads += 1
+        return super().__getattribute__(name)
+
+
+@pytest.mark.parametrize("operation", ["remove", "popleft", "append"])
+def test_operations_read_a_handful_of_links_however_long_the_queue(operation):
+    blocks = [CountingBlock(i) for i in range(10_000)]
+    queue = impl.FreeKVCacheBlockQueue(blocks)
+    middle = blocks[5_000]
+    CountingBlock.reads = 0
+    if operation == "remove":
+        queue.remove(middle)
+    elif operation == "popleft":
+        queue.popleft()
+    else:
+        queue.remove(middle)
+        CountingBlock.reads = 0
+        queue.append(middle)
+    assert CountingBlock.reads <= 12, (
+        f"{operation} read {CountingBlock.reads} links in a queue of 10,000 blocks: it should only touch "
+        "the block and its neighbours, never walk the queue"
+    )
+
+
+def test_finish_line_the_design_docs_free_queue_from_time_1_to_time_6():
+    blocks, queue = make(10)
+    for _ in range(7):  # Times 1-3: blocks 0-6 are handed out from the head
+        queue.popleft()
+    for block_id in (4, 3, 2):  # Time 4: request 0 frees 4, 3, 2 (0 and 1 are shared)
+        queue.append(blocks[block_id])
+    assert queue.block_ids() == [7, 8, 9, 4, 3, 2]
+    for block_id in (6, 5, 1, 0):  # Time 5: request 1 frees 6, 5, 1, 0
+        queue.append(blocks[block_id])
+    assert queue.block_ids() == [7, 8, 9, 4, 3, 2, 6, 5, 1, 0]
+    for block_id in (0, 1, 2):  # Time 6: request 2 touches its hits first ...
+        queue.remove(blocks[block_id])
+    assert queue.block_ids() == [7, 8, 9, 4, 3, 6, 5]
+    assert [queue.popleft().block_id for _ in range(5)] == [7, 8, 9, 4, 3]  # ... then pops 5 new
+    assert queue.block_ids() == [6, 5]
+    assert_linked(queue, blocks)
