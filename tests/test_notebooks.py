@@ -1,0 +1,29 @@
+"""Every notebook in notebooks/ runs top to bottom on a fresh kernel, and is committed clean."""
+
+from pathlib import Path
+
+import nbclient
+import nbformat
+import pytest
+
+NOTEBOOKS = sorted((Path(__file__).resolve().parents[1] / "notebooks").glob("*.ipynb"))
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda path: path.name)
+def test_notebook_is_committed_without_outputs(path):
+    notebook = nbformat.read(path, as_version=4)
+    for cell in notebook.cells:
+        if cell.cell_type == "code":
+            assert not cell.outputs and cell.execution_count is None, (
+                f"{path.name} holds outputs: clear them before committing "
+                f"(jupyter nbconvert --clear-output --inplace {path.name})"
+            )
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda path: path.name)
+def test_notebook_runs_top_to_bottom(path):
+    notebook = nbformat.read(path, as_version=4)
+    client = nbclient.NotebookClient(
+        notebook, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}
+    )
+    client.execute()  # raises CellExecutionError, with the failing cell and its traceback
