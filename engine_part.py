@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
-from prefix_caching import OutOfBlocksError, PrefixCachingAllocator, render_pool
+from prefix_caching import OutOfBlocksError, PrefixCachingAllocator, render_free_queue, render_stats
 
 # -----------------------------------------------------------------------------
 # 6. Loading a model
@@ -56,7 +56,7 @@ def _hf_progress_bars_off():
             hf_logging.enable_progress_bar()
 
 
-def default_model_dir(console=None) -> Path:
+def default_model_dir() -> Path:
     """The offline default as a safetensors checkpoint, converted from its GGUF on first use.
 
     The conversion writes into a temporary directory beside the target and renames it at the
@@ -81,7 +81,7 @@ def default_model_dir(console=None) -> Path:
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
-    console = console or Console(stderr=True)
+    console = Console(stderr=True)
     console.print(
         f"[bold]First use of {DEFAULT_MODEL}:[/] converting its 4-bit GGUF file to safetensors "
         f"in {target} (once; about 20 s on 2 CPU cores)."
@@ -240,9 +240,15 @@ class PagedKVCache:
     def device(self):
         return self.data.device
 
-    @property
-    def bytes_per_block(self) -> int:
-        return self.data[:, :, 0].numel() * self.data.element_size()
+    @staticmethod
+    def bytes_per_block(*, num_layers, num_kv_heads, head_dim, block_size, dtype) -> int:
+        """K and V of block_size tokens in every layer: 2 x layers x tokens x heads x dim x bytes.
+
+        >>> import torch   # SmolLM2-135M: 30 layers, 3 KV heads of 64 dims
+        >>> PagedKVCache.bytes_per_block(num_layers=30, num_kv_heads=3, head_dim=64, block_size=16, dtype=torch.float32)
+        737280
+        """
+        return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
 
     def gather(self, block_ids: list[int], config):
         """A fresh DynamicCache holding the K/V of `block_ids`, in order.
@@ -270,12 +276,12 @@ class PagedKVCache:
             flat[layer, 1, slots] = values[0, :, start:end].transpose(0, 1)
 
     def __str__(self) -> str:
-        mib = self.data.numel() * self.data.element_size() / 2**20
+        total = self.data.numel() * self.data.element_size()
         return (
             f"paged KV pool: {self.num_blocks} blocks x {self.block_size} slots "
             f"({self.num_blocks * self.block_size:,} tokens), each slot {self.num_layers} layers x K,V x "
             f"{self.num_kv_heads} heads x {self.head_dim} dims; {str(self.dtype).removeprefix('torch.')} "
-            f"on {self.device}, {mib:,.1f} MiB ({self.bytes_per_block / 2**10:,.0f} KiB a block)"
+            f"on {self.device}, {total / 2**20:,.1f} MiB ({total / self.num_blocks / 2**10:,.0f} KiB a block)"
         )
 
 
@@ -397,9 +403,6 @@ class _Stopwatch:
         return elapsed
 
 
-DEFAULT_KV_MEMORY_GB = 0.5
-
-
 def forget_unwritten_blocks(alloc: PrefixCachingAllocator, request_id: str, num_computed_tokens: int) -> None:
     """Drop the hash of every block of a request past its first `num_computed_tokens` tokens.
 
@@ -416,6 +419,9 @@ def forget_unwritten_blocks(alloc: PrefixCachingAllocator, request_id: str, num_
             if not holders:
                 del alloc.cached_blocks[block.block_hash]
             block.block_hash = None
+
+
+DEFAULT_KV_MEMORY_GB = 0.5  # the pool's size when neither num_blocks nor kv_memory_gb is given
 
 
 class Engine:
@@ -461,8 +467,7 @@ class Engine:
         self.device, self.dtype = model.device, model.dtype
         shape = PagedKVCache.shape_from_config(model.config)
         if num_blocks is None:
-            per_block = 2 * shape["num_layers"] * block_size * shape["num_kv_heads"] * shape["head_dim"]
-            per_block *= self.dtype.itemsize
+            per_block = PagedKVCache.bytes_per_block(**shape, block_size=block_size, dtype=self.dtype)
             budget = DEFAULT_KV_MEMORY_GB if kv_memory_gb is None else kv_memory_gb
             num_blocks = int(budget * 2**30 // per_block)
             if num_blocks < 1:
@@ -573,7 +578,7 @@ class Engine:
             try:
                 num_cached, _ = alloc.allocate_with_prefix(request_id, prompt_ids, cache_salt=cache_salt)
             except OutOfBlocksError as err:
-                raise OutOfBlocksError(f"{err}. The engine's {self.kv}") from err
+                raise OutOfBlocksError(f"{err} (num_blocks / --num-blocks). Now: {self.kv}") from err
             reply.prefill.lookup_ms = clock.lap()
         reply.cached_tokens = num_computed = num_cached  # tokens whose K/V are in the pool
         try:
@@ -629,3 +634,117 @@ class Engine:
 
         with self._lock, torch.inference_mode():
             self.model(input_ids=torch.zeros(1, 16, dtype=torch.long, device=self.device), logits_to_keep=1)
+
+
+# -----------------------------------------------------------------------------
+# 9. The demo: a course assistant whose long system prompt is shared by every request
+#
+# Every question arrives with the same few hundred tokens of instructions in front. The
+# first request computes them (MISS); the others find their blocks in the pool (HIT) and
+# run the model on their own question only.
+
+DEMO_SYSTEM_PROMPT = """\
+You are Ada, the teaching assistant of "How Computers Work", an evening course for adults \
+who have never studied computer science. Students write to you between lessons with \
+questions about the material.
+
+How to answer:
+- Answer in two or three short sentences of plain English. Students read your answers on \
+their phones.
+- Start with the direct answer, then give one everyday comparison that makes the idea stick.
+- Avoid jargon. When a technical word is needed, explain it in the same sentence.
+- Be warm and encouraging. Many students are nervous about technology; never make a question \
+sound silly.
+- If you are not sure of something, say so instead of guessing.
+- Do not write code unless the student asks for it.
+- Never share personal data about other students or the teachers.
+
+About the course: it runs for ten weeks, one evening a week, in room 4 of the Port Alder \
+community college. Week 1 is about what a computer is: a processor that follows \
+instructions, memory that holds the data it is working on, and storage that keeps files when \
+the power is off. Week 2 covers binary numbers and how text, pictures and sound become \
+numbers. Week 3 is about how programs are written and run, and what an algorithm is. Week 4 \
+explains operating systems, files and folders. Week 5 is about networks and the internet: \
+addresses, packets, routers and the web. Week 6 covers security: passwords, encryption and \
+common scams. Week 7 is about databases and spreadsheets. Week 8 introduces artificial \
+intelligence and how chat assistants like you are trained. Week 9 is about the environmental \
+cost of computing, and week 10 is a review with a friendly quiz that does not count towards \
+anything.
+
+Course rules: homework is optional but encouraged. Lessons are recorded and the recordings \
+are posted on the course page the next morning. Students who miss a lesson can ask the \
+teacher for the slides. Office hours are on Thursdays from 5 pm to 6 pm in room 4, no \
+appointment needed.
+
+Students today are revising weeks 1 to 5."""
+
+DEMO_QUESTIONS = [
+    "What does the processor of a computer do?",
+    "What is the difference between memory and storage?",
+    "Why do computers use binary numbers?",
+    "What is an algorithm?",
+    "How does a message find its way across the internet?",
+]
+
+DEMO_MAX_TOKENS = 48
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags that choose the model and size its KV pool (shared by the demo and benchmarks)."""
+    group = parser.add_argument_group("model")
+    group.add_argument("--model", default=None, help=f"Hugging Face id or local path (default: {DEFAULT_MODEL}, offline)")
+    group.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda when there is a GPU)")
+    group.add_argument("--dtype", default=None, choices=list(DTYPES), help="default: fp32 on CPU, bf16 on CUDA")
+    group.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
+    group.add_argument("--num-blocks", type=int, default=None,
+                       help=f"blocks in the KV pool (default: as many as fit in {DEFAULT_KV_MEMORY_GB} GiB)")
+
+
+def run_demo(args: argparse.Namespace) -> list[Generation]:
+    """Ask the support assistant DEMO_QUESTIONS one after another and show what the cache did."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    engine = Engine(
+        args.model, device=args.device, dtype=args.dtype, block_size=args.block_size,
+        num_blocks=args.num_blocks, enable_caching=not args.no_cache,
+    )
+    name = args.model or DEFAULT_MODEL
+    console.print(f"[bold]{name}[/] on {engine.device}, {str(engine.dtype).removeprefix('torch.')}; "
+                  f"prefix caching [bold]{'off' if args.no_cache else 'on'}[/]")
+    console.print(str(engine.kv))
+    system = {"role": "system", "content": DEMO_SYSTEM_PROMPT}
+    shared = len(engine.tokenize([system]))
+    console.print(f"The system prompt is {shared} tokens ({shared // args.block_size} full blocks), "
+                  f"the same in front of every question.\n")
+    engine.warm_up()
+
+    replies: list[Generation] = []
+    started = time.perf_counter()
+    for i, question in enumerate(DEMO_QUESTIONS, 1):
+        reply = engine.generate([system, {"role": "user", "content": question}], max_tokens=DEMO_MAX_TOKENS)
+        replies.append(reply)
+        hit = reply.cached_tokens > 0
+        table = Table(title=f"request {i}: {question}", title_justify="left", title_style="bold",
+                      caption=reply.text.strip() + ("…" if reply.finish_reason == "length" else ""),
+                      caption_justify="left", caption_style="cyan")
+        for column in ("cache", "prompt tokens: cached + computed", "prefill (TTFT)", "vs request 1"):
+            table.add_column(column, justify="right")
+        table.add_row(
+            "[bold green]HIT" if hit else "[bold red]MISS",
+            f"{reply.cached_tokens} + {reply.computed_prompt_tokens}",
+            f"{reply.ttft_ms:,.0f} ms",
+            f"{replies[0].ttft_ms / reply.ttft_ms:.1f}x faster" if i > 1 else "-",
+        )
+        console.print(table)
+
+    prompt_tokens = sum(r.prompt_tokens for r in replies)
+    cached = sum(r.cached_tokens for r in replies)
+    console.print(
+        f"\n[bold]{len(replies)} requests in {time.perf_counter() - started:.1f} s.[/] Hit rate "
+        f"{cached / prompt_tokens:.0%}: {cached:,} of {prompt_tokens:,} prompt tokens came from the pool, "
+        f"so the model prefilled {prompt_tokens - cached:,} tokens instead of {prompt_tokens:,}."
+    )
+    console.print(render_free_queue(engine.allocator, max_blocks=12), render_stats(engine.allocator))
+    return replies

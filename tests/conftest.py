@@ -30,11 +30,20 @@ def tiny_model(tokenizer):
     torch.manual_seed(0)
     config = LlamaConfig(
         vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
         bos_token_id=1, eos_token_id=2, pad_token_id=2,
         initializer_range=0.2,  # wide logits, so greedy choices are never near-ties
     )
     return LlamaForCausalLM(config).eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tiny_model, tokenizer, tmp_path_factory):
+    """The tiny model saved like a Hugging Face checkpoint, for code that loads by path."""
+    path = tmp_path_factory.mktemp("tiny-llama")
+    tiny_model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
 
 
 @pytest.fixture

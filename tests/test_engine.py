@@ -4,11 +4,15 @@ The oracle is plain Hugging Face: model.generate(do_sample=False) on the whole p
 full forward pass. Most tests use the tiny random model of conftest.py, in float32.
 """
 
+import argparse
+import json
+
 import pytest
 import torch
 
+from benchmarks import ttft
 from conftest import assert_pool_whole
-from engine_part import Engine, OutOfBlocksError, PagedKVCache, SamplingParams, sample
+from engine_part import Engine, OutOfBlocksError, PagedKVCache, SamplingParams, run_demo, sample
 
 PROMPTS = {
     "token ids": list(range(100, 123)),  # 23 tokens: 5 full blocks of 4 and a partial one
@@ -253,7 +257,7 @@ def test_engine_shapes_its_pool_from_the_model(make_engine):
         ("hi", {"top_p": 0}, "top_p"),
         ("hi", {"seed": 1.5}, "seed"),
         (list(range(300)), {"max_tokens": 10}, "num_blocks"),  # more than the whole pool
-        (list(range(300)), {"max_tokens": 300}, "context"),  # more than the model's 512 positions
+        (list(range(300)), {"max_tokens": 800}, "context"),  # more than the model's 1,024 positions
     ],
 )
 def test_bad_requests_raise_value_error_saying_what_to_change(make_engine, prompt, kwargs, match):
@@ -333,3 +337,28 @@ def test_default_model_answers_like_hf_generate_and_a_warm_request_hits(smollm):
     warm = smollm.generate(messages, max_tokens=12)
     assert warm.cached_tokens == shared // 16 * 16 > 0  # every full block before the first difference
     assert warm.token_ids == hf_greedy(smollm.model, warm_ids, 12)
+
+
+# --- the demo and the benchmark, run on the tiny model -------------------------------------
+
+
+@pytest.mark.parametrize("no_cache", [False, True], ids=["cache", "no-cache"])
+def test_the_demo_hits_from_the_second_question_on_unless_caching_is_off(tiny_model_dir, capsys, no_cache):
+    args = argparse.Namespace(model=str(tiny_model_dir), device="cpu", dtype=None, block_size=16,
+                              num_blocks=256, no_cache=no_cache)
+    replies = run_demo(args)
+    hits = [reply.cached_tokens > 0 for reply in replies]
+    assert hits == ([False] * 5 if no_cache else [False, True, True, True, True])
+    out = capsys.readouterr().out
+    assert "MISS" in out and ("HIT" in out) != no_cache and "hit rate" in out
+
+
+def test_the_ttft_benchmark_reports_every_figure(tiny_model_dir, tmp_path):
+    out = tmp_path / "ttft.json"
+    argv = ["--model", str(tiny_model_dir), "--num-blocks", "64", "--quick",
+            "--plot", str(tmp_path / "ttft.png"), "--json", str(out)]
+    results = ttft.main(argv)
+    assert json.loads(out.read_text()) == results
+    assert [row["prefix_tokens"] for row in results["cold_vs_warm"]] == [64, 128]
+    assert set(results["cold_vs_warm"][0]["warm_breakdown_ms"]) == {"lookup_ms", "gather_ms", "forward_ms", "write_ms", "sample_ms"}
+    assert "overhead" in results["no_sharing"] and (tmp_path / "ttft.png").stat().st_size > 0

@@ -1,0 +1,194 @@
+"""Time to first token (TTFT), cold vs warm, on a real model. One command:
+
+    python prefix_caching.py --bench ttft [--json out.json] [--quick] [--model ... --device ...]
+
+1. Cold vs warm. Each request is a shared prefix of P tokens and a 32-token suffix of its
+   own. Cold: nobody has seen the prefix. Warm: the request just before computed it, so
+   only the suffix runs. Beside each measured warm/cold ratio is the ideal one,
+   suffix / (prefix + suffix): what it would be if time were proportional to the tokens
+   computed. (The warm suffix costs a little more than that: it attends over the prefix.)
+2. Where the warm time goes: lookup (hashing, allocation), gather (K/V out of the pool),
+   forward (the suffix), write (its K/V into the pool), sample.
+3. The overhead of caching when nothing is shared: the same never-repeating prompts on an
+   engine with caching on and on one with caching off, taking turns so that a change in
+   machine speed hits both alike.
+
+Every figure is the median of --repeats runs. Prompts are random token ids: prefill costs
+the same whatever the tokens say. The first forward pass of a process is slow (allocation,
+kernel choice), so a warm-up pass runs before anything is timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import statistics
+from pathlib import Path
+
+from engine_part import Engine, add_model_arguments
+
+ASSETS = Path(__file__).resolve().parent.parent / "assets"
+
+
+def random_tokens(rng: random.Random, n: int, vocab_size: int) -> list[int]:
+    """n ordinary token ids (the first 1,000 ids, where special tokens live, are skipped)."""
+    return [rng.randrange(1000, vocab_size) for _ in range(n)]
+
+
+def cold_vs_warm(engine: Engine, prefix_len: int, suffix_len: int, repeats: int, rng: random.Random) -> dict:
+    """Median TTFT of a request whose prefix is new, and of the next one sharing it."""
+    vocab_size = engine.model.get_input_embeddings().num_embeddings
+    cold, warm, parts = [], [], []
+    for _ in range(repeats):  # a fresh prefix each time, so the cold request is truly cold
+        prefix = random_tokens(rng, prefix_len, vocab_size)
+        first = engine.generate(prefix + random_tokens(rng, suffix_len, vocab_size), max_tokens=1)
+        second = engine.generate(prefix + random_tokens(rng, suffix_len, vocab_size), max_tokens=1)
+        hit = prefix_len // engine.allocator.block_size * engine.allocator.block_size  # whole blocks only
+        assert first.cached_tokens == 0 and second.cached_tokens == hit, "the benchmark must measure a miss, then a hit"
+        cold.append(first.ttft_ms)
+        warm.append(second.ttft_ms)
+        parts.append(second.prefill)
+    cold_ms, warm_ms = statistics.median(cold), statistics.median(warm)
+    breakdown = {
+        name: statistics.median(getattr(p, name) for p in parts)
+        for name in ("lookup_ms", "gather_ms", "forward_ms", "write_ms", "sample_ms")
+    }
+    return {
+        "prefix_tokens": prefix_len,
+        "suffix_tokens": suffix_len,
+        "cold_ms": cold_ms,
+        "warm_ms": warm_ms,
+        "ratio": warm_ms / cold_ms,
+        "ideal_ratio": suffix_len / (prefix_len + suffix_len),
+        "speedup": cold_ms / warm_ms,
+        "warm_breakdown_ms": breakdown,
+    }
+
+
+def no_sharing_overhead(on: Engine, off: Engine, prompt_len: int, repeats: int, rng: random.Random) -> dict:
+    """Median TTFT of never-repeating prompts with caching on and off, taking turns."""
+    vocab_size = on.model.get_input_embeddings().num_embeddings
+    times: dict[str, list[float]] = {"on": [], "off": []}
+    lookups: dict[str, list[float]] = {"on": [], "off": []}
+    for i in range(repeats):
+        order = [("on", on), ("off", off)] if i % 2 == 0 else [("off", off), ("on", on)]
+        for name, engine in order:
+            reply = engine.generate(random_tokens(rng, prompt_len, vocab_size), max_tokens=1)
+            assert reply.cached_tokens == 0
+            times[name].append(reply.ttft_ms)
+            lookups[name].append(reply.prefill.lookup_ms)
+    on_ms, off_ms = statistics.median(times["on"]), statistics.median(times["off"])
+    return {
+        "prompt_tokens": prompt_len,
+        "caching_on_ms": on_ms,
+        "caching_off_ms": off_ms,
+        "overhead": (on_ms - off_ms) / off_ms,
+        # The part of the difference that caching itself adds: hashing the prompt's blocks.
+        "lookup_on_ms": statistics.median(lookups["on"]),
+        "lookup_off_ms": statistics.median(lookups["off"]),
+    }
+
+
+def plot(rows: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullLocator
+
+    prefixes = [r["prefix_tokens"] for r in rows]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.4), dpi=100)
+    left.plot(prefixes, [r["cold_ms"] for r in rows], "o-", color="tab:red", label="cold (prefix computed)")
+    left.plot(prefixes, [r["warm_ms"] for r in rows], "o-", color="tab:green", label="warm (prefix from the pool)")
+    left.set(xscale="log", yscale="log", xlabel="shared prefix (tokens)", ylabel="TTFT (ms)", title="time to first token")
+    right.plot(prefixes, [r["ratio"] for r in rows], "o-", color="tab:green", label="measured warm / cold")
+    right.plot(prefixes, [r["ideal_ratio"] for r in rows], "--", color="gray", label="ideal: suffix / all tokens")
+    right.set(xscale="log", yscale="log", xlabel="shared prefix (tokens)", title="warm / cold")
+    for ax in (left, right):
+        ax.set_xticks(prefixes, [str(p) for p in prefixes])
+        ax.xaxis.set_minor_locator(NullLocator())
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(prog="prefix_caching.py --bench ttft", description=__doc__.split("\n\n")[0])
+    add_model_arguments(parser)
+    parser.add_argument("--prefix-lens", type=int, nargs="+", default=[128, 256, 512, 1024, 2048])
+    parser.add_argument("--suffix-len", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3, help="runs per measurement; medians are reported")
+    parser.add_argument("--overhead-prompt-len", type=int, default=512)
+    parser.add_argument("--overhead-repeats", type=int, default=9)
+    parser.add_argument("--plot", type=Path, default=ASSETS / "ttft.png", help="where to save the figure")
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    parser.add_argument("--quick", action="store_true", help="two short prefixes, one run each (for tests)")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.prefix_lens, args.repeats, args.overhead_prompt_len, args.overhead_repeats = [64, 128], 1, 64, 2
+
+    import torch
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    engine_args = dict(model_name_or_path=args.model, device=args.device, dtype=args.dtype,
+                       block_size=args.block_size, num_blocks=args.num_blocks)
+    on = Engine(**engine_args)
+    off = Engine(model=on.model, tokenizer=on.tokenizer, block_size=args.block_size,
+                 num_blocks=on.allocator.num_blocks, enable_caching=False)
+    device = torch.cuda.get_device_name(on.device) if on.device.type == "cuda" else (platform.processor() or platform.machine())
+    machine = f"{device}, {torch.get_num_threads()} threads, {str(on.dtype).removeprefix('torch.')}"
+    model = args.model or "SmolLM2-135M-Instruct"
+    console.print(f"[bold]TTFT benchmark[/]: {model} on {on.device} ({machine}); block size {args.block_size}")
+    on.warm_up()
+
+    rng = random.Random(0)
+    rows = [cold_vs_warm(on, p, args.suffix_len, args.repeats, rng) for p in args.prefix_lens]
+    overhead = no_sharing_overhead(on, off, args.overhead_prompt_len, args.overhead_repeats, rng)
+
+    table = Table(title=f"TTFT, shared prefix + {args.suffix_len}-token suffix (median of {args.repeats})")
+    for column in ("prefix", "cold ms", "warm ms", "warm / cold", "ideal", "speed-up"):
+        table.add_column(column, justify="right")
+    for r in rows:
+        table.add_row(
+            f"{r['prefix_tokens']:,}", f"{r['cold_ms']:,.0f}", f"{r['warm_ms']:,.1f}",
+            f"{r['ratio']:.3f}", f"{r['ideal_ratio']:.3f}", f"{r['speedup']:.1f}x",
+        )
+    console.print(table)
+
+    parts = Table(title="where the warm TTFT goes (ms, median)")
+    parts.add_column("prefix", justify="right")
+    for name in ("lookup", "gather", "forward", "write", "sample", "TTFT"):
+        parts.add_column(name, justify="right")
+    for r in rows:
+        b = r["warm_breakdown_ms"]
+        parts.add_row(f"{r['prefix_tokens']:,}", *(f"{b[f'{n}_ms']:.1f}" for n in ("lookup", "gather", "forward", "write", "sample")),
+                      f"{r['warm_ms']:.1f}")
+    console.print(parts)
+
+    console.print(
+        f"[bold]No shared prefix[/] ({overhead['prompt_tokens']} new tokens, median of {args.overhead_repeats}): "
+        f"caching on {overhead['caching_on_ms']:,.1f} ms, off {overhead['caching_off_ms']:,.1f} ms, "
+        f"overhead [bold]{overhead['overhead']:+.1%}[/]; of which hashing + lookup "
+        f"{overhead['lookup_on_ms'] - overhead['lookup_off_ms']:.2f} ms"
+    )
+    plot(rows, args.plot, f"{model}, {machine}")
+    console.print(f"saved {args.plot}")
+
+    results = {"model": model, "device": str(on.device), "machine": machine, "cold_vs_warm": rows, "no_sharing": overhead}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+        console.print(f"wrote {args.json}")
+    return results
+
+
+if __name__ == "__main__":
+    main()
