@@ -635,22 +635,29 @@ def render_block_table(alloc: PrefixCachingAllocator, request_id: str, token_rep
     return table
 
 
-def render_free_queue(alloc: PrefixCachingAllocator, max_blocks: int = 32):
-    """The free queue from head (evicted first) to tail, cached blocks in yellow."""
+def render_free_queue(alloc: PrefixCachingAllocator, max_blocks: int = 256):
+    """The free queue from head (evicted first) to tail, cached blocks in yellow.
+
+    Up to 16 blocks: a table with each block's short hash. More: a wrapped line of ids.
+    """
     from rich.table import Table
+    from rich.text import Text
 
     blocks = list(alloc.free_queue)
     title = f"free queue: {len(blocks)} blocks, head (evicted first) -> tail"
+    if len(blocks) > 16:
+        line = Text(f"{title} (yellow: still cached)\n", style="italic")
+        for block in blocks[:max_blocks]:
+            line.append(str(block.block_id), style=_style(block)).append(" ")
+        if len(blocks) > max_blocks:
+            line.append(f"... {len(blocks) - max_blocks} more", style="italic")
+        return line
     table = Table(title=title, title_justify="left", show_header=False, min_width=len(title))
     table.add_column("", style="bold")
-    shown = blocks[:max_blocks]
-    for _ in shown:
+    for _ in blocks:
         table.add_column(justify="center")
-    if len(blocks) > max_blocks:
-        table.add_column(justify="center")
-    more = [f"+{len(blocks) - max_blocks}"] if len(blocks) > max_blocks else []
-    table.add_row("block", *[f"[{_style(b)}]{b.block_id}" for b in shown], *more)
-    table.add_row("hash", *[f"[{_style(b)}]{short_hash(b.block_hash)[:4]}" for b in shown], *more)
+    table.add_row("block", *[f"[{_style(b)}]{b.block_id}" for b in blocks])
+    table.add_row("hash", *[f"[{_style(b)}]{short_hash(b.block_hash)[:4]}" for b in blocks])
     return table
 
 
@@ -721,6 +728,54 @@ def render_pool(alloc: PrefixCachingAllocator, token_repr=str, title: str = "blo
 #
 # Block size 4, 10 blocks. Token ids are made up; only which ones repeat matters.
 
+_R0 = list(range(15))  # request 0's prompt; later requests share its first 10 or 12 tokens
+
+# (title, what happens, the step, the request whose block table to show) for Time 1 to 6.
+DESIGN_DOC_STEPS = [
+    ("Time 1", "Request 0 arrives with 15 prompt tokens: 3 full blocks are cached, the 4th holds 3 tokens.",
+     lambda a: a.allocate_with_prefix("request 0", _R0), "request 0"),
+    ("Time 2", "Request 0 decodes token 15 (block 3 fills and is cached), then 16 (needs block 4).",
+     lambda a: (a.append_token("request 0", 15), a.append_token("request 0", 16)), "request 0"),
+    ("Time 3", "Request 1 arrives with 14 tokens; its first 10 equal request 0's. Only 2 full blocks "
+     "(8 tokens) hit: the 3rd block matches just 2 of its 4 tokens.",
+     lambda a: a.allocate_with_prefix("request 1", _R0[:10] + [100, 101, 102, 103]), "request 1"),
+    ("Time 4", "Request 0 finishes. Blocks 4, 3, 2 join the free queue in reverse order (2 and 3 keep "
+     "their hash); 0 and 1 stay, request 1 still uses them.",
+     lambda a: a.free("request 0"), None),
+    ("Time 5", "Request 1 finishes: blocks 6, 5, 1, 0 join the tail.",
+     lambda a: a.free("request 1"), None),
+    ("Time 6", "Request 2 arrives with 29 tokens; its first 12 equal request 0's. Hits 0, 1, 2 are touched "
+     "(taken out of the free queue) before 5 new blocks are popped from the head; block 3 still held a "
+     "hash, so it is evicted.",
+     lambda a: a.allocate_with_prefix("request 2", _R0[:12] + list(range(200, 217))), "request 2"),
+]
+
+# What the doc's figures show after each step: (label, how to read it off, expected).
+DESIGN_DOC_STATES = {
+    "Time 1": [("block table of request 0", lambda a: a.block_tables["request 0"], [0, 1, 2, 3])],
+    "Time 2": [("block table of request 0", lambda a: a.block_tables["request 0"], [0, 1, 2, 3, 4])],
+    "Time 3": [("cached tokens of request 1", lambda a: a.stats.hit_tokens, 8),
+               ("block table of request 1", lambda a: a.block_tables["request 1"], [0, 1, 5, 6])],
+    "Time 4": [("free queue", lambda a: a.free_queue_ids(), [7, 8, 9, 4, 3, 2])],
+    "Time 5": [("free queue", lambda a: a.free_queue_ids(), [7, 8, 9, 4, 3, 2, 6, 5, 1, 0])],
+    "Time 6": [("block table of request 2", lambda a: a.block_tables["request 2"], [0, 1, 2, 7, 8, 9, 4, 3]),
+               ("blocks evicted", lambda a: a.stats.evictions, 1),
+               ("free queue", lambda a: a.free_queue_ids(), [6, 5])],
+}
+
+
+def design_doc_example(until: int = 6, **allocator_options) -> PrefixCachingAllocator:
+    """The allocator after Time 1..`until` of the design doc's example; `allocator_options`
+    replay it with other settings (e.g. free_uncached_first=True).
+
+    >>> design_doc_example(until=5).free_queue_ids()
+    [7, 8, 9, 4, 3, 2, 6, 5, 1, 0]
+    """
+    alloc = PrefixCachingAllocator(num_blocks=10, block_size=4, **allocator_options)
+    for _, _, step, _ in DESIGN_DOC_STEPS[:until]:
+        step(alloc)
+    return alloc
+
 
 def _check(console, label: str, got, expected) -> None:
     mark = "[green]matches the design doc[/]" if got == expected else f"[red]differs from the doc: {expected}[/]"
@@ -733,51 +788,22 @@ def walkthrough(console=None) -> PrefixCachingAllocator:
     from rich.rule import Rule
 
     console = console or Console()
-    alloc = PrefixCachingAllocator(num_blocks=10, block_size=4)
-    r0 = list(range(15))
 
     def step(title: str, text: str) -> None:
         console.print(Rule(title))
         console.print(text)
 
-    step("Time 1", "Request 0 arrives with 15 prompt tokens: 3 full blocks are cached, the 4th holds 3 tokens.")
-    alloc.allocate_with_prefix("request 0", r0)
-    console.print(render_block_table(alloc, "request 0"), render_free_queue(alloc))
-    _check(console, "block table of request 0", alloc.block_tables["request 0"], [0, 1, 2, 3])
-
-    step("Time 2", "Request 0 decodes token 15 (block 3 fills and is cached), then 16 (needs block 4).")
-    alloc.append_token("request 0", 15)
-    alloc.append_token("request 0", 16)
-    console.print(render_block_table(alloc, "request 0"))
-    _check(console, "block table of request 0", alloc.block_tables["request 0"], [0, 1, 2, 3, 4])
-
-    step("Time 3", "Request 1 arrives with 14 tokens; its first 10 equal request 0's. Only 2 full blocks "
-         "(8 tokens) hit: the 3rd block matches just 2 of its 4 tokens.")
-    hit = alloc.allocate_with_prefix("request 1", r0[:10] + [100, 101, 102, 103])
-    console.print(render_block_table(alloc, "request 1"), render_free_queue(alloc))
-    _check(console, "cached tokens", hit.num_cached_tokens, 8)
-    _check(console, "block table of request 1", alloc.block_tables["request 1"], [0, 1, 5, 6])
-
-    step("Time 4", "Request 0 finishes. Blocks 4, 3, 2 join the free queue in reverse order (2 and 3 keep "
-         "their hash); 0 and 1 stay, request 1 still uses them.")
-    alloc.free("request 0")
-    console.print(render_free_queue(alloc))
-    _check(console, "free queue", alloc.free_queue_ids(), [7, 8, 9, 4, 3, 2])
-
-    step("Time 5", "Request 1 finishes: blocks 6, 5, 1, 0 join the tail.")
-    alloc.free("request 1")
-    console.print(render_free_queue(alloc), render_cache_map(alloc))
-    _check(console, "free queue", alloc.free_queue_ids(), [7, 8, 9, 4, 3, 2, 6, 5, 1, 0])
-
-    step("Time 6", "Request 2 arrives with 29 tokens; its first 12 equal request 0's. Hits 0, 1, 2 are "
-         "touched (taken out of the free queue) before 5 new blocks are popped from the head; block 3 "
-         "still held a hash, so it is evicted.")
-    evictions = alloc.stats.evictions
-    alloc.allocate_with_prefix("request 2", r0[:12] + list(range(200, 217)))
-    console.print(render_block_table(alloc, "request 2"), render_free_queue(alloc))
-    _check(console, "block table of request 2", alloc.block_tables["request 2"], [0, 1, 2, 7, 8, 9, 4, 3])
-    _check(console, "blocks evicted", alloc.stats.evictions - evictions, 1)
-    _check(console, "free queue", alloc.free_queue_ids(), [6, 5])
+    alloc = PrefixCachingAllocator(num_blocks=10, block_size=4)
+    for title, text, action, shown in DESIGN_DOC_STEPS:
+        step(title, text)
+        action(alloc)
+        if shown:
+            console.print(render_block_table(alloc, shown))
+        console.print(render_free_queue(alloc))
+        if title == "Time 5":
+            console.print(render_cache_map(alloc))
+        for label, read, expected in DESIGN_DOC_STATES[title]:
+            _check(console, label, read(alloc), expected)
     alloc.free("request 2")
 
     letters = lambda t: chr(ord("A") + t)  # noqa: E731  token 0 is A, 1 is B, ...

@@ -23,7 +23,7 @@ from rich.console import Console
 from rich.rule import Rule
 from rich.table import Table
 
-from prefix_caching import PrefixCachingAllocator, render_block_table
+from prefix_caching import PrefixCachingAllocator, render_block_table, render_free_queue
 from words import Words
 
 BLOCK_SIZE = 4
@@ -75,8 +75,7 @@ def main() -> None:
     for user in QUESTIONS:
         alloc.free(user)
         record(f"{user} finishes")
-    queue = " ".join(f"[yellow]{b.block_id}[/]" if b.block_hash else f"[dim]{b.block_id}[/]" for b in alloc.free_queue)
-    console.print(f"free queue, head first ([yellow]yellow[/] = still cached): {queue}")
+    console.print(render_free_queue(alloc))
     console.print("Each request's blocks joined the tail last block first; the system prompt's blocks, freed "
                   "last, sit at the very end: the last to be reused.")
 

@@ -27,8 +27,10 @@ from rich.console import Console
 from rich.rule import Rule
 from rich.table import Table
 
-from prefix_caching import FreeKVCacheBlockQueue, KVCacheBlock, PrefixCachingAllocator, walkthrough
-from workloads import design_doc_example, multi_turn, replay
+from prefix_caching import (
+    FreeKVCacheBlockQueue, KVCacheBlock, PrefixCachingAllocator, design_doc_example, walkthrough,
+)
+from workloads import multi_turn, replay
 
 
 QUEUES = {"linked list": FreeKVCacheBlockQueue, "list": list, "deque": deque}  # NEW: the first, vs Python's own

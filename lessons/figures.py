@@ -17,7 +17,8 @@ import matplotlib.pyplot as plt
 from matplotlib.patches import FancyBboxPatch
 
 from prefix_caching import PrefixCachingAllocator, short_hash
-from workloads import BLOCK_SIZE, WORKLOADS, design_doc_example, hit_rate_table
+from prefix_caching import design_doc_example
+from workloads import BLOCK_SIZE, WORKLOADS, hit_rate_table
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
 # The rich views' colours: green = in use, yellow = free but cached, grey = free and empty.

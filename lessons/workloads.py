@@ -92,32 +92,6 @@ def unique(num_requests: int = 200, seed: int = 0) -> list[Request]:
 WORKLOADS = {"chatbot": chatbot, "multi-turn chat": multi_turn, "RAG": rag, "unique prompts": unique}
 
 # -----------------------------------------------------------------------------
-# The design doc's worked example, as a script (prefix_caching.walkthrough prints it)
-
-
-def design_doc_example(until: int = 6, **allocator_options) -> PrefixCachingAllocator:
-    """The allocator after Time 1..`until` of the vLLM design doc's example (block size 4,
-    10 blocks); `allocator_options` replay it with other settings.
-
-    >>> design_doc_example(until=5).free_queue_ids()
-    [7, 8, 9, 4, 3, 2, 6, 5, 1, 0]
-    """
-    r0 = list(range(15))
-    steps = [  # Time 1 to Time 6, one entry each
-        lambda a: a.allocate_with_prefix("request 0", r0),
-        lambda a: (a.append_token("request 0", 15), a.append_token("request 0", 16)),
-        lambda a: a.allocate_with_prefix("request 1", r0[:10] + [100, 101, 102, 103]),
-        lambda a: a.free("request 0"),
-        lambda a: a.free("request 1"),
-        lambda a: a.allocate_with_prefix("request 2", r0[:12] + list(range(200, 217))),
-    ]
-    alloc = PrefixCachingAllocator(num_blocks=10, block_size=4, **allocator_options)
-    for step in steps[:until]:
-        step(alloc)
-    return alloc
-
-
-# -----------------------------------------------------------------------------
 # Replaying a workload through the allocator
 
 
