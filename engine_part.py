@@ -729,13 +729,13 @@ def run_demo(args: argparse.Namespace) -> list[Generation]:
         table = Table(title=f"request {i}: {question}", title_justify="left", title_style="bold",
                       caption=reply.text.strip() + ("…" if reply.finish_reason == "length" else ""),
                       caption_justify="left", caption_style="cyan")
-        for column in ("cache", "prompt tokens: cached + computed", "prefill (TTFT)", "vs request 1"):
+        for column in ("cache", "prompt tokens: cached + computed", "prefill (TTFT)", "speed-up vs request 1"):
             table.add_column(column, justify="right")
         table.add_row(
             "[bold green]HIT" if hit else "[bold red]MISS",
             f"{reply.cached_tokens} + {reply.computed_prompt_tokens}",
             f"{reply.ttft_ms:,.0f} ms",
-            f"{replies[0].ttft_ms / reply.ttft_ms:.1f}x faster" if i > 1 else "-",
+            f"{replies[0].ttft_ms / reply.ttft_ms:.1f}x" if i > 1 else "-",
         )
         console.print(table)
 
