@@ -27,7 +27,7 @@ import random
 import statistics
 from pathlib import Path
 
-from engine_part import Engine, add_model_arguments
+from prefix_caching import Engine, add_model_arguments
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from engine_part import Engine, default_model_dir
+from prefix_caching import Engine, default_model_dir
 
 
 def assert_pool_whole(engine: Engine) -> None:

@@ -378,3 +378,19 @@ def test_allocator_benchmark_runs_and_reports_every_figure(tmp_path):
         data["miss"]["caching_on_ns_per_token"] - data["miss"]["caching_off_ns_per_token"]
     )
     assert "100k / 1k throughput" in result.stdout
+
+
+def test_free_with_num_computed_tokens_uncaches_blocks_nobody_wrote():
+    alloc = PrefixCachingAllocator(num_blocks=10, block_size=4)
+    alloc.allocate_with_prefix("warm", list(range(9)))
+    alloc.free("warm")
+    # 13 tokens: 2 blocks hit, blocks for tokens 8..11 and 12 are new; the model "fails"
+    # after computing token 9, so the block of tokens 8..11 was cached but never fully written.
+    alloc.allocate_with_prefix("r", list(range(12)) + [50])
+    alloc.free("r", num_computed_tokens=10)
+    assert alloc.peek(list(range(13))) == 8  # the two hit blocks are still cached; block 2 is not
+    alloc.check_invariants()
+    alloc.allocate_with_prefix("s", [1, 2])
+    with pytest.raises(ValueError, match="num_computed_tokens"):
+        alloc.free("s", num_computed_tokens=3)
+    assert alloc.block_tables["s"]  # a refused free changes nothing

@@ -12,7 +12,7 @@ import torch
 
 from benchmarks import ttft
 from conftest import assert_pool_whole
-from engine_part import Engine, OutOfBlocksError, PagedKVCache, SamplingParams, run_demo, sample
+from prefix_caching import Engine, OutOfBlocksError, PagedKVCache, SamplingParams, run_demo, sample
 
 PROMPTS = {
     "token ids": list(range(100, 123)),  # 23 tokens: 5 full blocks of 4 and a partial one
