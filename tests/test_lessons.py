@@ -12,16 +12,28 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 LESSONS = ROOT / "lessons"
-sys.path.insert(0, str(LESSONS))  # the lessons' helper modules: workloads, radix_tree, words, figures
+sys.path.insert(0, str(LESSONS))  # the lessons' helper modules: workloads, radix_tree, words, figures, models
 
 STAGES = sorted(LESSONS.glob("[0-9][0-9]_*.py"))
-HELPERS = ["workloads", "radix_tree", "words"]
+HELPERS = ["workloads", "radix_tree", "words", "models"]
 
 # Flags a stage needs to run fast in the test suite (e.g. a tiny model); none means none.
-FLAGS: dict[str, list[str]] = {}
+FLAGS: dict[str, list[str]] = {
+    "01_naive_prefill.py": ["--tiny"],
+    "02_kv_cache.py": ["--tiny"],
+    "07_real_model.py": ["--tiny"],
+}
 
 # Sentences each stage must print (compared with white space folded, so line wraps do not matter).
 EXPECTED_OUTPUT = {
+    "01_naive_prefill.py": ["Every step recomputed the 39-token prompt from scratch",
+                            "runs the model over 636,750 tokens", "computing each token once would be 1,523"],
+    "02_kv_cache.py": ["The same 8 tokens with and without the cache", "the cache ends at 46 = 39 + 8 - 1 tokens",
+                       "0.5 KiB per token"],
+    "07_real_model.py": ["(cached_tokens=448) and ran the model on 14",
+                         "its layer-0 key in the cache equals the pool's: True",
+                         "exactness ok: logits allclose to a full forward",
+                         "exactness ok: the same 24 tokens as model.generate"],
     "03_paged_blocks.py": ["a contiguous allocator would refuse it", "num_cached_tokens = 0"],
     "04_block_hashes.py": ["hits 4 tokens", "hits 0 tokens. Tenant a does the same: 12", "== salted[1] is True"],
     "05_ref_counts.py": ["Blocks in use: 12 shared vs 24", "erin hits 16 tokens", "hits 12, not 16"],
@@ -42,6 +54,23 @@ def run_stage(path: Path) -> str:
     )
     assert result.returncode == 0, f"{path.name} failed:\n{result.stderr[-3000:]}"
     return " ".join(result.stdout.split())
+
+
+def test_the_lessons_tiny_model_is_the_tests_tiny_model(tiny_model, tokenizer):
+    from models import tiny_llama
+
+    ours, theirs = tiny_llama(tokenizer).state_dict(), tiny_model.state_dict()
+    assert ours.keys() == theirs.keys() and all(ours[k].equal(theirs[k]) for k in ours), (
+        "lessons/models.py and tests/conftest.py must build the same tiny model (what --tiny runs is what the tests check)"
+    )
+
+
+def test_tiny_and_model_together_are_refused(capsys):
+    from models import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args("a model stage", ["--tiny", "--model", "gpt2"])
+    assert "name two different models: pass one of them" in capsys.readouterr().err
 
 
 def test_the_allocator_stages_exist():

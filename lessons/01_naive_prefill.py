@@ -1,0 +1,114 @@
+"""
+Stage 1: generating text with no KV cache at all.
+
+A causal language model reads a sequence of tokens and scores every possible next token.
+To generate, take the scores (logits) at the last position, pick the best token, append it,
+and run the model again. Without a cache, "again" means over the *whole* sequence: the
+prompt and every token generated so far go through all the layers once more, for every
+single new token. This stage measures what that costs.
+
+New in this stage: everything; it is the baseline the later stages improve on. Stage 2
+keeps each token's keys and values (a KV cache) so a token is computed once per request;
+stage 7 keeps them across requests (prefix caching).
+
+Run:  python lessons/01_naive_prefill.py            (SmolLM2-135M on a 2-core CPU: about 15 s)
+      python lessons/01_naive_prefill.py --tiny     (a random 2-layer model: a few seconds)
+"""
+
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find prefix_caching.py from anywhere
+
+import torch
+from rich.console import Console
+from rich.rule import Rule
+from rich.table import Table
+
+import models
+from prefix_caching import DEMO_SYSTEM_PROMPT
+
+QUESTION = [{"role": "user", "content": "What does the processor of a computer do?"}]
+REPLY_TOKENS = 8
+PROMPT_LENGTHS = (64, 256, 1024)
+NEW_TOKENS = 4  # per prompt length: enough for a median, few enough to run in seconds
+
+
+def generate_naive(model, prompt_ids: list[int], max_tokens: int) -> tuple[list[int], list[float]]:
+    """Greedy tokens, and the milliseconds each one took, rerunning the whole sequence every step.
+
+    Only the last position's logits are kept (logits_to_keep=1), as every engine does: the
+    cost that remains is the transformer itself, over every token so far.
+    """
+    ids = list(prompt_ids)
+    step_ms = []
+    with torch.inference_mode():
+        for _ in range(max_tokens):
+            start = time.perf_counter()
+            logits = model(torch.tensor([ids], device=model.device), use_cache=False, logits_to_keep=1).logits
+            ids.append(int(logits[0, -1].argmax()))  # int() waits for the device, so the time is complete
+            step_ms.append((time.perf_counter() - start) * 1e3)
+    return ids[len(prompt_ids) :], step_ms
+
+
+def tokens_run_over(prompt_len: int, new_tokens: int) -> int:
+    """Tokens the model runs over to generate new_tokens without a cache: step i sees prompt + i.
+
+    >>> tokens_run_over(64, 4)   # 64 + 65 + 66 + 67
+    262
+    """
+    return sum(prompt_len + i for i in range(new_tokens))
+
+
+def long_prompt(tokenizer, n: int) -> list[int]:
+    """n token ids of real text (the demo's system prompt, repeated as often as needed)."""
+    ids: list[int] = []
+    while len(ids) < n:
+        ids += tokenizer.encode(DEMO_SYSTEM_PROMPT + "\n\n")
+    return ids[:n]
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = models.parse_args("Stage 1: generation without a KV cache, measured", argv)
+    console = Console()
+    model, tokenizer = models.load(args)
+    console.print(models.describe(model, args))
+    generate_naive(model, long_prompt(tokenizer, 16), 1)  # warm-up: the first pass pays one-time setup
+
+    console.print(Rule("1. One token per forward pass, over the whole sequence"))
+    prompt_ids = tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True, return_dict=False)
+    tokens, step_ms = generate_naive(model, prompt_ids, REPLY_TOKENS)
+    table = Table("step", "the model runs over", "ms", "token picked")
+    for i, (token, ms) in enumerate(zip(tokens, step_ms)):
+        table.add_row(str(i + 1), f"{len(prompt_ids) + i} tokens", f"{ms:,.0f}", repr(tokenizer.decode([token])))
+    console.print(table)
+    console.print(f"Reply so far: {tokenizer.decode(tokens)!r}. Every step recomputed the "
+                  f"{len(prompt_ids)}-token prompt from scratch, to produce one token.")
+
+    console.print(Rule(f"2. The cost of each new token grows with the prompt ({NEW_TOKENS} new tokens each)"))
+    table = Table("prompt tokens", "ms per new token (median)", "total ms",
+                  f"tokens run over for {NEW_TOKENS} new", "each token once (a KV cache)")
+    per_token = {}
+    for n in PROMPT_LENGTHS:
+        _, step_ms = generate_naive(model, long_prompt(tokenizer, n), NEW_TOKENS)
+        per_token[n] = statistics.median(step_ms)
+        table.add_row(f"{n:,}", f"{per_token[n]:,.0f}", f"{sum(step_ms):,.0f}",
+                      f"{tokens_run_over(n, NEW_TOKENS):,}", f"{n + NEW_TOKENS - 1:,}")
+    console.print(table)
+    short, long = PROMPT_LENGTHS[0], PROMPT_LENGTHS[-1]
+    console.print(f"A new token after {long:,} prompt tokens costs {per_token[long] / per_token[short]:.1f}x one after "
+                  f"{short} ({long // short}x the tokens; measured on this machine). The work per token is a full "
+                  f"prefill of everything before it.")
+
+    console.print(Rule("3. Over a whole reply the waste is quadratic"))
+    reply = 500
+    console.print(f"A {reply}-token answer to the {long:,}-token prompt, without a cache, runs the model over "
+                  f"{tokens_run_over(long, reply):,} tokens (prompt x steps, plus the growing reply); computing "
+                  f"each token once would be {long + reply - 1:,}. That is {tokens_run_over(long, reply) / (long + reply - 1):,.0f}x "
+                  f"the work (counted, not measured). Stage 2 keeps every token's keys and values so each is computed once.")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,103 @@
+"""
+The model a model stage (1, 2, 7, 8) runs, chosen on its command line:
+
+    (no flag)        SmolLM2-135M-Instruct, the offline default (prefix_caching.load_model)
+    --model NAME     any Hugging Face causal LM, by id or local path
+    --tiny           a 2-layer Llama with random weights, built in a second: for tests and
+                     quick runs. Its text is gibberish, but every comparison a stage makes
+                     (cached against uncached, warm against cold) holds for it as well.
+    --device, --dtype  where and in what precision it runs (default: cuda if there is a GPU)
+
+    >>> vars(parse_args("a model stage", ["--tiny"]))
+    {'model': None, 'device': None, 'dtype': None, 'tiny': True}
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find prefix_caching.py from anywhere
+
+from prefix_caching import (
+    DEFAULT_MODEL,
+    DTYPES,
+    Engine,
+    add_model_arguments,
+    default_model_dir,
+    load_model,
+    resolve_device,
+    resolve_dtype,
+)
+
+
+def tiny_llama(tokenizer):
+    """A 2-layer Llama with random weights and grouped-query attention (4 query heads share
+    2 KV heads), on SmolLM2's vocabulary; the same model as the tests' `tiny_model`."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+        bos_token_id=1, eos_token_id=2, pad_token_id=2,
+        initializer_range=0.2,  # wide logits, so greedy choices are never near-ties
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+def add_arguments(parser: argparse.ArgumentParser, engine: bool = False) -> None:
+    """--model, --device, --dtype and --tiny; with engine=True also the KV pool's
+    --block-size and --num-blocks (prefix_caching.add_model_arguments)."""
+    if engine:
+        add_model_arguments(parser)
+    else:
+        group = parser.add_argument_group("model")
+        group.add_argument("--model", default=None, help=f"Hugging Face id or local path (default: {DEFAULT_MODEL}, offline)")
+        group.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda when there is a GPU)")
+        group.add_argument("--dtype", default=None, choices=list(DTYPES), help="default: fp32 on CPU, bf16 on CUDA")
+    parser.add_argument("--tiny", action="store_true", help="a tiny model with random weights: seconds, gibberish text")
+
+
+def parse_args(description: str, argv: list[str] | None = None, engine: bool = False) -> argparse.Namespace:
+    """The command line of a model stage (see add_arguments)."""
+    parser = argparse.ArgumentParser(description=description)
+    add_arguments(parser, engine)
+    args = parser.parse_args(argv)
+    if args.tiny and args.model is not None:
+        parser.error(f"--tiny and --model {args.model} name two different models: pass one of them")
+    return args
+
+
+def load(args: argparse.Namespace):
+    """(model, tokenizer) as the flags ask; the tiny model borrows SmolLM2's tokenizer."""
+    if not args.tiny:
+        return load_model(args.model, device=args.device, dtype=args.dtype)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir())
+    device = resolve_device(args.device)
+    return tiny_llama(tokenizer).to(device, resolve_dtype(args.dtype, device)), tokenizer
+
+
+TINY_NUM_BLOCKS = 1024  # the default 0.5 GiB budget would give the tiny model 65,536 of its small blocks
+
+
+def make_engine(args: argparse.Namespace) -> Engine:
+    """An Engine over the model the flags name, its pool sized by --block-size and --num-blocks."""
+    model, tokenizer = load(args)
+    num_blocks = TINY_NUM_BLOCKS if args.tiny and args.num_blocks is None else args.num_blocks
+    return Engine(model=model, tokenizer=tokenizer, block_size=args.block_size, num_blocks=num_blocks)
+
+
+def describe(model, args: argparse.Namespace) -> str:
+    """One line saying what runs where, and for the tiny model, why its text is gibberish."""
+    text = model.config.get_text_config()
+    millions = sum(p.numel() for p in model.parameters()) / 1e6
+    name = "tiny random Llama" if args.tiny else args.model or DEFAULT_MODEL
+    line = (f"[bold]{name}[/]: {text.num_hidden_layers} layers, {millions:,.1f}M parameters, "
+            f"on {model.device}, {str(model.dtype).removeprefix('torch.')}")
+    if args.tiny:
+        line += (". [italic]Its weights are random: its text is gibberish and its timings say little about "
+                 "a real model, but what the stage counts and compares holds all the same.[/]")
+    return line
