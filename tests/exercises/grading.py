@@ -16,6 +16,7 @@ REFERENCE = {
     "block_hash": "prefix_caching",
     "free_queue": "prefix_caching",
     "allocator": "prefix_caching",
+    "gather_kv": "prefix_caching",
 }
 
 

@@ -1,0 +1,49 @@
+"""
+Exercise 5: gather cached K/V from the block pool into past_key_values (stage 7).
+
+A request that hits cached blocks finds their keys and values in the paged pool,
+
+    self.data[layer, 0, block, slot]   the key of one token, shape (num_kv_heads, head_dim)
+    self.data[layer, 1, block, slot]   the value of that token
+
+but the model reads them from past_key_values: a DynamicCache holding, for each layer, a
+keys tensor and a values tensor of shape (batch=1, num_kv_heads, tokens, head_dim), the
+tokens in prompt order. Token p of the prompt sits in block block_ids[p // block_size], at
+slot p % block_size: the block table can point anywhere in the pool, in any order.
+
+The constructor, write() (the opposite copy: a cache's K/V into the pool) and the rest come
+from prefix_caching. Write the two parts marked TODO, with tensor operations only (no Python
+loop over tokens: a real prefix has thousands).
+
+Finish line:
+    EXERCISE_IMPL=starter python -m pytest tests/exercises/test_ex5_gather_kv.py
+is green: on the tiny model, the logits of a cached prefix + suffix equal a full forward
+pass, and an engine running on your gather replies exactly what model.generate does.
+"""
+
+import prefix_caching
+
+
+class PagedKVCache(prefix_caching.PagedKVCache):
+    def gather(self, block_ids: list[int], config):
+        """A fresh DynamicCache holding the K/V of `block_ids`, in order. No blocks (a cold
+        request) give a cache of 0 tokens."""
+        from transformers import DynamicCache
+
+        kv = self.tokens_of(block_ids)  # (layers, K/V, 1, num_kv_heads, tokens, head_dim)
+        # TODO exercise 5b: a DynamicCache of one (keys, values) pair per layer, in layer order:
+        # DynamicCache(list_of_pairs, config=config)
+        raise NotImplementedError("exercise 5b: the DynamicCache in PagedKVCache.gather is not built yet (exercises/gather_kv.py)")
+
+    def tokens_of(self, block_ids: list[int]):
+        """The K/V of every slot of `block_ids`, token after token, in attention's layout.
+
+        self.data is (layers, 2, num_blocks, block_size, num_kv_heads, head_dim); the result is
+        (layers, 2, 1, num_kv_heads, len(block_ids) * block_size, head_dim). For example, with
+        block_size 4 and block_ids [7, 2]: tokens 0-3 are block 7's slots 0-3, tokens 4-7 block 2's.
+
+        Three moves: pick the blocks (in block_ids order), merge the blocks and slots axes into
+        one tokens axis, and put that axis after the heads (plus a batch axis of 1).
+        """
+        # TODO exercise 5a
+        raise NotImplementedError("exercise 5a: PagedKVCache.tokens_of is not written yet (exercises/gather_kv.py)")

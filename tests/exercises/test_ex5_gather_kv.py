@@ -1,0 +1,99 @@
+"""Exercise 5: gather cached K/V into past_key_values (exercises/gather_kv.py).
+
+The finish line is the oracle of stage 7: on the tiny model, a prefix gathered from the pool
+plus the suffix computed on top of it gives the logits of one full forward pass.
+"""
+
+import pytest
+import torch
+from transformers import LlamaConfig
+
+from grading import exercise
+from prefix_caching import PagedKVCache
+from test_engine import hf_greedy
+
+impl = exercise("gather_kv")
+
+SHAPE = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 3}
+CONFIG = LlamaConfig(num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, hidden_size=6)
+BLOCK_SIZE = 4
+
+
+def numbered_pool(num_blocks: int = 6):
+    """A pool whose every number is its own flat index, so a value says where it came from."""
+    pool = impl.PagedKVCache(**SHAPE, num_blocks=num_blocks, block_size=BLOCK_SIZE)
+    pool.data.copy_(torch.arange(pool.data.numel(), dtype=pool.data.dtype).view_as(pool.data))
+    return pool
+
+
+def where(pool, value: float) -> str:
+    """Which slot of the pool a number of numbered_pool came from, in words."""
+    layer, kv, block, slot, head, _ = torch.unravel_index(torch.tensor(int(value)), pool.data.shape)
+    return f"layer {layer}, {'keys' if kv == 0 else 'values'}, block {block}, slot {slot}, head {head}"
+
+
+def test_no_blocks_give_an_empty_cache():
+    cache = numbered_pool().gather([], CONFIG)
+    assert cache.get_seq_length() == 0
+
+
+def test_each_layer_gets_keys_and_values_in_attention_layout():
+    cache = numbered_pool().gather([3, 1], CONFIG)
+    assert len(cache.layers) == SHAPE["num_layers"], "one (keys, values) pair per layer"
+    expected = (1, SHAPE["num_kv_heads"], 2 * BLOCK_SIZE, SHAPE["head_dim"])
+    for i, layer in enumerate(cache.layers):
+        for name, tensor in (("keys", layer.keys), ("values", layer.values)):
+            assert tuple(tensor.shape) == expected, (
+                f"layer {i} {name} have shape {tuple(tensor.shape)}; attention expects "
+                f"(batch=1, num_kv_heads, tokens, head_dim) = {expected}"
+            )
+
+
+# Attention reads the cached keys as a set (each key already carries its position, rotated
+# into it), so the logits of the finish line would not notice blocks gathered out of order.
+# This test does.
+@pytest.mark.parametrize("block_ids", [[3, 1], [5, 0, 2], [4]], ids=str)
+def test_token_p_comes_from_block_ids_p_div_block_size_at_slot_p_mod_block_size(block_ids):
+    pool = numbered_pool()
+    cache = pool.gather(block_ids, CONFIG)
+    for layer in range(SHAPE["num_layers"]):
+        for kv, name in enumerate(("keys", "values")):
+            got = getattr(cache.layers[layer], name)[0]  # (heads, tokens, dim)
+            for p in range(len(block_ids) * BLOCK_SIZE):
+                for head in range(SHAPE["num_kv_heads"]):
+                    want = pool.data[layer, kv, block_ids[p // BLOCK_SIZE], p % BLOCK_SIZE, head]
+                    assert torch.equal(got[head, p], want), (
+                        f"with block_ids {block_ids}, token {p} of layer {layer}'s {name} (head {head}) holds the "
+                        f"numbers of {where(pool, got[head, p, 0])}; expected {where(pool, want[0])}"
+                    )
+
+
+def test_the_finish_line_cached_prefix_plus_suffix_logits_equal_a_full_forward(tiny_model):
+    model = tiny_model
+    pool = impl.PagedKVCache(**PagedKVCache.shape_from_config(model.config), num_blocks=16, block_size=BLOCK_SIZE)
+    prompt = list(range(200, 221))  # 21 tokens: a prefix of 4 full blocks, a suffix of 5
+    block_table = [9, 2, 14, 5, 0, 7]  # anywhere in the pool, in any order
+    with torch.no_grad():
+        computed = model(torch.tensor([prompt[:16]]), use_cache=True).past_key_values
+        pool.write(computed, block_table, 0, 16)  # what an earlier request left in the pool
+
+        cache = pool.gather(block_table[:4], model.config)
+        assert cache.get_seq_length() == 16, f"the gathered cache holds {cache.get_seq_length()} tokens, not 16"
+        cached = model(torch.tensor([prompt[16:]]), past_key_values=cache).logits[0]
+        full = model(torch.tensor([prompt])).logits[0, 16:]
+    torch.testing.assert_close(cached, full, atol=1e-5, rtol=1e-5,
+                               msg=lambda m: f"cached prefix + suffix logits differ from a full forward pass: {m}")
+
+
+def test_an_engine_running_on_your_gather_replies_like_model_generate(make_engine):
+    engine = make_engine()
+    engine.kv = impl.PagedKVCache(**PagedKVCache.shape_from_config(engine.model.config),
+                                  num_blocks=engine.allocator.num_blocks, block_size=engine.allocator.block_size)
+    prompt = list(range(100, 123))  # 23 tokens: 5 full blocks of 4 and a partial one
+    cold = engine.generate(prompt, max_tokens=8)
+    warm = engine.generate(prompt[:20] + [7, 8, 9], max_tokens=8)
+    assert warm.cached_tokens == 20
+    assert cold.token_ids == hf_greedy(engine.model, prompt, 8)
+    assert warm.token_ids == hf_greedy(engine.model, prompt[:20] + [7, 8, 9], 8), (
+        "the warm reply, built on your gathered prefix, differs from model.generate on the whole prompt"
+    )
