@@ -22,6 +22,7 @@ FLAGS: dict[str, list[str]] = {
     "01_naive_prefill.py": ["--tiny"],
     "02_kv_cache.py": ["--tiny"],
     "07_real_model.py": ["--tiny"],
+    "08_serving.py": ["--tiny"],
 }
 
 # Sentences each stage must print (compared with white space folded, so line wraps do not matter).
@@ -34,6 +35,11 @@ EXPECTED_OUTPUT = {
                          "its layer-0 key in the cache equals the pool's: True",
                          "exactness ok: logits allclose to a full forward",
                          "exactness ok: the same 24 tokens as model.generate"],
+    "08_serving.py": ['"prompt_tokens_details": {"cached_tokens": 448}',
+                      "Without salts the right guess comes back with cached_tokens=208",
+                      "With the salt derived from each key, the right guess gets cached_tokens=0",
+                      "own key still hits her blocks (cached_tokens=208)",
+                      "derives cache_salt from your API key"],
     "03_paged_blocks.py": ["a contiguous allocator would refuse it", "num_cached_tokens = 0"],
     "04_block_hashes.py": ["hits 4 tokens", "hits 0 tokens. Tenant a does the same: 12", "== salted[1] is True"],
     "05_ref_counts.py": ["Blocks in use: 12 shared vs 24", "erin hits 16 tokens", "hits 12, not 16"],
@@ -91,6 +97,13 @@ def test_stage_runs_to_the_end(path):
 @pytest.mark.parametrize("name", HELPERS)
 def test_helper_docstring_examples(name):
     assert doctest.testmod(importlib.import_module(name)).failed == 0
+
+
+def test_the_syllabus_shows_the_curl_commands_stage_8_prints():
+    stage_8 = importlib.import_module("08_serving")
+    readme = (LESSONS / "README.md").read_text()
+    for line in stage_8.curl_commands().splitlines():
+        assert line in readme, f"lessons/README.md (stage 8) lacks: {line}"
 
 
 # --- the claims of stage 9 ------------------------------------------------------------------------

@@ -1,0 +1,213 @@
+"""
+Stage 8: serving. Cached tokens over HTTP, tenants, and the timing side channel.
+
+server.py puts the Engine of stage 7 behind HTTP: /generate for curl, and OpenAI's
+/v1/chat/completions and /v1/completions, whose replies report the prefix cache where
+OpenAI does, in usage.prompt_tokens_details.cached_tokens. This stage starts that server
+inside the process, on a free port of 127.0.0.1, and talks to it with plain HTTP.
+
+A cache shared by everyone leaks. A request that finds its prefix in the pool is answered
+sooner (and says cached_tokens > 0), so anyone can test whether *somebody else* has sent a
+given text: send it and time the reply. The fix is the cache_salt of stage 4: hashed into
+the first block, it keeps each tenant's blocks apart. A client can send one, or the server
+can derive it from each API key (python server.py --salt-by-api-key), which a client
+cannot forget or forge.
+
+New in this stage (marked # NEW): create_app, requests over HTTP, per-key salts.
+
+Run:  python lessons/08_serving.py            (SmolLM2-135M on a 2-core CPU: about 15 s)
+      python lessons/08_serving.py --tiny     (a random 2-layer model: a few seconds)
+"""
+
+import json
+import logging
+import statistics
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find prefix_caching.py and server.py from anywhere
+
+from rich.console import Console
+from rich.rule import Rule
+from rich.table import Table
+from werkzeug.serving import make_server
+
+import models
+from prefix_caching import DEMO_QUESTIONS, DEMO_SYSTEM_PROMPT
+from server import create_app
+
+# The victim's secret is who sends the letter; the rest is the company's template, which
+# everybody there (the attacker included) knows.
+LETTER = """\
+Please make this letter sound warm but firm.
+
+From: {name}, logistics planning
+
+Dear Ms. Okafor,
+
+I am writing to tell you that I am resigning from my position at Harbourline Freight. My last \
+working day will be four weeks from today, as my contract requires. I have accepted an offer \
+from another company and will start there next month.
+
+Thank you for the support and the opportunities I have had during my time on the team. I am \
+grateful for everything I have learned, and I am proud of the projects we delivered together.
+
+Over the coming weeks I will make the handover as smooth as I can. I will write down the state \
+of every open project, train whoever takes over my work, and stay reachable for questions after \
+I leave. Please let me know how you would like to organise the handover, and whether there is \
+anything in particular I should finish before my last day.
+
+I would be grateful if this stayed between us until I have told the rest of the team myself.
+
+Kind regards"""
+VICTIM = "Dana Whitfield"
+GUESSES = ["Sam Ortega", VICTIM, "Priya Natarajan", "Lena Brandt"]  # the attacker's candidates
+
+
+def start_server(app):
+    """Serve `app` on a free port of 127.0.0.1 in a daemon thread: (base URL, the server)."""
+    server = make_server("127.0.0.1", 0, app, threaded=True)  # NEW: port 0 lets the OS pick a free one
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return f"http://127.0.0.1:{server.server_port}", server
+
+
+def post(url: str, body: dict, api_key: str | None = None) -> tuple[dict, float]:
+    """POST a JSON body, as `curl -s url -d body` does: (the JSON reply, ms the client waited).
+
+    An error status comes back as its JSON body too: {"error": {"message": ..., "type": ...}}.
+    """
+    headers = {"Content-Type": "application/json"}
+    if api_key is not None:
+        headers["Authorization"] = f"Bearer {api_key}"
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers=headers)
+    start = time.perf_counter()
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            reply = json.load(response)
+    except urllib.error.HTTPError as err:
+        reply = json.load(err)
+    return reply, (time.perf_counter() - start) * 1e3
+
+
+def cached_tokens(reply: dict) -> int:
+    return reply["usage"]["prompt_tokens_details"]["cached_tokens"]  # NEW: where OpenAI reports it
+
+
+def probe(url: str, name: str, api_key: str | None = None) -> tuple[int, float]:
+    """One guess of the attacker: the letter with `name` in it, one token, greedy; what the
+    attacker sees is cached_tokens and how long the reply took."""
+    reply, ms = post(f"{url}/v1/completions", {"prompt": LETTER.format(name=name), "max_tokens": 1,
+                                               "temperature": 0}, api_key)
+    return cached_tokens(reply), ms
+
+
+def probe_table(console: Console, url: str, api_key: str | None) -> dict[str, tuple[int, float]]:
+    """Every guess once, in GUESSES order; a table of what the attacker sees."""
+    results = {name: probe(url, name, api_key) for name in GUESSES}
+    table = Table("the attacker's guess", "cached_tokens", "reply ms (measured by the client)")
+    for name, (cached, ms) in results.items():
+        table.add_row(name, str(cached), f"{ms:,.0f}", style="bold red" if cached else None)
+    console.print(table)
+    return results
+
+
+def curl_commands() -> str:
+    """What a class types against `python server.py` (port 5000) to see the same things."""
+    chat = {"messages": [{"role": "system", "content": "You are a terse tutor."},
+                         {"role": "user", "content": "What is a KV cache?"}], "max_tokens": 16, "temperature": 0}
+    return "\n".join([
+        "python server.py    # in a terminal of its own; the commands below in another",
+        "# twice: usage.prompt_tokens_details.cached_tokens is 0, then 16 (the first block)",
+        f"curl -s localhost:5000/v1/chat/completions -d '{json.dumps(chat)}'",
+        "# the same text as another tenant: 0 again",
+        f"curl -s localhost:5000/v1/chat/completions -d '{json.dumps({**chat, 'cache_salt': 'team-blue'})}'",
+        "curl -s localhost:5000/health    # hit rate, blocks in use, evictions",
+        "curl -s -X POST localhost:5000/reset_prefix_cache",
+        "# started as python server.py --salt-by-api-key: a cache per key, no cache_salt field",
+        f"curl -s localhost:5000/v1/chat/completions -H 'Authorization: Bearer alice-key' -d '{json.dumps(chat)}'",
+    ])
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = models.parse_args("Stage 8: serving, cached tokens over HTTP, tenants, the timing side channel", argv,
+                             engine=True)
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # no access log line per request
+    logging.getLogger("server").setLevel(logging.ERROR)  # nor the server's own: the lesson prints what matters
+    console = Console()
+    engine = models.make_engine(args)
+    console.print(models.describe(engine.model, args))
+    engine.warm_up()
+    url, server = start_server(create_app(engine, model_name="lesson-model"))  # NEW
+    salted_url, salted_server = start_server(create_app(engine, model_name="lesson-model", salt_by_api_key=True))  # NEW
+    console.print(f"serving on {url}, and with --salt-by-api-key on {salted_url} (one engine, one pool)")
+
+    console.print(Rule("1. The cache over HTTP: usage.prompt_tokens_details.cached_tokens"))
+    console.print("POST /v1/chat/completions, twice: the demo's system prompt and a question of its own each time.")
+    table = Table("request", "prompt_tokens", "cached_tokens", "reply ms")
+    table.add_column("reply (8 tokens)", max_width=22, no_wrap=True, overflow="ellipsis")
+    for i, question in enumerate(DEMO_QUESTIONS[:2], 1):
+        messages = [{"role": "system", "content": DEMO_SYSTEM_PROMPT}, {"role": "user", "content": question}]
+        reply, ms = post(f"{url}/v1/chat/completions", {"messages": messages, "max_tokens": 8, "temperature": 0})
+        table.add_row(f"q{i}", str(reply["usage"]["prompt_tokens"]), str(cached_tokens(reply)), f"{ms:,.0f}",
+                      " ".join(reply["choices"][0]["message"]["content"].split()))
+    console.print(table)
+    console.print('The second reply\'s usage: "prompt_tokens_details": {"cached_tokens": '
+                  f"{cached_tokens(reply)}}}: the shared system prompt came from the pool.")
+
+    console.print(Rule("2. Tenants: a cache_salt per client"))
+    document = {"prompt": LETTER.format(name="the team"), "max_tokens": 1, "temperature": 0}
+    rows = [("tenant a", "tenant-a"), ("tenant b, same text", "tenant-b"), ("tenant a again", "tenant-a")]
+    table = Table("request", "cache_salt", "cached_tokens")
+    for label, salt in rows:
+        reply, _ = post(f"{url}/v1/completions", {**document, "cache_salt": salt})
+        table.add_row(label, salt, str(cached_tokens(reply)))
+    console.print(table)
+    console.print("The salt is hashed into block 0 and every later hash chains to it: tenant b's identical text "
+                  "gets other block names and hits nothing; tenant a finds its own blocks again.")
+
+    console.print(Rule("3. The timing side channel: a shared cache tells who sent what"))
+    post(f"{url}/reset_prefix_cache", {})
+    post(f"{url}/v1/completions", {"prompt": LETTER.format(name=VICTIM), "max_tokens": 8, "temperature": 0})
+    console.print(f"{VICTIM} asks the assistant to polish her resignation letter (the company's template, her name "
+                  f"in the header). A colleague then sends the same template with each name he suspects:")
+    open_results = probe_table(console, url, api_key=None)
+    hit, hit_ms = open_results[VICTIM]
+    misses = [ms for name, (cached, ms) in open_results.items() if name != VICTIM]
+    wrong_ms = statistics.median(misses)
+    if hit_ms < 0.7 * wrong_ms:
+        timing = ("The time alone gives it away, so even a server that hid cached_tokens would leak it: "
+                  "the attacker now knows who is leaving.")
+    else:
+        timing = ("Here the times are too close to tell apart (this model computes the whole letter in a few ms); "
+                  "on a real model the hit comes back several times sooner, and the time alone gives it away.")
+    console.print(
+        f"Without salts the right guess comes back with [bold]cached_tokens={hit}[/] in {hit_ms:,.0f} ms; the "
+        f"wrong ones hit 0 tokens and take {wrong_ms:,.0f} ms (median; measured on this machine). {timing} "
+        f"Real attacks go further, guessing a prompt one block at a time."
+    )
+
+    console.print(Rule("4. The fix: a salt per API key (python server.py --salt-by-api-key)"))
+    post(f"{salted_url}/v1/completions", {"prompt": LETTER.format(name=VICTIM), "max_tokens": 8, "temperature": 0},
+         api_key="dana-key")
+    salted_results = probe_table(console, salted_url, api_key="mallory-key")
+    own, _ = probe(salted_url, VICTIM, api_key="dana-key")
+    refused, _ = post(f"{salted_url}/v1/completions", {"prompt": "Hi", "cache_salt": "dana"}, api_key="mallory-key")
+    console.print(
+        f"With the salt derived from each key, the right guess gets [bold]cached_tokens={salted_results[VICTIM][0]}[/] "
+        f"and waits like the others: nothing to learn. {VICTIM}'s own key still hits her blocks "
+        f"(cached_tokens={own}), so each tenant keeps the speed-up. A client cannot pick another's salt either: "
+        f"{refused['error']['message']!r}."
+    )
+    server.shutdown()
+    salted_server.shutdown()
+
+    console.print(Rule("5. The same by hand, against python server.py"))
+    console.print(curl_commands(), soft_wrap=True, highlight=False, markup=False)
+
+
+if __name__ == "__main__":
+    main()
