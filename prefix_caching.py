@@ -41,6 +41,7 @@ import hashlib
 import importlib.util
 import itertools
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -1162,12 +1163,26 @@ class SamplingParams:
     def __post_init__(self):
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
-            raise ValueError(f"temperature must be a number >= 0 (0 means greedy), got {self.temperature!r}")
-        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+        if not _is_number(self.temperature) or not 0 <= self.temperature < math.inf:
+            raise ValueError(f"temperature must be a finite number >= 0 (0 means greedy), got {self.temperature!r}")
+        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not 0 <= self.seed < 2**63):
+            raise ValueError(f"seed must be None or an int in [0, 2**63), got {self.seed!r}")
+
+    @property
+    def greedy(self) -> bool:
+        # Below this, logits / temperature overflows to inf and softmax gives NaN; the limit of
+        # sampling as temperature falls to 0 is argmax anyway.
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
+
+
+GREEDY_BELOW_TEMPERATURE = 1e-5
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 def sample(logits, params: SamplingParams, generator=None) -> int:
@@ -1181,14 +1196,16 @@ def sample(logits, params: SamplingParams, generator=None) -> int:
     """
     import torch
 
-    if params.temperature == 0:
+    if params.greedy:
         return int(logits.argmax())
     # Sampling runs on the CPU so a seed gives the same tokens on every device.
     probs = torch.softmax(logits.float().cpu() / params.temperature, dim=-1)
     if params.top_p < 1:
         sorted_probs, order = probs.sort(descending=True)
         before = sorted_probs.cumsum(0) - sorted_probs  # mass of the tokens ranked above each one
-        sorted_probs[before >= params.top_p] = 0  # the set already reached top_p without it
+        drop = before >= params.top_p  # the set already reached top_p without this token
+        drop[0] = False  # the most likely token always stays, however small top_p is
+        sorted_probs[drop] = 0
         probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
     return int(torch.multinomial(probs, 1, generator=generator))
 
@@ -1264,7 +1281,8 @@ class Engine:
 
     engine.model, engine.tokenizer, engine.allocator (the block bookkeeping) and engine.kv
     (the K/V memory its block ids point into). The pool is sized by num_blocks or by a
-    memory budget, kv_memory_gb (0.5 GiB when neither is given).
+    memory budget, kv_memory_gb (0.5 GiB when neither is given). engine.lock is held for every
+    step; hold it yourself to read the allocator or the pool between two steps.
     """
 
     def __init__(
@@ -1316,7 +1334,7 @@ class Engine:
         self._request_counter = itertools.count()
         # One lock around every step that touches the allocator, the pool or the model, so
         # several streams (a server's clients) can interleave their steps token by token.
-        self._lock = threading.Lock()
+        self.lock = threading.Lock()
 
     # --- prompts -----------------------------------------------------------------------------
 
@@ -1404,7 +1422,7 @@ class Engine:
         alloc, bs = self.allocator, self.allocator.block_size
         reply = Generation(request_id, prompt_tokens=len(prompt_ids))
         generator = None if params.seed is None else torch.Generator().manual_seed(params.seed)
-        with self._lock:
+        with self.lock:
             clock = _Stopwatch(self.device)
             try:
                 num_cached, _ = alloc.allocate_with_prefix(request_id, prompt_ids, cache_salt=cache_salt)
@@ -1413,7 +1431,7 @@ class Engine:
             reply.prefill.lookup_ms = clock.lap()
         reply.cached_tokens = num_computed = num_cached  # tokens whose K/V are in the pool
         try:
-            with self._lock, torch.inference_mode():
+            with self.lock, torch.inference_mode():
                 table = alloc.block_tables[request_id]
                 cache = self.kv.gather(table[: num_cached // bs], self.model.config)
                 reply.prefill.gather_ms = clock.lap()
@@ -1435,14 +1453,14 @@ class Engine:
                 if reply.finish_reason:
                     break
                 yield StreamEvent(token, self._new_text(reply), None, reply)
-                with self._lock, torch.inference_mode():
+                with self.lock, torch.inference_mode():
                     alloc.append_token(request_id, token)  # its K/V is computed right below
                     logits = self._forward([token], cache)
                     self.kv.write(cache, alloc.block_tables[request_id], num_computed, num_computed + 1)
                     num_computed += 1
                     token = sample(logits, params, generator)
         finally:
-            with self._lock:
+            with self.lock:
                 # Normally every token is computed by now; after a failure, free un-caches the
                 # blocks whose slots were never written.
                 alloc.free(request_id, num_computed_tokens=num_computed)
@@ -1463,7 +1481,7 @@ class Engine:
         pay for one-time setup (buffer allocation, kernel choice, the CUDA context)."""
         import torch
 
-        with self._lock, torch.inference_mode():
+        with self.lock, torch.inference_mode():
             self.model(input_ids=torch.zeros(1, 16, dtype=torch.long, device=self.device), logits_to_keep=1)
 
 

@@ -359,12 +359,12 @@ def create_app(
 
     @app.get("/health")
     def health():
-        with engine._lock:  # a snapshot between two steps, never in the middle of one
+        with engine.lock:  # a snapshot between two steps, never in the middle of one
             return figures()
 
     @app.get("/cache")
     def cache():
-        with engine._lock:  # copy under the lock, decode after: the engine waits only for the copy
+        with engine.lock:  # copy under the lock, decode after: the engine waits only for the copy
             snapshot = figures()
             blocks = [(b.block_id, b.ref_cnt, b.block_hash, list(b.token_ids)) for b in alloc.blocks]
             snapshot["free_queue"] = alloc.free_queue_ids()  # head (evicted first) -> tail
@@ -384,7 +384,7 @@ def create_app(
 
     @app.post("/reset_prefix_cache")
     def reset_prefix_cache():
-        with engine._lock:
+        with engine.lock:
             if not alloc.reset_prefix_cache():
                 in_use = alloc.num_blocks - alloc.num_free_blocks
                 raise APIError(409, f"{in_use} blocks are in use by {len(alloc.block_tables)} running requests; "

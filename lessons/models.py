@@ -32,7 +32,7 @@ from prefix_caching import (
 
 def tiny_llama(tokenizer):
     """A 2-layer Llama with random weights and grouped-query attention (4 query heads share
-    2 KV heads), on SmolLM2's vocabulary; the same model as the tests' `tiny_model`."""
+    2 KV heads), on SmolLM2's vocabulary; the model the tests run as `tiny_model`."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 

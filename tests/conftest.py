@@ -1,11 +1,16 @@
 """Fixtures for the engine tests: a tiny random Llama built in a second, the real default
 model, and the rule every engine test ends with: the KV pool is whole again."""
 
+import sys
+from pathlib import Path
+
 import pytest
-import torch
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import AutoTokenizer
 
 from prefix_caching import Engine, default_model_dir
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lessons"))  # the lessons' helper modules
+from models import tiny_llama  # noqa: E402  (what a stage's --tiny runs is what the tests check)
 
 
 def assert_pool_whole(engine: Engine) -> None:
@@ -27,14 +32,7 @@ def tokenizer():
 def tiny_model(tokenizer):
     """A 2-layer Llama with random weights and grouped-query attention (4 query heads share
     2 KV heads), in float32 so cached and uncached runs agree to ~1e-6."""
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-        bos_token_id=1, eos_token_id=2, pad_token_id=2,
-        initializer_range=0.2,  # wide logits, so greedy choices are never near-ties
-    )
-    return LlamaForCausalLM(config).eval()
+    return tiny_llama(tokenizer)
 
 
 @pytest.fixture(scope="session")

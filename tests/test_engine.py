@@ -220,6 +220,13 @@ def test_top_p_keeps_the_smallest_set_reaching_p():
     assert seen == {0, 1}
 
 
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1e-300), SamplingParams(temperature=1e-6),
+                                    SamplingParams(temperature=1.0, top_p=1e-300)])
+def test_extreme_temperatures_and_top_p_fall_back_to_greedy_instead_of_nan(params):
+    logits = torch.tensor([0.1, 2.0, 0.3, 1.9])
+    assert {sample(logits, params, torch.Generator().manual_seed(s)) for s in range(20)} == {1}
+
+
 # --- the pool ------------------------------------------------------------------------------
 
 
@@ -256,7 +263,12 @@ def test_engine_shapes_its_pool_from_the_model(make_engine):
         ("hi", {"max_tokens": 0}, "max_tokens"),
         ("hi", {"temperature": -1}, "temperature"),
         ("hi", {"top_p": 0}, "top_p"),
+        ("hi", {"temperature": float("inf")}, "finite"),
+        ("hi", {"temperature": float("nan")}, "finite"),
+        ("hi", {"temperature": True}, "temperature"),
         ("hi", {"seed": 1.5}, "seed"),
+        ("hi", {"seed": 2**63}, r"2\*\*63"),
+        ("hi", {"seed": -1}, "seed"),
         (list(range(300)), {"max_tokens": 10}, "num_blocks"),  # more than the whole pool
         (list(range(300)), {"max_tokens": 800}, "context"),  # more than the model's 1,024 positions
     ],

@@ -62,15 +62,6 @@ def run_stage(path: Path) -> str:
     return " ".join(result.stdout.split())
 
 
-def test_the_lessons_tiny_model_is_the_tests_tiny_model(tiny_model, tokenizer):
-    from models import tiny_llama
-
-    ours, theirs = tiny_llama(tokenizer).state_dict(), tiny_model.state_dict()
-    assert ours.keys() == theirs.keys() and all(ours[k].equal(theirs[k]) for k in ours), (
-        "lessons/models.py and tests/conftest.py must build the same tiny model (what --tiny runs is what the tests check)"
-    )
-
-
 def test_tiny_and_model_together_are_refused(capsys):
     from models import parse_args
 
