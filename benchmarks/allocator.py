@@ -17,11 +17,11 @@ Timings are the best of several repeats (the least disturbed by other work on th
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import random
 import time
 
+from benchmarks import save_json
 from prefix_caching import FreeKVCacheBlockQueue, PrefixCachingAllocator, compute_block_hashes
 
 BLOCK_SIZE = 16
@@ -169,10 +169,7 @@ def main(argv: list[str] | None = None) -> dict:
     table.add_row("list-based queue, 100,000 blocks", f"{list_large:,.0f} req/s", "")
     table.add_row("list queue 100k / linked 1k", f"{hit['list_queue_ratio_to_1k']:.3f}", "(why O(1) matters)")
     console.print(table)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
-        console.print(f"wrote {args.json}")
+    save_json(args.json, results, console)
     return results
 
 

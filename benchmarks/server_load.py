@@ -29,6 +29,8 @@ import time
 import urllib.request
 from urllib.parse import urlparse
 
+from benchmarks import save_json
+
 SYSTEM_PROMPT = (
     "You are a patient teaching assistant in a course about large language model serving. "
     "Answer every question in one short sentence, in plain words, without code. "
@@ -145,10 +147,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         table.add_row(*map(str, (r["clients"], r["requests"], r["requests_per_s"], r["completion_tokens_per_s"],
                                  r["prompt_tokens"], r["cached_tokens"], r["ttft_ms_median"], r["latency_ms_median"])))
     console.print(table)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"machine": platform.platform(), "cpu_cores": os.cpu_count(), "model": health["model"], "caching": not args.no_caching,
-                       "runs": results}, f, indent=2)
+    save_json(args.json, {"machine": platform.platform(), "cpu_cores": os.cpu_count(), "model": health["model"],
+                          "caching": not args.no_caching, "runs": results}, console)
     return results
 
 

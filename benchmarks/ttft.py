@@ -21,12 +21,12 @@ kernel choice), so a warm-up pass runs before anything is timed.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import random
 import statistics
 from pathlib import Path
 
+from benchmarks import save_json
 from prefix_caching import Engine, add_model_arguments
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
@@ -196,10 +196,7 @@ def main(argv: list[str] | None = None) -> dict:
     console.print(f"saved {args.plot}")
 
     results = {"model": model, "device": str(on.device), "machine": machine, "cold_vs_warm": rows, "no_sharing": overhead}
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
-        console.print(f"wrote {args.json}")
+    save_json(args.json, results, console)
     return results
 
 

@@ -89,7 +89,7 @@ def test_the_model_embeds_only_the_uncached_suffix(make_engine):
     counter = EmbeddingCounter(engine.model)
     try:
         prompt = list(range(400, 430))  # 30 tokens
-        cold = engine.generate(prompt, max_tokens=5)
+        engine.generate(prompt, max_tokens=5)
         cold_count, counter.count = counter.count, 0
         warm = engine.generate(prompt[:28] + [999, 998], max_tokens=5)
     finally:
