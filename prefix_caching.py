@@ -894,14 +894,21 @@ def cache_home() -> Path:
 
 @contextlib.contextmanager
 def _hf_progress_bars_off():
-    """Hide transformers' own tqdm bars (one per load) so the screen shows only ours."""
+    """Hide transformers' own tqdm bars (one per load, and the GGUF reader's, which ignores
+    transformers' switch) so the screen shows only ours."""
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
     from transformers.utils import logging as hf_logging
 
     was_enabled = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
+    gguf_tqdm = getattr(gguf_utils, "tqdm", None)
+    if gguf_tqdm is not None:
+        gguf_utils.tqdm = lambda iterable, *args, **kwargs: iterable
     try:
         yield
     finally:
+        if gguf_tqdm is not None:
+            gguf_utils.tqdm = gguf_tqdm
         if was_enabled:
             hf_logging.enable_progress_bar()
 
