@@ -373,7 +373,7 @@ def test_allocator_benchmark_runs_and_reports_every_figure(tmp_path):
     import json
 
     data = json.loads(out.read_text())
-    assert {"sha256_ns_per_token", "xxhash_ns_per_token", "miss", "hit_heavy"} <= data.keys()
+    assert {"sha256_ns_per_token", "xxhash_ns_per_token", "miss", "hit_heavy", "free_order"} <= data.keys()
     assert data["miss"]["overhead_ns_per_token"] == pytest.approx(
         data["miss"]["caching_on_ns_per_token"] - data["miss"]["caching_off_ns_per_token"]
     )
