@@ -1552,8 +1552,16 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda when there is a GPU)")
     group.add_argument("--dtype", default=None, choices=list(DTYPES), help="default: fp32 on CPU, bf16 on CUDA")
     group.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
-    group.add_argument("--num-blocks", type=int, default=None,
-                       help=f"blocks in the KV pool (default: as many as fit in {DEFAULT_KV_MEMORY_GB} GiB)")
+    size = group.add_mutually_exclusive_group()
+    size.add_argument("--num-blocks", type=int, default=None,
+                      help=f"blocks in the KV pool (default: as many as fit in {DEFAULT_KV_MEMORY_GB} GiB)")
+    size.add_argument("--kv-memory-gb", type=float, default=None,
+                      help="size the KV pool by memory instead: as many blocks as fit in this many GiB")
+
+
+def pool_arguments(args: argparse.Namespace) -> dict:
+    """Engine keyword arguments from the pool flags of add_model_arguments."""
+    return {"block_size": args.block_size, "num_blocks": args.num_blocks, "kv_memory_gb": args.kv_memory_gb}
 
 
 def run_demo(args: argparse.Namespace) -> list[Generation]:
@@ -1563,8 +1571,8 @@ def run_demo(args: argparse.Namespace) -> list[Generation]:
 
     console = Console()
     engine = Engine(
-        args.model, device=args.device, dtype=args.dtype, block_size=args.block_size,
-        num_blocks=args.num_blocks, enable_caching=not args.no_cache,
+        args.model, device=args.device, dtype=args.dtype, **pool_arguments(args),
+        enable_caching=not args.no_cache,
     )
     name = args.model or DEFAULT_MODEL
     console.print(f"[bold]{name}[/] on {engine.device}, {str(engine.dtype).removeprefix('torch.')}; "

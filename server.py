@@ -40,7 +40,8 @@ from flask import Flask, Response, request
 from werkzeug.exceptions import HTTPException
 
 from prefix_caching import (
-    DEFAULT_MODEL, Engine, Generation, OutOfBlocksError, StreamEvent, add_model_arguments, short_hash,
+    DEFAULT_MODEL, Engine, Generation, OutOfBlocksError, StreamEvent, add_model_arguments, pool_arguments,
+    short_hash,
 )
 
 log = logging.getLogger("server")
@@ -464,8 +465,7 @@ def main(argv: list[str] | None = None) -> None:
     console = Console(stderr=True)
     console.print(f"loading {args.model or DEFAULT_MODEL}…")  # the default's first load converts its GGUF file, and says so
     try:
-        engine = Engine(args.model, device=args.device, dtype=args.dtype,
-                        block_size=args.block_size, num_blocks=args.num_blocks)
+        engine = Engine(args.model, device=args.device, dtype=args.dtype, **pool_arguments(args))
     except (OSError, ValueError) as err:
         parser.exit(2, f"error: {err}\n")
     engine.warm_up()

@@ -27,7 +27,7 @@ import statistics
 from pathlib import Path
 
 from benchmarks import save_json
-from prefix_caching import Engine, add_model_arguments
+from prefix_caching import Engine, add_model_arguments, pool_arguments
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 
@@ -150,9 +150,7 @@ def main(argv: list[str] | None = None) -> dict:
     from rich.table import Table
 
     console = Console()
-    engine_args = dict(model_name_or_path=args.model, device=args.device, dtype=args.dtype,
-                       block_size=args.block_size, num_blocks=args.num_blocks)
-    on = Engine(**engine_args)
+    on = Engine(args.model, device=args.device, dtype=args.dtype, **pool_arguments(args))
     off = Engine(model=on.model, tokenizer=on.tokenizer, block_size=args.block_size,
                  num_blocks=on.allocator.num_blocks, enable_caching=False)
     device = torch.cuda.get_device_name(on.device) if on.device.type == "cuda" else (platform.processor() or platform.machine())

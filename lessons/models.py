@@ -25,6 +25,7 @@ from prefix_caching import (
     add_model_arguments,
     default_model_dir,
     load_model,
+    pool_arguments,
     resolve_device,
     resolve_dtype,
 )
@@ -84,10 +85,13 @@ TINY_NUM_BLOCKS = 1024  # the default 0.5 GiB budget would give the tiny model 6
 
 
 def make_engine(args: argparse.Namespace) -> Engine:
-    """An Engine over the model the flags name, its pool sized by --block-size and --num-blocks."""
+    """An Engine over the model the flags name, its pool sized by --block-size and --num-blocks
+    (or --kv-memory-gb)."""
     model, tokenizer = load(args)
-    num_blocks = TINY_NUM_BLOCKS if args.tiny and args.num_blocks is None else args.num_blocks
-    return Engine(model=model, tokenizer=tokenizer, block_size=args.block_size, num_blocks=num_blocks)
+    pool = pool_arguments(args)
+    if args.tiny and pool["num_blocks"] is None and pool["kv_memory_gb"] is None:
+        pool["num_blocks"] = TINY_NUM_BLOCKS
+    return Engine(model=model, tokenizer=tokenizer, **pool)
 
 
 def describe(model, args: argparse.Namespace) -> str:

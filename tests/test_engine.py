@@ -315,6 +315,28 @@ def test_a_request_failing_midway_frees_its_blocks_and_caches_no_unwritten_slot(
     assert engine.generate(prompt, max_tokens=8).token_ids == expected
 
 
+def test_a_memory_budget_sizes_the_pool_in_whole_blocks(make_engine):
+    # tiny model: 2 layers x K,V x 2 KV heads x 16 dims x 4 bytes = 512 bytes a slot, 2 KiB a block of 4
+    assert make_engine(num_blocks=None, kv_memory_gb=100 * 2048 / 2**30).allocator.num_blocks == 100
+    assert make_engine(num_blocks=None, kv_memory_gb=100.5 * 2048 / 2**30).allocator.num_blocks == 100
+    with pytest.raises(ValueError, match="less than one block"):
+        make_engine(num_blocks=None, kv_memory_gb=1e-9)
+
+
+def test_the_pool_flags_take_blocks_or_memory_not_both(capsys):
+    import argparse
+
+    from prefix_caching import add_model_arguments, pool_arguments
+
+    parser = argparse.ArgumentParser()
+    add_model_arguments(parser)
+    args = parser.parse_args(["--kv-memory-gb", "0.25", "--block-size", "8"])
+    assert pool_arguments(args) == {"block_size": 8, "num_blocks": None, "kv_memory_gb": 0.25}
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--num-blocks", "10", "--kv-memory-gb", "1"])
+    assert "not allowed with argument" in capsys.readouterr().err
+
+
 def test_engine_arguments_are_checked(tiny_model, tokenizer):
     with pytest.raises(ValueError, match="both"):
         Engine(model=tiny_model)
