@@ -1561,7 +1561,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
 
 def pool_arguments(args: argparse.Namespace) -> dict:
     """Engine keyword arguments from the pool flags of add_model_arguments."""
-    return {"block_size": args.block_size, "num_blocks": args.num_blocks, "kv_memory_gb": args.kv_memory_gb}
+    return {"block_size": args.block_size, "num_blocks": args.num_blocks,
+            "kv_memory_gb": getattr(args, "kv_memory_gb", None)}  # a hand-made Namespace may leave it out
 
 
 def run_demo(args: argparse.Namespace) -> list[Generation]:
