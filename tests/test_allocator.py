@@ -394,3 +394,12 @@ def test_free_with_num_computed_tokens_uncaches_blocks_nobody_wrote():
     with pytest.raises(ValueError, match="num_computed_tokens"):
         alloc.free("s", num_computed_tokens=3)
     assert alloc.block_tables["s"]  # a refused free changes nothing
+
+
+def test_freeing_hashless_blocks_to_the_head_keeps_more_of_a_tight_pool_cached():
+    # The figures the README, stage 6 and the syllabus quote from --bench allocator: counts, not times.
+    from benchmarks.allocator import free_order_hit_rates
+
+    rates = free_order_hit_rates(20_000)
+    assert round(rates["tail"]["hit_rate"], 3) == 0.538
+    assert round(rates["head"]["hit_rate"], 3) == 0.784 and rates["head"]["evictions"] == 0
