@@ -359,6 +359,11 @@ class PrefixCachingAllocator:
         return len(self.free_queue)
 
     @property
+    def num_blocks_in_use(self) -> int:
+        """Blocks some running request holds (ref count > 0): all but the free ones."""
+        return self.num_blocks - len(self.free_queue)
+
+    @property
     def num_cached_blocks(self) -> int:
         """Blocks holding a cached hash, in use or free."""
         return sum(1 for b in self.blocks if b.block_hash is not None)
@@ -728,7 +733,7 @@ def render_stats(alloc: PrefixCachingAllocator):
         "requests": s.requests,
         "hit rate": f"{s.hit_rate:.1%} ({s.hit_tokens}/{s.queried_tokens} tokens)",
         "blocks free / in use / cached": (
-            f"{alloc.num_free_blocks} / {alloc.num_blocks - alloc.num_free_blocks} / {alloc.num_cached_blocks}"
+            f"{alloc.num_free_blocks} / {alloc.num_blocks_in_use} / {alloc.num_cached_blocks}"
         ),
         "evictions": s.evictions,
         "hash collisions": s.hash_collisions,

@@ -31,6 +31,7 @@ import hashlib
 import itertools
 import json
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +39,7 @@ from typing import Iterator
 
 from flask import Flask, Response, request
 from werkzeug.exceptions import HTTPException
+from werkzeug.serving import make_server
 
 from prefix_caching import (
     DEFAULT_MODEL, Engine, Generation, OutOfBlocksError, StreamEvent, add_model_arguments, pool_arguments,
@@ -347,7 +349,7 @@ def create_app(
             "block_size": alloc.block_size,
             "num_free_blocks": alloc.num_free_blocks,
             "num_cached_blocks": alloc.num_cached_blocks,
-            "blocks_in_use": alloc.num_blocks - alloc.num_free_blocks,
+            "blocks_in_use": alloc.num_blocks_in_use,
             "running_requests": len(alloc.block_tables),
             **alloc.stats.as_dict(),
         }
@@ -387,8 +389,7 @@ def create_app(
     def reset_prefix_cache():
         with engine.lock:
             if not alloc.reset_prefix_cache():
-                in_use = alloc.num_blocks - alloc.num_free_blocks
-                raise APIError(409, f"{in_use} blocks are in use by {len(alloc.block_tables)} running requests; "
+                raise APIError(409, f"{alloc.num_blocks_in_use} blocks are in use by {len(alloc.block_tables)} running requests; "
                                     f"the cache can be reset only when no request runs")
             return figures()
 
@@ -444,13 +445,21 @@ def create_app(
 
 
 # -----------------------------------------------------------------------------
-# 5. Command line
+# 5. Running it
+
+
+def serve_in_background(app: Flask, host: str = "127.0.0.1", port: int = 0):
+    """Serve `app` from a daemon thread, for a lesson, test or benchmark that runs the server
+    inside its own process; port 0 lets the OS pick a free one. Returns (base URL, server);
+    server.shutdown() stops it."""
+    server = make_server(host, port, app, threaded=True)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return f"http://{host}:{server.server_port}", server
 
 
 def main(argv: list[str] | None = None) -> None:
     from rich.console import Console
     from rich.logging import RichHandler
-    from werkzeug.serving import make_server
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip())
     parser.add_argument("--host", default="127.0.0.1", help="0.0.0.0 lets other machines (a class) connect")

@@ -95,17 +95,13 @@ def load(url: str, clients: int, requests: int, max_tokens: int, time_limit: flo
 
 def start_server(enable_caching: bool):
     """The default model served in a daemon thread on a free loopback port; (url, server)."""
-    from werkzeug.serving import make_server
-
     from prefix_caching import Engine
-    from server import create_app
+    from server import create_app, serve_in_background
 
     logging.getLogger("werkzeug").setLevel(logging.WARNING)  # no line per request on the screen
     engine = Engine(enable_caching=enable_caching)
     engine.warm_up()
-    server = make_server("127.0.0.1", 0, create_app(engine), threaded=True)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    return f"http://127.0.0.1:{server.server_port}", server
+    return serve_in_background(create_app(engine))
 
 
 def main(argv: list[str] | None = None) -> list[dict]:

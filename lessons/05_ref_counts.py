@@ -49,7 +49,7 @@ def main() -> None:
     def record(event: str, cached: int | str = "") -> None:
         refs = [alloc.ref_count(b) for b in range(system_blocks)]  # NEW
         free_cached = sum(1 for b in alloc.free_queue if b.block_hash is not None)
-        history.add_row(event, str(refs), str(cached), str(alloc.num_blocks - alloc.num_free_blocks),
+        history.add_row(event, str(refs), str(cached), str(alloc.num_blocks_in_use),
                         f"{alloc.num_free_blocks} ({free_cached})")
 
     console.print(Rule(f"1. Four users, one system prompt of {len(system)} tokens ({system_blocks} blocks)"))
@@ -63,7 +63,7 @@ def main() -> None:
     console.print("Logical blocks 0-3 of every user map to the same physical blocks 0-3; only the question "
                   "blocks are their own.")
 
-    shared_blocks = alloc.num_blocks - alloc.num_free_blocks
+    shared_blocks = alloc.num_blocks_in_use
     unshared_blocks = sum(len(table) for table in alloc.block_tables.values())
     console.print(f"Blocks in use: {shared_blocks} shared vs {unshared_blocks} if each user had a private copy "
                   f"({1 - shared_blocks / unshared_blocks:.0%} less KV memory).")

@@ -23,7 +23,6 @@ import json
 import logging
 import statistics
 import sys
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -34,11 +33,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find prefix_cach
 from rich.console import Console
 from rich.rule import Rule
 from rich.table import Table
-from werkzeug.serving import make_server
 
 import models
 from prefix_caching import DEMO_QUESTIONS, DEMO_SYSTEM_PROMPT
-from server import create_app
+from server import create_app, serve_in_background
 
 # The victim's secret is who sends the letter; the rest is the company's template, which
 # everybody there (the attacker included) knows.
@@ -66,13 +64,6 @@ I would be grateful if this stayed between us until I have told the rest of the 
 Kind regards"""
 VICTIM = "Dana Whitfield"
 GUESSES = ["Sam Ortega", VICTIM, "Priya Natarajan", "Lena Brandt"]  # the attacker's candidates
-
-
-def start_server(app):
-    """Serve `app` on a free port of 127.0.0.1 in a daemon thread: (base URL, the server)."""
-    server = make_server("127.0.0.1", 0, app, threaded=True)  # NEW: port 0 lets the OS pick a free one
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    return f"http://127.0.0.1:{server.server_port}", server
 
 
 def post(url: str, body: dict, api_key: str | None = None) -> tuple[dict, float]:
@@ -141,8 +132,9 @@ def main(argv: list[str] | None = None) -> None:
     engine = models.make_engine(args)
     console.print(models.describe(engine.model, args))
     engine.warm_up()
-    url, server = start_server(create_app(engine, model_name="lesson-model"))  # NEW
-    salted_url, salted_server = start_server(create_app(engine, model_name="lesson-model", salt_by_api_key=True))  # NEW
+    # NEW: two apps over one engine, each served from a thread of this process on a free port
+    url, server = serve_in_background(create_app(engine, model_name="lesson-model"))
+    salted_url, salted_server = serve_in_background(create_app(engine, model_name="lesson-model", salt_by_api_key=True))
     console.print(f"serving on {url}, and with --salt-by-api-key on {salted_url} (one engine, one pool)")
 
     console.print(Rule("1. The cache over HTTP: usage.prompt_tokens_details.cached_tokens"))

@@ -74,6 +74,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         # every block free xor referenced, exactly once; ref counts = holders;
         # block contents match the requests' tokens
         self.alloc.check_invariants()
+        assert self.alloc.num_blocks_in_use == sum(1 for b in self.alloc.blocks if b.ref_cnt > 0)
         size = self.alloc.block_size
         for request in self.alloc.requests.values():
             # hashes made block by block during decode equal hashing the whole sequence

@@ -13,7 +13,6 @@ import os
 import socket
 import subprocess
 import sys
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -21,11 +20,10 @@ from pathlib import Path
 
 import openai
 import pytest
-from werkzeug.serving import make_server
 
 from conftest import assert_pool_whole
 from prefix_caching import Engine
-from server import create_app
+from server import create_app, serve_in_background
 
 MODEL = "tiny-llama"
 SYSTEM = "You are a patient teacher. Answer every question in one short sentence. "
@@ -35,14 +33,11 @@ CHAT = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What
 @contextlib.contextmanager
 def serve(app):
     """Run `app` on a free port of 127.0.0.1 in a daemon thread; yields its base URL."""
-    server = make_server("127.0.0.1", 0, app, threaded=True)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
+    url, server = serve_in_background(app)
     try:
-        yield f"http://127.0.0.1:{server.server_port}"
+        yield url
     finally:
         server.shutdown()
-        thread.join()
 
 
 def call(url: str, path: str, body=None, *, method=None, headers=None) -> tuple[int, dict]:
