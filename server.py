@@ -468,6 +468,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--salt-by-api-key", action="store_true", help="isolate each bearer token's cache")
     parser.add_argument("--max-tokens-limit", type=int, default=DEFAULT_MAX_TOKENS_LIMIT)
     args = parser.parse_args(argv)
+    if args.max_tokens_limit < 1:
+        parser.error(f"--max-tokens-limit must be at least 1, got {args.max_tokens_limit}")
 
     logging.basicConfig(level=logging.INFO, format="%(message)s", handlers=[RichHandler(show_path=False)])
     logging.getLogger("werkzeug").setLevel(logging.WARNING)  # our own line per request instead

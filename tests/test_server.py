@@ -423,3 +423,15 @@ def test_python_server_py_serves_the_default_model():
         output = process.communicate(timeout=30)[0]
     assert f"serving SmolLM2-135M-Instruct on {url}" in output
     assert f"/generate: prompt {reply['prompt_tokens']} tokens, cached 0" in output
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--max-tokens-limit", "0"], "--max-tokens-limit must be at least 1"),
+    (["--num-blocks", "10", "--kv-memory-gb", "1"], "not allowed with argument"),
+])
+def test_python_server_py_refuses_bad_flags_before_loading_anything(flags, words, capsys):
+    import server
+
+    with pytest.raises(SystemExit) as exit_info:
+        server.main(flags)
+    assert exit_info.value.code == 2 and words in capsys.readouterr().err
