@@ -110,6 +110,40 @@ def hash_block_tokens(
     return _DIGEST[algo](_encode(parent, array("q", token_ids).tobytes(), _encode_extra(extra_keys)))
 
 
+MAX_CACHE_SALT_LENGTH = 128
+_FORBIDDEN_IN_SALT = ("@", "/", "\\", "\0")
+
+
+def check_cache_salt(cache_salt) -> str | None:
+    """A cache_salt as vLLM takes it: None or "" (no salt, the public cache), or a str of at
+    most 128 characters without '@', '/', '\\' or NUL. Returns the salt, None for "".
+
+    >>> check_cache_salt(""), check_cache_salt("class-b")
+    (None, 'class-b')
+    """
+    if cache_salt is None or cache_salt == "":
+        return None
+    if not isinstance(cache_salt, str):
+        raise TypeError(f"cache_salt must be a str or None, got {type(cache_salt).__name__}")
+    if len(cache_salt) > MAX_CACHE_SALT_LENGTH:
+        raise ValueError(f"cache_salt is {len(cache_salt)} characters; at most {MAX_CACHE_SALT_LENGTH} are allowed")
+    bad = [c for c in _FORBIDDEN_IN_SALT if c in cache_salt]
+    if bad:
+        raise ValueError(f"cache_salt must not contain {bad[0]!r} (nor any of '@', '/', '\\', NUL)")
+    check_text(cache_salt, "cache_salt")
+    return cache_salt
+
+
+def check_text(text: str, what: str) -> str:
+    """Refuse a str that is not valid Unicode text (a lone surrogate such as "\\ud800", which
+    JSON allows but UTF-8 cannot encode): tokenizers and hashes fail on it much later."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise ValueError(f"{what} holds {text[err.start]!r}, a lone surrogate, which is not text; send valid UTF-8") from None
+    return text
+
+
 def block_extra_keys(block_index: int, cache_salt: str | None, extra_keys: tuple) -> tuple:
     """The extra keys of block `block_index`: `extra_keys` always, the salt on block 0 only.
 
@@ -175,12 +209,15 @@ def short_hash(block_hash: BlockHash | None) -> str:
 
 @dataclass(eq=False)
 class KVCacheBlock:
-    block_id: int
-    ref_cnt: int = 0
-    block_hash: BlockHash | None = None  # set when the block is full and cached
-    token_ids: list[int] = field(default_factory=list)  # what its slots hold, for lookups and views
-    prev_free: KVCacheBlock | None = field(default=None, repr=False)
-    next_free: KVCacheBlock | None = field(default=None, repr=False)
+    """One block of the pool: the bookkeeping for block_size slots of K/V memory."""
+
+    block_id: int  # its index in the pool, fixed for life: slots block_id * block_size ...
+    ref_cnt: int = 0  # how many running requests have it in their block table; 0 = free
+    block_hash: BlockHash | None = None  # set once the block is full and cached, dropped on eviction
+    token_ids: list[int] = field(default_factory=list)  # what its slots hold: hits compare them
+    cache_salt: str | None = None  # the tenant of the request that filled it (None: public)
+    prev_free: KVCacheBlock | None = field(default=None, repr=False)  # free queue links, None while
+    next_free: KVCacheBlock | None = field(default=None, repr=False)  # the block is in use
 
 
 class FreeKVCacheBlockQueue:
@@ -257,9 +294,9 @@ class FreeKVCacheBlockQueue:
 # blocks holding that content) and one block table per running request. Its operations are
 # those of vLLM v1's KVCacheManager + BlockPool, folded into one class:
 #
-#   allocate_with_prefix  lookup the longest cached prefix, touch the hits, pop new blocks
-#                         from the head of the free queue (evicting their old hash), and
-#                         cache every block that is already full
+#   allocate_with_prefix  lookup the longest cached prefix, check there is room, touch the
+#                         hits, take new blocks from the head of the free queue (evict: their
+#                         old hash is dropped), and cache every block that is already full
 #   append_token          one decode step: a new block when the last one is full; a block
 #                         is cached the moment it fills
 #   free                  ref counts down, in reverse block order; blocks that reach 0 go
@@ -298,7 +335,10 @@ class _Request:
     token_ids: list[int]
     cache_salt: str | None
     extra_keys: tuple
-    block_hashes: list[BlockHash]  # of the request's full blocks, in order
+    block_hashes: list[BlockHash]  # of the request's cached full blocks, in order
+    # False after a hash collision: the request's later blocks would be named by a chain that
+    # already names other tokens, so none of them is cached (see allocate_with_prefix).
+    cacheable: bool = True
 
 
 def _check_tokens(token_ids, what: str) -> list[int]:
@@ -423,11 +463,13 @@ class PrefixCachingAllocator:
         token_ids = _check_tokens(token_ids, "token_ids")
         if not self.enable_caching or not token_ids:
             return 0
-        hashes = compute_block_hashes(token_ids, self.block_size, cache_salt, tuple(extra_keys), self.hash_algo)
+        hashes = compute_block_hashes(
+            token_ids, self.block_size, check_cache_salt(cache_salt), tuple(extra_keys), self.hash_algo
+        )
         hits, _ = self.find_longest_cache_hit(token_ids, hashes)
         return len(hits) * self.block_size
 
-    # --- allocate --------------------------------------------------------------------------
+    # --- allocate ----------------------------------------------------------------------------
 
     def allocate_with_prefix(
         self,
@@ -439,8 +481,48 @@ class PrefixCachingAllocator:
         """Give a new request blocks for its prompt, reusing the longest cached prefix.
 
         All or nothing: if the pool cannot hold the prompt, OutOfBlocksError is raised and
-        nothing has changed.
+        nothing has changed. The five steps of vLLM's "new request" workflow:
+        lookup, room, touch, take, cache.
         """
+        token_ids, cache_salt, extra_keys = self._check_new_request(request_id, token_ids, cache_salt, extra_keys)
+        num_needed = -(-len(token_ids) // self.block_size)  # ceil division
+
+        # 1. lookup: the cached blocks the prompt starts with.
+        hashes: list[BlockHash] = []
+        hits: list[KVCacheBlock] = []
+        collided = False
+        if self.enable_caching:
+            hashes = compute_block_hashes(token_ids, self.block_size, cache_salt, extra_keys, self.hash_algo)
+            hits, collided = self.find_longest_cache_hit(token_ids, hashes)
+        # 2. room: check before changing anything, so a refusal leaves no trace.
+        self._check_room(request_id, num_needed - len(hits), hits)
+        # 3. touch the hits first, so taking new blocks below can never evict them.
+        self.touch(hits)
+        # 4. take new blocks from the head of the free queue for the rest of the prompt.
+        table = [b.block_id for b in hits] + [b.block_id for b in self.get_new_blocks(num_needed - len(hits))]
+        # 5. cache: fill the new blocks and cache the full ones right away.
+        if collided:
+            # The chain from here on names other tokens: a block cached under it could be
+            # "hit" by a request whose earlier blocks differ. Cache none of this request.
+            hashes = hashes[: len(hits)]
+        for i in range(len(hits), num_needed):
+            block = self.blocks[table[i]]
+            block.token_ids = token_ids[i * self.block_size : (i + 1) * self.block_size]
+            block.cache_salt = cache_salt
+            if i < len(hashes):
+                self._cache_block(block, hashes[i])
+
+        self.block_tables[request_id] = table
+        self.requests[request_id] = _Request(token_ids, cache_salt, extra_keys, hashes, cacheable=not collided)
+        num_cached = len(hits) * self.block_size
+        self.stats.requests += 1
+        self.stats.queried_tokens += len(token_ids)
+        self.stats.hit_tokens += num_cached
+        self.stats.hash_collisions += collided
+        return Allocation(num_cached, len(token_ids) - num_cached)
+
+    def _check_new_request(self, request_id, token_ids, cache_salt, extra_keys) -> tuple[list[int], str | None, tuple]:
+        """The arguments of allocate_with_prefix, checked and normalised; raises before any change."""
         token_ids = _check_tokens(token_ids, "token_ids")
         if not isinstance(request_id, str) or not request_id:
             raise TypeError(f"request_id must be a non-empty str, got {request_id!r}")
@@ -448,29 +530,22 @@ class PrefixCachingAllocator:
             raise ValueError(f"request id {request_id!r} is already running; free it first or pick another id")
         if not token_ids:
             raise ValueError("the prompt is empty: a request needs at least one token")
-        if cache_salt is not None and not isinstance(cache_salt, str):
-            raise TypeError(f"cache_salt must be a str or None, got {type(cache_salt).__name__}")
+        cache_salt = check_cache_salt(cache_salt)
         extra_keys = tuple(extra_keys)
         for key in extra_keys:
             if isinstance(key, bool) or not isinstance(key, (str, int)):
                 raise TypeError(f"extra_keys must hold str or int values (e.g. a LoRA name), found {key!r}")
-        num_needed = -(-len(token_ids) // self.block_size)  # ceil division
+        num_needed = -(-len(token_ids) // self.block_size)
         if num_needed > self.num_blocks:
             raise ValueError(
                 f"a prompt of {len(token_ids)} tokens needs {num_needed} blocks of {self.block_size} "
                 f"but the whole pool has {self.num_blocks}; shorten it or make the pool bigger"
             )
+        return token_ids, cache_salt, extra_keys
 
-        hashes: list[BlockHash] = []
-        hits: list[KVCacheBlock] = []
-        collided = False
-        if self.enable_caching:
-            hashes = compute_block_hashes(token_ids, self.block_size, cache_salt, extra_keys, self.hash_algo)
-            hits, collided = self.find_longest_cache_hit(token_ids, hashes)
-
-        # Capacity check before touching anything. Hit blocks with ref count 0 are sitting
-        # in the free queue, so touching them uses up free blocks too.
-        num_new = num_needed - len(hits)
+    def _check_room(self, request_id: str, num_new: int, hits: list[KVCacheBlock]) -> None:
+        # Hit blocks with ref count 0 are sitting in the free queue, so touching them uses up
+        # free blocks too.
         num_free_hits = sum(1 for b in hits if b.ref_cnt == 0)
         if num_new + num_free_hits > self.num_free_blocks:
             self.stats.refused += 1
@@ -480,41 +555,33 @@ class PrefixCachingAllocator:
                 f"free a running request or make the pool bigger"
             )
 
-        # Touch the hits first, so popping new blocks below can never evict them.
-        for block in hits:
+    def touch(self, blocks: list[KVCacheBlock]) -> None:
+        """A request takes a reference to cached blocks: one more ref count each, and a block
+        that was free leaves the free queue (from wherever it is: O(1)), so nothing evicts it."""
+        for block in blocks:
             if block.ref_cnt == 0:
                 self.free_queue.remove(block)
             block.ref_cnt += 1
-        table = [b.block_id for b in hits]
-        for _ in range(num_new):
-            table.append(self._pop_free_block().block_id)
 
-        # Fill the new blocks and cache the ones that are full right away. A full block whose
-        # hash is already cached elsewhere is cached again ("duplicated blocks"): block
-        # tables are append-only, so the request keeps its own copy until it is freed.
-        for i in range(len(hits), num_needed):
-            block = self.blocks[table[i]]
-            block.token_ids = token_ids[i * self.block_size : (i + 1) * self.block_size]
-            if i < len(hashes):
-                self._cache_block(block, hashes[i])
+    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        """Pop `num_blocks` from the head of the free queue, evicting the cached ones."""
+        blocks = []
+        for _ in range(num_blocks):
+            block = self.free_queue.popleft()
+            self.evict(block)
+            block.token_ids = []
+            block.ref_cnt = 1
+            blocks.append(block)
+        return blocks
 
-        self.block_tables[request_id] = table
-        self.requests[request_id] = _Request(token_ids, cache_salt, extra_keys, hashes)
-        num_cached = len(hits) * self.block_size
-        self.stats.requests += 1
-        self.stats.queried_tokens += len(token_ids)
-        self.stats.hit_tokens += num_cached
-        self.stats.hash_collisions += collided
-        return Allocation(num_cached, len(token_ids) - num_cached)
-
-    def _pop_free_block(self) -> KVCacheBlock:
-        block = self.free_queue.popleft()
-        if block.block_hash is not None:  # evict: its content is about to be overwritten
-            self._uncache(block)
-            self.stats.evictions += 1
-        block.token_ids = []
-        block.ref_cnt = 1
-        return block
+    def evict(self, block: KVCacheBlock) -> bool:
+        """Forget a free block's hash: its slots are about to be overwritten, so no later
+        request may hit it. Returns whether it held one (vLLM: _maybe_evict_cached_block)."""
+        if block.block_hash is None:
+            return False
+        self._uncache(block)
+        self.stats.evictions += 1
+        return True
 
     def _uncache(self, block: KVCacheBlock) -> None:
         holders = self.cached_blocks[block.block_hash]
@@ -524,6 +591,9 @@ class PrefixCachingAllocator:
         block.block_hash = None
 
     def _cache_block(self, block: KVCacheBlock, block_hash: BlockHash) -> None:
+        # One hash can be held by several blocks ("duplicated blocks"): two requests that
+        # computed the same block before either was cached. Block tables are append-only, so
+        # each keeps its own copy until it is freed.
         block.block_hash = block_hash
         self.cached_blocks.setdefault(block_hash, {})[block.block_id] = block
         self.stats.blocks_cached += 1
@@ -546,11 +616,13 @@ class PrefixCachingAllocator:
                     f"request {request_id!r} needs a new block for token {position} "
                     f"but all {self.num_blocks} blocks are in use"
                 )
-            table.append(self._pop_free_block().block_id)
+            (new_block,) = self.get_new_blocks(1)
+            new_block.cache_salt = request.cache_salt
+            table.append(new_block.block_id)
         request.token_ids.append(token_id)
         block = self.blocks[table[-1]]
         block.token_ids.append(token_id)
-        if self.enable_caching and len(block.token_ids) == self.block_size:
+        if self.enable_caching and request.cacheable and len(block.token_ids) == self.block_size:
             index = len(table) - 1
             parent = request.block_hashes[-1] if request.block_hashes else None
             keys = block_extra_keys(index, request.cache_salt, request.extra_keys)
@@ -586,6 +658,7 @@ class PrefixCachingAllocator:
         uncached = [b for b in freed if b.block_hash is None]
         for block in uncached:
             block.token_ids = []  # nothing can ever hit it: forget its content
+            block.cache_salt = None
         if self.free_uncached_first:
             # Newer vLLM: blocks without a hash can never be hit, so hand them out before
             # any cached block, which keeps more of the cache alive.
@@ -613,6 +686,7 @@ class PrefixCachingAllocator:
         for block in self.blocks:
             block.block_hash = None
             block.token_ids = []
+            block.cache_salt = None
         self.cached_blocks.clear()
         self.stats = CacheStats()
         return True
@@ -631,8 +705,13 @@ class PrefixCachingAllocator:
             assert in_queue == (block.ref_cnt == 0), f"block {block.block_id} free xor referenced"
         for block_hash, blocks in self.cached_blocks.items():
             assert blocks, "empty entry in the cache map"
+            contents = set()
             for block in blocks.values():
                 assert block.block_hash == block_hash and len(block.token_ids) == self.block_size
+                contents.add(tuple(block.token_ids))
+            # Duplicated blocks hold the same tokens; a hash over two contents is a collision
+            # that was cached anyway, and a lookup could hand out the wrong one.
+            assert len(contents) == 1, f"hash {short_hash(block_hash)} names {len(contents)} different contents"
         assert sum(map(len, self.cached_blocks.values())) == self.num_cached_blocks
         for request_id, table in self.block_tables.items():
             tokens = self.requests[request_id].token_ids
@@ -1175,9 +1254,13 @@ class SamplingParams:
     def __post_init__(self):
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
-        if not _is_number(self.temperature) or not 0 <= self.temperature < math.inf:
+        # Stored as floats: an int such as 10**400 or 2**64 would otherwise overflow only
+        # later, inside the sampler, after the whole prefill ran.
+        object.__setattr__(self, "temperature", _as_float(self.temperature, "temperature"))
+        object.__setattr__(self, "top_p", _as_float(self.top_p, "top_p"))
+        if not 0 <= self.temperature < math.inf:
             raise ValueError(f"temperature must be a finite number >= 0 (0 means greedy), got {self.temperature!r}")
-        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
+        if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
                                       or not 0 <= self.seed < 2**63):
@@ -1193,8 +1276,13 @@ class SamplingParams:
 GREEDY_BELOW_TEMPERATURE = 1e-5
 
 
-def _is_number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
+def _as_float(x, name: str) -> float:
+    if not isinstance(x, (int, float)) or isinstance(x, bool):
+        raise ValueError(f"{name} must be a number, got {x!r:.40}")
+    try:
+        return float(x)
+    except OverflowError:
+        raise ValueError(f"{name} is too large to be a number of this engine (got an int of {len(str(x))} digits)") from None
 
 
 def sample(logits, params: SamplingParams, generator=None) -> int:
@@ -1281,6 +1369,36 @@ class _Stopwatch:
         return elapsed
 
 
+CHAT_ROLES = ("system", "user", "assistant")
+
+
+def _check_stop(stop) -> tuple[str, ...]:
+    """stop as a tuple of non-empty strings: None -> (), "x" -> ("x",)."""
+    if stop is None:
+        return ()
+    stops = (stop,) if isinstance(stop, str) else stop
+    if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) and s for s in stops):
+        raise ValueError(f"stop must be a non-empty string or a list of them, got {stop!r:.60}")
+    for s in stops:
+        check_text(s, "a stop string")
+    return tuple(stops)
+
+
+def _held_back(text: str, stop: tuple[str, ...]) -> int:
+    """How many characters at the end of `text` could be the start of a stop string.
+
+    >>> _held_back("The answer is 4", ("4.", "Q:"))   # "4" may become "4."
+    1
+    """
+    held = 0
+    for s in stop:
+        for n in range(min(len(s) - 1, len(text)), held, -1):
+            if text.endswith(s[:n]):
+                held = n
+                break
+    return held
+
+
 DEFAULT_KV_MEMORY_GB = 0.5  # the pool's size when neither num_blocks nor kv_memory_gb is given
 
 
@@ -1293,8 +1411,12 @@ class Engine:
 
     engine.model, engine.tokenizer, engine.allocator (the block bookkeeping) and engine.kv
     (the K/V memory its block ids point into). The pool is sized by num_blocks or by a
-    memory budget, kv_memory_gb (0.5 GiB when neither is given). engine.lock is held for every
-    step; hold it yourself to read the allocator or the pool between two steps.
+    memory budget, kv_memory_gb (0.5 GiB when neither is given).
+
+    Two locks. engine.lock is held for every step (a request's allocation and prefill
+    together, or one decoded token); hold it yourself to read the pool between two steps.
+    engine.allocator_lock is held only around the allocator's bookkeeping, microseconds at a
+    time and never across a forward pass: hold it to read the allocator while a step runs.
     """
 
     def __init__(
@@ -1344,9 +1466,11 @@ class Engine:
         self.stop_token_ids = {eos} if isinstance(eos, int) else set(eos or ())
         self.max_model_len = getattr(model.config.get_text_config(), "max_position_embeddings", None)
         self._request_counter = itertools.count()
-        # One lock around every step that touches the allocator, the pool or the model, so
-        # several streams (a server's clients) can interleave their steps token by token.
-        self.lock = threading.Lock()
+        # One lock around every step that touches the pool or the model, so several streams
+        # (a server's clients) interleave their steps token by token. Reentrant: a caller that
+        # holds it can still close() a stream, whose cleanup takes it again.
+        self.lock = threading.RLock()
+        self.allocator_lock = threading.RLock()
 
     # --- prompts -----------------------------------------------------------------------------
 
@@ -1357,7 +1481,7 @@ class Engine:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("the prompt is empty: give some text, messages or token ids")
-            return self.tokenizer.encode(prompt)
+            return self.tokenizer.encode(check_text(prompt, "the prompt"))
         if not isinstance(prompt, (list, tuple)) or not prompt:
             raise ValueError(
                 f"prompt must be a non-empty str, list of messages or list of token ids, got {prompt!r:.80}"
@@ -1373,6 +1497,9 @@ class Engine:
                 raise ValueError(
                     f'each chat message must be a dict {{"role": str, "content": str}}, got {message!r:.80}'
                 )
+            if message["role"] not in CHAT_ROLES:
+                raise ValueError(f"unknown chat role {message['role']!r:.40}; a message's role is one of {', '.join(CHAT_ROLES)}")
+            check_text(message["content"], "a message's content")
         if not self.tokenizer.chat_template:
             raise ValueError("this tokenizer has no chat template: pass the prompt as a str instead of messages")
         return list(self.tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, return_dict=False))
@@ -1397,59 +1524,83 @@ class Engine:
     # --- running a request ---------------------------------------------------------------
 
     def generate(self, prompt, max_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0,
-                 seed: int | None = None, cache_salt: str | None = None, request_id: str | None = None) -> Generation:
+                 seed: int | None = None, cache_salt: str | None = None, request_id: str | None = None,
+                 stop: str | Sequence[str] | None = None) -> Generation:
         """Run one request to the end and return its Generation (see stream for the arguments)."""
-        for event in self.stream(prompt, max_tokens, temperature, top_p, seed, cache_salt, request_id):
+        for event in self.stream(prompt, max_tokens, temperature, top_p, seed, cache_salt, request_id, stop):
             pass
         return event.generation
 
     def stream(self, prompt, max_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0,
-               seed: int | None = None, cache_salt: str | None = None,
-               request_id: str | None = None) -> Iterator[StreamEvent]:
+               seed: int | None = None, cache_salt: str | None = None, request_id: str | None = None,
+               stop: str | Sequence[str] | None = None) -> Iterator[StreamEvent]:
         """Yield a StreamEvent per generated token.
 
-        Bad arguments raise ValueError here, at the call. The request takes its blocks when
-        iteration starts and gives them back when it ends, fails, or is closed early
-        (a client that disconnects: close() the iterator).
-        cache_salt: requests hit each other's blocks only when their salts are equal.
+        Every argument is checked here, at the call, before anything runs: a bad one raises
+        ValueError. The request takes its blocks when iteration starts and gives them back
+        when it ends, fails, or is closed early (a client that disconnects: close() the
+        iterator). A request id still running raises ValueError here too, or at the first
+        next() if another request takes it in between.
+        cache_salt: requests hit each other's blocks only when their salts are equal
+            (None and "" are the public cache).
+        stop: a str or a list of them; the reply ends before the first one it contains,
+            with finish_reason "stop", and the stop text is not part of it.
         """
         arrival = time.perf_counter()
         params = SamplingParams(max_tokens, temperature, top_p, seed)
+        try:
+            cache_salt = check_cache_salt(cache_salt)
+        except TypeError as err:
+            raise ValueError(str(err)) from None
+        stop = _check_stop(stop)
         prompt_ids = self.tokenize(prompt)
         self._check_fits(len(prompt_ids), max_tokens)
-        request_id = request_id or f"request-{next(self._request_counter)}"
-        return self._run(request_id, prompt_ids, params, cache_salt, arrival)
+        if request_id is None:
+            request_id = f"request-{next(self._request_counter)}"
+        elif not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty str or None, got {request_id!r:.40}")
+        with self.allocator_lock:
+            if request_id in self.allocator.requests:
+                raise ValueError(f"request id {request_id!r} is already running; pick another id")
+        return self._run(request_id, prompt_ids, params, cache_salt, stop, arrival)
 
-    def _forward(self, token_ids: list[int], cache):
-        """Logits of the last position. The cache grows in place by len(token_ids) tokens;
-        position ids continue after what it already holds."""
+    def _forward(self, token_ids: list[int], past_key_values):
+        """Logits of the last position. past_key_values grows in place by len(token_ids)
+        tokens; position ids continue after what it already holds."""
         import torch
 
         input_ids = torch.tensor([token_ids], device=self.device)
-        return self.model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[0, -1]
+        output = self.model(input_ids=input_ids, past_key_values=past_key_values, use_cache=True, logits_to_keep=1)
+        return output.logits[0, -1]
 
-    def _run(self, request_id, prompt_ids, params, cache_salt, arrival) -> Iterator[StreamEvent]:
+    def _run(self, request_id, prompt_ids, params, cache_salt, stop, arrival) -> Iterator[StreamEvent]:
         import torch
 
-        alloc, bs = self.allocator, self.allocator.block_size
+        alloc, block_size = self.allocator, self.allocator.block_size
         reply = Generation(request_id, prompt_tokens=len(prompt_ids))
         generator = None if params.seed is None else torch.Generator().manual_seed(params.seed)
-        with self.lock:
-            clock = _Stopwatch(self.device)
-            try:
-                num_cached, _ = alloc.allocate_with_prefix(request_id, prompt_ids, cache_salt=cache_salt)
-            except OutOfBlocksError as err:
-                raise OutOfBlocksError(f"{err} (num_blocks / --num-blocks). Now: {self.kv}") from err
-            reply.prefill.lookup_ms = clock.lap()
-        reply.cached_tokens = num_computed = num_cached  # tokens whose K/V are in the pool
+        allocated = False
+        num_computed = 0  # tokens whose K/V are in the pool
         try:
+            # Allocation and prefill are one step, under one hold of the lock. allocate_with_prefix
+            # caches the prompt's full blocks at once; if the lock were let go before their K/V
+            # is written, another request could hit them and read slots nobody wrote yet.
             with self.lock, torch.inference_mode():
-                table = alloc.block_tables[request_id]
-                cache = self.kv.gather(table[: num_cached // bs], self.model.config)
+                clock = _Stopwatch(self.device)
+                with self.allocator_lock:
+                    try:
+                        num_cached, _ = alloc.allocate_with_prefix(request_id, prompt_ids, cache_salt=cache_salt)
+                    except OutOfBlocksError as err:
+                        raise OutOfBlocksError(f"{err} (num_blocks / --num-blocks). Now: {self.kv}") from err
+                    table = list(alloc.block_tables[request_id])
+                allocated = True
+                reply.cached_tokens = num_computed = num_cached
+                reply.prefill.lookup_ms = clock.lap()
+                past_key_values = self.kv.gather(table[: num_cached // block_size], self.model.config)
                 reply.prefill.gather_ms = clock.lap()
-                logits = self._forward(prompt_ids[num_cached:], cache)
+                logits = self._forward(prompt_ids[num_cached:], past_key_values)
                 reply.prefill.forward_ms = clock.lap()
-                self.kv.write(cache, table, num_cached, len(prompt_ids))
+                self.kv.write(past_key_values, table, num_cached, len(prompt_ids))
                 num_computed = len(prompt_ids)
                 reply.prefill.write_ms = clock.lap()
                 token = sample(logits, params, generator)
@@ -1458,35 +1609,54 @@ class Engine:
 
             while True:
                 reply.token_ids.append(token)
-                if token in self.stop_token_ids:
+                text, hit_stop = self._new_text(reply, stop)
+                if hit_stop or token in self.stop_token_ids:
                     reply.finish_reason = "stop"
                 elif len(reply.token_ids) == params.max_tokens:
                     reply.finish_reason = "length"
                 if reply.finish_reason:
                     break
-                yield StreamEvent(token, self._new_text(reply), None, reply)
+                yield StreamEvent(token, text, None, reply)
                 with self.lock, torch.inference_mode():
-                    alloc.append_token(request_id, token)  # its K/V is computed right below
-                    logits = self._forward([token], cache)
-                    self.kv.write(cache, alloc.block_tables[request_id], num_computed, num_computed + 1)
+                    with self.allocator_lock:
+                        alloc.append_token(request_id, token)  # its K/V is computed right below
+                        table = list(alloc.block_tables[request_id])
+                    logits = self._forward([token], past_key_values)
+                    self.kv.write(past_key_values, table, num_computed, num_computed + 1)
                     num_computed += 1
                     token = sample(logits, params, generator)
         finally:
-            with self.lock:
-                # Normally every token is computed by now; after a failure, free un-caches the
-                # blocks whose slots were never written.
-                alloc.free(request_id, num_computed_tokens=num_computed)
+            if allocated:
+                with self.allocator_lock:
+                    # Normally every token is computed by now; after a failure, free un-caches
+                    # the blocks whose slots were never written.
+                    alloc.free(request_id, num_computed_tokens=num_computed)
         # The last event comes after the free, so whoever sees finish_reason sees the pool whole.
         reply.total_ms = (time.perf_counter() - arrival) * 1e3
-        yield StreamEvent(token, self._new_text(reply, final=True), reply.finish_reason, reply)
+        if not hit_stop:
+            text += self._new_text(reply, stop, final=True)[0]  # what was held back
+        yield StreamEvent(token, text, reply.finish_reason, reply)
 
-    def _new_text(self, reply: Generation, final: bool = False) -> str:
-        """Decode the reply so far and return what it adds to reply.text."""
+    def _new_text(self, reply: Generation, stop: tuple[str, ...] = (), final: bool = False) -> tuple[str, bool]:
+        """Decode the reply so far; return what it adds to reply.text, and whether it
+        reached a stop string (the text is then cut just before it).
+
+        Text that could be the start of a stop string is held back until the next tokens
+        tell, and so is half a multi-byte character; final=True lets it all out.
+        """
         text = self.tokenizer.decode(reply.token_ids, skip_special_tokens=True)
-        if text.endswith("\ufffd") and not final:
-            return ""  # a multi-byte character split across tokens: wait for its other bytes
-        new, reply.text = text[len(reply.text) :], text
-        return new
+        found = [i for i in (text.find(s, max(0, len(reply.text) - len(s))) for s in stop) if i >= 0]
+        if found:
+            end = min(found)
+        elif final:
+            end = len(text)
+        elif text.endswith("\ufffd"):
+            return "", False  # a multi-byte character split across tokens: wait for its other bytes
+        else:
+            end = len(text) - _held_back(text, stop)
+        end = max(end, len(reply.text))
+        new, reply.text = text[len(reply.text) : end], text[:end]
+        return new, bool(found)
 
     def warm_up(self) -> None:
         """One throwaway forward pass outside the pool, so the first timed request does not
@@ -1550,17 +1720,39 @@ DEMO_QUESTIONS = [
 DEMO_MAX_TOKENS = 48
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: an int >= 1, refused with a usage error otherwise."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """An argparse type: a finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a number above 0, got {text}")
+    return value
+
+
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags that choose the model and size its KV pool (shared by the demo and benchmarks)."""
     group = parser.add_argument_group("model")
     group.add_argument("--model", default=None, help=f"Hugging Face id or local path (default: {DEFAULT_MODEL}, offline)")
     group.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda when there is a GPU)")
     group.add_argument("--dtype", default=None, choices=list(DTYPES), help="default: fp32 on CPU, bf16 on CUDA")
-    group.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
+    group.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block (default: 16)")
     size = group.add_mutually_exclusive_group()
-    size.add_argument("--num-blocks", type=int, default=None,
+    size.add_argument("--num-blocks", type=positive_int, default=None,
                       help=f"blocks in the KV pool (default: as many as fit in {DEFAULT_KV_MEMORY_GB} GiB)")
-    size.add_argument("--kv-memory-gb", type=float, default=None,
+    size.add_argument("--kv-memory-gb", type=positive_float, default=None,
                       help="size the KV pool by memory instead: as many blocks as fit in this many GiB")
 
 

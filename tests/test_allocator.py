@@ -198,6 +198,60 @@ def test_a_hash_collision_is_caught_by_comparing_tokens():
     assert alloc.stats.hash_collisions == 1
 
 
+def test_after_a_collision_the_request_caches_nothing_past_it():
+    """Its later blocks would be named by a chain that already names other tokens: a block
+    cached under it could be hit by a request whose earlier blocks differ. So none is cached,
+    not even the blocks it fills while decoding, and the pool stays consistent."""
+    alloc = PrefixCachingAllocator(num_blocks=10, block_size=4)
+    alloc.allocate_with_prefix("a", list(range(9)))
+    alloc.free("a")
+    alloc.blocks[1].token_ids = [7, 7, 7, 7]  # pretend other content landed under this hash
+    alloc.allocate_with_prefix("b", list(range(9)))
+    table = alloc.block_tables["b"]
+    assert [alloc.block_hash(b) is not None for b in table] == [True, False, False]
+    for token in range(9, 16):
+        alloc.append_token("b", token)  # fills blocks 2 and 3
+    assert [alloc.block_hash(b) is not None for b in alloc.block_tables["b"]] == [True, False, False, False]
+    alloc.check_invariants()
+
+
+def test_invariants_catch_one_hash_over_two_contents():
+    alloc = PrefixCachingAllocator(num_blocks=10, block_size=4)
+    alloc.allocate_with_prefix("a", list(range(9)))
+    alloc.allocate_with_prefix("b", [7, 7, 7, 7, 1])
+    alloc._cache_block(alloc.blocks[alloc.block_tables["b"][0]], alloc.block_hash(0))  # a collision, cached
+    with pytest.raises(AssertionError, match="different contents"):
+        alloc.check_invariants()
+
+
+@pytest.mark.parametrize("salt", [None, ""])
+def test_an_empty_cache_salt_is_no_salt(salt):
+    alloc = PrefixCachingAllocator(num_blocks=10, block_size=4)
+    alloc.allocate_with_prefix("a", list(range(9)))
+    assert alloc.allocate_with_prefix("b", list(range(9)), cache_salt=salt).num_cached_tokens == 8
+
+
+@pytest.mark.parametrize("salt, words", [
+    ("x" * 129, "at most 128"), ("a@b", "'@'"), ("a/b", "'/'"), ("a\\b", "'\\\\\\\\'"), ("a\0b", "NUL"),
+    ("\ud800", "surrogate"),
+])
+def test_cache_salts_follow_vllms_rules(salt, words):
+    alloc = PrefixCachingAllocator(num_blocks=10, block_size=4)
+    with pytest.raises(ValueError, match=words):
+        alloc.allocate_with_prefix("a", list(range(9)), cache_salt=salt)
+    assert alloc.requests == {} and alloc.num_free_blocks == 10
+    assert alloc.allocate_with_prefix("b", [1], cache_salt="x" * 128).num_new_tokens == 1  # 128 is fine
+
+
+def test_a_block_remembers_the_tenant_that_filled_it():
+    alloc = PrefixCachingAllocator(num_blocks=10, block_size=4)
+    alloc.allocate_with_prefix("a", list(range(6)), cache_salt="class-b")
+    alloc.append_token("a", 6), alloc.append_token("a", 7), alloc.append_token("a", 8)  # a third block
+    alloc.allocate_with_prefix("p", [1, 2])
+    assert [alloc.blocks[b].cache_salt for b in alloc.block_tables["a"]] == ["class-b"] * 3
+    assert alloc.blocks[alloc.block_tables["p"][0]].cache_salt is None
+
+
 def test_peek_changes_nothing():
     alloc = PrefixCachingAllocator(num_blocks=10, block_size=4)
     alloc.allocate_with_prefix("a", list(range(9)))

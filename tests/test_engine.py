@@ -271,12 +271,79 @@ def test_engine_shapes_its_pool_from_the_model(make_engine):
         ("hi", {"seed": -1}, "seed"),
         (list(range(300)), {"max_tokens": 10}, "num_blocks"),  # more than the whole pool
         (list(range(300)), {"max_tokens": 800}, "context"),  # more than the model's 1,024 positions
+        ("hi", {"temperature": 10**400}, "too large"),  # an int no float can hold
+        ("hi", {"top_p": 10**400}, "too large"),
+        ("hi", {"cache_salt": 123}, "cache_salt"),
+        ("hi", {"cache_salt": "x" * 129}, "at most 128"),
+        ("hi", {"cache_salt": "a/b"}, "'/'"),
+        ("hi", {"request_id": 123}, "request_id"),
+        ("hi", {"request_id": ""}, "request_id"),
+        ("hi", {"stop": 5}, "stop"),
+        ("hi", {"stop": ["ok", ""]}, "stop"),
+        ("bad \ud800 text", {}, "surrogate"),
+        ([{"role": "user", "content": "\udfff"}], {}, "surrogate"),
+        ([{"role": "robot", "content": "beep"}], {}, "unknown chat role"),
     ],
 )
-def test_bad_requests_raise_value_error_saying_what_to_change(make_engine, prompt, kwargs, match):
+def test_bad_requests_raise_value_error_at_the_call_before_anything_runs(make_engine, prompt, kwargs, match):
     engine = make_engine()
-    with pytest.raises(ValueError, match=match):
-        engine.generate(prompt, **kwargs)
+    calls = []
+    hook = engine.model.register_forward_pre_hook(lambda *_: calls.append(1))
+    try:
+        with pytest.raises(ValueError, match=match):
+            engine.stream(prompt, **kwargs)  # the call itself raises: no next() needed
+    finally:
+        hook.remove()  # the tiny model is shared by the whole session
+    assert calls == [] and engine.allocator.stats.requests == 0
+
+
+def test_a_request_id_still_running_is_refused_at_the_call(make_engine):
+    engine = make_engine()
+    running = engine.stream("one", request_id="lesson")
+    next(running)
+    with pytest.raises(ValueError, match="already running"):
+        engine.stream("two", request_id="lesson")
+    running.close()
+    assert engine.generate("two", request_id="lesson", max_tokens=2).request_id == "lesson"  # free again
+
+
+def test_a_huge_int_temperature_samples_like_its_float(make_engine):
+    engine = make_engine()
+    prompt = list(range(40, 50))
+    as_int = engine.generate(prompt, max_tokens=4, temperature=2**64, seed=1)
+    as_float = engine.generate(prompt, max_tokens=4, temperature=float(2**64), seed=1)
+    assert as_int.token_ids == as_float.token_ids
+
+
+# --- stop strings ---------------------------------------------------------------------------
+
+
+def test_a_stop_string_ends_the_reply_before_it(make_engine):
+    engine = make_engine()
+    prompt = PROMPTS["chat"]
+    full = engine.generate(prompt, max_tokens=24)
+    stop = full.text[10:13]  # three characters from the middle of the greedy reply
+    cut = full.text.index(stop)
+    reply = engine.generate(prompt, max_tokens=24, stop=["never appears", stop])
+    assert reply.text == full.text[:cut] and reply.finish_reason == "stop"
+    assert reply.token_ids == full.token_ids[: len(reply.token_ids)] and len(reply.token_ids) < 24
+
+
+def test_streamed_text_holds_back_what_could_start_a_stop_string(make_engine):
+    engine = make_engine()
+    prompt = PROMPTS["chat"]
+    full = engine.generate(prompt, max_tokens=24)
+    # A point where a token ends, so without holding back some event would end right there.
+    ends = [len(engine.tokenizer.decode(full.token_ids[:k], skip_special_tokens=True)) for k in range(1, 24)]
+    end = next(e for e in ends if e >= 8)
+    start_of_stop = full.text[end - 3 : end]
+    events = list(engine.stream(prompt, max_tokens=24, stop=start_of_stop + "\u2603"))  # never matches whole
+    assert events[-1].generation.text == full.text and events[-1].finish_reason == "length"
+    assert "".join(e.text for e in events) == full.text
+    shown = ""
+    for event in events[:-1]:
+        shown += event.text
+        assert not shown.endswith(start_of_stop), "text that could begin the stop string was sent early"
 
 
 def test_a_full_pool_raises_out_of_blocks_and_nothing_leaks(make_engine):
