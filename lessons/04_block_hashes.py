@@ -116,7 +116,9 @@ def main() -> None:
     table.add_row("this course", "length-prefixed bytes of (parent, tokens, extra keys); SHA256 or 128-bit xxh3",
                   "a fixed constant: same hash in every process")
     table.add_row("vLLM v1", "(parent, tokens tuple, extra keys) pickled or CBOR-encoded, then SHA256 "
-                  "(default) or xxhash", "NONE_HASH: random per process unless PYTHONHASHSEED is set")
+                  "(default) or xxhash", "NONE_HASH (init_none_hash): 32 random bytes per process unless "
+                  "PYTHONHASHSEED is set, up to the 0.1x releases; vLLM 0.33 fixes it for sha256 and keeps it "
+                  "random for xxhash. Check the version you run.")
     table.add_row("nano-vllm", "64-bit xxhash of (parent, token bytes); no extra keys", "none (-1)")
     table.add_row("seed 003 article", "SHA256 of (parent, block index, tokens): the index repeats what the chain "
                   "already says", "32 zero bytes")

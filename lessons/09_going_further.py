@@ -49,6 +49,19 @@ VLLM_TODAY = [
     ("one table per KV cache group",
      "Keys are block hash + group id (BlockHashWithGroupId), so hybrid models (full + sliding-window "
      "layers) cache each group apart. Here: one group.", "vllm/v1/core/kv_cache_utils.py"),
+    ("a hit trusts the hash",
+     "find_longest_cache_hit takes the block its hash names without looking at the tokens: with SHA256 a "
+     "collision is not expected in practice. Here a hit also compares the stored token ids (nano-vllm does the "
+     "same), and a request whose hash matched other tokens caches none of its later blocks.",
+     "vllm/v1/core/single_type_kv_cache_manager.py"),
+    ("a full pool waits",
+     "The scheduler admits a request only when its blocks fit and preempts a running one when a decode step "
+     "finds no block; nothing is refused for being busy. This engine runs one request per step and refuses "
+     "with OutOfBlocksError (the server's 503) until it gets a scheduler.", "vllm/v1/core/sched/scheduler.py"),
+    ("cached_tokens only on request",
+     "The OpenAI server fills usage.prompt_tokens_details.cached_tokens only when started with "
+     "--enable-prompt-tokens-details (and a hit); this course's server always sends it.",
+     "vllm/entrypoints/openai/serving_chat.py, serving_completion.py"),
     ("free in reverse: the same",
      "SingleTypeKVCacheManager.free passes reversed(req_blocks) to free_blocks, as here.",
      "vllm/v1/core/single_type_kv_cache_manager.py"),
