@@ -27,7 +27,7 @@ import statistics
 from pathlib import Path
 
 from benchmarks import save_json
-from prefix_caching import Engine, add_model_arguments, pool_arguments
+from engine import Engine, add_model_arguments, pool_arguments
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 

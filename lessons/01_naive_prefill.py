@@ -28,7 +28,7 @@ from rich.rule import Rule
 from rich.table import Table
 
 import models
-from prefix_caching import DEMO_SYSTEM_PROMPT
+from demo import DEMO_SYSTEM_PROMPT
 
 QUESTION = [{"role": "user", "content": "What does the processor of a computer do?"}]
 REPLY_TOKENS = 8

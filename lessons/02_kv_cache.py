@@ -34,7 +34,7 @@ from rich.table import Table
 from transformers import DynamicCache
 
 import models
-from prefix_caching import PagedKVCache
+from engine import PagedKVCache
 
 stage_1 = importlib.import_module("01_naive_prefill")  # a file name starting with a digit needs importlib
 

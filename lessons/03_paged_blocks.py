@@ -24,7 +24,8 @@ from rich.console import Console
 from rich.rule import Rule
 from rich.table import Table
 
-from prefix_caching import PrefixCachingAllocator, render_block_table, render_pool
+from prefix_caching import PrefixCachingAllocator
+from walkthrough import render_block_table, render_pool
 
 BLOCK_SIZE = 4
 MAX_LEN = 16  # the longest sequence a request may grow to (prompt + answer)

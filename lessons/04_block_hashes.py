@@ -23,13 +23,8 @@ from rich.console import Console
 from rich.rule import Rule
 from rich.table import Table
 
-from prefix_caching import (
-    PrefixCachingAllocator,
-    compute_block_hashes,
-    hash_block_tokens,
-    render_block_table,
-    short_hash,
-)
+from prefix_caching import PrefixCachingAllocator, compute_block_hashes, hash_block_tokens, short_hash
+from walkthrough import render_block_table
 from words import Words
 
 BLOCK_SIZE = 4

@@ -23,7 +23,8 @@ from rich.console import Console
 from rich.rule import Rule
 from rich.table import Table
 
-from prefix_caching import PrefixCachingAllocator, render_block_table, render_free_queue
+from prefix_caching import PrefixCachingAllocator
+from walkthrough import render_block_table, render_free_queue
 from words import Words
 
 BLOCK_SIZE = 4

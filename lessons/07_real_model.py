@@ -3,7 +3,7 @@ Stage 7: prefix caching on a real model.
 
 Stages 3-6 built the bookkeeping (which block holds which tokens, and under which hash);
 stage 2 showed the tensors (a DynamicCache of keys and values per layer). Here they meet, in
-prefix_caching.Engine. The blocks' ids point into a paged KV pool, one tensor allocated once;
+engine.Engine. The blocks' ids point into a paged KV pool, one tensor allocated once;
 a request runs like this:
 
     lookup    allocate_with_prefix: hash the prompt's full blocks, take the cached ones
@@ -29,7 +29,8 @@ from rich.rule import Rule
 from rich.table import Table
 
 import models
-from prefix_caching import DEMO_QUESTIONS, DEMO_SYSTEM_PROMPT, Engine, Generation
+from demo import DEMO_QUESTIONS, DEMO_SYSTEM_PROMPT
+from engine import Engine, Generation
 
 SYSTEM = {"role": "system", "content": DEMO_SYSTEM_PROMPT}
 MAX_TOKENS = 24

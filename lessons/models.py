@@ -1,7 +1,7 @@
 """
 The model a model stage (1, 2, 7, 8) runs, chosen on its command line:
 
-    (no flag)        SmolLM2-135M-Instruct, the offline default (prefix_caching.load_model)
+    (no flag)        SmolLM2-135M-Instruct, the offline default (model_loader.load_model)
     --model NAME     any Hugging Face causal LM, by id or local path
     --tiny           a 2-layer Llama with random weights, built in a second: for tests and
                      quick runs. Its text is gibberish, but every comparison a stage makes
@@ -18,17 +18,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find prefix_caching.py from anywhere
 
-from prefix_caching import (
-    DEFAULT_MODEL,
-    DTYPES,
-    Engine,
-    add_model_arguments,
-    default_model_dir,
-    load_model,
-    pool_arguments,
-    resolve_device,
-    resolve_dtype,
-)
+from engine import Engine, add_model_arguments, pool_arguments
+from model_loader import DEFAULT_MODEL, DTYPES, default_model_dir, load_model, resolve_device, resolve_dtype
 
 
 def tiny_llama(tokenizer):

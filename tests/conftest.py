@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from prefix_caching import Engine, default_model_dir
+from engine import Engine
+from model_loader import default_model_dir
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lessons"))  # the lessons' helper modules
 from models import tiny_llama  # noqa: E402  (what a stage's --tiny runs is what the tests check)

@@ -8,12 +8,8 @@ import sys
 import pytest
 
 import prefix_caching
-from prefix_caching import (
-    OutOfBlocksError,
-    PrefixCachingAllocator,
-    compute_block_hashes,
-    hash_block_tokens,
-)
+import walkthrough
+from prefix_caching import OutOfBlocksError, PrefixCachingAllocator, compute_block_hashes, hash_block_tokens
 
 # --- the design doc's worked example (block size 4, 10 blocks) -------------------------
 
@@ -89,7 +85,7 @@ def test_walkthrough_prints_the_doc_example_and_agrees_everywhere():
     from rich.console import Console
 
     out = io.StringIO()
-    prefix_caching.walkthrough(Console(file=out, width=120))
+    walkthrough.walkthrough(Console(file=out, width=120))
     text = out.getvalue()
     assert "differs" not in text
     assert text.count("matches the design doc") == 12

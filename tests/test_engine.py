@@ -12,7 +12,9 @@ import torch
 
 from benchmarks import ttft
 from conftest import assert_pool_whole
-from prefix_caching import Engine, OutOfBlocksError, PagedKVCache, SamplingParams, run_demo, sample
+from demo import run_demo
+from engine import Engine, PagedKVCache, SamplingParams, sample
+from prefix_caching import OutOfBlocksError
 
 PROMPTS = {
     "token ids": list(range(100, 123)),  # 23 tokens: 5 full blocks of 4 and a partial one
@@ -393,7 +395,7 @@ def test_a_memory_budget_sizes_the_pool_in_whole_blocks(make_engine):
 def test_the_pool_flags_take_blocks_or_memory_not_both(capsys):
     import argparse
 
-    from prefix_caching import add_model_arguments, pool_arguments
+    from engine import add_model_arguments, pool_arguments
 
     parser = argparse.ArgumentParser()
     add_model_arguments(parser)

@@ -144,7 +144,7 @@ def test_hit_rates_follow_the_workloads():
 
 
 def test_the_design_doc_example_with_free_uncached_first():
-    from prefix_caching import design_doc_example
+    from walkthrough import design_doc_example
 
     assert design_doc_example(until=3).block_tables == {"request 0": [0, 1, 2, 3, 4], "request 1": [0, 1, 5, 6]}
     assert design_doc_example(until=5).free_queue_ids() == [7, 8, 9, 4, 3, 2, 6, 5, 1, 0]

@@ -1,0 +1,115 @@
+"""
+The demo: a course assistant whose long system prompt is shared by every request.
+
+    python prefix_caching.py --demo              # MISS, then HITs
+    python prefix_caching.py --demo --no-cache   # the same requests with prefix caching off
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from rich.console import Console
+from rich.table import Table
+
+from engine import Engine, Generation, pool_arguments
+from model_loader import DEFAULT_MODEL
+from walkthrough import render_free_queue, render_stats
+
+# -----------------------------------------------------------------------------
+# Every question arrives with the same few hundred tokens of instructions in front. The
+# first request computes them (MISS); the others find their blocks in the pool (HIT) and
+# run the model on their own question only.
+
+DEMO_SYSTEM_PROMPT = """\
+You are Ada, the teaching assistant of "How Computers Work", an evening course for adults \
+who have never studied computer science. Students write to you between lessons with \
+questions about the material.
+
+How to answer:
+- Answer in two or three short sentences of plain English. Students read your answers on \
+their phones.
+- Start with the direct answer, then give one everyday comparison that makes the idea stick.
+- Avoid jargon. When a technical word is needed, explain it in the same sentence.
+- Be warm and encouraging. Many students are nervous about technology; never make a question \
+sound silly.
+- If you are not sure of something, say so instead of guessing.
+- Do not write code unless the student asks for it.
+- Never share personal data about other students or the teachers.
+
+About the course: it runs for ten weeks, one evening a week, in room 4 of the Port Alder \
+community college. Week 1 is about what a computer is: a processor that follows \
+instructions, memory that holds the data it is working on, and storage that keeps files when \
+the power is off. Week 2 covers binary numbers and how text, pictures and sound become \
+numbers. Week 3 is about how programs are written and run, and what an algorithm is. Week 4 \
+explains operating systems, files and folders. Week 5 is about networks and the internet: \
+addresses, packets, routers and the web. Week 6 covers security: passwords, encryption and \
+common scams. Week 7 is about databases and spreadsheets. Week 8 introduces artificial \
+intelligence and how chat assistants like you are trained. Week 9 is about the environmental \
+cost of computing, and week 10 is a review with a friendly quiz that does not count towards \
+anything.
+
+Course rules: homework is optional but encouraged. Lessons are recorded and the recordings \
+are posted on the course page the next morning. Students who miss a lesson can ask the \
+teacher for the slides. Office hours are on Thursdays from 5 pm to 6 pm in room 4, no \
+appointment needed.
+
+Students today are revising weeks 1 to 5."""
+
+DEMO_QUESTIONS = [
+    "What does the processor of a computer do?",
+    "What is the difference between memory and storage?",
+    "Why do computers use binary numbers?",
+    "What is an algorithm?",
+    "How does a message find its way across the internet?",
+]
+
+DEMO_MAX_TOKENS = 48
+
+
+def run_demo(args: argparse.Namespace) -> list[Generation]:
+    """Ask the support assistant DEMO_QUESTIONS one after another and show what the cache did."""
+    console = Console()
+    engine = Engine(
+        args.model, device=args.device, dtype=args.dtype, **pool_arguments(args),
+        enable_caching=not args.no_cache,
+    )
+    name = args.model or DEFAULT_MODEL
+    console.print(f"[bold]{name}[/] on {engine.device}, {str(engine.dtype).removeprefix('torch.')}; "
+                  f"prefix caching [bold]{'off' if args.no_cache else 'on'}[/]")
+    console.print(str(engine.kv))
+    system = {"role": "system", "content": DEMO_SYSTEM_PROMPT}
+    shared = len(engine.tokenize([system]))
+    console.print(f"The system prompt is {shared} tokens ({shared // args.block_size} full blocks), "
+                  f"the same in front of every question.\n")
+    engine.warm_up()
+
+    replies: list[Generation] = []
+    started = time.perf_counter()
+    for i, question in enumerate(DEMO_QUESTIONS, 1):
+        reply = engine.generate([system, {"role": "user", "content": question}], max_tokens=DEMO_MAX_TOKENS)
+        replies.append(reply)
+        hit = reply.cached_tokens > 0
+        table = Table(title=f"request {i}: {question}", title_justify="left", title_style="bold",
+                      caption=reply.text.strip() + ("…" if reply.finish_reason == "length" else ""),
+                      caption_justify="left", caption_style="cyan")
+        for column in ("cache", "prompt tokens: cached + computed", "prefill (TTFT)", "speed-up vs request 1"):
+            table.add_column(column, justify="right")
+        table.add_row(
+            "[bold green]HIT" if hit else "[bold red]MISS",
+            f"{reply.cached_tokens} + {reply.computed_prompt_tokens}",
+            f"{reply.ttft_ms:,.0f} ms",
+            f"{replies[0].ttft_ms / reply.ttft_ms:.1f}x" if i > 1 else "-",
+        )
+        console.print(table)
+
+    prompt_tokens = sum(r.prompt_tokens for r in replies)
+    cached = sum(r.cached_tokens for r in replies)
+    console.print(
+        f"\n[bold]{len(replies)} requests in {time.perf_counter() - started:.1f} s.[/] Hit rate "
+        f"{cached / prompt_tokens:.0%}: {cached:,} of {prompt_tokens:,} prompt tokens came from the pool, "
+        f"so the model prefilled {prompt_tokens - cached:,} tokens instead of {prompt_tokens:,}."
+    )
+    console.print(render_free_queue(engine.allocator, max_blocks=12), render_stats(engine.allocator))
+    return replies
