@@ -115,7 +115,7 @@ def main() -> None:
                   "PYTHONHASHSEED is set, up to the 0.1x releases; vLLM 0.33 fixes it for sha256 and keeps it "
                   "random for xxhash. Check the version you run.")
     table.add_row("nano-vllm", "64-bit xxhash of (parent, token bytes); no extra keys", "none (-1)")
-    table.add_row("seed 003 article", "SHA256 of (parent, block index, tokens): the index repeats what the chain "
+    table.add_row("vLLM v1 article", "SHA256 of (parent, block index, tokens): the index repeats what the chain "
                   "already says", "32 zero bytes")
     console.print(table)
     console.print("vLLM: hash_block_tokens and init_none_hash in vllm/v1/core/kv_cache_utils.py; the "

@@ -59,7 +59,7 @@ def main() -> None:
         table.add_row(f"{size:,}", *[f"{t * 1e6:8.2f} µs" for t in times])
     console.print(table)
     console.print("Every cache hit on a free block is such a removal. The linked list's cost stays flat; the "
-                  "others grow with the queue (seed 003 counts ~8,600 blocks for a 70B model on one H100). The pointers "
+                  "others grow with the queue (the vLLM v1 prefix caching article counts ~8,600 blocks for a 70B model on one H100). The pointers "
                   "live in KVCacheBlock itself, so no wrapper objects are created either.")
 
     console.print(Rule("3. Newer vLLM: blocks without a hash go to the head, not the tail"))

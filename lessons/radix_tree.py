@@ -14,7 +14,8 @@ granularity, not block granularity, and needs no hash at all.
 
 Left out on purpose: SGLang's tree also stores each token's KV slot index on the edges,
 locks the nodes a running request uses (lock_ref, the ref count) and evicts the least
-recently used unlocked leaves, the same policy as vLLM's free queue (seed 002).
+recently used unlocked leaves, the same policy as vLLM's free queue (the older vLLM design
+doc, "Automatic Prefix Caching", section "Generalized Caching Policy").
 """
 
 from __future__ import annotations

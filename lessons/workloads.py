@@ -7,9 +7,9 @@ requests hold blocks at once, each request's answer is decoded with append_token
 blocks are cached as they fill, like vLLM), and when the pool is full the oldest running
 request finishes first to make room. The allocator's own stats give the hit rate.
 
-Shapes follow the long vLLM v1 prefix caching article (seed 003): a 512-token chatbot
-system prompt, multi-turn histories of 1k to 4k tokens, RAG with 256 shared instruction
-tokens and ~2k-token documents, and unique prompts. Token ids are random: only which
+Shapes follow the long-form article on vLLM v1 prefix caching (README, Sources): a
+512-token chatbot system prompt, multi-turn histories of 1k to 4k tokens, RAG with 256
+shared instruction tokens and ~2k-token documents, and unique prompts. Token ids are random: only which
 ones repeat matters. Everything is seeded, so every run prints the same numbers.
 
     >>> reqs = chatbot(num_requests=3)
