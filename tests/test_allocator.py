@@ -1,14 +1,12 @@
 """The allocator's spec: the vLLM v1 design doc's examples and each rule, one test apiece."""
 
 import doctest
-import io
 import subprocess
 import sys
 
 import pytest
 
 import prefix_caching
-import walkthrough
 from prefix_caching import OutOfBlocksError, PrefixCachingAllocator, compute_block_hashes, hash_block_tokens
 
 # --- the design doc's worked example (block size 4, 10 blocks) -------------------------
@@ -79,25 +77,6 @@ def test_design_doc_duplicated_blocks():
     alloc.free("req1")
     alloc.free("req2")
     alloc.check_invariants()
-
-
-def test_walkthrough_prints_the_doc_example_and_agrees_everywhere():
-    from rich.console import Console
-
-    out = io.StringIO()
-    walkthrough.walkthrough(Console(file=out, width=120))
-    text = out.getvalue()
-    assert "differs" not in text
-    assert text.count("matches the design doc") == 12
-    assert "7, 8, 9, 4, 3, 2, 6, 5, 1, 0" in text
-
-
-def test_walkthrough_command_runs():
-    result = subprocess.run(
-        [sys.executable, "prefix_caching.py", "--walkthrough"], capture_output=True, text=True, timeout=60
-    )
-    assert result.returncode == 0, result.stderr
-    assert "Time 6" in result.stdout and "differs" not in result.stdout
 
 
 def test_docstring_examples():
@@ -413,23 +392,6 @@ def test_a_salt_never_equals_an_extra_key_with_the_same_text():
     assert compute_block_hashes([1, 2], 2, cache_salt="x") != compute_block_hashes([1, 2], 2, extra_keys=("x",))
 
 
-def test_allocator_benchmark_runs_and_reports_every_figure(tmp_path):
-    out = tmp_path / "alloc.json"
-    result = subprocess.run(
-        [sys.executable, "prefix_caching.py", "--bench", "allocator", "--quick", "--json", str(out)],
-        capture_output=True, text=True, timeout=300,
-    )
-    assert result.returncode == 0, result.stderr
-    import json
-
-    data = json.loads(out.read_text())
-    assert {"sha256_ns_per_token", "xxhash_ns_per_token", "miss", "hit_heavy", "free_order"} <= data.keys()
-    assert data["miss"]["overhead_ns_per_token"] == pytest.approx(
-        data["miss"]["caching_on_ns_per_token"] - data["miss"]["caching_off_ns_per_token"]
-    )
-    assert "100k / 1k throughput" in result.stdout
-
-
 def test_free_with_num_computed_tokens_uncaches_blocks_nobody_wrote():
     alloc = PrefixCachingAllocator(num_blocks=10, block_size=4)
     alloc.allocate_with_prefix("warm", list(range(9)))
@@ -446,10 +408,3 @@ def test_free_with_num_computed_tokens_uncaches_blocks_nobody_wrote():
     assert alloc.block_tables["s"]  # a refused free changes nothing
 
 
-def test_freeing_hashless_blocks_to_the_head_keeps_more_of_a_tight_pool_cached():
-    # The figures the README, stage 6 and the syllabus quote from --bench allocator: counts, not times.
-    from benchmarks.allocator import free_order_hit_rates
-
-    rates = free_order_hit_rates(20_000)
-    assert round(rates["tail"]["hit_rate"], 3) == 0.538
-    assert round(rates["head"]["hit_rate"], 3) == 0.784 and rates["head"]["evictions"] == 0

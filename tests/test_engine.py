@@ -4,15 +4,11 @@ The oracle is plain Hugging Face: model.generate(do_sample=False) on the whole p
 full forward pass. Most tests use the tiny random model of conftest.py, in float32.
 """
 
-import argparse
-import json
 
 import pytest
 import torch
 
-from benchmarks import ttft
 from conftest import assert_pool_whole
-from demo import run_demo
 from engine import Engine, PagedKVCache, SamplingParams, sample
 from prefix_caching import OutOfBlocksError
 
@@ -392,20 +388,6 @@ def test_a_memory_budget_sizes_the_pool_in_whole_blocks(make_engine):
         make_engine(num_blocks=None, kv_memory_gb=1e-9)
 
 
-def test_the_pool_flags_take_blocks_or_memory_not_both(capsys):
-    import argparse
-
-    from engine import add_model_arguments, pool_arguments
-
-    parser = argparse.ArgumentParser()
-    add_model_arguments(parser)
-    args = parser.parse_args(["--kv-memory-gb", "0.25", "--block-size", "8"])
-    assert pool_arguments(args) == {"block_size": 8, "num_blocks": None, "kv_memory_gb": 0.25}
-    with pytest.raises(SystemExit):
-        parser.parse_args(["--num-blocks", "10", "--kv-memory-gb", "1"])
-    assert "not allowed with argument" in capsys.readouterr().err
-
-
 def test_engine_arguments_are_checked(tiny_model, tokenizer):
     with pytest.raises(ValueError, match="both"):
         Engine(model=tiny_model)
@@ -446,23 +428,3 @@ def test_default_model_answers_like_hf_generate_and_a_warm_request_hits(smollm):
 # --- the demo and the benchmark, run on the tiny model -------------------------------------
 
 
-@pytest.mark.parametrize("no_cache", [False, True], ids=["cache", "no-cache"])
-def test_the_demo_hits_from_the_second_question_on_unless_caching_is_off(tiny_model_dir, capsys, no_cache):
-    args = argparse.Namespace(model=str(tiny_model_dir), device="cpu", dtype=None, block_size=16,
-                              num_blocks=256, no_cache=no_cache)
-    replies = run_demo(args)
-    hits = [reply.cached_tokens > 0 for reply in replies]
-    assert hits == ([False] * 5 if no_cache else [False, True, True, True, True])
-    out = capsys.readouterr().out
-    assert "MISS" in out and ("HIT" in out) != no_cache and "hit rate" in out
-
-
-def test_the_ttft_benchmark_reports_every_figure(tiny_model_dir, tmp_path):
-    out = tmp_path / "ttft.json"
-    argv = ["--model", str(tiny_model_dir), "--num-blocks", "64", "--quick",
-            "--plot", str(tmp_path / "ttft.png"), "--json", str(out)]
-    results = ttft.main(argv)
-    assert json.loads(out.read_text()) == results
-    assert [row["prefix_tokens"] for row in results["cold_vs_warm"]] == [64, 128]
-    assert set(results["cold_vs_warm"][0]["warm_breakdown_ms"]) == {"lookup_ms", "gather_ms", "forward_ms", "write_ms", "sample_ms"}
-    assert "overhead" in results["no_sharing"] and (tmp_path / "ttft.png").stat().st_size > 0

@@ -1,0 +1,103 @@
+"""What the commands print and the figures the docs quote: the walkthrough, the demo, the
+benchmarks and their flags. The rules of the allocator and the engine are in their own files;
+this one pins what a reader sees on screen, counts rather than times.
+"""
+
+import argparse
+import io
+import json
+import subprocess
+import sys
+
+import pytest
+from rich.console import Console
+
+import walkthrough
+from benchmarks import ttft
+from benchmarks.allocator import free_order_hit_rates
+from demo import run_demo
+from engine import add_model_arguments, pool_arguments
+
+def test_walkthrough_prints_the_doc_example_and_agrees_everywhere():
+    out = io.StringIO()
+    walkthrough.walkthrough(Console(file=out, width=120))
+    text = out.getvalue()
+    assert "differs" not in text
+    assert text.count("matches the design doc") == 12
+    assert "7, 8, 9, 4, 3, 2, 6, 5, 1, 0" in text
+
+
+def test_walkthrough_command_runs():
+    result = subprocess.run(
+        [sys.executable, "prefix_caching.py", "--walkthrough"], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    assert "Time 6" in result.stdout and "differs" not in result.stdout
+
+
+@pytest.mark.parametrize("mode", [["--demo"], ["--bench", "ttft"], ["--bench", "allocator"]])
+def test_help_after_a_mode_lists_that_modes_flags(mode):
+    result = subprocess.run([sys.executable, "prefix_caching.py", *mode, "--help"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert f"prefix_caching.py {' '.join(mode)}" in result.stdout  # the mode's own usage line
+    if mode == ["--demo"]:
+        assert "--no-cache" in result.stdout
+
+
+def test_no_mode_is_a_usage_error():
+    result = subprocess.run([sys.executable, "prefix_caching.py"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "--walkthrough, --demo or --bench" in result.stderr
+
+
+def test_allocator_benchmark_runs_and_reports_every_figure(tmp_path):
+    out = tmp_path / "alloc.json"
+    result = subprocess.run(
+        [sys.executable, "prefix_caching.py", "--bench", "allocator", "--quick", "--json", str(out)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    data = json.loads(out.read_text())
+    assert {"sha256_ns_per_token", "xxhash_ns_per_token", "miss", "hit_heavy", "free_order"} <= data.keys()
+    assert data["miss"]["overhead_ns_per_token"] == pytest.approx(
+        data["miss"]["caching_on_ns_per_token"] - data["miss"]["caching_off_ns_per_token"]
+    )
+    assert "100k / 1k throughput" in result.stdout
+
+
+def test_freeing_hashless_blocks_to_the_head_keeps_more_of_a_tight_pool_cached():
+    # The figures the README, stage 6 and the syllabus quote from --bench allocator: counts, not times.
+    rates = free_order_hit_rates(20_000)
+    assert round(rates["tail"]["hit_rate"], 3) == 0.538
+    assert round(rates["head"]["hit_rate"], 3) == 0.784 and rates["head"]["evictions"] == 0
+
+
+@pytest.mark.parametrize("no_cache", [False, True], ids=["cache", "no-cache"])
+def test_the_demo_hits_from_the_second_question_on_unless_caching_is_off(tiny_model_dir, capsys, no_cache):
+    args = argparse.Namespace(model=str(tiny_model_dir), device="cpu", dtype=None, block_size=16,
+                              num_blocks=256, no_cache=no_cache)
+    replies = run_demo(args)
+    hits = [reply.cached_tokens > 0 for reply in replies]
+    assert hits == ([False] * 5 if no_cache else [False, True, True, True, True])
+    out = capsys.readouterr().out
+    assert "MISS" in out and ("HIT" in out) != no_cache and "hit rate" in out
+
+
+def test_the_ttft_benchmark_reports_every_figure(tiny_model_dir, tmp_path):
+    out = tmp_path / "ttft.json"
+    argv = ["--model", str(tiny_model_dir), "--num-blocks", "64", "--quick",
+            "--plot", str(tmp_path / "ttft.png"), "--json", str(out)]
+    results = ttft.main(argv)
+    assert json.loads(out.read_text()) == results
+    assert [row["prefix_tokens"] for row in results["cold_vs_warm"]] == [64, 128]
+    assert set(results["cold_vs_warm"][0]["warm_breakdown_ms"]) == {"lookup_ms", "gather_ms", "forward_ms", "write_ms", "sample_ms"}
+    assert "overhead" in results["no_sharing"] and (tmp_path / "ttft.png").stat().st_size > 0
+
+
+def test_the_pool_flags_take_blocks_or_memory_not_both(capsys):
+    parser = argparse.ArgumentParser()
+    add_model_arguments(parser)
+    args = parser.parse_args(["--kv-memory-gb", "0.25", "--block-size", "8"])
+    assert pool_arguments(args) == {"block_size": 8, "num_blocks": None, "kv_memory_gb": 0.25}
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--num-blocks", "10", "--kv-memory-gb", "1"])
+    assert "not allowed with argument" in capsys.readouterr().err
