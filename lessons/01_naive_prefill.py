@@ -11,6 +11,9 @@ New in this stage: everything; it is the baseline the later stages improve on. S
 keeps each token's keys and values (a KV cache) so a token is computed once per request;
 stage 7 keeps them across requests (prefix caching).
 
+Read: this file, generate_naive: the loop every later stage improves on (printed when the
+      stage starts).
+
 Run:  python lessons/01_naive_prefill.py            (SmolLM2-135M on a 2-core CPU: about 15 s)
       python lessons/01_naive_prefill.py --tiny     (a random 2-layer model: a few seconds)
 """
@@ -29,6 +32,7 @@ from rich.table import Table
 
 import models
 from demo import DEMO_SYSTEM_PROMPT
+from reading import show_code
 
 QUESTION = [{"role": "user", "content": "What does the processor of a computer do?"}]
 REPLY_TOKENS = 8
@@ -73,6 +77,7 @@ def long_prompt(tokenizer, n: int) -> list[int]:
 def main(argv: list[str] | None = None) -> None:
     args = models.parse_args("Stage 1: generation without a KV cache, measured", argv)
     console = Console()
+    show_code(console, generate_naive)
     model, tokenizer = models.load(args)
     console.print(models.describe(model, args))
     generate_naive(model, long_prompt(tokenizer, 16), 1)  # warm-up: the first pass pays one-time setup

@@ -15,6 +15,9 @@ A request now has two phases:
 
 New in this stage (marked # NEW): past_key_values, feeding the model only the new token.
 
+Read: this file, generate_with_cache: stage 1's loop with past_key_values (printed when the
+      stage starts).
+
 Run:  python lessons/02_kv_cache.py            (SmolLM2-135M on a 2-core CPU: about 10 s)
       python lessons/02_kv_cache.py --tiny     (a random 2-layer model: a few seconds)
 """
@@ -35,6 +38,7 @@ from transformers import DynamicCache
 
 import models
 from engine import PagedKVCache
+from reading import show_code
 
 stage_1 = importlib.import_module("01_naive_prefill")  # a file name starting with a digit needs importlib
 
@@ -61,6 +65,7 @@ def generate_with_cache(model, prompt_ids: list[int], max_tokens: int) -> tuple[
 def main(argv: list[str] | None = None) -> None:
     args = models.parse_args("Stage 2: past_key_values, prefill and decode, measured", argv)
     console = Console()
+    show_code(console, generate_with_cache)
     model, tokenizer = models.load(args)
     console.print(models.describe(model, args))
     generate_with_cache(model, stage_1.long_prompt(tokenizer, 16), 2)  # warm-up: one-time setup costs

@@ -12,6 +12,9 @@ physical block, wherever it is.
 New in this stage (marked # NEW): PrefixCachingAllocator with enable_caching=False, the
 block table, and slot() (where one token's K/V lives).
 
+Read: prefix_caching.py, section 3: PrefixCachingAllocator.get_new_blocks and .slot (printed
+      when the stage starts).
+
 Run:  python lessons/03_paged_blocks.py
 """
 
@@ -25,6 +28,7 @@ from rich.rule import Rule
 from rich.table import Table
 
 from prefix_caching import PrefixCachingAllocator
+from reading import show_code
 from walkthrough import render_block_table, render_pool
 
 BLOCK_SIZE = 4
@@ -49,6 +53,7 @@ def longest_free_run(alloc: PrefixCachingAllocator) -> int:
 
 def main() -> None:
     console = Console()
+    show_code(console, PrefixCachingAllocator.get_new_blocks, PrefixCachingAllocator.slot)
     alloc = PrefixCachingAllocator(num_blocks=12, block_size=BLOCK_SIZE, enable_caching=False)  # NEW
 
     console.print(Rule("1. Four requests, each gets only the blocks its tokens fill"))

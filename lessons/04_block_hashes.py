@@ -10,6 +10,9 @@ on a full block gets a name the moment it fills.
 New in this stage (marked # NEW): hash_block_tokens, compute_block_hashes, extra keys and
 cache_salt.
 
+Read: prefix_caching.py, section 1: hash_block_tokens and block_extra_keys (printed when the
+      stage starts).
+
 Run:  python lessons/04_block_hashes.py
 """
 
@@ -23,7 +26,14 @@ from rich.console import Console
 from rich.rule import Rule
 from rich.table import Table
 
-from prefix_caching import PrefixCachingAllocator, compute_block_hashes, hash_block_tokens, short_hash
+from prefix_caching import (
+    PrefixCachingAllocator,
+    block_extra_keys,
+    compute_block_hashes,
+    hash_block_tokens,
+    short_hash,
+)
+from reading import show_code
 from walkthrough import render_block_table
 from words import Words
 
@@ -43,6 +53,7 @@ def unchained(block: list[int]) -> str:
 
 def main() -> None:
     console = Console()
+    show_code(console, hash_block_tokens, block_extra_keys)
     vocab = Words()
     prompt = vocab.encode(TEXT)
 

@@ -10,6 +10,9 @@ hash and its K/V: until it is reused for something else, a later request can sti
 New in this stage (marked # NEW): allocate_with_prefix hitting cached blocks, ref_count,
 and blocks that are free and cached at the same time.
 
+Read: prefix_caching.py, section 3: PrefixCachingAllocator.allocate_with_prefix and .touch
+      (printed when the stage starts).
+
 Run:  python lessons/05_ref_counts.py
 """
 
@@ -24,6 +27,7 @@ from rich.rule import Rule
 from rich.table import Table
 
 from prefix_caching import PrefixCachingAllocator
+from reading import show_code
 from walkthrough import render_block_table, render_free_queue
 from words import Words
 
@@ -39,6 +43,7 @@ QUESTIONS = {
 
 def main() -> None:
     console = Console()
+    show_code(console, PrefixCachingAllocator.allocate_with_prefix, PrefixCachingAllocator.touch)
     vocab = Words()
     system = vocab.encode(SYSTEM)
     system_blocks = len(system) // BLOCK_SIZE

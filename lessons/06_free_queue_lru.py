@@ -13,6 +13,9 @@ measures why the queue is a hand-made doubly linked list, and what newer vLLM ch
 
 New in this stage (marked # NEW): FreeKVCacheBlockQueue, eviction, free_uncached_first.
 
+Read: prefix_caching.py, sections 2 and 3: FreeKVCacheBlockQueue.remove,
+      PrefixCachingAllocator.evict and .free (printed when the stage starts).
+
 Run:  python lessons/06_free_queue_lru.py
 """
 
@@ -28,9 +31,9 @@ from rich.rule import Rule
 from rich.table import Table
 
 from prefix_caching import FreeKVCacheBlockQueue, KVCacheBlock, PrefixCachingAllocator
+from reading import show_code
 from walkthrough import design_doc_example, walkthrough
 from workloads import multi_turn, replay
-
 
 QUEUES = {"linked list": FreeKVCacheBlockQueue, "list": list, "deque": deque}  # NEW: the first, vs Python's own
 
@@ -48,6 +51,7 @@ def seconds_per_remove(queue_size: int, kind: str, repeats: int = 200) -> float:
 
 def main() -> None:
     console = Console()
+    show_code(console, FreeKVCacheBlockQueue.remove, PrefixCachingAllocator.evict, PrefixCachingAllocator.free)
 
     console.print(Rule("1. The design doc's worked example, step by step"))
     walkthrough(console)

@@ -14,6 +14,9 @@ a request runs like this:
 
 New in this stage (marked # NEW): the gather and write between the allocator and the model.
 
+Read: engine.py, sections 1 and 3: PagedKVCache.gather and .write, Engine._run (printed when
+      the stage starts).
+
 Run:  python lessons/07_real_model.py            (SmolLM2-135M on a 2-core CPU: about 15 s)
       python lessons/07_real_model.py --tiny     (a random 2-layer model: a few seconds)
 """
@@ -30,7 +33,8 @@ from rich.table import Table
 
 import models
 from demo import DEMO_QUESTIONS, DEMO_SYSTEM_PROMPT
-from engine import Engine, Generation
+from engine import Engine, Generation, PagedKVCache
+from reading import show_code
 
 SYSTEM = {"role": "system", "content": DEMO_SYSTEM_PROMPT}
 MAX_TOKENS = 24
@@ -99,6 +103,7 @@ def show_one_gather(console: Console, engine: Engine, prompt_ids: list[int]) -> 
 def main(argv: list[str] | None = None) -> None:
     args = models.parse_args("Stage 7: prefix caching on a real model, cold vs warm", argv, engine=True)
     console = Console()
+    show_code(console, PagedKVCache.gather, PagedKVCache.write, Engine._run)
     engine = models.make_engine(args)
     console.print(models.describe(engine.model, args))
     console.print(str(engine.kv))

@@ -8,6 +8,9 @@ run prints the same hit rates.
 
 New in this stage (marked # NEW): workloads.replay, lru_burst, RadixTree, radix_vs_hash.
 
+Read: lessons/radix_tree.py: RadixTree.match_prefix and .insert (printed when the stage
+      starts).
+
 Run:  python lessons/09_going_further.py
 """
 
@@ -23,6 +26,7 @@ from rich.table import Table
 
 from figures import POOL_SIZES
 from radix_tree import RadixTree
+from reading import show_code
 from words import Words
 from workloads import WORKLOADS, hit_rate_table, lru_burst, radix_vs_hash
 
@@ -71,6 +75,7 @@ VLLM_TODAY = [
 
 def main() -> None:
     console = Console()
+    show_code(console, RadixTree.match_prefix, RadixTree.insert)
 
     console.print(Rule("1. Hit rate vs cache size, per workload (real allocator, blocks of 16 tokens)"))
     rates = hit_rate_table(POOL_SIZES)  # NEW
