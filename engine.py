@@ -116,10 +116,24 @@ class PagedKVCache:
         """
         if not block_ids:
             return DynamicCache(config=config)
-        index = torch.tensor(block_ids, device=self.device)
-        kv = self.data.index_select(2, index).flatten(2, 3)  # (layers, 2, tokens, heads, dim)
-        kv = kv.transpose(2, 3).unsqueeze(2)  # (layers, 2, 1, heads, tokens, dim)
+        kv = self.tokens_of(block_ids)
         return DynamicCache([(kv[layer, 0], kv[layer, 1]) for layer in range(self.num_layers)], config=config)
+
+    def tokens_of(self, block_ids: list[int]):
+        """The K/V of every slot of `block_ids`, token after token, in attention's layout:
+        (layers, 2, 1, num_kv_heads, len(block_ids) * block_size, head_dim).
+
+        >>> kv = PagedKVCache(num_layers=2, num_kv_heads=1, head_dim=8, num_blocks=4, block_size=4)
+        >>> tuple(kv.tokens_of([3, 1]).shape)
+        (2, 2, 1, 1, 8, 8)
+        """
+        index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        kv = self.data.index_select(2, index).flatten(2, 3)  # (layers, 2, tokens, heads, dim)
+        return kv.transpose(2, 3).unsqueeze(2)  # (layers, 2, 1, heads, tokens, dim)
+
+    def slots(self, layer: int):
+        """Layer `layer` of the pool as (K/V, slot, kv heads, dim): slot = block * block_size + offset."""
+        return self.data[layer].view(2, self.num_blocks * self.block_size, self.num_kv_heads, self.head_dim)
 
     def write(self, cache, block_table: list[int], start: int, end: int) -> None:
         """Copy tokens start..end-1 of a request's DynamicCache into its slots."""

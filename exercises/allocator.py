@@ -1,22 +1,24 @@
 """
-Exercises 3 and 4: allocate with prefix, and free in reverse order (stages 5 and 6).
+Exercises 2 and 4: allocate with prefix (stage 5), and free in reverse order (stage 6).
 
 A small PrefixCachingAllocator: the ideas of prefix_caching.py without decode, argument
-checks or views. It uses your hashes (exercise 1) and your free queue (exercise 2), so do
-those first.
+checks or views. It runs on your hashes (exercise 1), so do that first. Its free queue is
+prefix_caching's until you write your own in exercise 3: exercise 4's tests then run this
+allocator on yours.
 
 Finish lines:
-    EXERCISE_IMPL=starter python -m pytest tests/exercises/test_ex3_allocate.py
+    EXERCISE_IMPL=starter python -m pytest tests/exercises/test_ex2_allocate.py
     EXERCISE_IMPL=starter python -m pytest tests/exercises/test_ex4_free.py
-The second ends with the design doc's worked example, replayed block for block: request 2
-gets blocks [0, 1, 2, 7, 8, 9, 4, 3] and block 3's old hash is evicted.
+Exercise 2's tests free blocks with exercise 4's rule written into the test, so you can do
+it before free. Exercise 4's finish line is the design doc's worked example, replayed block
+for block on all four of your pieces: request 2 gets blocks [0, 1, 2, 7, 8, 9, 4, 3] and
+block 3's old hash is evicted.
 """
 
 from typing import Sequence
 
 from exercises.block_hash import BlockHash, compute_block_hashes
-from exercises.free_queue import FreeKVCacheBlockQueue
-from prefix_caching import Allocation, KVCacheBlock, OutOfBlocksError
+from prefix_caching import Allocation, FreeKVCacheBlockQueue, KVCacheBlock, OutOfBlocksError
 
 
 class PrefixCachingAllocator:
@@ -30,34 +32,37 @@ class PrefixCachingAllocator:
         self.cached_blocks: dict[BlockHash, KVCacheBlock] = {}
         self.block_tables: dict[str, list[int]] = {}
 
-    # --- exercise 3 ---------------------------------------------------------------------
+    # --- exercise 2 ---------------------------------------------------------------------
 
     def allocate_with_prefix(self, request_id: str, token_ids: Sequence[int], cache_salt: str | None = None) -> Allocation:
         """Give a new request its blocks, reusing the longest cached prefix.
 
-        In this order (the design doc's "Block Allocation"):
+        In this order (the design doc's "Block Allocation"; prefix_caching.py names the
+        same five steps):
           1. lookup  Hash the prompt's full blocks. Walk them from block 0: block i hits while
                      its hash is in self.cached_blocks AND that block's token_ids equal the
                      prompt's tokens of block i (a cheap guard against collisions). Stop at
-                     the first miss. Hit at most (len(token_ids) - 1) // block_size blocks:
-                     the model must compute at least one token to produce logits.
+                     the first miss (break, not continue: block i + 1's K/V were computed
+                     after block i's tokens, not after this prompt's). Hit at most
+                     (len(token_ids) - 1) // block_size blocks: the model must compute at
+                     least one token to produce logits.
           2. room    The prompt needs ceil(len / block_size) blocks; the hits cover some.
                      Hits whose ref_cnt is 0 sit in the free queue, so taking them uses up
                      free blocks too. Not enough free blocks: raise OutOfBlocksError before
                      changing anything.
           3. touch   Each hit: ref_cnt 0 means it is in the free queue, so remove it from
-                     there; then ref_cnt += 1. Touch before popping: a pop must never evict
-                     a block this request is about to reuse.
-          4. pop     Each new block comes from the head of the free queue. If it still holds
-                     a hash, evict it: drop it from self.cached_blocks, set block_hash None.
-                     Its ref_cnt becomes 1.
+                     there; then ref_cnt += 1. Touch before taking new blocks: a pop must
+                     never evict a block this request is about to reuse.
+          4. take    Each new block comes from the head of the free queue. If it still holds
+                     a hash, evict it: drop that hash from self.cached_blocks, set block_hash
+                     None (its slots are about to hold other tokens). Its ref_cnt becomes 1.
           5. cache   Store each new block's tokens in block.token_ids. A full one gets its
                      block_hash and goes into self.cached_blocks (unless that hash is cached).
         Record the block table (hits first, then new blocks) and return
         Allocation(num_cached_tokens, num_new_tokens).
         """
-        # TODO exercise 3
-        raise NotImplementedError("exercise 3: allocate_with_prefix is not written yet (exercises/allocator.py)")
+        # TODO exercise 2
+        raise NotImplementedError("exercise 2: allocate_with_prefix is not written yet (exercises/allocator.py)")
 
     # --- exercise 4 ---------------------------------------------------------------------
 

@@ -7,8 +7,8 @@ without reading it first.
 Finish line:
     EXERCISE_IMPL=starter python -m pytest tests/exercises/test_ex1_block_hash.py
 is green: your hashes are deterministic in every process, chained to their parent, change
-with any token or extra key, exist only for full blocks, and carry the cache_salt in
-block 0 only.
+with any token (of a real vocabulary: ids up to 262,143) or extra key, exist only for full
+blocks, and add the cache_salt to block 0's extra keys, in block 0 only.
 """
 
 import hashlib
@@ -27,7 +27,8 @@ def hash_block_tokens(parent_hash: BlockHash | None, token_ids: Sequence[int], e
     Extra keys are strings (a LoRA name, a cache_salt).
 
     Turn the three parts into bytes such that no two different inputs give the same bytes:
-    [1, 23] and [12, 3] must differ, and so must extra keys ("a", "b") and ("ab",).
+    [1, 23] and [12, 3] must differ, and so must extra keys ("a", "b") and ("ab",). A token
+    id is not a byte: real vocabularies have 50,000 to 260,000 ids.
     Never use Python's hash(): it changes from one process to the next.
 
     >>> len(hash_block_tokens(None, [1, 2, 3, 4]))

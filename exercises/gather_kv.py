@@ -12,8 +12,10 @@ tokens in prompt order. Token p of the prompt sits in block block_ids[p // block
 slot p % block_size: the block table can point anywhere in the pool, in any order.
 
 The constructor, write() (the opposite copy: a cache's K/V into the pool) and the rest come
-from prefix_caching. Write the two parts marked TODO, with tensor operations only (no Python
-loop over tokens: a real prefix has thousands).
+from the reference pool, engine.PagedKVCache (engine.py, section "The paged KV pool"). Write the two parts marked TODO, with tensor operations only: no Python
+loop over tokens or blocks (a real prefix has thousands of tokens in hundreds of blocks, and
+one index picks them all). A test counts the tensor operations of a 1-block and a 12-block
+gather: they must be as many.
 
 Finish line:
     EXERCISE_IMPL=starter python -m pytest tests/exercises/test_ex5_gather_kv.py
@@ -21,15 +23,15 @@ is green: on the tiny model, the logits of a cached prefix + suffix equal a full
 pass, and an engine running on your gather replies exactly what model.generate does.
 """
 
-import prefix_caching
+from transformers import DynamicCache
+
+import engine
 
 
-class PagedKVCache(prefix_caching.PagedKVCache):
+class PagedKVCache(engine.PagedKVCache):
     def gather(self, block_ids: list[int], config):
         """A fresh DynamicCache holding the K/V of `block_ids`, in order. No blocks (a cold
         request) give a cache of 0 tokens."""
-        from transformers import DynamicCache
-
         kv = self.tokens_of(block_ids)  # (layers, K/V, 1, num_kv_heads, tokens, head_dim)
         # TODO exercise 5b: a DynamicCache of one (keys, values) pair per layer, in layer order:
         # DynamicCache(list_of_pairs, config=config)

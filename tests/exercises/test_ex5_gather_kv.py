@@ -1,15 +1,19 @@
-"""Exercise 5: gather cached K/V into past_key_values (exercises/gather_kv.py).
+"""Exercise 5: gather cached K/V into past_key_values (exercises/gather_kv.py). Needs no other
+exercise.
 
 The finish line is the oracle of stage 7: on the tiny model, a prefix gathered from the pool
 plus the suffix computed on top of it gives the logits of one full forward pass.
 """
 
+from collections import Counter
+
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 from transformers import LlamaConfig
 
 from grading import exercise
-from prefix_caching import PagedKVCache
+from engine import PagedKVCache
 from test_engine import hf_greedy
 
 impl = exercise("gather_kv")
@@ -66,6 +70,35 @@ def test_token_p_comes_from_block_ids_p_div_block_size_at_slot_p_mod_block_size(
                         f"with block_ids {block_ids}, token {p} of layer {layer}'s {name} (head {head}) holds the "
                         f"numbers of {where(pool, got[head, p, 0])}; expected {where(pool, want[0])}"
                     )
+
+
+class TensorOperations(TorchFunctionMode):
+    """Inside `with TensorOperations() as ops:`, every torch function and tensor method called
+    (indexing included) is counted in ops.names."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = Counter()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.names[getattr(func, "__name__", str(func))] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_longer_prefix_takes_no_more_tensor_operations():
+    pool = numbered_pool(16)
+    counted = {}
+    for block_ids in ([3], list(range(12))):
+        with TensorOperations() as ops:
+            pool.gather(block_ids, CONFIG)
+        counted[len(block_ids) * BLOCK_SIZE] = ops.names
+    short, long = counted[BLOCK_SIZE], counted[12 * BLOCK_SIZE]
+    extra = ", ".join(f"{name} x{n}" for name, n in (long - short).most_common(3))
+    assert long.total() <= short.total(), (
+        f"gathering 48 tokens ran {long.total()} tensor operations, gathering 4 ran {short.total()} (more: {extra}): "
+        "the work grows with the prefix, so a Python loop runs over its tokens or blocks, and a real prefix has "
+        "thousands. Pick every block at once (index_select, or indexing with a tensor of block ids), then reshape"
+    )
 
 
 def test_the_finish_line_cached_prefix_plus_suffix_logits_equal_a_full_forward(tiny_model):

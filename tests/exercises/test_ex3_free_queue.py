@@ -1,4 +1,4 @@
-"""Exercise 2: the free queue's O(1) operations (exercises/free_queue.py)."""
+"""Exercise 3: the free queue's O(1) operations (exercises/free_queue.py). Needs no other exercise."""
 
 import random
 
@@ -30,18 +30,35 @@ def assert_linked(queue, blocks) -> None:
             )
 
 
+def assert_raises(exception: type[Exception], action, rule: str) -> None:
+    """`action()` must raise `exception`; anything else fails with the rule it broke."""
+    try:
+        action()
+    except exception:
+        return
+    except NotImplementedError:
+        raise  # a TODO still waiting: its own message says which
+    except Exception as err:  # noqa: BLE001  (any other exception is the bug to report)
+        pytest.fail(f"{rule}; it raised {type(err).__name__}: {err}")
+    pytest.fail(f"{rule}; it raised nothing")
+
+
 def test_a_new_queue_holds_every_block_in_order():
     blocks, queue = make(5)
-    assert queue.block_ids() == [0, 1, 2, 3, 4]
+    assert queue.block_ids() == [0, 1, 2, 3, 4], (
+        f"the constructor appends blocks 0-4 one by one with your append, giving {queue.block_ids()}"
+    )
     assert_linked(queue, blocks)
 
 
 def test_popleft_takes_the_head():
     blocks, queue = make(3)
-    assert [queue.popleft().block_id for _ in range(3)] == [0, 1, 2]
-    assert len(queue) == 0
-    with pytest.raises(IndexError):
-        queue.popleft()
+    got = [queue.popleft().block_id for _ in range(3)]
+    assert got == [0, 1, 2], f"popleft must hand out the head first: expected [0, 1, 2], got {got}"
+    assert len(queue) == 0, f"after 3 poplefts of 3 blocks, len(queue) is {len(queue)}: count them in num_free_blocks"
+    assert_raises(IndexError, queue.popleft,
+                  "popleft on an empty queue must raise IndexError, as list.pop and deque.popleft do: when the "
+                  "head's next block is the tail sentinel, there is nothing to hand out")
     assert_linked(queue, blocks)
 
 
@@ -49,10 +66,10 @@ def test_append_joins_the_tail_and_appendleft_the_head():
     blocks, queue = make(4)
     queue.popleft()
     queue.append(blocks[0])
-    assert queue.block_ids() == [1, 2, 3, 0]
+    assert queue.block_ids() == [1, 2, 3, 0], f"append must link in at the tail: got {queue.block_ids()}"
     queue.remove(blocks[3])
     queue.appendleft(blocks[3])
-    assert queue.block_ids() == [3, 1, 2, 0]
+    assert queue.block_ids() == [3, 1, 2, 0], f"appendleft must link in at the head: got {queue.block_ids()}"
     assert_linked(queue, blocks)
 
 
@@ -60,15 +77,16 @@ def test_append_joins_the_tail_and_appendleft_the_head():
 def test_remove_from_anywhere(block_id):
     blocks, queue = make(5)
     queue.remove(blocks[block_id])
-    assert queue.block_ids() == [i for i in range(5) if i != block_id]
+    expected = [i for i in range(5) if i != block_id]
+    assert queue.block_ids() == expected, f"removing block {block_id} from [0, 1, 2, 3, 4] left {queue.block_ids()}"
     assert_linked(queue, blocks)
 
 
 def test_removing_a_block_that_is_not_free_is_an_error():
     blocks, queue = make(3)
     queue.remove(blocks[1])
-    with pytest.raises(ValueError):
-        queue.remove(blocks[1])
+    assert_raises(ValueError, lambda: queue.remove(blocks[1]),
+                  "removing block 1 a second time must raise ValueError: its links are None, so it is not free")
 
 
 def test_an_emptied_queue_works_again():
@@ -77,7 +95,7 @@ def test_an_emptied_queue_works_again():
     queue.popleft()
     queue.appendleft(blocks[1])
     queue.append(blocks[0])
-    assert queue.block_ids() == [1, 0]
+    assert queue.block_ids() == [1, 0], f"an emptied queue must take blocks again: got {queue.block_ids()}"
     assert_linked(queue, blocks)
 
 
@@ -98,19 +116,27 @@ def test_agrees_with_a_list_over_1000_random_operations():
             block = rng.choice(outside)
             getattr(queue, op)(block)
             model.insert(len(model) if op == "append" else 0, block.block_id)
-        assert queue.block_ids() == model
+        assert queue.block_ids() == model, f"after {op}, the queue is {queue.block_ids()}; a list gives {model}"
     assert_linked(queue, blocks)
 
 
 class CountingBlock(KVCacheBlock):
-    """A block that counts how often its links are read."""
+    """A block that counts how often its links are read and how often it is compared with
+    another (list.remove, list.index, `in` and deque.remove compare it with every entry)."""
 
     reads = 0
+    comparisons = 0
 
     def __getattribute__(self, name):
         if name in ("prev_free", "next_free"):
             CountingBlock.reads += 1
         return super().__getattribute__(name)
+
+    def __eq__(self, other):
+        CountingBlock.comparisons += 1
+        return self is other
+
+    __hash__ = KVCacheBlock.__hash__  # defining __eq__ would otherwise make blocks unhashable
 
 
 @pytest.mark.parametrize("operation", ["remove", "popleft", "append"])
@@ -118,19 +144,36 @@ def test_operations_read_a_handful_of_links_however_long_the_queue(operation):
     blocks = [CountingBlock(i) for i in range(10_000)]
     queue = impl.FreeKVCacheBlockQueue(blocks)
     middle = blocks[5_000]
-    CountingBlock.reads = 0
+    if operation == "append":
+        queue.remove(middle)
+    CountingBlock.reads = CountingBlock.comparisons = 0
     if operation == "remove":
         queue.remove(middle)
     elif operation == "popleft":
         queue.popleft()
     else:
-        queue.remove(middle)
-        CountingBlock.reads = 0
         queue.append(middle)
     assert CountingBlock.reads <= 12, (
         f"{operation} read {CountingBlock.reads} links in a queue of 10,000 blocks: it should only touch "
         "the block and its neighbours, never walk the queue"
     )
+    assert CountingBlock.comparisons == 0, (
+        f"{operation} compared blocks {CountingBlock.comparisons:,} times in a queue of 10,000: it searched a list "
+        "(list.remove, index, `in`), which is O(n) again. The block's own links say where it is"
+    )
+
+
+def test_the_order_lives_in_the_links_alone():
+    blocks = [KVCacheBlock(i) for i in range(1_000)]
+    queue = impl.FreeKVCacheBlockQueue(blocks)
+    for name, value in vars(queue).items():
+        if isinstance(value, (str, bytes)) or not hasattr(value, "__len__"):
+            continue
+        size = len(value)
+        assert size < 100, (
+            f"the queue keeps self.{name}, a {type(value).__name__} of {size:,} entries, beside its links: "
+            "keeping it in step costs a scan in every remove, O(n) again. The links alone must hold the order"
+        )
 
 
 def test_finish_line_the_design_docs_free_queue_from_time_1_to_time_6():
@@ -139,13 +182,14 @@ def test_finish_line_the_design_docs_free_queue_from_time_1_to_time_6():
         queue.popleft()
     for block_id in (4, 3, 2):  # Time 4: request 0 frees 4, 3, 2 (0 and 1 are shared)
         queue.append(blocks[block_id])
-    assert queue.block_ids() == [7, 8, 9, 4, 3, 2]
+    assert queue.block_ids() == [7, 8, 9, 4, 3, 2], f"Time 4: got {queue.block_ids()}"
     for block_id in (6, 5, 1, 0):  # Time 5: request 1 frees 6, 5, 1, 0
         queue.append(blocks[block_id])
-    assert queue.block_ids() == [7, 8, 9, 4, 3, 2, 6, 5, 1, 0]
+    assert queue.block_ids() == [7, 8, 9, 4, 3, 2, 6, 5, 1, 0], f"Time 5: got {queue.block_ids()}"
     for block_id in (0, 1, 2):  # Time 6: request 2 touches its hits first ...
         queue.remove(blocks[block_id])
-    assert queue.block_ids() == [7, 8, 9, 4, 3, 6, 5]
-    assert [queue.popleft().block_id for _ in range(5)] == [7, 8, 9, 4, 3]  # ... then pops 5 new
-    assert queue.block_ids() == [6, 5]
+    assert queue.block_ids() == [7, 8, 9, 4, 3, 6, 5], f"Time 6, after removing 0 1 2: got {queue.block_ids()}"
+    popped = [queue.popleft().block_id for _ in range(5)]  # ... then pops 5 new
+    assert popped == [7, 8, 9, 4, 3], f"Time 6: the 5 new blocks come from the head, got {popped}"
+    assert queue.block_ids() == [6, 5], f"Time 6: got {queue.block_ids()}"
     assert_linked(queue, blocks)

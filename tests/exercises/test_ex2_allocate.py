@@ -1,0 +1,215 @@
+"""Exercise 2: allocate with prefix (exercises/allocator.py).
+
+Needs exercise 1 (the allocator hashes with your compute_block_hashes). The free queue is
+prefix_caching's, and blocks come back free through `release` below, exercise 4's rule
+written into the test: so this exercise is graded before you write the queue or free.
+"""
+
+import pytest
+
+from grading import exercise
+from prefix_caching import OutOfBlocksError
+
+impl = exercise("allocator")
+
+
+def pool(num_blocks=10, block_size=4):
+    return impl.PrefixCachingAllocator(num_blocks, block_size)
+
+
+def release(alloc, request_id: str) -> None:
+    """What exercise 4's free does: ref counts down, last block first; a block that reaches
+    0 joins the tail of the free queue and keeps its hash and tokens."""
+    for block_id in reversed(alloc.block_tables.pop(request_id)):
+        block = alloc.blocks[block_id]
+        block.ref_cnt -= 1
+        if block.ref_cnt == 0:
+            alloc.free_queue.append(block)
+
+
+def state(alloc) -> dict:
+    return {
+        "free queue": alloc.free_queue.block_ids(),
+        "block tables": {r: list(t) for r, t in alloc.block_tables.items()},
+        "ref counts": [b.ref_cnt for b in alloc.blocks],
+    }
+
+
+def assert_refused(alloc, request_id: str, prompt: list[int], why: str) -> None:
+    """allocate_with_prefix must raise OutOfBlocksError and leave everything as it was."""
+    before = state(alloc)
+    try:
+        alloc.allocate_with_prefix(request_id, prompt)
+    except OutOfBlocksError:
+        pass
+    except IndexError as err:
+        pytest.fail(f"the free queue ran dry halfway through allocating {request_id!r} (IndexError: {err}), "
+                    f"leaving blocks taken that no block table holds: {why}. Check for room before touching "
+                    "or taking any block, and raise OutOfBlocksError")
+    else:
+        pytest.fail(f"request {request_id!r} got blocks {alloc.block_tables.get(request_id)}, but {why}: "
+                    "raise OutOfBlocksError")
+    assert state(alloc) == before, (
+        f"a refused request must change nothing (check for room before touch and take):\n"
+        f"before {before}\nafter  {state(alloc)}"
+    )
+
+
+def test_a_cold_request_gets_blocks_from_the_head_and_hits_nothing():
+    alloc = pool()
+    got = alloc.allocate_with_prefix("r0", list(range(15)))
+    assert got == (0, 15), f"a cold request of 15 tokens hits nothing: expected (0, 15), got {tuple(got)}"
+    assert alloc.block_tables["r0"] == [0, 1, 2, 3], (
+        f"15 tokens need ceil(15 / 4) = 4 blocks, taken from the head of the free queue: expected [0, 1, 2, 3], "
+        f"got {alloc.block_tables['r0']}"
+    )
+    assert alloc.free_queue.block_ids() == [4, 5, 6, 7, 8, 9], "the 4 blocks taken must leave the free queue"
+    assert [alloc.blocks[b].ref_cnt for b in range(5)] == [1, 1, 1, 1, 0], "each block taken has ref_cnt 1"
+
+
+def test_full_blocks_are_cached_at_once_and_the_partial_one_is_not():
+    alloc = pool()
+    alloc.allocate_with_prefix("r0", list(range(15)))
+    cached = [alloc.blocks[b].block_hash is not None for b in range(4)]
+    assert cached == [True, True, True, False], (
+        f"blocks 0-2 are full and get their hash at once; block 3 holds 3 of 4 tokens and gets none. Got {cached} "
+        "(True = has a hash)"
+    )
+
+
+def test_a_request_sharing_full_blocks_reuses_them():
+    alloc = pool()
+    alloc.allocate_with_prefix("r0", list(range(15)))
+    # the design doc's Time 3: 10 shared tokens, but only 2 full blocks (8 tokens) match
+    got = alloc.allocate_with_prefix("r1", list(range(10)) + [100, 101, 102, 103])
+    assert got == (8, 6), f"r1 shares 2 full blocks (8 tokens) with r0: expected (8, 6), got {tuple(got)}"
+    assert alloc.block_tables["r1"][:2] == [0, 1], "r1's table starts with its hits, blocks 0 and 1"
+    assert alloc.blocks[0].ref_cnt == alloc.blocks[1].ref_cnt == 2, "a hit adds 1 to the block's ref_cnt"
+    assert alloc.blocks[2].ref_cnt == 1
+
+
+def test_the_lookup_stops_at_the_first_miss():
+    alloc = pool(20)
+    alloc.allocate_with_prefix("a", list(range(13)))
+    prompt = list(range(13))
+    prompt[5] = 99  # block 1 differs; block 2 holds the same tokens but has another parent
+    got = alloc.allocate_with_prefix("b", prompt).num_cached_tokens
+    assert got == 4, f"only block 0 is shared: expected 4 cached tokens, got {got}"
+
+
+def test_a_hit_needs_the_same_tokens_and_the_block_table_stops_at_the_first_miss():
+    alloc = pool()
+    alloc.allocate_with_prefix("a", list(range(13)))  # blocks 0 1 2 cached, 3 partial
+    alloc.blocks[1].token_ids = [7, 7, 7, 7]  # pretend other content sits under block 1's hash
+    got = alloc.allocate_with_prefix("b", list(range(13)))
+    table = alloc.block_tables["b"]
+    assert table[0] == 0 and 1 not in table, (
+        f"block 1's hash matches but its tokens do not: it is a miss, yet the block table is {table}"
+    )
+    assert 2 not in table, (
+        f"the block table must stop at the first miss: block 1 missed, yet the table is {table}, so tokens 4-7 "
+        f"would read block {table[1]}'s K/V, computed for other tokens. break, not continue"
+    )
+    assert tuple(got) == (4, 9) and table == [0, 4, 5, 6], (
+        f"one hit (block 0), then 3 new blocks from the head: expected (4, 9) and [0, 4, 5, 6], "
+        f"got {tuple(got)} and {table}"
+    )
+
+
+@pytest.mark.parametrize("length, expected", [(8, 4), (9, 8), (12, 8), (13, 12)])
+def test_at_least_one_prompt_token_is_left_to_compute(length, expected):
+    alloc = pool(20)
+    alloc.allocate_with_prefix("warm", list(range(16)))
+    got = alloc.allocate_with_prefix("r", list(range(length))).num_cached_tokens
+    assert got == expected, (
+        f"a {length}-token prompt whose every block is cached may hit at most (len - 1) // block_size = "
+        f"{expected // 4} blocks ({expected} tokens): the model must compute one token to give logits. Got {got}"
+    )
+
+
+def test_cache_salt_keeps_tenants_apart():
+    alloc = pool(20)
+    alloc.allocate_with_prefix("a", list(range(9)), cache_salt="tenant-a")
+    got = alloc.allocate_with_prefix("b", list(range(9)), cache_salt="tenant-b").num_cached_tokens
+    assert got == 0, f"tenant b hit {got} tokens of tenant a's prompt: pass cache_salt on to compute_block_hashes"
+    got = alloc.allocate_with_prefix("c", list(range(9)), cache_salt="tenant-a").num_cached_tokens
+    assert got == 8, f"tenant a must still hit its own 2 full blocks (8 tokens), got {got}"
+
+
+def test_without_room_it_refuses_and_changes_nothing():
+    alloc = pool(4)
+    alloc.allocate_with_prefix("a", list(range(9)))  # 3 of the 4 blocks
+    assert_refused(alloc, "b", list(range(100, 109)), "it needs 3 blocks and 1 is free")
+
+
+def test_the_room_check_counts_the_hits_that_sit_in_the_free_queue():
+    alloc = pool(6)
+    alloc.allocate_with_prefix("a", list(range(9)))  # blocks 0 1 2; 0 and 1 full and cached
+    alloc.allocate_with_prefix("x", list(range(50, 62)))  # blocks 3 4 5: the pool is full
+    release(alloc, "a")  # free queue: 2 1 0, blocks 0 and 1 still cached
+    # 14 tokens, 4 blocks: hits on 0 and 1, 2 new ones. 2 new <= 3 free, but touching the hits
+    # takes 0 and 1 out of the free queue too, and 2 + 2 > 3.
+    assert_refused(alloc, "c", list(range(8)) + list(range(70, 76)),
+                   "it needs 2 new blocks plus its 2 hits that are free (ref_cnt 0), 4 blocks of the free queue, "
+                   "and only 3 are free")
+
+
+def test_a_hit_on_a_free_block_takes_it_out_of_the_middle_of_the_queue():
+    alloc = pool(6)
+    alloc.allocate_with_prefix("a", list(range(9)))  # 0 1 2
+    release(alloc, "a")  # free queue: 3 4 5 2 1 0
+    got = alloc.allocate_with_prefix("b", list(range(5)))
+    assert tuple(got) == (4, 1), f"b hits block 0, free but still cached: expected (4, 1), got {tuple(got)}"
+    assert alloc.block_tables["b"] == [0, 3], f"expected the hit, then the head: [0, 3], got {alloc.block_tables['b']}"
+    assert alloc.free_queue.block_ids() == [4, 5, 2, 1], (
+        f"touching block 0 must remove it from the free queue, and block 3 must be taken from the head: expected "
+        f"[4, 5, 2, 1], got {alloc.free_queue.block_ids()}"
+    )
+    assert alloc.blocks[0].ref_cnt == 1, "a touched block that was free goes from ref_cnt 0 to 1"
+
+
+def test_hits_are_touched_before_new_blocks_are_taken():
+    alloc = pool(3)
+    alloc.allocate_with_prefix("a", list(range(8)))  # blocks 0 1, both full and cached
+    release(alloc, "a")  # free queue: 2 1 0
+    alloc.allocate_with_prefix("b", [90, 91, 92, 93])  # takes 2
+    release(alloc, "b")  # free queue: 1 0 2, a cached hit at the head
+    got = alloc.allocate_with_prefix("c", list(range(8)) + [9])
+    assert tuple(got) == (8, 1) and alloc.block_tables["c"] == [0, 1, 2], (
+        f"c hits blocks 0 and 1 and takes block 2: expected (8, 1) and [0, 1, 2], got {tuple(got)} and "
+        f"{alloc.block_tables['c']}. Touch the hits before taking new blocks, or the take pops block 1 from the "
+        "head and evicts c's own hit"
+    )
+    assert alloc.free_queue.block_ids() == [], (
+        f"every block is in use, yet the free queue holds {alloc.free_queue.block_ids()}"
+    )
+
+
+def test_taking_a_cached_block_evicts_it():
+    alloc = pool(3)
+    alloc.allocate_with_prefix("a", list(range(9)))
+    release(alloc, "a")
+    alloc.allocate_with_prefix("b", list(range(50, 62)))  # needs all 3 blocks: 0 and 1 are evicted
+    release(alloc, "b")
+    got = alloc.allocate_with_prefix("c", list(range(9))).num_cached_tokens
+    assert got == 0, f"blocks 0 and 1 were reused by b, yet c hit {got} tokens of a's old content"
+
+
+def test_an_evicted_hash_leaves_the_cache_map():
+    alloc = pool(5)
+    alloc.allocate_with_prefix("a", [1, 2, 3, 4])  # block 0, cached
+    alloc.allocate_with_prefix("x", [9])  # block 1
+    release(alloc, "a")
+    release(alloc, "x")  # free queue: 2 3 4 0 1
+    evicted = alloc.blocks[0].block_hash
+    alloc.allocate_with_prefix("b", list(range(100, 116)))  # takes 2 3 4 0: block 0 is evicted
+    still_mapped = evicted in alloc.cached_blocks  # a bool: the hash itself is a 32-byte blob
+    assert not still_mapped, (
+        "block 0 was taken from the free queue and now holds b's tokens, yet its old hash is still in "
+        "self.cached_blocks: when a take evicts a block, its hash must leave the map too"
+    )
+    alloc.allocate_with_prefix("c", [1, 2, 3, 4])  # a's block again, computed into block 1
+    release(alloc, "c")
+    release(alloc, "b")
+    got = alloc.allocate_with_prefix("d", [1, 2, 3, 4, 5]).num_cached_tokens
+    assert got == 4, f"block 1 holds [1, 2, 3, 4] and is cached: d should hit 4 tokens, got {got}"
