@@ -255,7 +255,9 @@ class Generation:
     finish_reason: str | None = None  # "stop" (EOS) or "length" (max_tokens), once finished
     ttft_ms: float = 0.0  # request in -> first token sampled
     total_ms: float = 0.0
-    prefill: PrefillTiming = field(default_factory=PrefillTiming)
+    prefill: PrefillTiming = field(default_factory=PrefillTiming)  # one request at a time only
+    wait_ms: float = 0.0  # request in -> admitted by the scheduler (generate_batch)
+    num_preemptions: int = 0  # times the scheduler took its blocks back to make room
 
     @property
     def computed_prompt_tokens(self) -> int:
@@ -448,6 +450,38 @@ class Engine:
         for event in self.stream(prompt, max_tokens, temperature, top_p, seed, cache_salt, request_id, stop):
             pass
         return event.generation
+
+    def generate_batch(self, prompts: Sequence, max_tokens: int = 64, temperature: float = 0.0,
+                       top_p: float = 1.0, seed: int | None = None, cache_salt: str | None = None,
+                       stop: str | Sequence[str] | None = None, *, max_num_seqs: int = 64,
+                       max_num_batched_tokens: int = 2048) -> list[Generation]:
+        """Run many requests together, one forward pass per step for all of them (continuous
+        batching on the paged pool: batch_engine.py); their Generations, in the order given.
+
+        Every prompt is checked before any runs. Requests that do not all fit in the pool at
+        once wait, or are preempted and resumed, instead of being refused.
+        """
+        from batch_engine import BatchRunner  # it builds on this file, so it is imported when used
+
+        params = SamplingParams(max_tokens, temperature, top_p, seed)
+        try:
+            cache_salt = check_cache_salt(cache_salt)
+        except TypeError as err:
+            raise ValueError(str(err)) from None
+        stop = _check_stop(stop)
+        if isinstance(prompts, str) or not isinstance(prompts, Sequence) or not prompts:
+            raise ValueError("prompts must be a non-empty list of prompts (str, messages or token ids)")
+        all_ids = [self.tokenize(prompt) for prompt in prompts]
+        for ids in all_ids:
+            self._check_fits(len(ids), max_tokens)
+        runner = BatchRunner(self, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+        requests = [runner.add(f"batch-{next(self._request_counter)}", ids, params, cache_salt, stop) for ids in all_ids]
+        try:
+            return runner.run(requests)
+        finally:
+            with self.allocator_lock:
+                for request in requests:  # after a failure: give every block back
+                    runner.scheduler.finish(request)
 
     def stream(self, prompt, max_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0,
                seed: int | None = None, cache_salt: str | None = None, request_id: str | None = None,

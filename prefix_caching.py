@@ -718,7 +718,7 @@ class PrefixCachingAllocator:
 # Command line, and the names that live in the other files
 
 
-BENCHMARKS = ("allocator", "ttft", "server_load")
+BENCHMARKS = ("allocator", "ttft", "throughput", "server_load")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,0 +1,235 @@
+"""
+Many requests, one forward pass: the step that runs what scheduler.py plans, on the paged pool.
+
+Read engine.py first (the pool, sampling, one request at a time). There, each request's
+K/V is copied out of the pool into a private DynamicCache. Here nothing is copied: the
+model's attention reads every request's K/V from the pool in place, through its block table.
+
+    1. pool attention    an attention function registered with transformers'
+                         AttentionInterface. The model stays an unmodified Hugging Face model;
+                         only the function its attention layers call changes.
+    2. one step          the scheduled tokens of every request packed into one sequence:
+                         input ids, their positions, the slot each token's K/V goes to, the
+                         slots each request attends over, and a mask that keeps requests apart
+    3. the batch runner  schedule, run the step, sample a token per request, finish requests
+
+In every layer, the step's new K/V are written into their slots first; only then does any
+request attend. So a request admitted in the same step as another can hit the blocks the
+other computes in that very step, as in vLLM.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+from engine import Engine, Generation, SamplingParams, sample, slot_ids
+from scheduler import FINISHED, Request, Scheduler, StepPlan
+
+# -----------------------------------------------------------------------------
+# 1. Pool attention
+#
+# Registered under its own name; when a forward pass carries no `pool_step` (engine.py's
+# one-request path, or plain model.generate) it is exactly transformers' sdpa.
+
+POOL_ATTENTION = "prefix_caching_pool"
+
+
+def pool_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, pool_step=None, **kwargs):
+    """query (1, heads, T, dim) for the T packed tokens of the step; key/value (1, kv heads, T, dim).
+
+    Returns (1, T, heads, dim), as transformers' attention functions do.
+    """
+    if pool_step is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    step: StepInputs = pool_step
+    flat = step.pool.slots(module.layer_idx)  # (2, slots, kv heads, dim)
+    # Write first: every new key and value of the step lands in its slot before anyone reads.
+    flat[0, step.slot_mapping] = key[0].transpose(0, 1).to(flat.dtype)
+    flat[1, step.slot_mapping] = value[0].transpose(0, 1).to(flat.dtype)
+    # Then read: each request's whole context, through its block table, padded to one length.
+    keys = flat[0][step.context_slots].transpose(1, 2)  # (requests, kv heads, context, dim)
+    values = flat[1][step.context_slots].transpose(1, 2)
+    queries = query[0].transpose(0, 1)[step.query_index].transpose(1, 2)  # (requests, heads, queries, dim)
+    out = F.scaled_dot_product_attention(queries, keys.to(queries.dtype), values.to(queries.dtype),
+                                         attn_mask=step.mask, scale=scaling, enable_gqa=True)
+    out = out.transpose(1, 2)[step.token_request, step.token_query]  # back to packed order: (T, heads, dim)
+    return out.unsqueeze(0), None
+
+
+AttentionInterface.register(POOL_ATTENTION, pool_attention)
+ALL_MASK_ATTENTION_FUNCTIONS.register(POOL_ATTENTION, sdpa_mask)  # the one-request path's masks
+
+
+def use_pool_attention(model) -> None:
+    """Point the model's attention layers at pool_attention (sdpa when no step is given)."""
+    if model.config._attn_implementation != POOL_ATTENTION:
+        model.set_attn_implementation(POOL_ATTENTION)
+
+
+# -----------------------------------------------------------------------------
+# 2. One step's inputs
+
+
+@dataclass
+class StepInputs:
+    """What the attention layers need to find every request's K/V in the pool.
+
+    For a step with request a computing tokens 4..6 of 7 and request b decoding token 9:
+        positions      [4, 5, 6, 9]             each packed token's place in its request
+        slot_mapping   the slots tokens 4, 5, 6 of a and 9 of b are written to
+        context_slots  (2, 10): a's slots 0..6, padded; b's slots 0..9
+        mask           (2, 1, 3, 10): a's query 4 sees keys 0..4, ...; b's one query sees 0..9
+        query_index    (2, 3): packed token of each (request, query); padding points at 0
+    """
+
+    pool: object  # engine.PagedKVCache
+    input_ids: torch.Tensor  # (1, T)
+    positions: torch.Tensor  # (1, T)
+    slot_mapping: torch.Tensor  # (T,)
+    context_slots: torch.Tensor  # (requests, longest context)
+    mask: torch.Tensor  # (requests, 1, most queries, longest context), True = may attend
+    query_index: torch.Tensor  # (requests, most queries)
+    token_request: torch.Tensor  # (T,) the request of each packed token
+    token_query: torch.Tensor  # (T,) its row among that request's queries
+    last_token: torch.Tensor  # (requests,) packed index of each request's last token
+
+
+def build_step(plan: StepPlan, pool, block_tables: dict[str, list[int]], device) -> StepInputs:
+    block_size = pool.block_size
+    tokens, positions, slots, token_request, token_query, last = [], [], [], [], [], []
+    longest_context = max(s.end for s in plan.scheduled)
+    most_queries = max(s.end - s.start for s in plan.scheduled)
+    rows = len(plan.scheduled)
+    context_slots = torch.zeros(rows, longest_context, dtype=torch.long)
+    query_index = torch.zeros(rows, most_queries, dtype=torch.long)
+    query_position = torch.zeros(rows, most_queries, dtype=torch.long)  # padding rows see key 0 only
+    for r, s in enumerate(plan.scheduled):
+        table = block_tables[s.request.request_id]
+        first = len(tokens)
+        tokens += s.request.token_ids[s.start : s.end]
+        positions += range(s.start, s.end)
+        slots.append(slot_ids(table, block_size, s.start, s.end))
+        context_slots[r, : s.end] = slot_ids(table, block_size, 0, s.end)
+        n = s.end - s.start
+        query_index[r, :n] = torch.arange(first, first + n)
+        query_position[r, :n] = torch.arange(s.start, s.end)
+        token_request += [r] * n
+        token_query += range(n)
+        last.append(len(tokens) - 1)
+    mask = torch.arange(longest_context)[None, None, :] <= query_position[:, :, None]  # causal, per request
+    as_tensor = lambda values: torch.tensor(values, device=device)  # noqa: E731
+    return StepInputs(
+        pool=pool, input_ids=as_tensor([tokens]), positions=as_tensor([positions]),
+        slot_mapping=torch.cat(slots).to(device), context_slots=context_slots.to(device),
+        mask=mask.unsqueeze(1).to(device), query_index=query_index.to(device),
+        token_request=as_tensor(token_request), token_query=as_tensor(token_query), last_token=as_tensor(last),
+    )
+
+
+# -----------------------------------------------------------------------------
+# 3. The batch runner
+
+
+@dataclass
+class _State:
+    """What the runner keeps with each request (Request.payload)."""
+
+    params: SamplingParams
+    generator: torch.Generator | None
+    stop: tuple[str, ...]
+    reply: Generation
+    arrival: float
+    admitted_at: float | None = None
+
+
+class BatchRunner:
+    """Runs an Engine's requests together: one forward pass per step for all of them."""
+
+    def __init__(self, engine: Engine, *, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048) -> None:
+        self.engine = engine
+        use_pool_attention(engine.model)
+        self.scheduler = Scheduler(engine.allocator, max_num_seqs=max_num_seqs,
+                                   max_num_batched_tokens=max_num_batched_tokens)
+        self.last_plan: StepPlan | None = None
+
+    def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams, cache_salt: str | None,
+            stop: tuple[str, ...] = ()) -> Request:
+        generator = None if params.seed is None else torch.Generator().manual_seed(params.seed)
+        state = _State(params, generator, stop, Generation(request_id, prompt_tokens=len(prompt_ids)), time.perf_counter())
+        request = Request(request_id, list(prompt_ids), cache_salt, params.max_tokens, payload=state)
+        self.scheduler.add(request)
+        return request
+
+    def step(self) -> list[Request]:
+        """Schedule, run one forward pass, sample; returns the requests that finished.
+
+        Holds engine.lock for the step (so it never interleaves with engine.stream's steps)
+        and engine.allocator_lock around the allocator's bookkeeping only."""
+        engine, scheduler = self.engine, self.scheduler
+        with engine.lock:
+            with engine.allocator_lock:
+                plan = scheduler.schedule()
+                block_tables = {s.request.request_id: list(engine.allocator.block_tables[s.request.request_id])
+                                for s in plan.scheduled}
+            self.last_plan = plan
+            if not plan.scheduled:
+                return []
+            now = time.perf_counter()
+            for s in plan.scheduled:
+                if s.request.payload.admitted_at is None:
+                    s.request.payload.admitted_at = now
+            inputs = build_step(plan, engine.kv, block_tables, engine.device)
+            with torch.inference_mode():
+                logits = engine.model(
+                    input_ids=inputs.input_ids, position_ids=inputs.positions, use_cache=False,
+                    logits_to_keep=inputs.last_token, pool_step=inputs,
+                ).logits[0]  # (requests, vocab)
+            finished = []
+            for row, s in enumerate(plan.scheduled):
+                request = s.request
+                request.num_computed_tokens = s.end
+                if self._sample(request, logits[row]):
+                    with engine.allocator_lock:
+                        scheduler.finish(request)
+                    finished.append(request)
+        return finished
+
+    def _sample(self, request: Request, logits) -> bool:
+        """Sample the request's next token; whether that finished it."""
+        state, engine = request.payload, self.engine
+        token = sample(logits, state.params, state.generator)
+        request.output_ids.append(token)
+        reply = state.reply
+        reply.token_ids = request.output_ids
+        if len(request.output_ids) == 1:
+            reply.ttft_ms = (time.perf_counter() - state.arrival) * 1e3
+        _, hit_stop = engine._new_text(reply, state.stop)
+        if hit_stop or token in engine.stop_token_ids:
+            reply.finish_reason = "stop"
+        elif len(request.output_ids) == state.params.max_tokens:
+            reply.finish_reason = "length"
+        return reply.finish_reason is not None
+
+    def finish_reply(self, request: Request) -> Generation:
+        state = request.payload
+        reply = state.reply
+        if reply.finish_reason != "stop" or not state.stop:
+            self.engine._new_text(reply, state.stop, final=True)
+        reply.cached_tokens = request.num_cached_tokens
+        reply.total_ms = (time.perf_counter() - state.arrival) * 1e3
+        reply.wait_ms = ((state.admitted_at or state.arrival) - state.arrival) * 1e3
+        reply.num_preemptions = request.num_preemptions
+        return reply
+
+    def run(self, requests: list[Request]) -> list[Generation]:
+        """Step until every one of `requests` has finished; their replies, in order."""
+        while any(r.status != FINISHED for r in requests):
+            self.step()
+        return [self.finish_reply(r) for r in requests]

@@ -1,0 +1,153 @@
+"""Throughput with many requests at once: what continuous batching and prefix caching buy.
+
+    python prefix_caching.py --bench throughput [--requests 16 32] [--json out.json] [--quick]
+
+The demo's system prompt in front of N different questions, 32 new tokens each, greedy,
+run four ways on the same model and token ids, one after another in one process:
+
+    (a) sequential   this engine, one request after another (Engine.generate)
+    (b) batched      this engine's scheduler, every request in the same steps, caching off
+    (c) batched+APC  the same with prefix caching on: the system prompt is computed once
+    (d) transformers model.generate_batch, its own continuous batching with block sharing
+                     on (ContinuousBatchingConfig(allow_block_sharing=True))
+
+For each: requests/s, output tokens/s, TTFT p50/p95 (every request arrives at time 0, so a
+TTFT includes the wait for admission), and whether its tokens equal (a)'s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import time
+
+import torch
+from rich.console import Console
+from rich.table import Table
+from transformers import ContinuousBatchingConfig, GenerationConfig
+
+from benchmarks import save_json
+from demo import DEMO_SYSTEM_PROMPT
+from engine import Engine, add_model_arguments, pool_arguments
+from model_loader import DEFAULT_MODEL
+
+TOPICS = ["a CPU", "RAM", "a hard disk", "an SSD", "a GPU", "an operating system", "a compiler", "a file",
+          "a folder", "a network", "Wi-Fi", "a router", "an IP address", "DNS", "a web browser", "a cookie",
+          "a password manager", "encryption", "a virus", "a backup", "the cloud", "a database", "a spreadsheet",
+          "a pixel", "a font", "a keyboard shortcut", "a USB port", "Bluetooth", "a battery", "a byte",
+          "binary numbers", "an algorithm"]
+
+
+def questions(n: int) -> list[list[dict]]:
+    """n chats: the shared system prompt, then a question of its own."""
+    system = {"role": "system", "content": DEMO_SYSTEM_PROMPT}
+    return [[system, {"role": "user", "content": f"What is {TOPICS[i % len(TOPICS)]}, in two sentences?"}]
+            for i in range(n)]
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-th percentile, linearly interpolated (q=50: the median).
+
+    >>> percentile([1.0, 2.0, 3.0, 4.0], 50), percentile([1.0, 2.0, 3.0, 4.0], 95)
+    (2.5, 3.85)
+    """
+    ordered = sorted(values)
+    k = (len(ordered) - 1) * q / 100
+    low, high = int(k), min(int(k) + 1, len(ordered) - 1)
+    return round(ordered[low] + (ordered[high] - ordered[low]) * (k - low), 6)
+
+
+def summary(name: str, seconds: float, outputs: list[list[int]], ttfts_ms: list[float], reference) -> dict:
+    tokens = sum(len(o) for o in outputs)
+    same = None if reference is None else sum(o == r for o, r in zip(outputs, reference))
+    return {"name": name, "seconds": round(seconds, 3), "requests_per_s": round(len(outputs) / seconds, 3),
+            "output_tokens_per_s": round(tokens / seconds, 1), "ttft_p50_ms": round(percentile(ttfts_ms, 50), 1),
+            "ttft_p95_ms": round(percentile(ttfts_ms, 95), 1), "same_tokens_as_a": same, "requests": len(outputs)}
+
+
+def run_ours(engine: Engine, prompts: list[list[int]], max_tokens: int, batched: bool) -> tuple[float, list, list]:
+    engine.allocator.reset_prefix_cache()  # every way starts from a cold pool
+    start = time.perf_counter()
+    if batched:
+        replies = engine.generate_batch(prompts, max_tokens=max_tokens)
+        ttfts = [r.ttft_ms for r in replies]
+    else:
+        replies, ttfts = [], []
+        for prompt in prompts:  # all arrive at time 0: the k-th waits for the k-1 before it
+            replies.append(engine.generate(prompt, max_tokens=max_tokens))
+            ttfts.append((time.perf_counter() - start) * 1e3 - replies[-1].total_ms + replies[-1].ttft_ms)
+    return time.perf_counter() - start, [r.token_ids for r in replies], ttfts
+
+
+def run_transformers(model, prompts: list[list[int]], max_tokens: int, eos: set[int]) -> tuple[float, list, list]:
+    config = GenerationConfig(max_new_tokens=max_tokens, do_sample=False, eos_token_id=sorted(eos),
+                              pad_token_id=model.generation_config.pad_token_id)
+    start = time.perf_counter()
+    outputs = model.generate_batch(prompts, generation_config=config, record_timestamps=True,
+                                   continuous_batching_config=ContinuousBatchingConfig(allow_block_sharing=True))
+    seconds = time.perf_counter() - start
+    ordered = sorted(outputs.values(), key=lambda o: int(o.request_id.rsplit("_", 1)[-1]))
+    ttfts = [((o.timestamps[0] if o.timestamps else o.lifespan[1]) - start) * 1e3 for o in ordered]
+    return seconds, [list(o.generated_tokens) for o in ordered], ttfts
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(prog="prefix_caching.py --bench throughput", description=__doc__.split("\n\n")[0])
+    add_model_arguments(parser)
+    parser.add_argument("--requests", type=int, nargs="+", default=[16, 32], help="batch sizes to run")
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--skip-transformers", action="store_true", help="leave out (d)")
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    parser.add_argument("--quick", action="store_true", help="4 requests of 4 tokens (for tests)")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.requests, args.max_tokens = [4], 4
+
+    console = Console()
+    engine = Engine(args.model, device=args.device, dtype=args.dtype, **pool_arguments(args))
+    off = Engine(model=engine.model, tokenizer=engine.tokenizer, block_size=args.block_size,
+                 num_blocks=engine.allocator.num_blocks, enable_caching=False)
+    device = torch.cuda.get_device_name(engine.device) if engine.device.type == "cuda" else (platform.processor() or platform.machine())
+    console.print(f"[bold]Throughput benchmark[/]: {args.model or DEFAULT_MODEL} on {engine.device} ({device}, "
+                  f"{torch.get_num_threads()} threads, {str(engine.dtype).removeprefix('torch.')}); "
+                  f"{engine.allocator.num_blocks} blocks of {args.block_size}; {args.max_tokens} new tokens each")
+    engine.warm_up()
+    engine.generate_batch(["warm up"] * 2, max_tokens=2)  # the batched path's first pass, untimed
+    results = {"machine": device, "threads": torch.get_num_threads(), "runs": []}
+
+    for n in args.requests:
+        prompts = [engine.tokenize(q) for q in questions(n)]
+        shared = min(len(p) for p in prompts)
+        rows = []
+        seconds, outputs, ttfts = run_ours(engine, prompts, args.max_tokens, batched=False)
+        reference = outputs
+        rows.append(summary("(a) sequential", seconds, outputs, ttfts, reference))
+        rows.append(summary("(b) batched, caching off", *run_ours(off, prompts, args.max_tokens, batched=True), reference))
+        rows.append(summary("(c) batched, caching on", *run_ours(engine, prompts, args.max_tokens, batched=True), reference))
+        if not args.skip_transformers:
+            hf_model = type(engine.model).from_pretrained(engine.model.name_or_path, dtype=engine.dtype).to(engine.device)
+            rows.append(summary("(d) transformers generate_batch", *run_transformers(
+                hf_model, prompts, args.max_tokens, engine.stop_token_ids), reference))
+            del hf_model
+        results["runs"].append({"requests": n, "prompt_tokens_min": shared, "rows": rows})
+
+        table = Table(title=f"{n} requests behind one system prompt (prompts of {shared}+ tokens)")
+        for column in ("way", "seconds", "requests/s", "tokens/s", "TTFT p50 ms", "TTFT p95 ms", "same tokens as (a)"):
+            table.add_column(column, justify="left" if column == "way" else "right")
+        for r in rows:
+            table.add_row(r["name"], f"{r['seconds']:.2f}", f"{r['requests_per_s']:.2f}", f"{r['output_tokens_per_s']:.1f}",
+                          f"{r['ttft_p50_ms']:,.0f}", f"{r['ttft_p95_ms']:,.0f}", f"{r['same_tokens_as_a']} of {n}")
+        console.print(table)
+        by_name = {r["name"][:3]: r for r in rows}
+        ratios = [f"(c)/(a) {by_name['(c)']['requests_per_s'] / by_name['(a)']['requests_per_s']:.1f}x",
+                  f"(c)/(b) {by_name['(c)']['requests_per_s'] / by_name['(b)']['requests_per_s']:.1f}x"]
+        if "(d)" in by_name:
+            ratios.append(f"(c)/(d) {by_name['(c)']['requests_per_s'] / by_name['(d)']['requests_per_s']:.1f}x")
+        console.print("requests/s, measured in this run: " + ", ".join(ratios))
+    save_json(args.json, results, console)
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,88 @@
+"""Many requests in one forward pass: every request's greedy tokens equal plain Hugging Face
+generate on that prompt alone, whatever shares its batch (tiny random model, float32)."""
+
+import pytest
+
+from batch_engine import BatchRunner
+from conftest import assert_pool_whole
+from engine import SamplingParams
+from test_engine import EmbeddingCounter, hf_greedy
+
+SHARED = list(range(300, 330))  # 30 tokens: 7 full blocks of 4 and a partial one
+MIXED = [SHARED + [40], SHARED + [41, 42, 43, 44, 45], [7], list(range(500, 523)), SHARED[:9], [8, 9]]
+
+
+def test_a_mixed_batch_equals_generate_on_each_prompt_alone(make_engine):
+    engine = make_engine()
+    replies = engine.generate_batch(MIXED, max_tokens=8)
+    for prompt, reply in zip(MIXED, replies):
+        assert reply.token_ids == hf_greedy(engine.model, prompt, 8), f"prompt of {len(prompt)} tokens"
+        assert reply.finish_reason == "length" and reply.prompt_tokens == len(prompt)
+
+
+def test_requests_admitted_together_hit_the_blocks_the_first_computes_in_that_step(make_engine):
+    engine = make_engine()
+    counter = EmbeddingCounter(engine.model)
+    prompts = [SHARED + [40 + i] for i in range(4)]
+    replies = engine.generate_batch(prompts, max_tokens=1)
+    counter.handle.remove()
+    assert [r.cached_tokens for r in replies] == [0, 28, 28, 28]
+    assert counter.count == 31 + 3 * 3  # the shared prefix was computed once, in one step
+    assert [r.token_ids for r in replies] == [hf_greedy(engine.model, p, 1) for p in prompts]
+
+
+def test_a_pool_too_small_for_everyone_at_once_finishes_all_exactly(make_engine):
+    engine = make_engine(num_blocks=24)  # 96 slots; the batch needs about 150 at once
+    replies = engine.generate_batch(MIXED, max_tokens=20)
+    assert sum(r.num_preemptions for r in replies) > 0, "the test should exercise preemption"
+    for prompt, reply in zip(MIXED, replies):
+        assert reply.token_ids == hf_greedy(engine.model, prompt, 20)
+    assert_pool_whole(engine)
+
+
+def test_a_preempted_request_resumes_mostly_from_the_cache(make_engine):
+    engine = make_engine(num_blocks=8)  # room for both prompts (6 blocks), not both replies
+    runner = BatchRunner(engine)
+    params = SamplingParams(max_tokens=12)
+    requests = [runner.add(f"r{i}", SHARED[:16] + [60 + i], params, None) for i in range(2)]
+    counter = EmbeddingCounter(engine.model)
+    replies = runner.run(requests)
+    counter.handle.remove()
+    assert runner.scheduler.num_preemptions >= 1
+    recomputed = counter.count - (17 + 1 + 2 * 11)  # beyond one prefill, one hit prefill, the decodes
+    assert 0 < recomputed < 17 + 12, "a resumed request recomputes only what was evicted"
+    for i, reply in enumerate(replies):
+        assert reply.token_ids == hf_greedy(engine.model, SHARED[:16] + [60 + i], 12)
+    runner.scheduler.check_invariants()
+
+
+def test_stop_strings_and_eos_end_batched_requests_like_single_ones(make_engine):
+    engine = make_engine()
+    prompt = SHARED + [40]
+    full = engine.generate(prompt, max_tokens=10)
+    engine.stop_token_ids = {full.token_ids[3]}
+    eos, alone = engine.generate_batch([prompt, [5, 6]], max_tokens=10)
+    assert eos.token_ids == full.token_ids[:4] and eos.finish_reason == "stop"
+    assert alone.token_ids == hf_greedy(engine.model, [5, 6], 10)[: len(alone.token_ids)]
+
+
+@pytest.mark.parametrize("prompts, kwargs, match", [
+    ([], {}, "non-empty list"),
+    ("one string", {}, "non-empty list"),
+    ([[1, 2], []], {}, "non-empty"),
+    ([[1, 2]], {"max_tokens": 0}, "max_tokens"),
+    ([[1, 2]], {"cache_salt": "a/b"}, "'/'"),
+    ([list(range(300))], {"max_tokens": 10}, "num_blocks"),
+])
+def test_bad_batches_are_refused_before_anything_runs(make_engine, prompts, kwargs, match):
+    engine = make_engine()
+    with pytest.raises(ValueError, match=match):
+        engine.generate_batch(prompts, **kwargs)
+    assert engine.allocator.stats.requests == 0
+
+
+def test_the_one_request_path_still_works_after_batching(make_engine):
+    engine = make_engine()
+    engine.generate_batch([SHARED], max_tokens=2)
+    prompt = SHARED + [99]
+    assert engine.generate(prompt, max_tokens=6).token_ids == hf_greedy(engine.model, prompt, 6)

@@ -1,0 +1,167 @@
+"""The scheduler's rules, without a model: admission in arrival order while the pool and the
+token budget allow, decodes first, preemption of the most recently admitted, and its
+invariants after every step of random workloads (hypothesis)."""
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from prefix_caching import PrefixCachingAllocator
+from scheduler import FINISHED, RUNNING, WAITING, Request, Scheduler
+
+
+def run_step(scheduler: Scheduler, token: int = 7) -> list[tuple[str, int, int]]:
+    """Schedule a step and pretend the model ran it: each request gets `token`."""
+    plan = scheduler.schedule()
+    for s in plan.scheduled:
+        s.request.num_computed_tokens = s.end
+        s.request.output_ids.append(token)
+    return [(s.request.request_id, s.start, s.end) for s in plan.scheduled]
+
+
+def test_a_request_admitted_in_the_same_step_hits_the_blocks_the_first_computes():
+    s = Scheduler(PrefixCachingAllocator(num_blocks=10, block_size=4))
+    s.add(Request("a", list(range(10))))
+    s.add(Request("b", list(range(8)) + [50, 51, 52]))
+    assert run_step(s) == [("a", 0, 10), ("b", 8, 11)]  # b computes only its own 3 tokens
+    assert s.shared_blocks() == {0: ["a", "b"], 1: ["a", "b"]}
+
+
+def test_running_requests_decode_before_new_ones_are_admitted():
+    s = Scheduler(PrefixCachingAllocator(num_blocks=10, block_size=4))
+    s.add(Request("a", [1, 2, 3]))
+    run_step(s)
+    s.add(Request("b", [4, 5]))
+    assert run_step(s) == [("a", 3, 4), ("b", 0, 2)]
+
+
+def test_admission_stops_at_the_first_request_that_does_not_fit():
+    s = Scheduler(PrefixCachingAllocator(num_blocks=4, block_size=4))
+    s.add(Request("big", list(range(12))))  # 3 blocks
+    s.add(Request("too-big-now", list(range(100, 108))))  # 2 blocks: only 1 left
+    s.add(Request("small", [1]))  # would fit, but does not overtake
+    assert run_step(s) == [("big", 0, 12)]
+    assert [r.request_id for r in s.waiting] == ["too-big-now", "small"]
+
+
+def test_the_token_budget_counts_only_uncached_tokens():
+    alloc = PrefixCachingAllocator(num_blocks=20, block_size=4)
+    s = Scheduler(alloc, max_num_batched_tokens=10)
+    s.add(Request("a", list(range(9))))
+    run_step(s)
+    s.finish(s.running[0])
+    s.add(Request("b", list(range(8)) + [60, 61]))  # 10 tokens, 8 cached: costs 2
+    s.add(Request("c", list(range(8)) + [70, 71]))
+    assert run_step(s) == [("b", 8, 10), ("c", 8, 10)]
+
+
+def test_a_prompt_longer_than_the_budget_runs_alone():
+    s = Scheduler(PrefixCachingAllocator(num_blocks=20, block_size=4), max_num_batched_tokens=4)
+    s.add(Request("long", list(range(30))))
+    s.add(Request("short", [1]))
+    assert run_step(s) == [("long", 0, 30)]
+
+
+def test_when_the_pool_runs_out_the_most_recent_request_is_preempted_and_resumes_from_the_cache():
+    alloc = PrefixCachingAllocator(num_blocks=4, block_size=4)
+    s = Scheduler(alloc)
+    s.add(Request("old", list(range(8))))  # 2 blocks, full
+    s.add(Request("new", list(range(20, 28))))  # 2 blocks, full: the pool is now full
+    run_step(s)
+    # Both need a new block for their next token; none is free: "new" is preempted.
+    assert run_step(s) == [("old", 8, 9)]
+    new = next(r for r in s.waiting)
+    assert new.request_id == "new" and new.status == WAITING and new.num_preemptions == 1
+    assert s.num_preemptions == 1
+    # Its blocks went back last block first, so the block "old" just took for token 8 was
+    # new's second block: evicted. Its first block is still cached.
+    s.finish(s.running[0])  # "old" finishes: room again
+    # "new" comes back with prompt + its 1 sampled token and recomputes only what was evicted.
+    assert run_step(s) == [("new", 4, 9)]
+    s.check_invariants()
+
+
+def test_a_lone_request_that_outgrows_the_pool_preempts_itself_and_waits():
+    s = Scheduler(PrefixCachingAllocator(num_blocks=2, block_size=4))
+    s.add(Request("a", list(range(8))))
+    run_step(s)
+    assert run_step(s) == []  # needs a 3rd block: preempted, and not re-admitted in the same step
+    assert [r.request_id for r in s.waiting] == ["a"] and s.running == []
+    s.check_invariants()
+
+
+def test_finish_frees_a_running_request_and_drops_a_waiting_one():
+    alloc = PrefixCachingAllocator(num_blocks=8, block_size=4)
+    s = Scheduler(alloc, max_num_seqs=1)
+    a, b = Request("a", [1, 2]), Request("b", [3])
+    s.add(a), s.add(b)
+    run_step(s)
+    s.finish(a), s.finish(b)
+    assert a.status == b.status == FINISHED and not s.has_work()
+    assert alloc.num_free_blocks == 8
+    s.check_invariants()
+
+
+# --- random workloads: the invariants hold after every step --------------------------------
+
+PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [1, 2, 3, 4, 5], [9, 9, 9, 9, 1], [3], list(range(20, 33))]
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    def __init__(self):
+        super().__init__()
+        self.scheduler = None
+        self.count = 0
+
+    @rule(num_blocks=st.integers(4, 12), budget=st.integers(1, 20), max_seqs=st.integers(1, 4))
+    @precondition(lambda self: self.scheduler is None)
+    def make(self, num_blocks, budget, max_seqs):
+        self.scheduler = Scheduler(PrefixCachingAllocator(num_blocks=num_blocks, block_size=4),
+                                   max_num_seqs=max_seqs, max_num_batched_tokens=budget)
+
+    @rule(prompt=st.sampled_from(PROMPTS), tail=st.lists(st.integers(0, 3), max_size=3), max_tokens=st.integers(1, 8))
+    @precondition(lambda self: self.scheduler is not None)
+    def add(self, prompt, tail, max_tokens):
+        alloc = self.scheduler.allocator
+        if len(prompt + tail) + max_tokens - 1 > alloc.num_blocks * alloc.block_size:
+            return  # the engine refuses at once what could never fit, however empty the pool
+        self.count += 1
+        self.scheduler.add(Request(f"r{self.count}", prompt + tail, max_tokens=max_tokens))
+
+    @rule(token=st.integers(0, 3))
+    @precondition(lambda self: self.scheduler is not None)
+    def step(self, token):
+        before = {r.request_id: len(r.output_ids) for r in self.scheduler.running + list(self.scheduler.waiting)}
+        run_step(self.scheduler, token)
+        for r in list(self.scheduler.running):  # every running request moved forward by one token
+            assert len(r.output_ids) == before.get(r.request_id, 0) + 1
+            if len(r.output_ids) == r.max_tokens:
+                self.scheduler.finish(r)
+
+    @rule()
+    @precondition(lambda self: self.scheduler is not None and self.scheduler.has_work())
+    def every_request_finishes(self):
+        """Stepping on always empties the queue: nothing starves, nothing deadlocks."""
+        for _ in range(500):
+            if not self.scheduler.has_work():
+                return
+            self.step(token=1)
+        raise AssertionError("requests still waiting or running after 500 steps")
+
+    @rule(data=st.data())
+    @precondition(lambda self: self.scheduler is not None and self.scheduler.running)
+    def finish_one(self, data):
+        self.scheduler.finish(data.draw(st.sampled_from(self.scheduler.running)))
+
+    @invariant()
+    def consistent(self):
+        if self.scheduler is not None:
+            self.scheduler.check_invariants()
+            for r in self.scheduler.running:
+                assert r.status == RUNNING
+                # A running request holds blocks for every token computed plus the one it decodes next.
+                assert self.scheduler.allocator.num_tokens(r.request_id) == r.num_computed_tokens
+
+
+SchedulerMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=30, deadline=None)
+test_scheduler_invariants_hold_under_random_workloads = SchedulerMachine.TestCase
