@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import platform
-import statistics
 import time
 
 import torch
