@@ -20,7 +20,10 @@ other computes in that very step, as in vLLM.
 
 from __future__ import annotations
 
+import queue
+import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -29,7 +32,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-from engine import Engine, Generation, SamplingParams, sample, slot_ids
+from engine import Engine, Generation, SamplingParams, StreamEvent, sample, slot_ids
 from scheduler import FINISHED, Request, Scheduler, StepPlan
 
 # -----------------------------------------------------------------------------
@@ -147,6 +150,8 @@ class _State:
     reply: Generation
     arrival: float
     admitted_at: float | None = None
+    new_text: str = ""  # what the last sampled token added to reply.text
+    events: queue.SimpleQueue | None = None  # where an EngineLoop sends this request's StreamEvents
 
 
 class BatchRunner:
@@ -161,11 +166,16 @@ class BatchRunner:
 
     def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams, cache_salt: str | None,
             stop: tuple[str, ...] = ()) -> Request:
-        generator = None if params.seed is None else torch.Generator().manual_seed(params.seed)
-        state = _State(params, generator, stop, Generation(request_id, prompt_tokens=len(prompt_ids)), time.perf_counter())
-        request = Request(request_id, list(prompt_ids), cache_salt, params.max_tokens, payload=state)
+        request = self.new_request(request_id, prompt_ids, params, cache_salt, stop)
         self.scheduler.add(request)
         return request
+
+    @staticmethod
+    def new_request(request_id: str, prompt_ids: list[int], params: SamplingParams, cache_salt: str | None,
+                    stop: tuple[str, ...] = ()) -> Request:
+        generator = None if params.seed is None else torch.Generator().manual_seed(params.seed)
+        state = _State(params, generator, stop, Generation(request_id, prompt_tokens=len(prompt_ids)), time.perf_counter())
+        return Request(request_id, list(prompt_ids), cache_salt, params.max_tokens, payload=state)
 
     def step(self) -> list[Request]:
         """Schedule, run one forward pass, sample; returns the requests that finished.
@@ -210,7 +220,7 @@ class BatchRunner:
         reply.token_ids = request.output_ids
         if len(request.output_ids) == 1:
             reply.ttft_ms = (time.perf_counter() - state.arrival) * 1e3
-        _, hit_stop = engine._new_text(reply, state.stop)
+        state.new_text, hit_stop = engine._new_text(reply, state.stop)
         if hit_stop or token in engine.stop_token_ids:
             reply.finish_reason = "stop"
         elif len(request.output_ids) == state.params.max_tokens:
@@ -221,7 +231,7 @@ class BatchRunner:
         state = request.payload
         reply = state.reply
         if reply.finish_reason != "stop" or not state.stop:
-            self.engine._new_text(reply, state.stop, final=True)
+            state.new_text += self.engine._new_text(reply, state.stop, final=True)[0]  # what was held back
         reply.cached_tokens = request.num_cached_tokens
         reply.total_ms = (time.perf_counter() - state.arrival) * 1e3
         reply.wait_ms = ((state.admitted_at or state.arrival) - state.arrival) * 1e3
@@ -233,3 +243,100 @@ class BatchRunner:
         while any(r.status != FINISHED for r in requests):
             self.step()
         return [self.finish_reply(r) for r in requests]
+
+
+# -----------------------------------------------------------------------------
+# 4. The engine loop: calls from many threads, one forward pass per step for all of them
+
+
+class EngineLoop:
+    """A thread that owns the model and steps a BatchRunner while any request waits or runs.
+
+    Callers (a server's request threads) submit a request and read its StreamEvents from a
+    queue; a caller that gives up cancels it, and its blocks are freed before the next step.
+    """
+
+    def __init__(self, engine: Engine, **scheduler_options) -> None:
+        self.engine = engine
+        self.runner = BatchRunner(engine, **scheduler_options)
+        self._wake = threading.Condition()
+        self._inbox: deque[Request] = deque()
+        self._cancelled: list[Request] = []
+        self.live: dict[str, Request] = {}  # submitted and not finished, by request id
+        self._thread: threading.Thread | None = None
+
+    @property
+    def scheduler(self):
+        return self.runner.scheduler
+
+    def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, cache_salt: str | None,
+               stop: tuple[str, ...]) -> Request:
+        request = self.runner.new_request(request_id, prompt_ids, params, cache_salt, stop)
+        request.payload.events = queue.SimpleQueue()
+        with self._wake:
+            if request_id in self.live:
+                raise ValueError(f"request id {request_id!r} is already running; pick another id")
+            self.live[request_id] = request
+            self._inbox.append(request)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+                self._thread.start()
+            self._wake.notify()
+        return request
+
+    def cancel(self, request: Request) -> None:
+        with self._wake:
+            self._cancelled.append(request)
+            self._wake.notify()
+
+    def events(self, request: Request):
+        """The request's StreamEvents as they come; cancels it if the caller stops early."""
+        try:
+            while True:
+                event = request.payload.events.get()
+                if isinstance(event, BaseException):
+                    raise event
+                yield event
+                if event.finish_reason is not None:
+                    return
+        finally:
+            if request.status != FINISHED:
+                self.cancel(request)
+
+    def _run(self) -> None:
+        scheduler, engine = self.runner.scheduler, self.engine
+        while True:
+            with self._wake:
+                while not (self._inbox or self._cancelled or scheduler.has_work()):
+                    self._wake.wait()
+                inbox, self._inbox = list(self._inbox), deque()
+                cancelled, self._cancelled = self._cancelled, []
+            with engine.allocator_lock:
+                for request in inbox:
+                    scheduler.add(request)
+                for request in cancelled:
+                    if request.status != FINISHED:
+                        scheduler.finish(request)
+                        self._forget(request)
+            try:
+                finished = self.runner.step()
+            except Exception as err:  # the step failed: every request in it fails, nothing leaks
+                with engine.allocator_lock:
+                    for request in list(scheduler.running) + list(scheduler.waiting):
+                        scheduler.finish(request)
+                        request.payload.events.put(err)
+                        self._forget(request)
+                continue
+            done = set(finished)
+            for s in self.runner.last_plan.scheduled:
+                request, state = s.request, s.request.payload
+                if request in done:
+                    reply = self.runner.finish_reply(request)  # after its blocks were freed
+                    self._forget(request)
+                    state.events.put(StreamEvent(request.output_ids[-1], state.new_text, reply.finish_reason, reply))
+                else:
+                    state.events.put(StreamEvent(request.output_ids[-1], state.new_text, None, state.reply))
+
+    def _forget(self, request: Request) -> None:
+        with self._wake:
+            self.live.pop(request.request_id, None)

@@ -334,6 +334,12 @@ class Engine:
     (the K/V memory its block ids point into). The pool is sized by num_blocks or by a
     memory budget, kv_memory_gb (0.5 GiB when neither is given).
 
+    One request at a time (the default): stream and generate run their own steps, in the
+    caller's thread, gathering the cached prefix into a DynamicCache (what stage 7 teaches).
+    batching=True: stream and generate submit to an engine loop (batch_engine.py) that runs
+    every caller's request in the same forward passes, reading the pool in place; a busy pool
+    makes requests wait instead of refusing them. generate_batch batches either way.
+
     Two locks. engine.lock is held for every step (a request's allocation and prefill
     together, or one decoded token); hold it yourself to read the pool between two steps.
     engine.allocator_lock is held only around the allocator's bookkeeping, microseconds at a
@@ -353,6 +359,9 @@ class Engine:
         enable_caching: bool = True,
         hash_algo: str = "sha256",
         free_uncached_first: bool = False,
+        batching: bool = False,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 2048,
     ):
         if model is None and tokenizer is None:
             model, tokenizer = load_model(model_name_or_path, device=device, dtype=dtype)
@@ -391,6 +400,9 @@ class Engine:
         # holds it can still close() a stream, whose cleanup takes it again.
         self.lock = threading.RLock()
         self.allocator_lock = threading.RLock()
+        self.batching = batching
+        self.scheduler_options = {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens}
+        self.loop = None  # the EngineLoop, started by the first batched request
 
     # --- prompts -----------------------------------------------------------------------------
 
@@ -512,9 +524,20 @@ class Engine:
         elif not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty str or None, got {request_id!r:.40}")
         with self.allocator_lock:
-            if request_id in self.allocator.requests:
+            if request_id in self.allocator.requests or (self.loop is not None and request_id in self.loop.live):
                 raise ValueError(f"request id {request_id!r} is already running; pick another id")
+        if self.batching:
+            return self._run_batched(request_id, prompt_ids, params, cache_salt, stop)
         return self._run(request_id, prompt_ids, params, cache_salt, stop, arrival)
+
+    def _run_batched(self, request_id, prompt_ids, params, cache_salt, stop) -> Iterator[StreamEvent]:
+        """Submit to the engine loop when iteration starts; its events as they come."""
+        from batch_engine import EngineLoop  # it builds on this file, so it is imported when used
+
+        with self.allocator_lock:
+            if self.loop is None:
+                self.loop = EngineLoop(self, **self.scheduler_options)
+        yield from self.loop.events(self.loop.submit(request_id, prompt_ids, params, cache_salt, stop))
 
     def _forward(self, token_ids: list[int], past_key_values):
         """Logits of the last position. past_key_values grows in place by len(token_ids)

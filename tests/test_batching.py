@@ -1,6 +1,9 @@
 """Many requests in one forward pass: every request's greedy tokens equal plain Hugging Face
 generate on that prompt alone, whatever shares its batch (tiny random model, float32)."""
 
+import threading
+import time
+
 import pytest
 
 from batch_engine import BatchRunner
@@ -86,3 +89,72 @@ def test_the_one_request_path_still_works_after_batching(make_engine):
     engine.generate_batch([SHARED], max_tokens=2)
     prompt = SHARED + [99]
     assert engine.generate(prompt, max_tokens=6).token_ids == hf_greedy(engine.model, prompt, 6)
+
+
+# --- the engine loop: calls from many threads share forward passes --------------------------
+
+
+def wait_until_idle(engine, timeout: float = 10.0) -> None:
+    """A cancelled request is freed by the engine loop before its next step: moments later."""
+    deadline = time.monotonic() + timeout
+    while (engine.loop.live or engine.allocator.block_tables) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert engine.loop.live == {}
+
+
+def run_in_threads(engine, prompts, **kwargs):
+    replies = [None] * len(prompts)
+
+    def client(i):
+        replies[i] = engine.generate(prompts[i], **kwargs)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(prompts))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    return replies
+
+
+def test_calls_from_many_threads_run_in_shared_steps_and_get_their_answers_alone(make_engine):
+    engine = make_engine(batching=True)
+    steps = []
+    engine.model.register_forward_pre_hook(lambda module, args, kwargs: steps.append(1), with_kwargs=True)
+    prompts = [SHARED + [40 + i] for i in range(8)]
+    try:
+        replies = run_in_threads(engine, prompts, max_tokens=6)
+    finally:
+        engine.model._forward_pre_hooks.clear()
+    assert [r.token_ids for r in replies] == [hf_greedy(engine.model, p, 6) for p in prompts]
+    assert len(steps) < 8 * 6, "the requests should have shared forward passes"
+    assert sum(r.cached_tokens for r in replies) >= 7 * 28
+
+
+def test_a_busy_pool_makes_threads_wait_instead_of_refusing_them(make_engine):
+    engine = make_engine(batching=True, num_blocks=16)
+    prompts = [list(range(100 * i, 100 * i + 20)) for i in range(1, 7)]  # 6 x 5 blocks: never all at once
+    replies = run_in_threads(engine, prompts, max_tokens=8)
+    assert [r.token_ids for r in replies] == [hf_greedy(engine.model, p, 8) for p in prompts]
+    assert max(r.wait_ms for r in replies) > 0
+
+
+def test_a_stream_closed_mid_batch_frees_its_blocks_and_the_others_go_on(make_engine):
+    engine = make_engine(batching=True)
+    other = threading.Thread(target=lambda: engine.generate(SHARED + [1], max_tokens=20))
+    other.start()
+    stream = engine.stream(SHARED + [2], max_tokens=40)
+    next(stream), next(stream)
+    stream.close()  # a client that disconnects
+    other.join(timeout=60)
+    wait_until_idle(engine)
+    assert_pool_whole(engine)
+
+
+def test_a_request_id_waiting_or_running_in_the_loop_is_refused(make_engine):
+    engine = make_engine(batching=True)
+    stream = engine.stream(SHARED, max_tokens=30, request_id="lesson")
+    next(stream)
+    with pytest.raises(ValueError, match="already running"):
+        engine.stream([1, 2], request_id="lesson")
+    stream.close()
+    wait_until_idle(engine)
