@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import platform
 import time
+from pathlib import Path
 
 import torch
 from rich.console import Console
@@ -30,6 +31,8 @@ from benchmarks import save_json
 from demo import DEMO_SYSTEM_PROMPT
 from engine import Engine, add_model_arguments, pool_arguments
 from model_loader import DEFAULT_MODEL
+
+ASSETS = Path(__file__).resolve().parent.parent / "assets"
 
 TOPICS = ["a CPU", "RAM", "a hard disk", "an SSD", "a GPU", "an operating system", "a compiler", "a file",
           "a folder", "a network", "Wi-Fi", "a router", "an IP address", "DNS", "a web browser", "a cookie",
@@ -91,6 +94,31 @@ def run_transformers(model, prompts: list[list[int]], max_tokens: int, eos: set[
     return seconds, [list(o.generated_tokens) for o in ordered], ttfts
 
 
+def plot(results: dict, path: Path, title: str) -> None:
+    """Requests per second of each way, one group of bars per batch size."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = results["runs"]
+    names = [row["name"] for row in runs[0]["rows"]]
+    fig, ax = plt.subplots(figsize=(7, 3.2), dpi=100)
+    width = 0.8 / len(names)
+    for k, name in enumerate(names):
+        values = [next(r["requests_per_s"] for r in run["rows"] if r["name"] == name) for run in runs]
+        bars = ax.bar([i + k * width for i in range(len(runs))], values, width, label=name)
+        ax.bar_label(bars, fmt="%.2f", fontsize=7)
+    ax.set_xticks([i + width * (len(names) - 1) / 2 for i in range(len(runs))],
+                  [f"{run['requests']} requests" for run in runs])
+    ax.set_ylabel("requests / s")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7, frameon=False)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(prog="prefix_caching.py --bench throughput", description=__doc__.split("\n\n")[0])
     add_model_arguments(parser)
@@ -98,6 +126,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--skip-transformers", action="store_true", help="leave out (d)")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    parser.add_argument("--plot", type=Path, default=ASSETS / "throughput.png", help="where to save the figure")
     parser.add_argument("--quick", action="store_true", help="4 requests of 4 tokens (for tests)")
     args = parser.parse_args(argv)
     if args.quick:
@@ -132,8 +161,9 @@ def main(argv: list[str] | None = None) -> dict:
         results["runs"].append({"requests": n, "prompt_tokens_min": shared, "rows": rows})
 
         table = Table(title=f"{n} requests behind one system prompt (prompts of {shared}+ tokens)")
-        for column in ("way", "seconds", "requests/s", "tokens/s", "TTFT p50 ms", "TTFT p95 ms", "same tokens as (a)"):
-            table.add_column(column, justify="left" if column == "way" else "right")
+        table.add_column("way", no_wrap=True)
+        for column in ("seconds", "requests/s", "tokens/s", "TTFT p50 ms", "TTFT p95 ms", "same tokens as (a)"):
+            table.add_column(column, justify="right")
         for r in rows:
             table.add_row(r["name"], f"{r['seconds']:.2f}", f"{r['requests_per_s']:.2f}", f"{r['output_tokens_per_s']:.1f}",
                           f"{r['ttft_p50_ms']:,.0f}", f"{r['ttft_p95_ms']:,.0f}", f"{r['same_tokens_as_a']} of {n}")
@@ -144,6 +174,8 @@ def main(argv: list[str] | None = None) -> dict:
         if "(d)" in by_name:
             ratios.append(f"(c)/(d) {by_name['(c)']['requests_per_s'] / by_name['(d)']['requests_per_s']:.1f}x")
         console.print("requests/s, measured in this run: " + ", ".join(ratios))
+    plot(results, args.plot, f"{args.model or DEFAULT_MODEL}, {args.max_tokens} new tokens each, on {device}")
+    console.print(f"figure: {args.plot}")
     save_json(args.json, results, console)
     return results
 

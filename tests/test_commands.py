@@ -13,7 +13,7 @@ import pytest
 from rich.console import Console
 
 import walkthrough
-from benchmarks import ttft
+from benchmarks import throughput, ttft
 from benchmarks.allocator import free_order_hit_rates
 from demo import run_demo
 from engine import add_model_arguments, pool_arguments
@@ -101,3 +101,14 @@ def test_the_pool_flags_take_blocks_or_memory_not_both(capsys):
     with pytest.raises(SystemExit):
         parser.parse_args(["--num-blocks", "10", "--kv-memory-gb", "1"])
     assert "not allowed with argument" in capsys.readouterr().err
+
+
+def test_the_throughput_benchmark_checks_every_way_gives_the_same_tokens(tiny_model_dir, tmp_path):
+    out = tmp_path / "throughput.json"
+    results = throughput.main(["--model", str(tiny_model_dir), "--num-blocks", "256", "--quick",
+                               "--plot", str(tmp_path / "t.png"), "--json", str(out)])
+    assert json.loads(out.read_text()) == results
+    rows = results["runs"][0]["rows"]
+    assert [r["name"][:3] for r in rows] == ["(a)", "(b)", "(c)", "(d)"]
+    assert all(r["same_tokens_as_a"] == r["requests"] == 4 for r in rows)
+    assert (tmp_path / "t.png").stat().st_size > 0
