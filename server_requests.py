@@ -1,0 +1,381 @@
+"""
+What a client sends to server.py, read and checked: the body, who is asking, and the
+generation request. Plain functions of plain values (bytes, dicts, headers), no Flask: each
+is tested without HTTP (tests/test_server_requests.py), and every failure is an APIError
+whose message says what was wrong and what to send instead.
+
+    parse_generation_request({"prompt": "Hi", "max_tokens": 8}, GENERATE, Settings("my-model"), headers={})
+
+Read in this order: errors (1), the body (2), who is asking (3), a generation request (4).
+server.py runs what this module reads.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import ipaddress
+import json
+from dataclasses import dataclass, field
+from typing import Mapping
+
+from prefix_caching import check_cache_salt, check_text
+
+DEFAULT_MAX_TOKENS_LIMIT = 512
+DEFAULT_MAX_BODY_BYTES = 1 << 20  # 1 MiB: far more text than the default pool holds
+EXAMPLE_BODY = '{"prompt": "Hello", "max_tokens": 16}'
+JSON_HEADER = "-H 'Content-Type: application/json'"
+
+# -----------------------------------------------------------------------------
+# 1. Errors that teach
+#
+# Every failure a client can cause becomes an APIError: a status and a message that says
+# what was wrong and what to send instead. The shape is OpenAI's, so its client raises
+# BadRequestError & co. with our message in it.
+
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    409: "conflict_error",
+    500: "internal_error",
+    503: "service_unavailable_error",
+}
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status, self.message = status, message
+
+
+def error_json(status: int, message: str) -> dict:
+    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "invalid_request_error")}}
+
+
+# -----------------------------------------------------------------------------
+# 2. Reading the body
+#
+# JSON only, and only when it says so: a web page on another site can POST here without
+# asking (a "simple" cross-origin request, e.g. fetch(url, {mode: "no-cors"})) only with the
+# Content-Types of an HTML form or text/plain. Requiring application/json makes the browser
+# ask this server first (CORS), and this server never says yes.
+
+
+def check_content_type(mimetype: str) -> None:
+    if mimetype != "application/json":
+        sent = f"Content-Type {mimetype!r}" if mimetype else "no Content-Type"
+        hint = " (what curl -d sends)" if mimetype == "application/x-www-form-urlencoded" else ""
+        raise APIError(415, f"POST a JSON body with Content-Type: application/json; this request sent {sent}{hint}. "
+                            f"With curl add {JSON_HEADER}, or send the body with --json (curl 7.82+)")
+
+
+def read_body(stream, content_length: int | None, limit: int) -> bytes:
+    """At most `limit` bytes of the body, or 413. A chunked body announces no length, so read
+    one byte past the limit: that byte tells "exactly at the limit" from "over it"."""
+    if content_length is not None and content_length > limit:
+        raise APIError(413, f"the body is {content_length:,} bytes, over this server's limit of {limit:,}; "
+                            f"send a shorter prompt")
+    chunks, size = [], 0
+    while size <= limit:
+        chunk = stream.read(limit + 1 - size)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        size += len(chunk)
+    if size > limit:
+        raise APIError(413, f"the body is over this server's limit of {limit:,} bytes; send a shorter prompt")
+    return b"".join(chunks)
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number; send a finite number")
+
+
+def parse_json_object(raw: bytes) -> dict:
+    """The body as a dict, or a 400 that says what is wrong with it.
+
+    >>> parse_json_object(b'{"prompt": "Hi"}')
+    {'prompt': 'Hi'}
+    """
+    if not raw:
+        raise APIError(400, f"the body is empty: send a JSON object such as {EXAMPLE_BODY}")
+    try:
+        # Python's json accepts NaN and Infinity; a NaN temperature would poison the sampler.
+        body = json.loads(raw, parse_constant=_reject_constant)
+    except ValueError as err:  # JSONDecodeError and UnicodeDecodeError are both ValueErrors
+        raise APIError(400, f"the body is not valid JSON ({err}); send an object such as {EXAMPLE_BODY}")
+    except RecursionError:  # json parses nested arrays by recursion: [[[[... 100,000 deep
+        raise APIError(400, f"the body nests arrays or objects too deeply to parse; send an object such as {EXAMPLE_BODY}")
+    if not isinstance(body, dict):
+        raise APIError(400, f"the body must be a JSON object {{...}}, got {type(body).__name__} {raw[:40]!r}")
+    check_strings(body)
+    return body
+
+
+def check_strings(body: dict) -> None:
+    """400 for any string of the body, or key, that is not text: JSON can escape a lone
+    surrogate ("\\ud800") that UTF-8 cannot encode, and tokenizers fail on it much later.
+    A loop, not recursion: a body can be nested hundreds deep.
+
+    >>> check_strings({"messages": [{"role": "user", "content": "\\ud800"}]})
+    Traceback (most recent call last):
+    server_requests.APIError: messages[0].content holds '\\ud800', a lone surrogate, which is not text; send valid UTF-8
+    """
+    stack: list[tuple[str, object]] = [("the body", body)]
+    try:
+        while stack:
+            path, value = stack.pop()
+            if isinstance(value, str):
+                check_text(value, path)
+            elif isinstance(value, dict):
+                for key, item in value.items():
+                    check_text(key, f"a key of {path}")
+                    stack.append((key if path == "the body" else f"{path}.{key}", item))
+            elif isinstance(value, list):
+                stack.extend((f"{path}[{i}]", item) for i, item in enumerate(value))
+    except ValueError as err:
+        raise APIError(400, str(err)) from None
+
+
+# -----------------------------------------------------------------------------
+# 3. Who is asking: the Host, the tenant, the admin
+#
+# DNS rebinding: a page on evil.example makes its name resolve to 127.0.0.1 and then talks to
+# this server as if it were the same site. The browser still sends `Host: evil.example`, so
+# the server answers only to names it knows: localhost, the host it listens on, --allowed-host
+# names and IP literals (an address is not a name: nobody can make it point elsewhere).
+
+LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1")
+
+
+def check_host(host: str, allowed: set[str]) -> None:
+    """400 unless the Host header names this server.
+
+    >>> check_host("127.0.0.1:5000", set()), check_host("[::1]:5000", set()), check_host("LocalHost", {"localhost"})
+    (None, None, None)
+    """
+    # "name:port" -> name; "[v6 address]:port" -> the address
+    name = host[1:].partition("]")[0] if host.startswith("[") else host.partition(":")[0]
+    name = name.lower().rstrip(".")  # names are case-blind; "localhost." is localhost
+    try:
+        ipaddress.ip_address(name)
+        return
+    except ValueError:
+        pass
+    if name not in allowed:
+        # 400, as Django answers a host it does not serve; 421 (misdirected) would make
+        # browsers retry on a new connection, and a refused name will not get better.
+        raise APIError(400, f"this server does not answer to the host {name!r} (a guard against DNS rebinding); "
+                            f"if that name is yours, start the server with --allowed-host {name}")
+
+
+def bearer_key(headers: Mapping[str, str]) -> str | None:
+    """The key of an `Authorization: Bearer <key>` header, or None."""
+    scheme, _, key = headers.get("Authorization", "").partition(" ")
+    return key.strip() if scheme.lower() == "bearer" and key.strip() else None
+
+
+def tenant_of(headers: Mapping[str, str], salt_by_api_key: bool) -> str | None:
+    """Whose cache a caller uses and may look at: under --salt-by-api-key the SHA-256 of its
+    API key (so the key itself never reaches the allocator, the logs or /cache), else None,
+    the public tenant."""
+    if not salt_by_api_key:
+        return None
+    key = bearer_key(headers)
+    if key is None:
+        raise APIError(401, "send an API key: 'Authorization: Bearer <key>'; each key gets its own cache")
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def check_admin(headers: Mapping[str, str], admin_key: str | None, salt_by_api_key: bool) -> None:
+    """The reset wipes every tenant's cache: with keys in use only the admin may do it."""
+    if admin_key is None:
+        if salt_by_api_key:
+            raise APIError(403, "this server keeps a cache per API key, so no key may reset everyone's; "
+                                "start it with --admin-key KEY and send 'Authorization: Bearer KEY' to reset")
+        return  # no keys at all: a development server on your own machine, as vLLM's dev mode
+    key = bearer_key(headers)
+    if key is None:
+        raise APIError(401, "resetting the cache needs the admin key: send 'Authorization: Bearer <admin key>'")
+    if not hmac.compare_digest(key.encode(), admin_key.encode()):  # in constant time: no timing hints
+        raise APIError(403, "that is not this server's admin key (--admin-key): the cache stays as it is")
+
+
+# -----------------------------------------------------------------------------
+# 4. Reading a generation request
+#
+# The server checks what the engine cannot know: which fields a route takes, the server's
+# max_tokens limit, where the cache_salt comes from, OpenAI's rules for stop. The engine
+# checks the rest (types and ranges of max_tokens, temperature, top_p, seed, the prompt,
+# whether it fits in the pool) and raises ValueError, which becomes a 400 unchanged.
+# Nothing is ignored in silence: a field a route does not take is refused by name.
+
+
+@dataclass(frozen=True)
+class Route:
+    path: str
+    prompt_keys: tuple[str, ...]  # "prompt", "messages" or both
+    fields: tuple[str, ...]  # every field it takes
+    openai: bool  # OpenAI's defaults (temperature 1) and shapes; can stream
+
+    @property
+    def chat(self) -> bool:
+        return self.prompt_keys == ("messages",)
+
+
+SAMPLING = ("max_tokens", "temperature", "top_p", "seed", "stop", "cache_salt")
+OPENAI = ("model", "stream", "stream_options", "user")  # user: an end-user id, changes no output
+GENERATE = Route("/generate", ("prompt", "messages"), ("prompt", "messages", *SAMPLING, "stream"), openai=False)
+COMPLETIONS = Route("/v1/completions", ("prompt",), ("prompt", *SAMPLING, *OPENAI), openai=True)
+CHAT = Route("/v1/chat/completions", ("messages",), ("messages", *SAMPLING, "max_completion_tokens", *OPENAI),
+             openai=True)
+
+# OpenAI fields this server does not implement, taken only at a value that changes nothing.
+NO_OP_VALUES = {
+    "n": (1,), "best_of": (1,), "logprobs": (False, 0), "top_logprobs": (0,), "echo": (False,), "suffix": (),
+    "tools": ([],), "functions": ([],), "tool_choice": ("none",), "response_format": ({"type": "text"},),
+    "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,), "logit_bias": ({},),
+}
+MAX_STOP_STRINGS = 4  # OpenAI's limit
+
+
+@dataclass
+class Settings:
+    """What create_app was told; every request is read against it."""
+
+    model_name: str
+    salt_by_api_key: bool = False
+    admin_key: str | None = None
+    max_tokens_limit: int = DEFAULT_MAX_TOKENS_LIMIT
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    allowed_hosts: set[str] = field(default_factory=lambda: set(LOCAL_HOSTS))
+
+
+@dataclass
+class GenerationRequest:
+    prompt: str | list  # text, token ids or chat messages: whatever Engine.tokenize takes
+    max_tokens: int
+    temperature: float
+    top_p: float
+    seed: int | None
+    cache_salt: str | None  # also the tenant the request counts for
+    stop: str | list[str] | None = None
+    stream: bool = False
+    include_usage: bool = False  # stream_options.include_usage: a last chunk with the usage
+
+
+def parse_generation_request(body: dict, route: Route, settings: Settings,
+                             headers: Mapping[str, str]) -> GenerationRequest:
+    """The fields of a generation request, or an APIError naming the one that is wrong.
+    The OpenAI routes follow OpenAI's defaults (temperature 1) and can stream; /generate is
+    greedy by default and never streams.
+
+    >>> parse_generation_request({"prompt": "Hi", "stop": "."}, GENERATE, Settings("m"), {})
+    GenerationRequest(prompt='Hi', max_tokens=64, temperature=0.0, top_p=1.0, seed=None, cache_salt=None, stop='.', stream=False, include_usage=False)
+    """
+    prompt = take_prompt(body, route)
+    stream = take_bool(body, "stream")
+    if stream and not route.openai:
+        raise APIError(400, f"{route.path} does not stream; use /v1/completions or /v1/chat/completions")
+    check_fields(body, route)
+    if route.openai and body.get("model") not in (None, settings.model_name):
+        raise APIError(404, f"the model {body['model']!r} is not served here; this server serves {settings.model_name!r}")
+    if not isinstance(body.get("user", ""), str):
+        raise APIError(400, f"user must be a string (an id of your end user), got {body['user']!r}")
+    options = body.get("stream_options")
+    if options is not None and not stream:
+        raise APIError(400, "stream_options is for streams: send it with \"stream\": true, or leave it out")
+    if not (options is None or isinstance(options, dict) and set(options) <= {"include_usage"}):
+        raise APIError(400, f'stream_options must be an object such as {{"include_usage": true}}, got {options!r}')
+    temperature = body.get("temperature")
+    return GenerationRequest(
+        prompt=prompt,
+        max_tokens=take_max_tokens(body, settings.max_tokens_limit),
+        temperature=(1.0 if route.openai else 0.0) if temperature is None else temperature,
+        top_p=1.0 if body.get("top_p") is None else body["top_p"],
+        seed=body.get("seed"),
+        cache_salt=take_cache_salt(body, settings.salt_by_api_key, headers),
+        stop=take_stop(body),
+        stream=stream,
+        include_usage=take_bool(options or {}, "include_usage"),
+    )
+
+
+def check_fields(body: dict, route: Route) -> None:
+    """Refuse a field the route does not take, and an unimplemented OpenAI field set to
+    anything but its no-op value ("n": 2 would promise two choices and get one)."""
+    for key, value in body.items():
+        if route.openai and key in NO_OP_VALUES:
+            no_ops = (None, *NO_OP_VALUES[key])
+            # == would let True pass for 1 and False for 0: a bool matches only a bool.
+            if not any(value == ok and isinstance(value, bool) == isinstance(ok, bool) for ok in no_ops):
+                allowed = " or ".join(json.dumps(ok) for ok in no_ops)
+                raise APIError(400, f"this server does not implement {key!r} (got {json.dumps(value)[:40]}); "
+                                    f"leave it out or send {allowed}")
+        elif key not in route.fields:
+            raise APIError(400, f"{route.path} does not take the field {key!r}; it takes {', '.join(route.fields)}")
+
+
+def take_prompt(body: dict, route: Route) -> str | list:
+    """The one of body["prompt"] / body["messages"] this route takes."""
+    given = [key for key in ("prompt", "messages") if body.get(key) is not None]
+    wrong = [key for key in given if key not in route.prompt_keys]
+    if wrong:
+        raise APIError(400, f'{route.path} takes {" or ".join(route.prompt_keys)}, not "{wrong[0]}"')
+    if not given:
+        examples = {"prompt": '{"prompt": "Hello"}', "messages": '{"messages": [{"role": "user", "content": "Hello"}]}'}
+        raise APIError(400, f"the body has no prompt; send {' or '.join(examples[key] for key in route.prompt_keys)}")
+    if len(given) > 1:
+        raise APIError(400, 'send "prompt" (text) or "messages" (a chat), not both')
+    prompt = body[given[0]]
+    if given == ["messages"] and not (isinstance(prompt, list) and prompt):
+        raise APIError(400, f'messages must be a non-empty list such as [{{"role": "user", "content": "Hello"}}], got {prompt!r:.40}')
+    if given == ["prompt"] and isinstance(prompt, list) and not all(type(t) is int for t in prompt):
+        raise APIError(400, "prompt must be a string or a list of token ids (ints); a chat goes in \"messages\"")
+    return prompt
+
+
+def take_max_tokens(body: dict, limit: int) -> int:
+    """OpenAI's chat clients now send max_completion_tokens, older ones max_tokens: the one
+    that is not null counts; both at once must agree."""
+    given = {key: body[key] for key in ("max_completion_tokens", "max_tokens") if body.get(key) is not None}
+    if len(set(map(repr, given.values()))) > 1:
+        raise APIError(400, f"max_completion_tokens={given['max_completion_tokens']!r} and "
+                            f"max_tokens={given['max_tokens']!r} disagree; send one of them")
+    max_tokens = next(iter(given.values()), min(64, limit))
+    if type(max_tokens) is int and max_tokens > limit:
+        raise APIError(400, f"max_tokens={max_tokens} is over this server's limit of {limit}")
+    return max_tokens  # its type and lower bound: the engine checks
+
+
+def take_bool(body: dict, key: str) -> bool:
+    value = body.get(key, False)
+    if not isinstance(value, bool):
+        raise APIError(400, f"{key} must be true or false, got {value!r}")
+    return value
+
+
+def take_stop(body: dict) -> str | list[str] | None:
+    """OpenAI's stop: a string or a list of up to 4, each non-empty; the reply ends before
+    the first one it would contain."""
+    stop = body.get("stop")
+    if stop is None or isinstance(stop, str) and stop:
+        return stop
+    if (isinstance(stop, list) and 1 <= len(stop) <= MAX_STOP_STRINGS
+            and all(isinstance(s, str) and s for s in stop)):
+        return stop
+    raise APIError(400, f'stop must be a non-empty string or a list of 1 to {MAX_STOP_STRINGS} of them, such as '
+                        f'["\\n", "Question:"]; got {json.dumps(stop)[:60]}')
+
+
+def take_cache_salt(body: dict, salt_by_api_key: bool, headers: Mapping[str, str]) -> str | None:
+    if salt_by_api_key:
+        if body.get("cache_salt") is not None:
+            raise APIError(400, "this server derives cache_salt from your API key (--salt-by-api-key): leave it out")
+        return tenant_of(headers, salt_by_api_key=True)
+    try:
+        return check_cache_salt(body.get("cache_salt"))  # vLLM's rules; "" is no salt
+    except (TypeError, ValueError) as err:
+        raise APIError(400, str(err))
