@@ -5,7 +5,7 @@
 1. Hash chain cost: SHA256 and xxhash, in nanoseconds per prompt token.
 2. Miss overhead: allocate + free of prompts that never hit, caching on vs off. The
    difference, per prompt token, is what prefix caching costs a workload it cannot help
-   (vLLM quotes 100-200 ns per token for SHA256).
+   (vLLM's design doc quoted about 75 ns per token for its SHA256 in December 2025, PR #29261).
 3. Hit-heavy throughput: requests that hit cached blocks sitting in the middle of the free
    queue, on a 1,000-block and a 100,000-block pool. With an O(1) queue the big pool is about
    as fast as the small one; the same traffic on a list-based queue (list.remove is O(n)) is
@@ -16,6 +16,8 @@
    (`free_uncached_first=True`). Counts, not times: the same on every machine.
 
 Timings are the best of several repeats (the least disturbed by other work on the machine).
+The two figures with a target get a verdict; a miss says whether the machine was busy
+(lessons/measure.py: the repeats of one measurement far apart) or what else can explain it.
 """
 
 from __future__ import annotations
@@ -26,9 +28,12 @@ import random
 import time
 
 from benchmarks import save_json
+from lessons.measure import Runs, busy_note
 from prefix_caching import FreeKVCacheBlockQueue, PrefixCachingAllocator, compute_block_hashes
 
 BLOCK_SIZE = 16
+MAX_MISS_OVERHEAD_NS = 100  # per prompt token: what caching may cost a workload it cannot help
+MIN_RATIO_100K_TO_1K = 0.6  # hit-heavy throughput on a 100x bigger pool: O(1) means about the same
 
 
 def best_of(repeats: int, fn) -> float:
@@ -68,6 +73,7 @@ def miss_overhead_ns_per_token(num_requests: int, prompt_len: int, repeats: int)
         "caching_on_ns_per_token": min(on) / tokens * 1e9,
         "caching_off_ns_per_token": min(off) / tokens * 1e9,
         "overhead_ns_per_token": (min(on) - min(off)) / tokens * 1e9,
+        "runs_ms": {"on": [t * 1e3 for t in on], "off": [t * 1e3 for t in off]},  # for the busy rule
     }
 
 
@@ -147,6 +153,38 @@ def free_order_hit_rates(num_requests: int, num_blocks: int = 1_000, num_prompts
     return rates
 
 
+def verdicts(results: dict) -> list[str]:
+    """One line per figure that has a target: met, or missed and what may explain it.
+
+    >>> quiet = {"on": [60.0, 61.0], "off": [50.0, 50.5]}
+    >>> verdicts({"miss": {"overhead_ns_per_token": 84, "runs_ms": quiet}, "hit_heavy": {"ratio_100k_to_1k": 0.9}})
+    ['miss overhead 84 ns/token: meets the target (<= 100).', '100k / 1k throughput 0.90: meets the target (>= 0.6).']
+    """
+    miss, ratio = results["miss"], results["hit_heavy"]["ratio_100k_to_1k"]
+    lines = []
+    overhead = miss["overhead_ns_per_token"]
+    if overhead <= MAX_MISS_OVERHEAD_NS:
+        lines.append(f"miss overhead {overhead:.0f} ns/token: meets the target (<= {MAX_MISS_OVERHEAD_NS}).")
+    else:
+        busy = busy_note(*(Runs(ms) for ms in miss["runs_ms"].values()))
+        lines.append(
+            f"miss overhead {overhead:.0f} ns/token: misses the target (<= {MAX_MISS_OVERHEAD_NS}). "
+            + ("--quick runs are short and noisy: run it without --quick. " if results.get("quick") else "")
+            + (f"{busy} Run it again when the machine is quiet." if busy else
+               "Its repeats agreed with each other, so either other work ran steadily through all of them (look at "
+               "top) or this CPU is slower than the one the target was set on (a 2-core AMD EPYC VM): the target "
+               "is a time, and the same code takes longer on a slower machine.")
+        )
+    if ratio >= MIN_RATIO_100K_TO_1K:
+        lines.append(f"100k / 1k throughput {ratio:.2f}: meets the target (>= {MIN_RATIO_100K_TO_1K}).")
+    else:
+        lines.append(
+            f"100k / 1k throughput {ratio:.2f}: misses the target (>= {MIN_RATIO_100K_TO_1K}). It is the ratio of "
+            f"two single runs, so other work during one of them moves it: run it again. If it misses on a quiet "
+            f"machine too, the big pool is slower per request: look for an O(n) step (a list.remove, a scan).")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(prog="prefix_caching.py --bench allocator", description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
@@ -162,7 +200,7 @@ def main(argv: list[str] | None = None) -> dict:
     console.print(f"[bold]allocator benchmark[/] on {platform.processor() or platform.machine()}, "
                   f"Python {platform.python_version()}, block size {BLOCK_SIZE}")
 
-    results: dict = {"machine": platform.platform(), "block_size": BLOCK_SIZE}
+    results: dict = {"machine": platform.platform(), "block_size": BLOCK_SIZE, "quick": args.quick}
     results["sha256_ns_per_token"] = hash_cost_ns_per_token("sha256", int(65_536 * scale), repeats)
     results["xxhash_ns_per_token"] = hash_cost_ns_per_token("xxhash", int(65_536 * scale), repeats)
     results["miss"] = miss_overhead_ns_per_token(int(200 * scale) or 1, 1024, repeats)
@@ -189,10 +227,11 @@ def main(argv: list[str] | None = None) -> dict:
     table.add_row("xxhash (xxh3-128) hash chain", f"{results['xxhash_ns_per_token']:.0f} ns/token", "")
     table.add_row("allocate+free, caching off", f"{miss['caching_off_ns_per_token']:.0f} ns/token", "")
     table.add_row("allocate+free, caching on, 0% hits", f"{miss['caching_on_ns_per_token']:.0f} ns/token", "")
-    table.add_row("[bold]miss overhead of caching", f"[bold]{miss['overhead_ns_per_token']:.0f} ns/token", "<= 100")
+    table.add_row("[bold]miss overhead of caching", f"[bold]{miss['overhead_ns_per_token']:.0f} ns/token",
+                  f"<= {MAX_MISS_OVERHEAD_NS}")
     table.add_row("hit-heavy, 1,000 blocks", f"{small:,.0f} req/s", "")
     table.add_row("hit-heavy, 100,000 blocks", f"{large:,.0f} req/s", "")
-    table.add_row("[bold]100k / 1k throughput", f"[bold]{hit['ratio_100k_to_1k']:.2f}", ">= 0.6")
+    table.add_row("[bold]100k / 1k throughput", f"[bold]{hit['ratio_100k_to_1k']:.2f}", f">= {MIN_RATIO_100K_TO_1K}")
     table.add_row("list-based queue, 100,000 blocks", f"{list_large:,.0f} req/s", "")
     table.add_row("list queue 100k / linked 1k", f"{hit['list_queue_ratio_to_1k']:.3f}", "(why O(1) matters)")
     order = results["free_order"]
@@ -200,6 +239,8 @@ def main(argv: list[str] | None = None) -> dict:
     table.add_row("[bold]tight pool hit rate, hashless to head", f"[bold]{order['head']['hit_rate']:.1%}",
                   "(free_uncached_first)")
     console.print(table)
+    for line in verdicts(results):
+        console.print(line)
     save_json(args.json, results, console)
     return results
 

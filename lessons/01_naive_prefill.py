@@ -18,7 +18,6 @@ Run:  python lessons/01_naive_prefill.py            (SmolLM2-135M on a 2-core CP
       python lessons/01_naive_prefill.py --tiny     (a random 2-layer model: a few seconds)
 """
 
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -32,6 +31,7 @@ from rich.table import Table
 
 import models
 from demo import DEMO_SYSTEM_PROMPT
+from measure import Runs, TokenCounter, conclusion
 from reading import show_code
 
 QUESTION = [{"role": "user", "content": "What does the processor of a computer do?"}]
@@ -84,28 +84,40 @@ def main(argv: list[str] | None = None) -> None:
 
     console.print(Rule("1. One token per forward pass, over the whole sequence"))
     prompt_ids = tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True, return_dict=False)
-    tokens, step_ms = generate_naive(model, prompt_ids, REPLY_TOKENS)
+    with TokenCounter(model.get_input_embeddings()) as embedded:
+        tokens, step_ms = generate_naive(model, prompt_ids, REPLY_TOKENS)
     table = Table("step", "the model runs over", "ms", "token picked")
     for i, (token, ms) in enumerate(zip(tokens, step_ms)):
         table.add_row(str(i + 1), f"{len(prompt_ids) + i} tokens", f"{ms:,.0f}", repr(tokenizer.decode([token])))
     console.print(table)
     console.print(f"Reply so far: {tokenizer.decode(tokens)!r}. Every step recomputed the "
-                  f"{len(prompt_ids)}-token prompt from scratch, to produce one token.")
+                  f"{len(prompt_ids)}-token prompt from scratch, to produce one token: for {REPLY_TOKENS} tokens "
+                  f"the model embedded {embedded.tokens:,} tokens in {embedded.passes} passes (counted by a hook "
+                  f"on its embedding layer).")
 
     console.print(Rule(f"2. The cost of each new token grows with the prompt ({NEW_TOKENS} new tokens each)"))
-    table = Table("prompt tokens", "ms per new token (median)", "total ms",
-                  f"tokens run over for {NEW_TOKENS} new", "each token once (a KV cache)")
-    per_token = {}
+    table = Table("prompt tokens", f"tokens embedded for {NEW_TOKENS} new (counted)",
+                  "each token once (a KV cache)", "ms per new token (median)", "slowest / fastest")
+    per_token, work = {}, {}
     for n in PROMPT_LENGTHS:
-        _, step_ms = generate_naive(model, long_prompt(tokenizer, n), NEW_TOKENS)
-        per_token[n] = statistics.median(step_ms)
-        table.add_row(f"{n:,}", f"{per_token[n]:,.0f}", f"{sum(step_ms):,.0f}",
-                      f"{tokens_run_over(n, NEW_TOKENS):,}", f"{n + NEW_TOKENS - 1:,}")
+        with TokenCounter(model.get_input_embeddings()) as embedded:  # the work, counted
+            _, step_ms = generate_naive(model, long_prompt(tokenizer, n), NEW_TOKENS)
+        per_token[n], work[n] = Runs(step_ms), embedded.tokens  # each step: one run over about n tokens
+        table.add_row(f"{n:,}", f"{work[n]:,}", f"{n + NEW_TOKENS - 1:,}",
+                      f"{per_token[n].median:,.0f}", f"{per_token[n].spread:.1f}x")
     console.print(table)
     short, long = PROMPT_LENGTHS[0], PROMPT_LENGTHS[-1]
-    console.print(f"A new token after {long:,} prompt tokens costs {per_token[long] / per_token[short]:.1f}x one after "
-                  f"{short} ({long // short}x the tokens; measured on this machine). The work per token is a full "
-                  f"prefill of everything before it.")
+    more_work = work[long] / work[short]
+    more_time = per_token[long].median / per_token[short].median
+    console.print(f"Counted: after {long:,} prompt tokens the model ran over {more_work:.1f}x the tokens it ran over "
+                  f"after {short}. Timed here (median of {NEW_TOKENS} passes each): {per_token[short]} a new token "
+                  f"after {short}, {per_token[long]} after {long:,}.")
+    console.print(conclusion(
+        f"{more_time:.1f}x the time for {more_work:.1f}x the tokens: without a cache, the work for each new token is "
+        f"a full prefill of everything before it."
+        + (" Less than in proportion, because part of every pass costs the same at any length (reading all the "
+           "weights)." if more_time < more_work else ""),
+        per_token[short], per_token[long], *per_token.values()))
 
     console.print(Rule("3. Over a whole reply the waste is quadratic"))
     reply = 500

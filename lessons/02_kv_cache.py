@@ -23,7 +23,6 @@ Run:  python lessons/02_kv_cache.py            (SmolLM2-135M on a 2-core CPU: ab
 """
 
 import importlib
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -38,9 +37,11 @@ from transformers import DynamicCache
 
 import models
 from engine import PagedKVCache
+from measure import Runs, TokenCounter, busy_note, conclusion, how_much_faster
 from reading import show_code
 
 stage_1 = importlib.import_module("01_naive_prefill")  # a file name starting with a digit needs importlib
+REPEATS = 3  # runs per prompt length: a median, and a spread that says if the machine was busy
 
 
 def generate_with_cache(model, prompt_ids: list[int], max_tokens: int) -> tuple[list[int], list[float], DynamicCache]:
@@ -73,19 +74,26 @@ def main(argv: list[str] | None = None) -> None:
     console.print(Rule("1. The question of stage 1, now with a KV cache"))
     prompt_ids = tokenizer.apply_chat_template(stage_1.QUESTION, add_generation_prompt=True, return_dict=False)
     n = stage_1.REPLY_TOKENS
-    tokens, step_ms, cache = generate_with_cache(model, prompt_ids, n)
+    with TokenCounter(model.get_input_embeddings()) as with_cache:
+        tokens, step_ms, cache = generate_with_cache(model, prompt_ids, n)
     table = Table("step", "the model runs over", "the cache then holds", "ms", "token picked")
     for i, (token, ms) in enumerate(zip(tokens, step_ms)):
         ran = f"{len(prompt_ids)} tokens (prefill)" if i == 0 else "1 token (decode)"
         table.add_row(str(i + 1), ran, f"{len(prompt_ids) + i} tokens", f"{ms:,.0f}", repr(tokenizer.decode([token])))
     console.print(table)
-    naive_tokens, naive_ms = stage_1.generate_naive(model, prompt_ids, n)
+    with TokenCounter(model.get_input_embeddings()) as without_cache:
+        naive_tokens, naive_ms = stage_1.generate_naive(model, prompt_ids, n)
     if tokens != naive_tokens:
         raise SystemExit(f"the cache changed the output: {tokens} with it, {naive_tokens} without")
+    decode_steps, naive_steps = Runs(step_ms[1:]), Runs(naive_ms)
     console.print(f"Reply: {tokenizer.decode(tokens)!r}. [bold green]The same {n} tokens with and without the "
-                  f"cache[/] (stage 1's loop, rerun here): {sum(step_ms):,.0f} ms with it, {sum(naive_ms):,.0f} ms "
-                  f"without. The last token's K/V is never computed: nothing reads it, so the cache ends at "
+                  f"cache[/] (stage 1's loop, rerun here). Counted: the model embedded {with_cache.tokens} tokens "
+                  f"with the cache (the prompt once, then 1 a step) and {without_cache.tokens} without. The last "
+                  f"token's K/V is never computed: nothing reads it, so the cache ends at "
                   f"{cache.get_seq_length()} = {len(prompt_ids)} + {n} - 1 tokens.")
+    console.print(f"Timed: a step after the prefill took {decode_steps} with the cache, a step without it "
+                  f"{naive_steps} (medians of {n - 1} and {n} steps): {how_much_faster(decode_steps, naive_steps)}. "
+                  f"{busy_note(decode_steps, naive_steps)}")
 
     console.print(Rule("2. What the cache holds: keys and values, per layer"))
     layers = cache.layers
@@ -105,27 +113,37 @@ def main(argv: list[str] | None = None) -> None:
         f"{config.num_attention_heads // shape['num_kv_heads']} query heads, and the cache is that much smaller."
     )
 
-    console.print(Rule(f"3. Prefill vs decode, as the prompt grows ({stage_1.NEW_TOKENS} new tokens each)"))
+    console.print(Rule(f"3. Prefill vs decode, as the prompt grows ({REPEATS} runs of {stage_1.NEW_TOKENS} new "
+                       f"tokens each)"))
     table = Table("prompt tokens", "prefill ms (TTFT)", "prefill ms per prompt token", "decode ms per new token",
-                  "a new token: prefill (stage 1) / decode")
+                  "a new token: prefill (stage 1) / decode", "slowest / fastest")
     prefill, decode = {}, {}
     for length in stage_1.PROMPT_LENGTHS:
-        _, step_ms, _ = generate_with_cache(model, stage_1.long_prompt(tokenizer, length), stage_1.NEW_TOKENS)
-        prefill[length], decode[length] = step_ms[0], statistics.median(step_ms[1:])
-        table.add_row(f"{length:,}", f"{prefill[length]:,.0f}", f"{prefill[length] / length:.2f}",
-                      f"{decode[length]:,.0f}", f"{prefill[length] / decode[length]:,.0f}x")
+        prompt = stage_1.long_prompt(tokenizer, length)
+        runs = [generate_with_cache(model, prompt, stage_1.NEW_TOKENS)[1] for _ in range(REPEATS)]
+        prefill[length] = Runs([step_ms[0] for step_ms in runs])
+        decode[length] = Runs([ms for step_ms in runs for ms in step_ms[1:]])
+        table.add_row(f"{length:,}", f"{prefill[length].median:,.0f}", f"{prefill[length].median / length:.2f}",
+                      f"{decode[length].median:,.0f}", f"{prefill[length].median / decode[length].median:,.0f}x",
+                      f"{max(prefill[length].spread, decode[length].spread):.1f}x")
     console.print(table)
     long = stage_1.PROMPT_LENGTHS[-1]
+    per_prompt_token = Runs([ms / long for ms in prefill[long].ms])
     console.print(
         f"Without the cache every new token costs about one prefill of the sequence (stage 1 measured it). "
-        f"After {long:,} prompt tokens a new token costs {decode[long]:,.0f} ms with the cache instead of "
-        f"{prefill[long]:,.0f} ms (measured on this machine). Per token, prefill is the cheaper phase "
-        f"({prefill[long] / long:.2f} ms): its tokens go through each weight matrix together, while a decode "
-        f"step reads every weight to compute a single token.\n"
-        f"What the cache cannot save is the prefill itself: every request pays it, even one whose prompt starts "
-        f"with the same system prompt as the last. Keeping K/V across requests is prefix caching (stages 3-7)."
+        f"After {long:,} prompt tokens, timed here (medians of {REPEATS} prefills and "
+        f"{len(decode[long].ms)} decode steps): a new token costs {decode[long]} with the cache instead of "
+        f"{prefill[long]}, {how_much_faster(decode[long], prefill[long])}."
     )
-
+    console.print(conclusion(
+        f"Per token, prefill is the cheaper phase ({per_prompt_token.median:.2f} ms a prompt token against "
+        f"{decode[long]} a decode step): its tokens go through each weight matrix together, while a decode step "
+        f"reads every weight to compute a single token.",
+        per_prompt_token, decode[long], *prefill.values(), *decode.values()))
+    console.print(
+        "What the cache cannot save is the prefill itself: every request pays it, even one whose prompt starts "
+        "with the same system prompt as the last. Keeping K/V across requests is prefix caching (stages 3-7)."
+    )
 
 if __name__ == "__main__":
     main()

@@ -75,11 +75,17 @@ def main() -> None:
     console.print(f"A paged request wastes less than one block ({BLOCK_SIZE} slots): only its last block is partly empty.")
 
     console.print(Rule("2. Holes anywhere are fine"))
+    r0_blocks, r2_blocks = alloc.block_tables["r0"], alloc.block_tables["r2"]
     alloc.free("r0")
     alloc.free("r2")
     run = longest_free_run(alloc)
     console.print(f"r0 and r2 finished: {alloc.num_free_blocks} blocks are free, but at most {run} of them "
                   f"are consecutive (free queue, head first: {alloc.free_queue_ids()}).")
+    console.print(f"Freed blocks join the tail of the free queue, each request's last block first: r0's "
+                  f"{r0_blocks} went in as {r0_blocks[::-1]}, then r2's {r2_blocks} as {r2_blocks[::-1]}; new "
+                  f"blocks come from the head. Without caching the order does not matter. Once blocks keep their "
+                  f"K/V for reuse (stages 5 and 6) it does: a request's last block stands for its longest prefix, "
+                  f"the least likely to be asked for again, so it should be the first one reused (stage 6).")
     alloc.allocate_with_prefix("r4", prompt("r4", 20))  # 5 blocks: more than any hole
     console.print(render_block_table(alloc, "r4"))
     console.print(f"r4 needs 5 blocks; a contiguous allocator would refuse it (longest run {run}). "

@@ -16,6 +16,7 @@ Read: prefix_caching.py, section 1: hash_block_tokens and block_extra_keys (prin
 Run:  python lessons/04_block_hashes.py
 """
 
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -66,6 +67,9 @@ def main() -> None:
         table.add_row(str(i), vocab.decode(block), short_hash(parent) if parent else "(none)", short_hash(block_hash))
         parent = block_hash
     console.print(table)
+    console.print("A word's token id is made from the word itself (lessons/words.py), as a real tokenizer's "
+                  "vocabulary gives a word one id everywhere: so these names are the same in every stage and every "
+                  f"run. 'A gentle breeze stirred' at the start of a prompt is always {short_hash(hashes[0])}.")
 
     console.print(Rule("2. Why the chain: the same words at another position are another block"))
     moved = vocab.encode("the leaves as children A gentle breeze stirred laughed in the distance")
@@ -78,9 +82,11 @@ def main() -> None:
                   "computed after 'A gentle breeze stirred': wrong values, silently. With it they differ.")
     alloc = PrefixCachingAllocator(num_blocks=16, block_size=BLOCK_SIZE)
     alloc.allocate_with_prefix("original", prompt)
-    changed = vocab.encode("A gentle breeze stirred the rain as children laughed in the distance Paris")
-    console.print(f"A prompt that differs only in word 5 ('rain') hits {alloc.peek(changed)} tokens: block 2 holds "
-                  f"the same words, but its parent differs, so the lookup stops at the first miss.")
+    changed = vocab.encode("A gentle breeze stirred the rain as children laughed in the distance")
+    word = next(i for i, (a, b) in enumerate(zip(prompt, changed)) if a != b)  # counted from 0
+    console.print(f"A prompt that differs only in word {word + 1} of {len(changed)} ({vocab.word(changed[word])!r} for "
+                  f"{vocab.word(prompt[word])!r}, in block {word // BLOCK_SIZE}) hits {alloc.peek(changed)} tokens: "
+                  f"block 2 holds the same words, but its parent differs, so the lookup stops at the first miss.")
 
     console.print(Rule("3. Only full blocks get a hash"))
     ten = prompt[:10]
@@ -101,21 +107,27 @@ def main() -> None:
                   "differs through the chain. Check: hash_block_tokens(salted[0], block 1 tokens) == salted[1] is "
                   f"{hash_block_tokens(salted[0], prompt[4:8]) == salted[1]}.")
     alloc.allocate_with_prefix("tenant a", prompt, cache_salt="tenant-a")
-    follow_up = prompt + vocab.encode("Paris")
-    console.print(f"Tenant a has sent the prompt. Tenant b sends it plus one word: hits "
+    follow_up = prompt + vocab.encode("Paris")  # one word more, so that every full block can hit
+    console.print(f"Tenant a has sent the prompt. Tenant b sends it plus one word, 'Paris' (a word more, because a "
+                  f"prompt that ends exactly where a block ends computes that block again: stage 5 shows why): hits "
                   f"{alloc.peek(follow_up, cache_salt='tenant-b')} tokens. Tenant a does the same: "
                   f"{alloc.peek(follow_up, cache_salt='tenant-a')}. (Stage 8 shows the timing leak this closes.)")
 
     console.print(Rule("5. What hashing costs (measured here)"))
     long_prompt = list(range(65_536))
     for algo in ("sha256", "xxhash"):
-        start = time.perf_counter()
-        compute_block_hashes(long_prompt, 16, algo=algo)
-        ns = (time.perf_counter() - start) / len(long_prompt) * 1e9
-        console.print(f"  {algo:7s} {ns:6.0f} ns per token (64k tokens, blocks of 16)")
+        runs = []
+        for _ in range(3):
+            start = time.perf_counter()
+            compute_block_hashes(long_prompt, 16, algo=algo)
+            runs.append((time.perf_counter() - start) / len(long_prompt) * 1e9)
+        console.print(f"  {algo:7s} {statistics.median(runs):6.0f} ns per token (median of 3 runs; 64k tokens, "
+                      f"blocks of 16)")
     console.print("Much of either number is the Python around the digest, so xxhash gains less than it does "
-                  "in C. The vLLM design doc quotes 100-200 ns per token for SHA256. SHA256 is the safe default "
-                  "when tenants share a server: a collision would hand one prompt another's K/V.")
+                  "in C. vLLM's design doc (docs/design/prefix_caching.md) quoted 100-200 ns per token for SHA256 "
+                  "when SHA256 was added (v0.8.3), then about 75 ns (PR #29261, December 2025); since PR #28784 "
+                  "(January 2026) it quotes no figure. Measure your own, as above. SHA256 is the safe default when "
+                  "tenants share a server: a collision would hand one prompt another's K/V.")
 
     console.print(Rule("6. Same idea, other choices"))
     table = Table("who", "what is hashed", "first block's parent")

@@ -39,13 +39,17 @@ QUEUES = {"linked list": FreeKVCacheBlockQueue, "list": list, "deque": deque}  #
 
 
 def seconds_per_remove(queue_size: int, kind: str, repeats: int = 200) -> float:
-    """Time taking the middle block out of a free queue of `queue_size` blocks (and back in)."""
+    """Time taking a block out of the middle of a free queue of `queue_size` blocks (and
+    appending it at the tail, as a freed block would be)."""
     blocks = [KVCacheBlock(i) for i in range(queue_size)]
-    queue, middle = QUEUES[kind](blocks), blocks[queue_size // 2]
+    queue, middle = QUEUES[kind](blocks), queue_size // 2
     start = time.perf_counter()
-    for _ in range(repeats):
-        queue.remove(middle)  # linked list: unlink it from its 2 neighbours; list, deque: scan to find it
-        queue.append(middle)
+    # A new block each time: block middle + i sits exactly in the middle, since the i blocks
+    # before it have moved to the tail. (Removing one block again and again would find it
+    # at the tail after the first time.)
+    for block in blocks[middle : middle + repeats]:
+        queue.remove(block)  # linked list: unlink it from its 2 neighbours; list, deque: scan to find it
+        queue.append(block)
     return (time.perf_counter() - start) / repeats
 
 

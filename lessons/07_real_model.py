@@ -34,25 +34,64 @@ from rich.table import Table
 import models
 from demo import DEMO_QUESTIONS, DEMO_SYSTEM_PROMPT
 from engine import Engine, Generation, PagedKVCache
+from measure import Runs, TokenCounter, conclusion, how_much_faster
 from reading import show_code
 
 SYSTEM = {"role": "system", "content": DEMO_SYSTEM_PROMPT}
 MAX_TOKENS = 24
 STEPS = ("lookup", "gather", "forward", "write", "sample")
+REPEATS = 3  # cold/warm pairs timed: a median, and a spread that says if the machine was busy
 
 
 def ask(question: str) -> list[dict]:
     return [SYSTEM, {"role": "user", "content": question}]
 
 
-def timing_table(replies: dict[str, Generation]):
-    """One column per request; rows: tokens, TTFT and the five steps of the prefill."""
-    table = Table("", *replies, title="where the time to first token went (ms)", title_justify="left")
-    table.add_row("cached + computed prompt tokens",
-                  *(f"{r.cached_tokens} + {r.computed_prompt_tokens}" for r in replies.values()))
-    table.add_row("[bold]TTFT", *(f"[bold]{r.ttft_ms:,.1f}" for r in replies.values()))
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many tokens two prompts agree on from the start.
+
+    >>> common_prefix([5, 6, 7, 8], [5, 6, 9])
+    2
+    """
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def show_what_is_shared(console: Console, engine: Engine) -> None:
+    """Count what the demo's prompts share, token by token, and which whole blocks of it can hit."""
+    bs, tokenizer = engine.allocator.block_size, engine.tokenizer
+    system_turn = len(tokenizer.apply_chat_template([SYSTEM], return_dict=False))  # no assistant turn opened
+    prompts = [engine.tokenize(ask(question)) for question in DEMO_QUESTIONS]
+    in_all = min(common_prefix(prompts[0], p) for p in prompts[1:])
+    start = in_all // bs * bs  # the first block not shared by every prompt
+    first = "first token" if start + bs - in_all == 1 else f"first {start + bs - in_all} tokens"
+    console.print(
+        f"The system turn is {system_turn} tokens with the chat template: {system_turn // bs} full blocks of {bs} and "
+        f"{system_turn % bs} tokens over. Every prompt goes on with the {in_all - system_turn} tokens that open the "
+        f"user's turn ({tokenizer.decode(prompts[0][system_turn:in_all])!r}), so all {len(prompts)} demo prompts "
+        f"agree on their first {in_all} tokens. The block of tokens {start}-{start + bs - 1} ends with the question's "
+        f"{first}, and a block hits only if every token matches:"
+    )
+    table = Table("question", "tokens in common with an earlier one", "cached_tokens: its whole blocks")
+    for i, (question, prompt) in enumerate(zip(DEMO_QUESTIONS, prompts)):
+        common = max((common_prefix(prompt, earlier) for earlier in prompts[:i]), default=0)
+        table.add_row(f"{i + 1}. {question}", str(common), f"{common // bs} x {bs} = {common // bs * bs}")
+    console.print(table)
+    console.print(f"A question whose {first} {'matches' if first == 'first token' else 'match'} an earlier "
+                  f"question's fills that block the same way and hits it; any other stops a block short. The demo "
+                  f"(python prefix_caching.py --demo) asks these five, in this order.")
+
+
+def timing_table(runs: dict[str, list[Generation]]):
+    """One column per request; rows: TTFT and the five steps of the prefill, medians over runs."""
+    medians = {name: {step: Runs([getattr(r.prefill, f"{step}_ms") for r in rs]).median for step in STEPS}
+               for name, rs in runs.items()}
+    ttft = {name: Runs([r.ttft_ms for r in rs]) for name, rs in runs.items()}
+    table = Table("", *runs, title=f"where the time to first token went (ms, median of {len(next(iter(runs.values())))} runs)",
+                  title_justify="left")
+    table.add_row("[bold]TTFT", *(f"[bold]{t.median:,.1f}" for t in ttft.values()))
     for step in STEPS:
-        table.add_row(f"  {step}", *(f"{getattr(r.prefill, f'{step}_ms'):,.1f}" for r in replies.values()))
+        table.add_row(f"  {step}", *(f"{medians[name][step]:,.1f}" for name in runs))
+    table.add_row("TTFT slowest / fastest", *(f"{t.spread:.1f}x" for t in ttft.values()))
     return table
 
 
@@ -110,23 +149,43 @@ def main(argv: list[str] | None = None) -> None:
     engine.warm_up()
 
     console.print(Rule("1. Two questions behind one long system prompt: cold, then warm"))
-    shared = len(engine.tokenize([SYSTEM]))
-    console.print(f"The system prompt is {shared} tokens with the chat template; blocks of {args.block_size}.")
-    replies = {"cold: question 1": engine.generate(ask(DEMO_QUESTIONS[0]), max_tokens=MAX_TOKENS),
-               "warm: question 2": engine.generate(ask(DEMO_QUESTIONS[1]), max_tokens=MAX_TOKENS)}
-    console.print(timing_table(replies))
-    cold, warm = replies.values()
-    first, second = engine.tokenize(ask(DEMO_QUESTIONS[0])), engine.tokenize(ask(DEMO_QUESTIONS[1]))
-    common = next(i for i, (a, b) in enumerate(zip(first, second)) if a != b)
+    show_what_is_shared(console, engine)
+    embedding = engine.model.get_input_embeddings()
+    with TokenCounter(embedding) as cold_work:
+        cold = engine.generate(ask(DEMO_QUESTIONS[0]), max_tokens=MAX_TOKENS)
+    with TokenCounter(embedding) as warm_work:
+        warm = engine.generate(ask(DEMO_QUESTIONS[1]), max_tokens=MAX_TOKENS)
+    counts = Table("counted", "cold: question 1", "warm: question 2", title="what each request cost, counted",
+                   title_justify="left")
+    counts.add_row("prompt tokens", str(cold.prompt_tokens), str(warm.prompt_tokens))
+    counts.add_row("K/V taken from the pool (cached_tokens)", str(cold.cached_tokens), str(warm.cached_tokens))
+    counts.add_row("K/V computed by the model", str(cold.computed_prompt_tokens), str(warm.computed_prompt_tokens))
+    counts.add_row(f"tokens the model embedded (prompt + {MAX_TOKENS - 1} decode steps)",
+                   str(cold_work.tokens), str(warm_work.tokens))
+    console.print(counts)
     console.print(
         f"The warm request took {warm.cached_tokens} of its {warm.prompt_tokens} prompt tokens from the pool "
-        f"(cached_tokens={warm.cached_tokens}) and ran the model on {warm.computed_prompt_tokens}: TTFT "
-        f"{cold.ttft_ms:,.0f} -> {warm.ttft_ms:,.0f} ms, {cold.ttft_ms / warm.ttft_ms:.1f}x faster (measured on "
-        f"this machine). The time moved from forward to gather: copying K/V costs far less than computing it. "
-        f"The two prompts agree on their first {common} tokens (the system prompt, the chat template's tokens "
-        f"and the questions' first words); the hit is the whole blocks among them, {common // args.block_size} x "
-        f"{args.block_size} = {common // args.block_size * args.block_size}."
+        f"(cached_tokens={warm.cached_tokens}) and ran the model on {warm.computed_prompt_tokens}: its first forward "
+        f"pass embedded {warm.computed_prompt_tokens} tokens where the cold one embedded {cold.prompt_tokens}."
     )
+
+    runs = {"cold: question 1": [cold], "warm: question 2": [warm]}
+    for _ in range(REPEATS - 1):  # the first token only: TTFT is all that is timed
+        engine.allocator.reset_prefix_cache()  # so the cold request is cold again
+        runs["cold: question 1"].append(engine.generate(ask(DEMO_QUESTIONS[0]), max_tokens=1))
+        runs["warm: question 2"].append(engine.generate(ask(DEMO_QUESTIONS[1]), max_tokens=1))
+    console.print(timing_table(runs))
+    colds, warms = runs.values()
+    cold_ttft, warm_ttft = Runs([r.ttft_ms for r in colds]), Runs([r.ttft_ms for r in warms])
+    cold_forward = Runs([r.prefill.forward_ms for r in colds])
+    warm_gather = Runs([r.prefill.gather_ms for r in warms])
+    console.print(f"Timed here (medians of {REPEATS} runs, the pool emptied before each cold one): TTFT "
+                  f"{cold_ttft} cold, {warm_ttft} warm: {how_much_faster(warm_ttft, cold_ttft)}.")
+    console.print(conclusion(
+        f"The time moved from forward to gather: copying {warm.cached_tokens} tokens' K/V out of the pool took "
+        f"{warm_gather}, computing the cold prompt's took {cold_forward} "
+        f"({cold_forward.median / warm_gather.median:,.0f}x as long).",
+        warm_gather, cold_forward, cold_ttft, warm_ttft))
 
     console.print(Rule("2. The gather, step by step (question 3)"))
     show_one_gather(console, engine, engine.tokenize(ask(DEMO_QUESTIONS[2])))

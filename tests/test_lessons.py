@@ -15,33 +15,53 @@ LESSONS = ROOT / "lessons"
 sys.path.insert(0, str(LESSONS))  # the lessons' helper modules: workloads, radix_tree, words, figures, models
 
 STAGES = sorted(LESSONS.glob("[0-9][0-9]_*.py"))
-HELPERS = ["workloads", "radix_tree", "words", "models", "reading"]
+HELPERS = ["workloads", "radix_tree", "words", "models", "reading", "measure"]
 
 # Flags a stage needs to run fast in the test suite (e.g. a tiny model); none means none.
 FLAGS: dict[str, list[str]] = {
     "01_naive_prefill.py": ["--tiny"],
     "02_kv_cache.py": ["--tiny"],
     "07_real_model.py": ["--tiny"],
+    "08_many_requests.py": ["--tiny"],
     "08_serving.py": ["--tiny"],
 }
 
 # Sentences each stage must print (compared with white space folded, so line wraps do not matter).
 EXPECTED_OUTPUT = {
     "01_naive_prefill.py": ["Every step recomputed the 39-token prompt from scratch",
+                            "the model embedded 340 tokens in 8 passes (counted by a hook",
                             "runs the model over 636,750 tokens", "computing each token once would be 1,523"],
     "02_kv_cache.py": ["The same 8 tokens with and without the cache", "the cache ends at 46 = 39 + 8 - 1 tokens",
+                       "the model embedded 46 tokens with the cache (the prompt once, then 1 a step) and 340 without",
                        "0.5 KiB per token"],
-    "07_real_model.py": ["(cached_tokens=448) and ran the model on 14",
+    "07_real_model.py": ["The system turn is 444 tokens with the chat template: 27 full blocks of 16 and 12 tokens over",
+                         "so all 5 demo prompts agree on their first 447 tokens",
+                         "The block of tokens 432-447 ends with the question's first token",
+                         "│ 447 │ 27 x 16 = 432 │", "│ 448 │ 28 x 16 = 448 │",
+                         "(cached_tokens=448) and ran the model on 14",
+                         "│ tokens the model embedded (prompt + 23 decode steps) │ 485 │ 37 │",
                          "its layer-0 key in the cache equals the pool's: True",
                          "exactness ok: logits allclose to a full forward",
                          "exactness ok: the same 24 tokens as model.generate"],
+    "08_many_requests.py": ["peek found [0, 0, 0, 0] cached tokens for the four prompts",
+                            "bob, carol and dave each found 448 tokens in the pool: the blocks alice was computing "
+                            "in that very step", "shared blocks 0-27: ref count 4 (alice, bob, carol, dave)",
+                            "a prompt is never cut into pieces here: no chunked prefill",
+                            "exactness ok: the same 16 tokens as model.generate on his prompt alone",
+                            "recomputed 17 of their 465 tokens",
+                            "same tokens as in the big pool of scenes 1-2: 4 of 4",
+                            "The pool is whole again: 34 of 34 blocks free",
+                            "in 16 forward passes instead of 128", "681 with it against 3,817 without"],
     "08_serving.py": ['"prompt_tokens_details": {"cached_tokens": 448}',
                       "Without salts the right guess comes back with cached_tokens=208",
                       "With the salt derived from each key, the right guess gets cached_tokens=0",
                       "own key still hits her blocks (cached_tokens=208)",
                       "derives cache_salt from your API key"],
-    "03_paged_blocks.py": ["a contiguous allocator would refuse it", "num_cached_tokens = 0"],
-    "04_block_hashes.py": ["hits 4 tokens", "hits 0 tokens. Tenant a does the same: 12", "== salted[1] is True"],
+    "03_paged_blocks.py": ["a contiguous allocator would refuse it", "num_cached_tokens = 0",
+                           "each request's last block first: r0's [0, 1, 2] went in as [2, 1, 0]"],
+    "04_block_hashes.py": ["differs only in word 6 of 12 ('rain' for 'leaves', in block 1) hits 4 tokens",
+                           "hits 0 tokens. Tenant a does the same: 12", "== salted[1] is True",
+                           "'A gentle breeze stirred' at the start of a prompt is always 05dc53be"],
     "05_ref_counts.py": ["Blocks in use: 12 shared vs 24", "erin hits 16 tokens", "hits 12, not 16"],
     "06_free_queue_lru.py": ["matches the design doc",
                              "free_uncached_first=False: request 2's blocks [0, 1, 2, 7, 8, 9, 4, 3], evictions 1",
@@ -49,7 +69,8 @@ EXPECTED_OUTPUT = {
     "09_going_further.py": ["free in reverse: the same"],
 }
 # ... and must never print.
-FORBIDDEN_OUTPUT = {"06_free_queue_lru.py": ["differs from the doc"]}
+FORBIDDEN_OUTPUT = {"06_free_queue_lru.py": ["differs from the doc"],
+                    "04_block_hashes.py": ["100-200 ns per token for SHA256."]}  # an old figure, quoted as current
 
 
 def run_stage(path: Path) -> str:
@@ -163,3 +184,75 @@ def test_figures_command_writes_small_pngs(tmp_path):
         size = (tmp_path / name).stat().st_size
         assert 10_000 < size < 150_000, f"{name}: {size} bytes"
         assert (ROOT / "assets" / name).exists(), f"assets/{name} is missing: run python lessons/figures.py"
+
+
+# --- counts first, times worded from what was measured (lessons/measure.py) ----------------------
+
+
+def test_a_slower_warm_run_is_never_called_faster():
+    from measure import Runs, conclusion, how_much_faster
+
+    cold, warm = Runs([1579.0]), Runs([5317.0])  # seen on a busy 2-core machine
+    assert "faster" not in how_much_faster(warm, cold).replace("not faster", "")
+    text = conclusion("Warm was faster: copying K/V costs far less than computing it.", warm, cold)
+    assert "faster" not in text and "counts above still hold" in text
+    busy = conclusion("Warm was faster.", Runs([5317.0, 2300.0, 5100.0]), Runs([1579.0, 1500.0, 1620.0]))
+    assert "machine was busy" in busy and "faster" not in busy
+    assert how_much_faster(Runs([100.0, 104.0]), Runs([800.0, 790.0])) == "7.8x faster"
+
+
+def test_a_claim_is_printed_when_the_numbers_show_it_and_flagged_when_the_runs_disagree():
+    from measure import Runs, conclusion
+
+    quiet = conclusion("Warm beat cold.", Runs([100.0, 104.0, 98.0]), Runs([800.0, 812.0, 790.0]))
+    assert quiet == "Warm beat cold."
+    noisy = conclusion("Warm beat cold.", Runs([100.0, 104.0, 98.0]), Runs([800.0, 2400.0, 790.0]))
+    assert noisy.startswith("Warm beat cold. The machine was busy")
+    assert conclusion("Warm beat cold.", Runs([100.0]), Runs([105.0])) != "Warm beat cold."  # 5% is noise
+
+
+def test_the_busy_rule_ignores_a_few_ms_between_short_runs():
+    from measure import Runs, busy_note
+
+    assert busy_note(Runs([16.0, 24.0, 18.0])) == ""  # 1.5x, but 8 ms: timer and memory noise
+    assert "differed by up to 1.5x" in busy_note(Runs([160.0, 240.0, 180.0]))
+
+
+def test_the_token_counter_counts_what_the_model_embeds(tiny_model):
+    import torch
+    from measure import TokenCounter
+
+    with TokenCounter(tiny_model.get_input_embeddings()) as embedded, torch.inference_mode():
+        tiny_model(torch.tensor([[1, 2, 3, 4, 5]]))
+        tiny_model(torch.tensor([[6]]))
+    assert (embedded.tokens, embedded.passes) == (6, 2)
+
+
+# --- the toy tokenizer and stage 6's measurement ------------------------------------------------
+
+
+def test_a_word_has_the_same_token_id_in_every_lesson():
+    from prefix_caching import compute_block_hashes
+    from words import Words
+
+    first, second = Words(), Words()
+    second.encode("unrelated words seen first")
+    assert first.encode("You are a helpful") == second.encode("You are a helpful")
+    names = {tuple(compute_block_hashes(Words().encode(text), 4))
+             for text in ("You are a helpful", "A gentle breeze stirred")}
+    names.add(tuple(compute_block_hashes([0, 1, 2, 3], 4)))  # stage 6's design doc tokens
+    assert len(names) == 3, "different words must give different block hashes"
+
+
+def test_stage_6_times_a_removal_from_the_middle_every_time(monkeypatch):
+    stage_6 = importlib.import_module("06_free_queue_lru")
+    positions = []
+
+    class RecordingList(list):
+        def remove(self, block):
+            positions.append(self.index(block))
+            super().remove(block)
+
+    monkeypatch.setitem(stage_6.QUEUES, "recording", RecordingList)
+    stage_6.seconds_per_remove(1_000, "recording", repeats=50)
+    assert positions == [500] * 50
