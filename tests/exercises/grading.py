@@ -7,10 +7,10 @@ Each exercise file in exercises/ uses the same names as its reference module, so
 reference needs no adapter: `exercise("block_hash")` is either module.
 
 The exercises follow the stages: 1 block hash (stage 4), 2 allocate (5), 3 free queue (6),
-4 free (6), 5 gather K/V (7). An exercise's tests use the student's code only for that
-exercise and the ones before it; a piece that a later exercise writes comes from the
-reference (exercise 2 runs on prefix_caching's free queue), so exercises can be done, and
-graded, one at a time in order.
+4 free (6), 5 gather K/V (7), 6 schedule (8). An exercise's tests use the student's code
+only for that exercise and the ones before it; a piece that a later exercise writes comes
+from the reference (exercise 2 runs on prefix_caching's free queue), so exercises can be
+done, and graded, one at a time in order.
 """
 
 import importlib
@@ -23,6 +23,7 @@ REFERENCE = {
     "allocator": "prefix_caching",
     "free_queue": "prefix_caching",
     "gather_kv": "engine",
+    "scheduler": "scheduler",
 }
 
 

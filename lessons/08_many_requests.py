@@ -1,0 +1,267 @@
+"""
+Stage 8: many requests at once. A scheduler, and one forward pass per step for all of them.
+
+Stage 7's engine runs one request at a time. A server has many: sixteen students asking
+at once should not wait in line, because one forward pass over sixteen tokens costs little
+more than over one (the weights are read once either way). Two files do it:
+
+    scheduler.py     each step, who runs and how many tokens (Scheduler.schedule):
+                     running requests decode one token each; waiting ones are admitted in
+                     arrival order while the step's token budget and the pool allow (the
+                     budget counts only a prompt's uncached tokens); when a decode finds no
+                     free block, the most recently admitted request is preempted: its
+                     blocks are freed, the full ones stay cached, and it waits at the front
+    batch_engine.py  the step: every scheduled token packed into one sequence (build_step),
+                     one forward pass, one sampled token per request (BatchRunner.step).
+                     The attention reads each request's K/V from the pool in place, through
+                     its block table (pool_attention, registered with transformers'
+                     AttentionInterface): no DynamicCache is copied out, as stage 7 did.
+
+In every layer, the step's new K/V are written into the pool before any request attends.
+So a request admitted in the same step as another hits the blocks the other is computing
+in that very step: allocate_with_prefix cached them the moment they were allocated.
+
+Not done here: chunked prefill. A prompt is prefilled whole, in one step; one longer than
+the step's token budget waits until it can run alone. (vLLM cuts it into chunks that fit
+the budget and runs them beside the decodes.)
+
+New in this stage (marked # NEW): a BatchRunner driven one step at a time, its plan, the
+scheduler's queues, and Engine.generate_batch.
+
+Read: scheduler.py: Scheduler.schedule and ._preempt; batch_engine.py: pool_attention,
+      build_step, BatchRunner.step (printed when the stage starts).
+
+Run:  python lessons/08_many_requests.py            (SmolLM2-135M on a 2-core CPU: about 45 s)
+      python lessons/08_many_requests.py --tiny     (a random 2-layer model: a few seconds)
+"""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find prefix_caching.py from anywhere
+
+import torch
+from rich.console import Console
+from rich.rule import Rule
+from rich.table import Table
+
+import models
+from batch_engine import BatchRunner, build_step, pool_attention
+from batch_views import add_step_row, render_step, run_step, step_history
+from benchmarks.throughput import TOPICS, questions, run_ours, summary
+from demo import DEMO_SYSTEM_PROMPT
+from engine import Engine, SamplingParams
+from measure import Runs, TokenCounter, busy_note, how_much_faster
+from reading import show_code
+from scheduler import Scheduler
+
+USERS = ["alice", "bob", "carol", "dave"]
+MAX_TOKENS = 16
+BUDGET = 512  # max_num_batched_tokens of scenes 1-2 (generate_batch's default is 2,048)
+SMALL_POOL_EXTRA = 6  # scene 3: blocks beyond the system prompt's, too few for four replies
+THROUGHPUT_REQUESTS = 8  # scene 4 (the benchmark runs 16 and 32, 32 tokens each)
+
+# A plain-text prompt (no chat template, so none of it is in the pool), longer than BUDGET.
+ERIN = ("Here is a course page and the questions a class sent. Say which week answers each question.\n\n"
+        + DEMO_SYSTEM_PROMPT + "\n\nQuestions:\n" + "\n".join(f"- What is {topic}?" for topic in TOPICS))
+
+
+def hf_greedy(model, prompt_ids: list[int], max_tokens: int) -> list[int]:
+    """Plain Hugging Face generate on the prompt alone, greedy: the oracle."""
+    input_ids = torch.tensor([prompt_ids], device=model.device)
+    with torch.inference_mode():
+        out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
+                             max_new_tokens=max_tokens, pad_token_id=model.generation_config.pad_token_id)
+    return out[0, len(prompt_ids):].tolist()
+
+
+def same_step_hit(console: Console, engine: Engine, prompts: dict[str, list[int]]) -> tuple[BatchRunner, list]:
+    """Scene 1: four requests behind one system prompt, admitted in one step."""
+    alloc, kv = engine.allocator, engine.kv
+    runner = BatchRunner(engine, max_num_batched_tokens=BUDGET)  # NEW
+    cold = [alloc.peek(ids) for ids in prompts.values()]
+    requests = [runner.add(user, ids, SamplingParams(max_tokens=MAX_TOKENS), None) for user, ids in prompts.items()]
+    first_block = 0  # the pool is fresh: alice's first block will be block 0
+    before = kv.data[:, :, first_block].abs().sum().item()
+    record = run_step(runner, 1)  # NEW: schedule, one forward pass, sample
+    after = kv.data[:, :, first_block].abs().sum().item()
+    console.print(render_step(record, runner))
+
+    hits = {s.request.request_id: s.start for s in record.scheduled}  # NEW: where each one's computing began
+    lengths = [len(ids) for ids in prompts.values()]
+    shared = runner.scheduler.shared_blocks()  # NEW
+    others = [hits[user] for user in USERS[1:]]
+    found = (f"each found {others[0]} tokens" if len(set(others)) == 1
+             else f"found {', '.join(map(str, others[:-1]))} and {others[-1]} tokens")
+    console.print(
+        f"Before the step the pool was cold: peek found {cold} cached tokens for the four prompts. Yet in "
+        f"step 1 alice computed all {lengths[0]} tokens of hers, and bob, carol and dave {found} in the pool: "
+        f"the blocks alice was computing in that very step. allocate_with_prefix cached them when alice "
+        f"allocated them, so the others' "
+        f"lookups found them; pool_attention wrote the step's K/V in every layer before anyone attended, so "
+        f"what they read was there. Block {first_block}'s K/V summed to {before:g} before the step (never "
+        f"written) and {after:,.1f} after. {len(shared)} blocks have ref count "
+        f"{max((len(h) for h in shared.values()), default=0)}."
+    )
+    console.print(
+        f"The batch: {record.num_tokens:,} tokens in one forward pass. The step's token budget is {BUDGET} "
+        f"(max_num_batched_tokens), and it counts only uncached tokens: without the hit, four prompts would "
+        f"be {sum(lengths):,} tokens, one prompt a step."
+    )
+    return runner, requests
+
+
+def decode_steps(console: Console, engine: Engine, runner: BatchRunner, requests: list) -> tuple[list, list[Runs]]:
+    """Scene 2: the four decode together; a long uncached prompt arrives and waits."""
+    erin_ids = engine.tokenize(ERIN)
+    requests.append(runner.add("erin", erin_ids, SamplingParams(max_tokens=MAX_TOKENS), None))  # NEW
+    console.print(f"erin arrives after step 1 with a plain-text prompt of {len(erin_ids):,} tokens, none of them "
+                  f"in the pool.")
+    history = step_history("every step of scenes 1-2 after the first: one row each")
+    records = []
+    while runner.scheduler.has_work():  # NEW
+        record = run_step(runner, len(records) + 2)
+        records.append(record)
+        add_step_row(history, record)
+        if record.number == 2 or "erin" in record.admitted:
+            console.print(render_step(record, runner))
+    console.print(history)
+
+    together = [r for r in records if len(r.decodes()) == len(USERS)]
+    alone = [r for r in records if not r.admitted and len(r.decodes()) == 1]
+    erin_step = next(r for r in records if "erin" in r.admitted)
+    together, alone = Runs([r.ms for r in together]), Runs([r.ms for r in alone])
+    console.print(
+        f"Decode steps: one token per running request, all in one forward pass. The four together: "
+        f"{len(USERS)} tokens a step, {together} (median of {len(together.ms)} steps here); erin alone: 1 token a "
+        f"step, {alone} (median of {len(alone.ms)}; her context is {len(erin_ids):,}+ tokens, theirs "
+        f"{min(len(r.prompt_ids) for r in requests[:len(USERS)]):,}+). Her {erin_step.num_tokens:,}-token "
+        f"prefill took {erin_step.ms:,.0f} ms. {busy_note(together, alone)}".strip()
+    )
+    console.print(
+        f"erin waited {erin_step.number - 2} steps. Her {len(erin_ids):,} uncached tokens exceed the budget "
+        f"left after the decodes ({BUDGET} - {len(USERS)}), and a prompt is never cut into pieces here: no "
+        f"chunked prefill. Once nobody else ran, she ran alone, whole, {erin_step.num_tokens:,} tokens in step "
+        f"{erin_step.number}, above the budget. vLLM's chunked prefill would have run part of her prompt beside "
+        f"the decodes in step 2 and the rest in the steps after."
+    )
+    replies = runner.run(requests)
+    bob = replies[1]
+    if bob.token_ids != hf_greedy(engine.model, requests[1].prompt_ids, MAX_TOKENS):
+        raise SystemExit("bob's reply differs from model.generate on his prompt alone")
+    console.print(f"bob's reply {bob.text!r}: [bold green]exactness ok: the same {len(bob.token_ids)} tokens as "
+                  f"model.generate on his prompt alone[/], though he read blocks computed in his own first step.")
+    return replies, [together, alone]
+
+
+def preemption(console: Console, engine: Engine, prompts: dict[str, list[int]], big_pool: list) -> None:
+    """Scene 3: the same four in a pool too small for their replies."""
+    bs = engine.allocator.block_size
+    system_blocks = len(engine.tokenize([{"role": "system", "content": DEMO_SYSTEM_PROMPT}])) // bs
+    small = Engine(model=engine.model, tokenizer=engine.tokenizer, block_size=bs,
+                   num_blocks=system_blocks + SMALL_POOL_EXTRA)
+    runner = BatchRunner(small)
+    requests = [runner.add(user, ids, SamplingParams(max_tokens=MAX_TOKENS), None) for user, ids in prompts.items()]
+    console.print(f"A pool of {small.allocator.num_blocks} blocks: the system prompt's {system_blocks} and "
+                  f"{SMALL_POOL_EXTRA} more. Four prompts fit; four replies of {MAX_TOKENS} tokens do not.")
+    history = step_history("every step in the small pool")
+    resumes = []  # (request, step, tokens it held, hit on its return, recomputed)
+    held: dict[str, tuple[int, int]] = {}
+    number = 0
+    while runner.scheduler.has_work():
+        number += 1
+        record = run_step(runner, number)
+        add_step_row(history, record)
+        for r in record.preempted:  # NEW: taken out to make room
+            held[r.request_id] = (number, record.held[r.request_id])
+        for s in record.prefills():
+            rid = s.request.request_id
+            if rid in held:
+                preempted_at, tokens = held.pop(rid)
+                resumes.append((rid, preempted_at, number, tokens, s.start, s.end - s.start))
+        if record.preempted or any(r[2] == number for r in resumes):
+            console.print(render_step(record, runner))
+    console.print(history)
+
+    table = Table("request", "preempted in step", "tokens it had computed", "back in step", "found in the pool",
+                  "evicted while it waited", "recomputed", title="preempted and resumed: recompute, as vLLM v1 does",
+                  title_justify="left")
+    for rid, preempted_at, back, tokens, hit, recomputed in resumes:
+        evicted = tokens // bs * bs - hit  # its full blocks stayed cached when it left; these were reused since
+        table.add_row(rid, str(preempted_at), f"{tokens:,}", str(back), f"{hit:,}", f"{evicted:,}", f"{recomputed:,}")
+    console.print(table)
+    replies = runner.run(requests)
+    same = sum(r.token_ids == b.token_ids for r, b in zip(replies, big_pool))
+    total = sum(tokens + 1 for *_, tokens, _, _ in resumes)  # what they had computed, and the token sampled last
+    redone = sum(recomputed for *_, recomputed in resumes)
+    n = runner.scheduler.num_preemptions
+    console.print(
+        f"{n} preemption{'s' if n != 1 else ''}, no request refused. Coming back, the preempted requests "
+        f"recomputed {redone:,} of their {total:,} tokens; the rest they found in the pool, because a "
+        f"preempted request's full blocks stay cached (only blocks the others took while it waited are lost). "
+        f"The replies are the same tokens as in the big pool of scenes 1-2: {same} of {len(replies)}. The pool "
+        f"is whole again: {small.allocator.num_free_blocks} of {small.allocator.num_blocks} blocks free."
+    )
+
+
+def throughput(console: Console, engine: Engine, step_times: list[Runs]) -> None:
+    """Scene 4: one after another, batched without caching, batched with it. step_times: repeated
+    steps of scene 2, whose spread says whether the machine was busy."""
+    off = Engine(model=engine.model, tokenizer=engine.tokenizer, block_size=engine.allocator.block_size,
+                 num_blocks=engine.allocator.num_blocks, enable_caching=False)
+    prompts = [engine.tokenize(q) for q in questions(THROUGHPUT_REQUESTS)]
+    ways = [("(a) one after another", engine, False), ("(b) batched, caching off", off, True),
+            ("(c) batched, caching on", engine, True)]
+    rows, counts, reference = [], [], None
+    for name, which, batched in ways:
+        with TokenCounter(engine.model.get_input_embeddings()) as c:
+            seconds, outputs, ttfts = run_ours(which, prompts, MAX_TOKENS, batched)  # NEW: generate_batch
+        reference = reference or outputs
+        rows.append(summary(name, seconds, outputs, ttfts, reference))
+        counts.append(c)
+
+    table = Table(title=f"{len(prompts)} requests behind one system prompt, {MAX_TOKENS} new tokens each",
+                  title_justify="left")
+    for column in ("way", "forward passes", "tokens embedded", "seconds", "requests/s", "output tokens/s",
+                   "TTFT p50 ms", "same tokens as (a)"):
+        table.add_column(column, justify="left" if column == "way" else "right")
+    for row, c in zip(rows, counts):
+        table.add_row(row["name"], f"{c.passes:,}", f"{c.tokens:,}", f"{row['seconds']:.2f}",
+                      f"{row['requests_per_s']:.2f}", f"{row['output_tokens_per_s']:.1f}",
+                      f"{row['ttft_p50_ms']:,.0f}", f"{row['same_tokens_as_a']} of {row['requests']}")
+    console.print(table)
+    a, b, c = counts
+    ta, tb, tc = (Runs([row["seconds"] * 1e3]) for row in rows)
+    console.print(
+        f"Counts first. Batching ran the {len(prompts)} requests in {c.passes} forward passes instead of "
+        f"{a.passes}: every step, one pass for all. Caching decides how many tokens those passes compute: "
+        f"{c.tokens:,} with it against {b.tokens:,} without ({b.tokens / c.tokens:.1f}x), because the system "
+        f"prompt was computed once. (a) caches too, so it embeds as few tokens as (c), but one request at a "
+        f"time: {a.passes} passes. Then time, measured once each in this run: (c) against (a), "
+        f"{how_much_faster(tc, ta)}; against (b), {how_much_faster(tc, tb)}. {busy_note(*step_times)}".strip()
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = models.parse_args("Stage 8: many requests at once, one forward pass per step", argv, engine=True)
+    console = Console()
+    show_code(console, Scheduler.schedule, Scheduler._preempt, pool_attention, build_step, BatchRunner.step)
+    engine = models.make_engine(args)
+    console.print(models.describe(engine.model, args))
+    engine.warm_up()
+    prompts = {user: engine.tokenize(chat) for user, chat in zip(USERS, questions(len(USERS)))}
+
+    console.print(Rule("1. Four requests behind one system prompt, admitted in one step"))
+    runner, requests = same_step_hit(console, engine, prompts)
+    console.print(Rule("2. Decode steps: one token each, one forward pass; a long prompt waits"))
+    replies, step_times = decode_steps(console, engine, runner, requests)
+    console.print(Rule("3. A small pool: preemption, and the return from the cache"))
+    preemption(console, engine, prompts, replies)
+    console.print(Rule("4. Throughput: one after another, batched, batched with caching"))
+    throughput(console, engine, step_times)
+    console.print("\nExercise 6: the scheduler's admission and preemption, in exercises/scheduler.py "
+                  "(exercises/README.md).")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,306 @@
+"""Exercise 6: one step of the scheduler (exercises/scheduler.py). Needs no other exercise:
+it runs on prefix_caching's allocator, which has the decode side (append_token) and peek.
+
+No model runs: `step` below plays it, so each test reads as a few steps and the plans they
+give. A plan is a list of (request id, start, end): compute tokens [start, end) this step.
+"""
+
+import pytest
+
+from grading import exercise
+from prefix_caching import OutOfBlocksError, PrefixCachingAllocator
+from scheduler import RUNNING, WAITING, Request
+
+impl = exercise("scheduler")
+
+
+def scheduler(num_blocks: int, **options):
+    """A scheduler over a pool of `num_blocks` blocks of 4 tokens."""
+    return impl.Scheduler(PrefixCachingAllocator(num_blocks=num_blocks, block_size=4), **options)
+
+
+def add(s, **prompts: list[int]) -> None:
+    for request_id, prompt in prompts.items():
+        s.add(Request(request_id, prompt))
+
+
+def ids(requests) -> list[str]:
+    return [r.request_id for r in requests]
+
+
+def state(s) -> str:
+    alloc = s.allocator
+    return (f"running {ids(s.running)}, waiting {ids(s.waiting)}, block tables {alloc.block_tables}, "
+            f"free queue {alloc.free_queue_ids()}")
+
+
+def step(s, token: int = 7) -> tuple[list[tuple[str, int, int]], list[str]]:
+    """Plan a step and play the model: each scheduled request has its tokens [start, end)
+    computed and samples `token`. Returns (the plan, who was preempted)."""
+    plan = s.schedule()
+    for scheduled in plan.scheduled:
+        scheduled.request.num_computed_tokens = scheduled.end
+        scheduled.request.output_ids.append(token)
+    try:
+        s.check_invariants()
+    except AssertionError as err:
+        pytest.fail(f"after the step the state does not add up ({err}): {state(s)}. A preempted request's blocks "
+                    "are freed and it leaves self.running; an admitted one leaves self.waiting")
+    return [(r.request.request_id, r.start, r.end) for r in plan.scheduled], ids(plan.preempted)
+
+
+def request(s, request_id: str) -> Request:
+    return next(r for r in [*s.running, *s.waiting] if r.request_id == request_id)
+
+
+# --- the worked example of the starter's docstring -----------------------------------------
+
+A = list(range(8))
+B = [0, 1, 2, 3, 40, 41, 42]  # a's first block, then 3 tokens of its own
+
+
+def test_the_worked_example_step_by_step():
+    s = scheduler(4)
+    add(s, a=A, b=B)
+    plan, _ = step(s)
+    assert plan == [("a", 0, 8), ("b", 4, 7)], (
+        f"step 1: expected a to compute its 8 tokens and b only its own 3, got {plan}. b hits block 0: a's full "
+        "blocks are cached the moment allocate_with_prefix gives them to a, in this very step. Schedule an admitted "
+        "request from its hit, not from 0"
+    )
+    assert s.allocator.block_tables == {"a": [0, 1], "b": [0, 2]}, f"step 1: {state(s)}"
+    plan, _ = step(s)
+    assert plan == [("a", 8, 9), ("b", 7, 8)], (
+        f"step 2: both running requests decode one token (append_token their last output id), got {plan}"
+    )
+    plan, preempted = step(s)
+    assert preempted == ["b"] and plan == [("a", 9, 10)], (
+        f"step 3: b's token 8 needs a new block and none is free, so b (the most recently admitted) is preempted; "
+        f"a decodes. Expected plan [('a', 9, 10)] and preempted ['b'], got {plan} and {preempted}. {state(s)}"
+    )
+    assert ids(s.waiting) == ["b"] and s.allocator.block_tables == {"a": [0, 1, 3]}, f"step 3: {state(s)}"
+
+
+def test_a_preempted_request_frees_its_blocks_and_resumes_from_the_cache():
+    s = scheduler(4)
+    add(s, a=A, b=B)
+    step(s), step(s), step(s)  # the worked example: b is preempted in step 3
+    b = request(s, "b")
+    assert (b.status, b.num_computed_tokens) == (WAITING, 0), (
+        f"a preempted request is WAITING with num_computed_tokens 0 again, got {b.status!r} and {b.num_computed_tokens}"
+    )
+    assert (b.num_preemptions, s.num_preemptions) == (1, 1), (
+        f"count each preemption in request.num_preemptions and self.num_preemptions, got {b.num_preemptions} and "
+        f"{s.num_preemptions}"
+    )
+    assert s.allocator.free_queue_ids() == [2], f"b's own block 2 must be back in the free queue: {state(s)}"
+    s.finish(request(s, "a"))
+    plan, _ = step(s)
+    assert plan == [("b", 8, 9)], (
+        f"b comes back with its prompt and 2 sampled tokens (9 tokens) and finds blocks 0 and 2 still cached: it "
+        f"recomputes 1 token. Got {plan}. Free a preempted request's blocks with allocator.free(request_id), which "
+        "keeps the hashes of full blocks (recompute preemption loses the work of its last partial block only)"
+    )
+    assert b.num_cached_tokens == 4, (
+        f"num_cached_tokens is what b's client is told: the 4 tokens it hit at its FIRST admission, got "
+        f"{b.num_cached_tokens}. Set it only when request.admitted is False"
+    )
+
+
+# --- admission -----------------------------------------------------------------------------
+
+
+def test_waiting_requests_are_admitted_in_arrival_order():
+    s = scheduler(10)
+    add(s, a=[1, 2], b=[3], c=[4, 5, 6])
+    plan, _ = step(s)
+    assert plan == [("a", 0, 2), ("b", 0, 1), ("c", 0, 3)] and ids(s.running) == ["a", "b", "c"], (
+        f"a, b and c arrived in that order and all fit: admit them from the front of the waiting queue (popleft) "
+        f"and append them to self.running, got plan {plan}, running {ids(s.running)}"
+    )
+    assert [r.status for r in s.running] == [RUNNING] * 3, "an admitted request's status is RUNNING"
+
+
+def test_no_more_than_max_num_seqs_requests_run():
+    s = scheduler(10, max_num_seqs=2)
+    add(s, a=[1], b=[2], c=[3])
+    step(s)
+    plan, _ = step(s)
+    assert ids(s.running) == ["a", "b"] and ids(s.waiting) == ["c"], (
+        f"max_num_seqs is 2: c waits until a or b finishes, got {state(s)}"
+    )
+
+
+def test_the_first_request_that_does_not_fit_stops_admission():
+    s = scheduler(5)
+    add(s, big=list(range(16)), next=list(range(100, 108)), small=[1])  # 4 blocks, then 2, then 1
+    plan, _ = step(s)
+    assert plan == [("big", 0, 16)] and ids(s.waiting) == ["next", "small"], (
+        f"after big, 1 block is free: next needs 2 and waits, and small, which would fit, must not overtake it "
+        f"(stop at the first refusal, do not skip it). Got plan {plan}, {state(s)}"
+    )
+
+
+def test_a_request_over_the_budget_also_stops_admission():
+    s = scheduler(10, max_num_batched_tokens=10)
+    add(s, a=list(range(8)), b=list(range(100, 105)), c=[1])
+    plan, _ = step(s)
+    assert plan == [("a", 0, 8)], (
+        f"a uses 8 of the 10 tokens; b needs 5 and waits, and c must not overtake it. Got {plan}"
+    )
+
+
+def test_the_capacity_check_counts_the_blocks_after_the_prefix_hit():
+    s = scheduler(4)
+    add(s, a=list(range(12)), b=list(range(12)) + [99])
+    plan, _ = step(s)
+    assert plan == [("a", 0, 12), ("b", 12, 13)], (
+        f"b's 13 tokens span 4 blocks and only 1 is free after a, but its first 3 blocks are hits on a's blocks "
+        f"(in use, so they cost no free block): b needs 1 new block and fits. Got {plan}. Do not count a "
+        "prompt's blocks yourself: allocate_with_prefix checks the room after the prefix hit"
+    )
+
+
+def test_a_request_that_does_not_fit_waits_even_when_its_hits_are_free_blocks():
+    s = scheduler(6)
+    add(s, a=list(range(8)), x=list(range(50, 61)))  # a: blocks 0 1 (full), x: 2 3 4 (11 tokens)
+    step(s)
+    s.finish(request(s, "a"))  # free queue: 5, then 1 and 0, still cached
+    add(s, c=list(range(8)) + list(range(70, 76)))  # 4 blocks: hits 0 and 1, 2 new
+    try:
+        plan, _ = step(s)
+    except OutOfBlocksError as err:
+        pytest.fail(f"schedule() raised OutOfBlocksError ({err}). c needs 2 new blocks and 3 are free, but its hits, "
+                    "blocks 0 and 1, are free blocks too: taking them leaves 1 for 2 new ones. A count of the new "
+                    "blocks alone misses that; allocate_with_prefix does not, and refuses: catch its "
+                    "OutOfBlocksError and let c wait")
+    assert plan == [("x", 11, 12)] and ids(s.waiting) == ["c"], f"c does not fit and waits: got {plan}, {state(s)}"
+
+
+# --- the token budget ------------------------------------------------------------------------
+
+
+def test_the_token_budget_counts_only_uncached_tokens():
+    s = scheduler(20, max_num_batched_tokens=6)
+    add(s, a=list(range(12)))
+    step(s)
+    s.finish(request(s, "a"))
+    add(s, b=list(range(8)) + [60, 61, 62], c=list(range(8)) + [70, 71, 72])  # 11 tokens, 8 of them cached
+    plan, _ = step(s)
+    assert plan == [("b", 8, 11), ("c", 8, 11)], (
+        f"b and c hit 8 tokens each and compute 3: 6 tokens, within the budget of 6. Got {plan}. A request costs "
+        "len(token_ids) - allocator.peek(token_ids, cache_salt), not its length"
+    )
+
+
+def test_a_request_admitted_earlier_in_the_step_lowers_the_cost_of_the_next():
+    s = scheduler(10, max_num_batched_tokens=12)
+    add(s, a=list(range(10)), b=list(range(9)) + [99])
+    plan, _ = step(s)
+    assert plan == [("a", 0, 10), ("b", 8, 10)], (
+        f"a costs 10 tokens; then b hits a's 2 full blocks, cached when a got them, and costs 2: 12 in all. Got "
+        f"{plan}. peek each request when its turn comes, after the requests admitted before it, not all at the start"
+    )
+
+
+def test_each_decode_takes_one_token_of_the_budget():
+    s = scheduler(10, max_num_batched_tokens=4)
+    add(s, a=[1, 2, 3])
+    step(s)
+    add(s, b=[4, 5, 6, 7])
+    plan, _ = step(s)
+    assert plan == [("a", 3, 4)], (
+        f"a's decode uses 1 of the 4 tokens, so b (4 tokens) waits for the next step. Got {plan}"
+    )
+
+
+def test_a_prompt_longer_than_the_budget_runs_alone():
+    s = scheduler(20, max_num_batched_tokens=4)
+    add(s, long=list(range(30)), short=[1])
+    plan, _ = step(s)
+    assert plan == [("long", 0, 30)], (
+        f"a 30-token prompt is over any budget of 4 and would wait forever: when nothing is scheduled yet, admit it "
+        f"anyway, alone in its step. Got {plan}"
+    )
+    plan, _ = step(s)
+    assert plan == [("long", 30, 31), ("short", 0, 1)], f"next step long decodes and short fits: got {plan}"
+
+
+# --- decodes first, and preemption -----------------------------------------------------------
+
+
+def test_running_requests_decode_before_new_ones_are_admitted():
+    s = scheduler(10)
+    add(s, a=[1, 2, 3])
+    step(s)
+    add(s, b=[4, 5])
+    plan, _ = step(s)
+    assert plan == [("a", 3, 4), ("b", 0, 2)], f"the running request decodes first, then b is admitted: got {plan}"
+
+
+def test_a_running_request_gets_the_last_free_block_before_a_new_one():
+    s = scheduler(3)
+    add(s, a=list(range(8)))  # blocks 0 and 1, both full
+    step(s)
+    add(s, b=[50])
+    plan, preempted = step(s)
+    assert plan == [("a", 8, 9)] and not preempted and ids(s.waiting) == ["b"], (
+        f"a's token 8 needs a new block and b needs one: a, already running, decodes first and gets block 2, b "
+        f"waits. Got plan {plan}, preempted {preempted}, {state(s)}"
+    )
+
+
+def test_a_full_pool_preempts_the_most_recently_admitted_request():
+    s = scheduler(6)
+    add(s, old=list(range(8)), mid=list(range(20, 28)), new=list(range(40, 48)))  # 2 full blocks each
+    step(s)
+    plan, preempted = step(s)  # each needs a 3rd block; none is free
+    assert preempted == ["new"], (
+        f"old's token 8 needs a block and none is free: preempt the LAST of self.running (new, admitted last; it "
+        f"has done the least work), not old itself nor the oldest. Got preempted {preempted}"
+    )
+    assert plan == [("old", 8, 9), ("mid", 8, 9)], (
+        f"new's 2 freed blocks go to old and mid. Expected [('old', 8, 9), ('mid', 8, 9)], got {plan}: after "
+        "preempting, retry the request that needed the block"
+    )
+
+
+def test_a_preempted_request_goes_to_the_front_of_the_waiting_queue():
+    s = scheduler(4)
+    add(s, a=list(range(8)), b=list(range(20, 28)))  # the pool is full after step 1
+    step(s)
+    add(s, c=list(range(40, 48)))
+    step(s)  # a's token 8 needs a block: b is preempted
+    assert ids(s.waiting) == ["b", "c"], (
+        f"b arrived before c: a preempted request goes back to the FRONT of the waiting queue (appendleft), got "
+        f"waiting {ids(s.waiting)}"
+    )
+
+
+def test_nobody_is_admitted_in_a_step_that_preempts():
+    s = scheduler(4)
+    add(s, a=list(range(8)), b=list(range(20, 28)))
+    step(s)
+    add(s, c=[1])  # after b is preempted and a takes one of its blocks, 1 block is free: c would fit
+    plan, preempted = step(s)
+    assert preempted == ["b"] and plan == [("a", 8, 9)], (
+        f"c was admitted in the step that preempted b (plan {plan}). b goes back to the FRONT of the waiting queue, "
+        "since it arrived before c, and admission stops at a request preempted in this step: c must not overtake it"
+    )
+
+
+def test_a_preempted_request_is_not_readmitted_in_the_same_step():
+    s = scheduler(4)
+    # v's prompt is a's first 8 tokens: it hits a's block 0 and computes its own copy of a's block 1
+    # (a hit must leave a token to compute). Preempted, v frees that copy, and it is all v needs to
+    # come back with 9 tokens: its 2 hits are a's blocks, in use. So v fits again at once.
+    add(s, a=list(range(9)), v=list(range(8)))
+    step(s)
+    plan, preempted = step(s)  # v's token 8 needs a block and none is free: v preempts itself
+    assert preempted == ["v"] and plan == [("a", 9, 10)], (
+        f"v was preempted and admitted again in the same step (plan {plan}). The pool was just too small for it: "
+        "vLLM admits nobody in a step that preempted, or the same request is preempted and readmitted over and "
+        "over. Stop admission when the front of the waiting queue was preempted in this step"
+    )
+    plan, _ = step(s)
+    assert plan == [("a", 10, 11), ("v", 8, 9)], f"next step v comes back: got {plan}"
