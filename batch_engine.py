@@ -92,7 +92,7 @@ class StepInputs:
         query_index    (2, 3): packed token of each (request, query); padding points at 0
     """
 
-    pool: object  # engine.PagedKVCache
+    pool: object  # engine.PagedKVPool
     input_ids: torch.Tensor  # (1, T)
     positions: torch.Tensor  # (1, T)
     slot_mapping: torch.Tensor  # (T,)

@@ -4,7 +4,7 @@ The engine: a Hugging Face model served with automatic prefix caching.
 Read prefix_caching.py (the allocator: which block holds which tokens) first. This file adds
 the memory those block ids name and the model that fills it:
 
-    1. the paged KV pool   PagedKVCache: the K/V tensors behind the allocator's blocks
+    1. the paged KV pool   PagedKVPool: the K/V tensors behind the allocator's blocks
     2. sampling            SamplingParams and sample: greedy, temperature, top_p, seed
     3. the engine          Engine.generate / stream: look up the cached prefix, gather it into
                            past_key_values, run the model on the rest only, write the new K/V
@@ -57,13 +57,13 @@ def slot_ids(block_table: list[int], block_size: int, start: int, end: int, devi
     return (blocks * block_size + positions % block_size).to(device)
 
 
-class PagedKVCache:
+class PagedKVPool:
     """The K/V tensors behind the allocator's blocks.
 
         data[layer, 0, block, offset]  the key of one token,   shape (num_kv_heads, head_dim)
         data[layer, 1, block, offset]  the value of that token
 
-    >>> kv = PagedKVCache(num_layers=2, num_kv_heads=1, head_dim=8, num_blocks=4, block_size=4)
+    >>> kv = PagedKVPool(num_layers=2, num_kv_heads=1, head_dim=8, num_blocks=4, block_size=4)
     >>> tuple(kv.data.shape)
     (2, 2, 4, 4, 1, 8)
     """
@@ -102,7 +102,7 @@ class PagedKVCache:
         """K and V of block_size tokens in every layer: 2 x layers x tokens x heads x dim x bytes.
 
         >>> import torch   # SmolLM2-135M: 30 layers, 3 KV heads of 64 dims
-        >>> PagedKVCache.bytes_per_block(num_layers=30, num_kv_heads=3, head_dim=64, block_size=16, dtype=torch.float32)
+        >>> PagedKVPool.bytes_per_block(num_layers=30, num_kv_heads=3, head_dim=64, block_size=16, dtype=torch.float32)
         737280
         """
         return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
@@ -123,7 +123,7 @@ class PagedKVCache:
         """The K/V of every slot of `block_ids`, token after token, in attention's layout:
         (layers, 2, 1, num_kv_heads, len(block_ids) * block_size, head_dim).
 
-        >>> kv = PagedKVCache(num_layers=2, num_kv_heads=1, head_dim=8, num_blocks=4, block_size=4)
+        >>> kv = PagedKVPool(num_layers=2, num_kv_heads=1, head_dim=8, num_blocks=4, block_size=4)
         >>> tuple(kv.tokens_of([3, 1]).shape)
         (2, 2, 1, 1, 8, 8)
         """
@@ -377,9 +377,9 @@ class Engine:
 
         self.model, self.tokenizer = model, tokenizer
         self.device, self.dtype = model.device, model.dtype
-        shape = PagedKVCache.shape_from_config(model.config)
+        shape = PagedKVPool.shape_from_config(model.config)
         if num_blocks is None:
-            per_block = PagedKVCache.bytes_per_block(**shape, block_size=block_size, dtype=self.dtype)
+            per_block = PagedKVPool.bytes_per_block(**shape, block_size=block_size, dtype=self.dtype)
             budget = DEFAULT_KV_MEMORY_GB if kv_memory_gb is None else kv_memory_gb
             num_blocks = int(budget * 2**30 // per_block)
             if num_blocks < 1:
@@ -388,7 +388,7 @@ class Engine:
             num_blocks, block_size, hash_algo=hash_algo,
             enable_caching=enable_caching, free_uncached_first=free_uncached_first,
         )
-        self.kv = PagedKVCache(**shape, num_blocks=num_blocks, block_size=block_size, dtype=self.dtype, device=self.device)
+        self.kv = PagedKVPool(**shape, num_blocks=num_blocks, block_size=block_size, dtype=self.dtype, device=self.device)
 
         eos = model.generation_config.eos_token_id
         eos = tokenizer.eos_token_id if eos is None else eos

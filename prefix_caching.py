@@ -245,6 +245,7 @@ class FreeKVCacheBlockQueue:
             node = node.next_free
 
     def block_ids(self) -> list[int]:
+        """The free block ids from head (handed out, or evicted, next) to tail."""
         return [block.block_id for block in self]
 
     def _insert_after(self, prev: KVCacheBlock, block: KVCacheBlock) -> None:
@@ -400,10 +401,6 @@ class PrefixCachingAllocator:
     def num_cached_blocks(self) -> int:
         """Blocks holding a cached hash, in use or free."""
         return sum(1 for b in self.blocks if b.block_hash is not None)
-
-    def free_queue_ids(self) -> list[int]:
-        """Free block ids from head (handed out / evicted next) to tail."""
-        return self.free_queue.block_ids()
 
     def ref_count(self, block_id: int) -> int:
         return self.blocks[block_id].ref_cnt
@@ -686,7 +683,7 @@ class PrefixCachingAllocator:
 
     def check_invariants(self) -> None:
         """Assert the pool is consistent; the property tests call this after every step."""
-        free_ids = self.free_queue_ids()
+        free_ids = self.free_queue.block_ids()
         assert len(free_ids) == len(set(free_ids)) == self.num_free_blocks, "free queue corrupt"
         holders: dict[int, int] = {}
         for table in self.block_tables.values():
@@ -755,7 +752,7 @@ def main(argv: list[str] | None = None) -> None:
 # `from prefix_caching import Engine` keeps working: the model side is imported (with torch)
 # only when one of its names is first asked for.
 _ELSEWHERE = {
-    "engine": ("Engine", "Generation", "StreamEvent", "SamplingParams", "PagedKVCache", "sample",
+    "engine": ("Engine", "Generation", "StreamEvent", "SamplingParams", "PagedKVPool", "sample",
                "add_model_arguments", "pool_arguments", "DEFAULT_KV_MEMORY_GB"),
     "model_loader": ("DEFAULT_MODEL", "load_model", "default_model_dir"),
     "demo": ("run_demo", "DEMO_SYSTEM_PROMPT", "DEMO_QUESTIONS", "DEMO_MAX_TOKENS"),

@@ -250,7 +250,7 @@ class ServerState:
         with self.engine.allocator_lock:
             blocks = [KVCacheBlock(b.block_id, b.ref_cnt, b.block_hash, list(b.token_ids), b.cache_salt)
                       for b in alloc.blocks]
-            free_queue = alloc.free_queue_ids()  # head (evicted first) -> tail
+            free_queue = alloc.free_queue.block_ids()  # head (evicted first) -> tail
             tables = {rid: list(table) for rid, table in alloc.block_tables.items()}
         snap = self.figures(tenant)
         snap["blocks"] = [self.block_view(block, tenant) for block in blocks]

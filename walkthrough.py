@@ -171,11 +171,11 @@ DESIGN_DOC_STATES = {
     "Time 2": [("block table of request 0", lambda a: a.block_tables["request 0"], [0, 1, 2, 3, 4])],
     "Time 3": [("cached tokens of request 1", lambda a: a.stats.hit_tokens, 8),
                ("block table of request 1", lambda a: a.block_tables["request 1"], [0, 1, 5, 6])],
-    "Time 4": [("free queue", lambda a: a.free_queue_ids(), [7, 8, 9, 4, 3, 2])],
-    "Time 5": [("free queue", lambda a: a.free_queue_ids(), [7, 8, 9, 4, 3, 2, 6, 5, 1, 0])],
+    "Time 4": [("free queue", lambda a: a.free_queue.block_ids(), [7, 8, 9, 4, 3, 2])],
+    "Time 5": [("free queue", lambda a: a.free_queue.block_ids(), [7, 8, 9, 4, 3, 2, 6, 5, 1, 0])],
     "Time 6": [("block table of request 2", lambda a: a.block_tables["request 2"], [0, 1, 2, 7, 8, 9, 4, 3]),
                ("blocks evicted", lambda a: a.stats.evictions, 1),
-               ("free queue", lambda a: a.free_queue_ids(), [6, 5])],
+               ("free queue", lambda a: a.free_queue.block_ids(), [6, 5])],
 }
 
 
@@ -183,7 +183,7 @@ def design_doc_example(until: int = 6, **allocator_options) -> PrefixCachingAllo
     """The allocator after Time 1..`until` of the design doc's example; `allocator_options`
     replay it with other settings (e.g. free_uncached_first=True).
 
-    >>> design_doc_example(until=5).free_queue_ids()
+    >>> design_doc_example(until=5).free_queue.block_ids()
     [7, 8, 9, 4, 3, 2, 6, 5, 1, 0]
     """
     alloc = PrefixCachingAllocator(num_blocks=10, block_size=4, **allocator_options)

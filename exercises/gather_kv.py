@@ -12,7 +12,7 @@ tokens in prompt order. Token p of the prompt sits in block block_ids[p // block
 slot p % block_size: the block table can point anywhere in the pool, in any order.
 
 The constructor, write() (the opposite copy: a cache's K/V into the pool) and the rest come
-from the reference pool, engine.PagedKVCache (engine.py, section "The paged KV pool"). Write the two parts marked TODO, with tensor operations only: no Python
+from the reference pool, engine.PagedKVPool (engine.py, section "The paged KV pool"). Write the two parts marked TODO, with tensor operations only: no Python
 loop over tokens or blocks (a real prefix has thousands of tokens in hundreds of blocks, and
 one index picks them all). A test counts the tensor operations of a 1-block and a 12-block
 gather: they must be as many.
@@ -28,14 +28,14 @@ from transformers import DynamicCache
 import engine
 
 
-class PagedKVCache(engine.PagedKVCache):
+class PagedKVPool(engine.PagedKVPool):
     def gather(self, block_ids: list[int], config):
         """A fresh DynamicCache holding the K/V of `block_ids`, in order. No blocks (a cold
         request) give a cache of 0 tokens."""
         kv = self.tokens_of(block_ids)  # (layers, K/V, 1, num_kv_heads, tokens, head_dim)
         # TODO exercise 5b: a DynamicCache of one (keys, values) pair per layer, in layer order:
         # DynamicCache(list_of_pairs, config=config)
-        raise NotImplementedError("exercise 5b: the DynamicCache in PagedKVCache.gather is not built yet (exercises/gather_kv.py)")
+        raise NotImplementedError("exercise 5b: the DynamicCache in PagedKVPool.gather is not built yet (exercises/gather_kv.py)")
 
     def tokens_of(self, block_ids: list[int]):
         """The K/V of every slot of `block_ids`, token after token, in attention's layout.
@@ -48,4 +48,4 @@ class PagedKVCache(engine.PagedKVCache):
         one tokens axis, and put that axis after the heads (plus a batch axis of 1).
         """
         # TODO exercise 5a
-        raise NotImplementedError("exercise 5a: PagedKVCache.tokens_of is not written yet (exercises/gather_kv.py)")
+        raise NotImplementedError("exercise 5a: PagedKVPool.tokens_of is not written yet (exercises/gather_kv.py)")

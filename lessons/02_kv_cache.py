@@ -36,7 +36,7 @@ from rich.table import Table
 from transformers import DynamicCache
 
 import models
-from engine import PagedKVCache
+from engine import PagedKVPool
 from measure import Runs, TokenCounter, busy_note, conclusion, how_much_faster
 from reading import show_code
 
@@ -102,8 +102,8 @@ def main(argv: list[str] | None = None) -> None:
         table.add_row(str(i), str(tuple(layers[i].keys.shape)), str(tuple(layers[i].values.shape)))
     console.print(table)
     config = model.config.get_text_config()
-    shape = PagedKVCache.shape_from_config(model.config)
-    per_token = PagedKVCache.bytes_per_block(**shape, block_size=1, dtype=model.dtype)
+    shape = PagedKVPool.shape_from_config(model.config)
+    per_token = PagedKVPool.bytes_per_block(**shape, block_size=1, dtype=model.dtype)
     held = sum(layer.keys.nbytes + layer.values.nbytes for layer in layers)
     console.print(
         f"{len(layers)} layers x K and V x {shape['num_kv_heads']} KV heads x {shape['head_dim']} dims x "

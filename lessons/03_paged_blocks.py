@@ -44,7 +44,7 @@ def prompt(request_id: str, length: int) -> list[int]:
 
 def longest_free_run(alloc: PrefixCachingAllocator) -> int:
     """The most consecutive free block ids: all a contiguous allocator could hand out."""
-    free, best, run = set(alloc.free_queue_ids()), 0, 0
+    free, best, run = set(alloc.free_queue.block_ids()), 0, 0
     for block_id in range(alloc.num_blocks):
         run = run + 1 if block_id in free else 0
         best = max(best, run)
@@ -80,7 +80,7 @@ def main() -> None:
     alloc.free("r2")
     run = longest_free_run(alloc)
     console.print(f"r0 and r2 finished: {alloc.num_free_blocks} blocks are free, but at most {run} of them "
-                  f"are consecutive (free queue, head first: {alloc.free_queue_ids()}).")
+                  f"are consecutive (free queue, head first: {alloc.free_queue.block_ids()}).")
     console.print(f"Freed blocks join the tail of the free queue, each request's last block first: r0's "
                   f"{r0_blocks} went in as {r0_blocks[::-1]}, then r2's {r2_blocks} as {r2_blocks[::-1]}; new "
                   f"blocks come from the head. Without caching the order does not matter. Once blocks keep their "

@@ -111,7 +111,7 @@ def main() -> None:
     console.print(f"Tenant a has sent the prompt. Tenant b sends it plus one word, 'Paris' (a word more, because a "
                   f"prompt that ends exactly where a block ends computes that block again: stage 5 shows why): hits "
                   f"{alloc.peek(follow_up, cache_salt='tenant-b')} tokens. Tenant a does the same: "
-                  f"{alloc.peek(follow_up, cache_salt='tenant-a')}. (Stage 8 shows the timing leak this closes.)")
+                  f"{alloc.peek(follow_up, cache_salt='tenant-a')}. (Stage 9 shows the timing leak this closes.)")
 
     console.print(Rule("5. What hashing costs (measured here)"))
     long_prompt = list(range(65_536))

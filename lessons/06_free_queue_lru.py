@@ -84,7 +84,7 @@ def main() -> None:
         alloc = PrefixCachingAllocator(num_blocks=512, block_size=16, free_uncached_first=flag)
         replay(requests, alloc)
         rates.append(f"hit rate {alloc.stats.hit_rate:.2%}, {alloc.stats.evictions} evictions")
-    console.print(f"On the multi-turn chat workload of stage 9 (512 blocks): off: {rates[0]}; on: {rates[1]}. "
+    console.print(f"On the multi-turn chat workload of stage 10 (512 blocks): off: {rates[0]}; on: {rates[1]}. "
                   "Small, because each request leaves at most one hashless block behind. It matters when a "
                   "pool barely holds the prompts in use and replies leave partial blocks: "
                   "python prefix_caching.py --bench allocator measures 53.8% against 78.4% on such traffic.")

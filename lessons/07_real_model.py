@@ -14,7 +14,7 @@ a request runs like this:
 
 New in this stage (marked # NEW): the gather and write between the allocator and the model.
 
-Read: engine.py, sections 1 and 3: PagedKVCache.gather and .write, Engine._run (printed when
+Read: engine.py, sections 1 and 3: PagedKVPool.gather and .write, Engine._run (printed when
       the stage starts).
 
 Run:  python lessons/07_real_model.py            (SmolLM2-135M on a 2-core CPU: about 15 s)
@@ -33,7 +33,7 @@ from rich.table import Table
 
 import models
 from demo import DEMO_QUESTIONS, DEMO_SYSTEM_PROMPT
-from engine import Engine, Generation, PagedKVCache
+from engine import Engine, Generation, PagedKVPool
 from measure import Runs, TokenCounter, conclusion, how_much_faster
 from reading import show_code
 
@@ -58,23 +58,26 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 def show_what_is_shared(console: Console, engine: Engine) -> None:
     """Count what the demo's prompts share, token by token, and which whole blocks of it can hit."""
-    bs, tokenizer = engine.allocator.block_size, engine.tokenizer
+    block_size, tokenizer = engine.allocator.block_size, engine.tokenizer
     system_turn = len(tokenizer.apply_chat_template([SYSTEM], return_dict=False))  # no assistant turn opened
     prompts = [engine.tokenize(ask(question)) for question in DEMO_QUESTIONS]
     in_all = min(common_prefix(prompts[0], p) for p in prompts[1:])
-    start = in_all // bs * bs  # the first block not shared by every prompt
-    first = "first token" if start + bs - in_all == 1 else f"first {start + bs - in_all} tokens"
+    start = in_all // block_size * block_size  # the first block not shared by every prompt
+    end = start + block_size  # ... and where it ends
+    first = "first token" if end - in_all == 1 else f"first {end - in_all} tokens"
+    full_blocks, over = divmod(system_turn, block_size)
     console.print(
-        f"The system turn is {system_turn} tokens with the chat template: {system_turn // bs} full blocks of {bs} and "
-        f"{system_turn % bs} tokens over. Every prompt goes on with the {in_all - system_turn} tokens that open the "
-        f"user's turn ({tokenizer.decode(prompts[0][system_turn:in_all])!r}), so all {len(prompts)} demo prompts "
-        f"agree on their first {in_all} tokens. The block of tokens {start}-{start + bs - 1} ends with the question's "
-        f"{first}, and a block hits only if every token matches:"
+        f"The system turn is {system_turn} tokens with the chat template: {full_blocks} full blocks of "
+        f"{block_size} and {over} tokens over. Every prompt goes on with the {in_all - system_turn} tokens that "
+        f"open the user's turn ({tokenizer.decode(prompts[0][system_turn:in_all])!r}), so all {len(prompts)} demo "
+        f"prompts agree on their first {in_all} tokens. The block of tokens {start}-{end - 1} ends with the "
+        f"question's {first}, and a block hits only if every token matches:"
     )
     table = Table("question", "tokens in common with an earlier one", "cached_tokens: its whole blocks")
     for i, (question, prompt) in enumerate(zip(DEMO_QUESTIONS, prompts)):
         common = max((common_prefix(prompt, earlier) for earlier in prompts[:i]), default=0)
-        table.add_row(f"{i + 1}. {question}", str(common), f"{common // bs} x {bs} = {common // bs * bs}")
+        hit_blocks = common // block_size
+        table.add_row(f"{i + 1}. {question}", str(common), f"{hit_blocks} x {block_size} = {hit_blocks * block_size}")
     console.print(table)
     console.print(f"A question whose {first} {'matches' if first == 'first token' else 'match'} an earlier "
                   f"question's fills that block the same way and hits it; any other stops a block short. The demo "
@@ -86,7 +89,8 @@ def timing_table(runs: dict[str, list[Generation]]):
     medians = {name: {step: Runs([getattr(r.prefill, f"{step}_ms") for r in rs]).median for step in STEPS}
                for name, rs in runs.items()}
     ttft = {name: Runs([r.ttft_ms for r in rs]) for name, rs in runs.items()}
-    table = Table("", *runs, title=f"where the time to first token went (ms, median of {len(next(iter(runs.values())))} runs)",
+    num_runs = len(next(iter(runs.values())))
+    table = Table("", *runs, title=f"where the time to first token went (ms, median of {num_runs} runs)",
                   title_justify="left")
     table.add_row("[bold]TTFT", *(f"[bold]{t.median:,.1f}" for t in ttft.values()))
     for step in STEPS:
@@ -99,10 +103,10 @@ def show_one_gather(console: Console, engine: Engine, prompt_ids: list[int]) -> 
     """The engine's prefill, one step at a time, with the tensors it moves; then the logits
     of (gathered prefix + computed suffix) against one full forward pass over the prompt."""
     alloc, kv, model = engine.allocator, engine.kv, engine.model
-    bs = alloc.block_size
+    block_size = alloc.block_size
     num_cached, num_new = alloc.allocate_with_prefix("look", prompt_ids)  # NEW: the lookup
     table = alloc.block_tables["look"]
-    hit_blocks = table[: num_cached // bs]
+    hit_blocks = table[: num_cached // block_size]
     console.print(f"lookup: {len(prompt_ids)} prompt tokens, {num_cached} cached in blocks {hit_blocks}, "
                   f"{num_new} to compute in new blocks {table[len(hit_blocks):]}")
     try:
@@ -111,18 +115,18 @@ def show_one_gather(console: Console, engine: Engine, prompt_ids: list[int]) -> 
             shapes = Table("tensor", "shape", "what it is")
             shapes.add_row("engine.kv.data", str(tuple(kv.data.shape)),
                            "the pool: (layers, K/V, blocks, slots per block, KV heads, head dim)")
-            shapes.add_row(f"its blocks {hit_blocks[0]}..{hit_blocks[-1]}", f"{len(hit_blocks)} x {bs} slots",
+            shapes.add_row(f"its blocks {hit_blocks[0]}..{hit_blocks[-1]}", f"{len(hit_blocks)} x {block_size} slots",
                            "index_select on the blocks axis, in block-table order")
             shapes.add_row("cache.layers[0].keys", str(tuple(cache.layers[0].keys.shape)),
                            f"(batch, KV heads, tokens, head dim): {num_cached} tokens, as if just computed")
             shapes.add_row("len(cache.layers)", str(len(cache.layers)), "one keys/values pair per layer")
             console.print(shapes)
-            position = bs + 3  # any cached token: this one sits in the second block, at slot 3
-            in_pool = kv.data[0, 0, table[position // bs], position % bs]  # (KV heads, head dim)
+            position = block_size + 3  # any cached token: this one sits in the second block, at slot 3
+            in_pool = kv.data[0, 0, table[position // block_size], position % block_size]  # (KV heads, head dim)
             same = torch.equal(cache.layers[0].keys[0, :, position], in_pool)
-            console.print(f"Token {position} lives in block table[{position} // {bs}] = {table[position // bs]}, "
-                          f"slot {position} % {bs} = {position % bs}; its layer-0 key in the cache equals the "
-                          f"pool's: {same}")
+            block, slot = table[position // block_size], position % block_size
+            console.print(f"Token {position} lives in block table[{position} // {block_size}] = {block}, slot "
+                          f"{position} % {block_size} = {slot}; its layer-0 key in the cache equals the pool's: {same}")
 
             suffix = torch.tensor([prompt_ids[num_cached:]], device=model.device)
             cached_logits = model(suffix, past_key_values=cache, use_cache=True).logits[0]  # NEW: the suffix only
@@ -142,7 +146,7 @@ def show_one_gather(console: Console, engine: Engine, prompt_ids: list[int]) -> 
 def main(argv: list[str] | None = None) -> None:
     args = models.parse_args("Stage 7: prefix caching on a real model, cold vs warm", argv, engine=True)
     console = Console()
-    show_code(console, PagedKVCache.gather, PagedKVCache.write, Engine._run)
+    show_code(console, PagedKVPool.gather, PagedKVPool.write, Engine._run)
     engine = models.make_engine(args)
     console.print(models.describe(engine.model, args))
     console.print(str(engine.kv))

@@ -156,9 +156,9 @@ def decode_steps(console: Console, engine: Engine, runner: BatchRunner, requests
 
 def preemption(console: Console, engine: Engine, prompts: dict[str, list[int]], big_pool: list) -> None:
     """Scene 3: the same four in a pool too small for their replies."""
-    bs = engine.allocator.block_size
-    system_blocks = len(engine.tokenize([{"role": "system", "content": DEMO_SYSTEM_PROMPT}])) // bs
-    small = Engine(model=engine.model, tokenizer=engine.tokenizer, block_size=bs,
+    block_size = engine.allocator.block_size
+    system_blocks = len(engine.tokenize([{"role": "system", "content": DEMO_SYSTEM_PROMPT}])) // block_size
+    small = Engine(model=engine.model, tokenizer=engine.tokenizer, block_size=block_size,
                    num_blocks=system_blocks + SMALL_POOL_EXTRA)
     runner = BatchRunner(small)
     requests = [runner.add(user, ids, SamplingParams(max_tokens=MAX_TOKENS), None) for user, ids in prompts.items()]
@@ -187,7 +187,8 @@ def preemption(console: Console, engine: Engine, prompts: dict[str, list[int]], 
                   "evicted while it waited", "recomputed", title="preempted and resumed: recompute, as vLLM v1 does",
                   title_justify="left")
     for rid, preempted_at, back, tokens, hit, recomputed in resumes:
-        evicted = tokens // bs * bs - hit  # its full blocks stayed cached when it left; these were reused since
+        # its full blocks stayed cached when it left; these were reused since
+        evicted = tokens // block_size * block_size - hit
         table.add_row(rid, str(preempted_at), f"{tokens:,}", str(back), f"{hit:,}", f"{evicted:,}", f"{recomputed:,}")
     console.print(table)
     replies = runner.run(requests)

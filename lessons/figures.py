@@ -43,7 +43,7 @@ def _draw_pool(ax, alloc: PrefixCachingAllocator, title: str) -> None:
         ax.text(x + 0.5, 1.75, tokens, ha="center", va="center", fontsize=6)
         ax.text(x + 0.5, 1.5, short_hash(block.block_hash)[:4], ha="center", va="center", fontsize=6, family="monospace")
         ax.text(x + 0.5, 1.3, f"ref {block.ref_cnt}", ha="center", va="center", fontsize=6)
-    queue = alloc.free_queue_ids()
+    queue = alloc.free_queue.block_ids()
     ax.text(-0.1, 0.45, "free queue\nhead ->", ha="right", va="center", fontsize=7)
     for i, block_id in enumerate(queue):
         x = i * 1.1 + 0.25
@@ -73,7 +73,7 @@ def block_pool_figure():
 
 
 def hit_rate_figure(table: dict[str, list[float]] | None = None):
-    """Hit rate vs pool size for each simulated workload (stage 9)."""
+    """Hit rate vs pool size for each simulated workload (stage 10)."""
     table = table or hit_rate_table(POOL_SIZES)
     fig, ax = plt.subplots(figsize=(7, 4))
     for name, rates in table.items():

@@ -1,6 +1,6 @@
 """
 A tiny radix tree over token ids, the structure SGLang's RadixAttention caches prefixes in
-(python/sglang/srt/mem_cache/radix_cache.py), kept to the one idea stage 9 compares.
+(python/sglang/srt/mem_cache/radix_cache.py), kept to the one idea stage 10 compares.
 
 vLLM names each full block by a chained hash and looks blocks up in a flat table. A radix
 tree instead stores the token sequences themselves: each edge holds a run of tokens, and

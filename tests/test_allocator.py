@@ -20,7 +20,7 @@ def test_design_doc_worked_example_block_for_block():
     assert alloc.allocate_with_prefix("r0", r0) == (0, 15)
     assert alloc.block_tables["r0"] == [0, 1, 2, 3]
     assert [alloc.block_hash(b) is not None for b in range(4)] == [True, True, True, False]
-    assert alloc.free_queue_ids() == [4, 5, 6, 7, 8, 9]
+    assert alloc.free_queue.block_ids() == [4, 5, 6, 7, 8, 9]
 
     # Time 2: block 3 fills and is cached; the next token needs block 4.
     alloc.append_token("r0", 15)
@@ -35,18 +35,18 @@ def test_design_doc_worked_example_block_for_block():
 
     # Time 4: free r0 in reverse; 0 and 1 stay with r1; 2 and 3 keep their hash.
     alloc.free("r0")
-    assert alloc.free_queue_ids() == [7, 8, 9, 4, 3, 2]
+    assert alloc.free_queue.block_ids() == [7, 8, 9, 4, 3, 2]
     assert alloc.block_hash(2) is not None and alloc.block_hash(3) is not None
 
     # Time 5
     alloc.free("r1")
-    assert alloc.free_queue_ids() == [7, 8, 9, 4, 3, 2, 6, 5, 1, 0]
+    assert alloc.free_queue.block_ids() == [7, 8, 9, 4, 3, 2, 6, 5, 1, 0]
 
     # Time 6: 29 tokens, the first 12 shared: hits touched first, then 5 popped; 3 evicted.
     hash_of_3 = alloc.block_hash(3)
     assert alloc.allocate_with_prefix("r2", r0[:12] + list(range(200, 217))) == (12, 17)
     assert alloc.block_tables["r2"] == [0, 1, 2, 7, 8, 9, 4, 3]
-    assert alloc.free_queue_ids() == [6, 5]
+    assert alloc.free_queue.block_ids() == [6, 5]
     assert alloc.stats.evictions == 1
     assert hash_of_3 not in alloc.cached_blocks
     alloc.free("r2")
@@ -231,9 +231,9 @@ def test_peek_changes_nothing():
     alloc = PrefixCachingAllocator(num_blocks=10, block_size=4)
     alloc.allocate_with_prefix("a", list(range(9)))
     alloc.free("a")
-    before = (alloc.free_queue_ids(), alloc.stats.as_dict())
+    before = (alloc.free_queue.block_ids(), alloc.stats.as_dict())
     assert alloc.peek(list(range(9))) == 8
-    assert (alloc.free_queue_ids(), alloc.stats.as_dict()) == before
+    assert (alloc.free_queue.block_ids(), alloc.stats.as_dict()) == before
 
 
 # --- allocation, eviction, free ---------------------------------------------------------------
@@ -243,10 +243,10 @@ def test_touching_a_free_cached_block_takes_it_out_of_the_middle_of_the_queue():
     alloc = PrefixCachingAllocator(num_blocks=6, block_size=4)
     alloc.allocate_with_prefix("a", list(range(9)))  # blocks 0 1 2
     alloc.free("a")
-    assert alloc.free_queue_ids() == [3, 4, 5, 2, 1, 0]
+    assert alloc.free_queue.block_ids() == [3, 4, 5, 2, 1, 0]
     alloc.allocate_with_prefix("b", list(range(5)))  # hits block 0, needs 1 new
     assert alloc.block_tables["b"] == [0, 3]
-    assert alloc.free_queue_ids() == [4, 5, 2, 1]
+    assert alloc.free_queue.block_ids() == [4, 5, 2, 1]
 
 
 def test_eviction_drops_the_old_hash():
@@ -266,12 +266,12 @@ def test_refused_allocation_changes_nothing():
     alloc.allocate_with_prefix("a", list(range(9)))  # 3 blocks
     alloc.free("a")
     alloc.allocate_with_prefix("b", [90, 91, 92, 93, 94])  # takes block 3 and evicts 2 (head)
-    snapshot = (alloc.free_queue_ids(), dict(alloc.block_tables), [b.ref_cnt for b in alloc.blocks],
+    snapshot = (alloc.free_queue.block_ids(), dict(alloc.block_tables), [b.ref_cnt for b in alloc.blocks],
                 dict(alloc.cached_blocks), alloc.stats.evictions)
     # 2 hits among the free blocks + 2 new = 4 > 2 free
     with pytest.raises(OutOfBlocksError, match="free"):
         alloc.allocate_with_prefix("c", list(range(8)) + [60, 61, 62, 63, 64])
-    assert snapshot == (alloc.free_queue_ids(), dict(alloc.block_tables), [b.ref_cnt for b in alloc.blocks],
+    assert snapshot == (alloc.free_queue.block_ids(), dict(alloc.block_tables), [b.ref_cnt for b in alloc.blocks],
                         dict(alloc.cached_blocks), alloc.stats.evictions)
     assert "c" not in alloc.block_tables and alloc.stats.refused == 1
     alloc.check_invariants()
@@ -290,7 +290,7 @@ def test_free_returns_blocks_in_reverse_and_keeps_their_hashes():
     alloc = PrefixCachingAllocator(num_blocks=5, block_size=2)
     alloc.allocate_with_prefix("a", [1, 2, 3, 4, 5])
     alloc.free("a")
-    assert alloc.free_queue_ids() == [3, 4, 2, 1, 0]
+    assert alloc.free_queue.block_ids() == [3, 4, 2, 1, 0]
     assert alloc.block_hash(0) and alloc.block_hash(1) and alloc.block_hash(2) is None
 
 
@@ -298,7 +298,7 @@ def test_free_uncached_first_puts_hashless_blocks_at_the_head():
     alloc = PrefixCachingAllocator(num_blocks=5, block_size=2, free_uncached_first=True)
     alloc.allocate_with_prefix("a", [1, 2, 3, 4, 5])
     alloc.free("a")
-    assert alloc.free_queue_ids() == [2, 3, 4, 1, 0]
+    assert alloc.free_queue.block_ids() == [2, 3, 4, 1, 0]
 
 
 def test_caching_disabled_is_the_plain_paged_pool():
@@ -365,10 +365,10 @@ def test_bad_pool_arguments(kwargs, error):
 def test_bad_allocations_raise_and_change_nothing(request_id, tokens, salt, exc, message):
     alloc = PrefixCachingAllocator(num_blocks=4, block_size=4)
     alloc.allocate_with_prefix("busy", [7, 7, 7, 7, 7])
-    before = (alloc.free_queue_ids(), dict(alloc.block_tables), alloc.stats.as_dict())
+    before = (alloc.free_queue.block_ids(), dict(alloc.block_tables), alloc.stats.as_dict())
     with pytest.raises(exc, match=message):
         alloc.allocate_with_prefix(request_id, tokens, cache_salt=salt)
-    assert before == (alloc.free_queue_ids(), dict(alloc.block_tables), alloc.stats.as_dict())
+    assert before == (alloc.free_queue.block_ids(), dict(alloc.block_tables), alloc.stats.as_dict())
     alloc.check_invariants()
 
 

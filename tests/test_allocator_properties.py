@@ -41,11 +41,11 @@ class AllocatorMachine(RuleBasedStateMachine):
         rid = f"r{self.next_id}"
         self.next_id += 1
         expected_hit = alloc.peek(tokens, cache_salt=salt)
-        before = (alloc.free_queue_ids(), {k: list(v) for k, v in alloc.block_tables.items()})
+        before = (alloc.free_queue.block_ids(), {k: list(v) for k, v in alloc.block_tables.items()})
         try:
             result = alloc.allocate_with_prefix(rid, tokens, cache_salt=salt)
         except (OutOfBlocksError, ValueError):
-            assert before == (alloc.free_queue_ids(), {k: list(v) for k, v in alloc.block_tables.items()})
+            assert before == (alloc.free_queue.block_ids(), {k: list(v) for k, v in alloc.block_tables.items()})
             assert rid not in alloc.block_tables
             return
         assert result.num_cached_tokens == expected_hit

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import assert_pool_whole
-from engine import Engine, PagedKVCache, SamplingParams, sample
+from engine import Engine, PagedKVPool, SamplingParams, sample
 from prefix_caching import OutOfBlocksError
 
 PROMPTS = {
@@ -229,7 +229,7 @@ def test_extreme_temperatures_and_top_p_fall_back_to_greedy_instead_of_nan(param
 
 
 def test_the_pool_gives_back_what_was_written_in_block_table_order():
-    kv = PagedKVCache(num_layers=2, num_kv_heads=3, head_dim=4, num_blocks=6, block_size=2)
+    kv = PagedKVPool(num_layers=2, num_kv_heads=3, head_dim=4, num_blocks=6, block_size=2)
     keys = [torch.randn(1, 3, 5, 4) for _ in range(2)]
     values = [torch.randn(1, 3, 5, 4) for _ in range(2)]
     table = [4, 1, 3]  # 5 tokens: 2 + 2 + 1

@@ -23,7 +23,7 @@ FLAGS: dict[str, list[str]] = {
     "02_kv_cache.py": ["--tiny"],
     "07_real_model.py": ["--tiny"],
     "08_many_requests.py": ["--tiny"],
-    "08_serving.py": ["--tiny"],
+    "09_serving.py": ["--tiny"],
 }
 
 # Sentences each stage must print (compared with white space folded, so line wraps do not matter).
@@ -52,7 +52,7 @@ EXPECTED_OUTPUT = {
                             "same tokens as in the big pool of scenes 1-2: 4 of 4",
                             "The pool is whole again: 34 of 34 blocks free",
                             "in 16 forward passes instead of 128", "681 with it against 3,817 without"],
-    "08_serving.py": ['"prompt_tokens_details": {"cached_tokens": 448}',
+    "09_serving.py": ['"prompt_tokens_details": {"cached_tokens": 448}',
                       "Without salts the right guess comes back with cached_tokens=208",
                       "With the salt derived from each key, the right guess gets cached_tokens=0",
                       "own key still hits her blocks (cached_tokens=208)",
@@ -66,7 +66,7 @@ EXPECTED_OUTPUT = {
     "06_free_queue_lru.py": ["matches the design doc",
                              "free_uncached_first=False: request 2's blocks [0, 1, 2, 7, 8, 9, 4, 3], evictions 1",
                              "free_uncached_first=True : request 2's blocks [0, 1, 2, 6, 4, 7, 8, 9], evictions 0"],
-    "09_going_further.py": ["free in reverse: the same"],
+    "10_going_further.py": ["free in reverse: the same"],
 }
 # ... and must never print.
 FORBIDDEN_OUTPUT = {"06_free_queue_lru.py": ["differs from the doc"],
@@ -94,7 +94,7 @@ def test_tiny_and_model_together_are_refused(capsys):
 def test_the_allocator_stages_exist():
     names = {path.name for path in STAGES}
     assert {"03_paged_blocks.py", "04_block_hashes.py", "05_ref_counts.py", "06_free_queue_lru.py",
-            "09_going_further.py"} <= names
+            "10_going_further.py"} <= names
 
 
 @pytest.mark.parametrize("path", STAGES, ids=lambda path: path.name)
@@ -111,14 +111,14 @@ def test_helper_docstring_examples(name):
     assert doctest.testmod(importlib.import_module(name)).failed == 0
 
 
-def test_the_syllabus_shows_the_curl_commands_stage_8_prints():
-    stage_8 = importlib.import_module("08_serving")
+def test_the_syllabus_shows_the_curl_commands_stage_9_prints():
+    stage_9 = importlib.import_module("09_serving")
     readme = (LESSONS / "README.md").read_text()
-    for line in stage_8.curl_commands().splitlines():
-        assert line in readme, f"lessons/README.md (stage 8) lacks: {line}"
+    for line in stage_9.curl_commands().splitlines():
+        assert line in readme, f"lessons/README.md (stage 9) lacks: {line}"
 
 
-# --- the claims of stage 9 ------------------------------------------------------------------------
+# --- the claims of stage 10------------------------------------------------------------------------
 
 
 def test_the_radix_tree_and_the_hash_table_agree_on_whole_blocks():
@@ -168,7 +168,7 @@ def test_the_design_doc_example_with_free_uncached_first():
     from walkthrough import design_doc_example
 
     assert design_doc_example(until=3).block_tables == {"request 0": [0, 1, 2, 3, 4], "request 1": [0, 1, 5, 6]}
-    assert design_doc_example(until=5).free_queue_ids() == [7, 8, 9, 4, 3, 2, 6, 5, 1, 0]
+    assert design_doc_example(until=5).free_queue.block_ids() == [7, 8, 9, 4, 3, 2, 6, 5, 1, 0]
     assert design_doc_example(until=6).stats.evictions == 1
     assert design_doc_example(until=6, free_uncached_first=True).stats.evictions == 0
 

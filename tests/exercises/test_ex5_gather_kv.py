@@ -13,7 +13,7 @@ from torch.overrides import TorchFunctionMode
 from transformers import LlamaConfig
 
 from grading import exercise
-from engine import PagedKVCache
+from engine import PagedKVPool
 from test_engine import hf_greedy
 
 impl = exercise("gather_kv")
@@ -25,7 +25,7 @@ BLOCK_SIZE = 4
 
 def numbered_pool(num_blocks: int = 6):
     """A pool whose every number is its own flat index, so a value says where it came from."""
-    pool = impl.PagedKVCache(**SHAPE, num_blocks=num_blocks, block_size=BLOCK_SIZE)
+    pool = impl.PagedKVPool(**SHAPE, num_blocks=num_blocks, block_size=BLOCK_SIZE)
     pool.data.copy_(torch.arange(pool.data.numel(), dtype=pool.data.dtype).view_as(pool.data))
     return pool
 
@@ -103,7 +103,7 @@ def test_a_longer_prefix_takes_no_more_tensor_operations():
 
 def test_the_finish_line_cached_prefix_plus_suffix_logits_equal_a_full_forward(tiny_model):
     model = tiny_model
-    pool = impl.PagedKVCache(**PagedKVCache.shape_from_config(model.config), num_blocks=16, block_size=BLOCK_SIZE)
+    pool = impl.PagedKVPool(**PagedKVPool.shape_from_config(model.config), num_blocks=16, block_size=BLOCK_SIZE)
     prompt = list(range(200, 221))  # 21 tokens: a prefix of 4 full blocks, a suffix of 5
     block_table = [9, 2, 14, 5, 0, 7]  # anywhere in the pool, in any order
     with torch.no_grad():
@@ -120,7 +120,7 @@ def test_the_finish_line_cached_prefix_plus_suffix_logits_equal_a_full_forward(t
 
 def test_an_engine_running_on_your_gather_replies_like_model_generate(make_engine):
     engine = make_engine()
-    engine.kv = impl.PagedKVCache(**PagedKVCache.shape_from_config(engine.model.config),
+    engine.kv = impl.PagedKVPool(**PagedKVPool.shape_from_config(engine.model.config),
                                   num_blocks=engine.allocator.num_blocks, block_size=engine.allocator.block_size)
     prompt = list(range(100, 123))  # 23 tokens: 5 full blocks of 4 and a partial one
     cold = engine.generate(prompt, max_tokens=8)

@@ -31,7 +31,7 @@ def ids(requests) -> list[str]:
 def state(s) -> str:
     alloc = s.allocator
     return (f"running {ids(s.running)}, waiting {ids(s.waiting)}, block tables {alloc.block_tables}, "
-            f"free queue {alloc.free_queue_ids()}")
+            f"free queue {alloc.free_queue.block_ids()}")
 
 
 def step(s, token: int = 7) -> tuple[list[tuple[str, int, int]], list[str]]:
@@ -93,7 +93,7 @@ def test_a_preempted_request_frees_its_blocks_and_resumes_from_the_cache():
         f"count each preemption in request.num_preemptions and self.num_preemptions, got {b.num_preemptions} and "
         f"{s.num_preemptions}"
     )
-    assert s.allocator.free_queue_ids() == [2], f"b's own block 2 must be back in the free queue: {state(s)}"
+    assert s.allocator.free_queue.block_ids() == [2], f"b's own block 2 must be back in the free queue: {state(s)}"
     s.finish(request(s, "a"))
     plan, _ = step(s)
     assert plan == [("b", 8, 9)], (

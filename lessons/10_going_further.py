@@ -1,5 +1,5 @@
 """
-Stage 9: going further. How much does the cache hit on real traffic shapes, where does LRU
+Stage 10: going further. How much does the cache hit on real traffic shapes, where does LRU
 fail, how does SGLang's radix tree compare, and what does current vLLM do differently?
 
 Everything here runs the real PrefixCachingAllocator on simulated workloads
@@ -11,7 +11,7 @@ New in this stage (marked # NEW): workloads.replay, lru_burst, RadixTree, radix_
 Read: lessons/radix_tree.py: RadixTree.match_prefix and .insert (printed when the stage
       starts).
 
-Run:  python lessons/09_going_further.py
+Run:  python lessons/10_going_further.py
 """
 
 import sys

@@ -1,5 +1,5 @@
 """
-Stage 8: serving. Cached tokens over HTTP, tenants, and the timing side channel.
+Stage 9: serving. Cached tokens over HTTP, tenants, and the timing side channel.
 
 server.py puts the Engine of stage 7 behind HTTP: /generate for curl, and OpenAI's
 /v1/chat/completions and /v1/completions, whose replies report the prefix cache where
@@ -15,8 +15,8 @@ cannot forget or forge.
 
 New in this stage (marked # NEW): create_app, requests over HTTP, per-key salts.
 
-Run:  python lessons/08_serving.py            (SmolLM2-135M on a 2-core CPU: about 15 s)
-      python lessons/08_serving.py --tiny     (a random 2-layer model: a few seconds)
+Run:  python lessons/09_serving.py            (SmolLM2-135M on a 2-core CPU: about 15 s)
+      python lessons/09_serving.py --tiny     (a random 2-layer model: a few seconds)
 """
 
 import json
@@ -37,6 +37,7 @@ from rich.table import Table
 import models
 from prefix_caching import DEMO_QUESTIONS, DEMO_SYSTEM_PROMPT
 from server import create_app, serve_in_background
+from server_requests import JSON_HEADER
 
 # The victim's secret is who sends the letter; the rest is the company's template, which
 # everybody there (the attacker included) knows.
@@ -67,7 +68,8 @@ GUESSES = ["Sam Ortega", VICTIM, "Priya Natarajan", "Lena Brandt"]  # the attack
 
 
 def post(url: str, body: dict, api_key: str | None = None) -> tuple[dict, float]:
-    """POST a JSON body, as `curl -s url -d body` does: (the JSON reply, ms the client waited).
+    """POST a JSON body, as `curl -s url -H 'Content-Type: application/json' -d body` does:
+    (the JSON reply, ms the client waited).
 
     An error status comes back as its JSON body too: {"error": {"message": ..., "type": ...}}.
     """
@@ -113,18 +115,20 @@ def curl_commands() -> str:
     return "\n".join([
         "python server.py    # in a terminal of its own; the commands below in another",
         "# twice: usage.prompt_tokens_details.cached_tokens is 0, then 16 (the first block)",
-        f"curl -s localhost:5000/v1/chat/completions -d '{json.dumps(chat)}'",
+        f"curl -s localhost:5000/v1/chat/completions {JSON_HEADER} -d '{json.dumps(chat)}'",
         "# the same text as another tenant: 0 again",
-        f"curl -s localhost:5000/v1/chat/completions -d '{json.dumps({**chat, 'cache_salt': 'team-blue'})}'",
+        f"curl -s localhost:5000/v1/chat/completions {JSON_HEADER} "
+        f"-d '{json.dumps({**chat, 'cache_salt': 'team-blue'})}'",
         "curl -s localhost:5000/health    # hit rate, blocks in use, evictions",
-        "curl -s -X POST localhost:5000/reset_prefix_cache",
+        f"curl -s localhost:5000/reset_prefix_cache {JSON_HEADER} -d '{{}}'",
         "# started as python server.py --salt-by-api-key: a cache per key, no cache_salt field",
-        f"curl -s localhost:5000/v1/chat/completions -H 'Authorization: Bearer alice-key' -d '{json.dumps(chat)}'",
+        f"curl -s localhost:5000/v1/chat/completions -H 'Authorization: Bearer alice-key' {JSON_HEADER} "
+        f"-d '{json.dumps(chat)}'",
     ])
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = models.parse_args("Stage 8: serving, cached tokens over HTTP, tenants, the timing side channel", argv,
+    args = models.parse_args("Stage 9: serving, cached tokens over HTTP, tenants, the timing side channel", argv,
                              engine=True)
     logging.getLogger("werkzeug").setLevel(logging.WARNING)  # no access log line per request
     logging.getLogger("server").setLevel(logging.ERROR)  # nor the server's own: the lesson prints what matters
