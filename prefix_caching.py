@@ -19,7 +19,12 @@ It is pure Python: no torch, no model. The rest of the course, in reading order:
     engine.py         the paged KV pool the block ids point into, and Engine: gather the
                       cached prefix into past_key_values, run the model on the rest only
     demo.py           one long system prompt, several questions, measured
+    scheduler.py      many requests: a waiting queue, a running list, admission within a
+                      token budget and the pool, preemption when a decode finds no block
+    batch_engine.py   one forward pass per step for every running request; attention reads
+                      their K/V from the pool in place (Engine(batching=True), generate_batch)
     server.py         the class server: /generate and OpenAI's routes over one Engine
+                      (server_requests.py reads and checks what a client sends)
 
 References:
     vLLM v1 design doc, "Automatic Prefix Caching"
@@ -33,6 +38,8 @@ Run:
     python prefix_caching.py --demo             # a real model, MISS then HITs (--no-cache to compare)
     python prefix_caching.py --bench allocator  # hashing cost, miss overhead, throughput
     python prefix_caching.py --bench ttft       # time to first token, cold vs warm
+    python prefix_caching.py --bench throughput # many requests: one by one, batched, batched + cache
+    python prefix_caching.py --bench server_load  # requests/s of the server, 1 client vs a class
 """
 
 from __future__ import annotations
