@@ -8,6 +8,7 @@ import io
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from rich.console import Console
@@ -17,6 +18,25 @@ from benchmarks import throughput, ttft
 from benchmarks.allocator import free_order_hit_rates
 from demo import run_demo
 from engine import add_model_arguments, pool_arguments
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_the_readmes_allocator_example_prints_what_its_comments_say():
+    readme = (ROOT / "README.md").read_text()
+    start = readme.index("```python\nfrom prefix_caching import PrefixCachingAllocator")
+    lines = readme[start:].split("```")[1].splitlines()[1:]
+    namespace: dict = {}
+    checked = 0
+    for line in lines:
+        code, _, comment = line.partition("  # ")
+        if comment:
+            assert repr(eval(code.strip(), namespace)) == comment.strip(), line
+            checked += 1
+        else:
+            exec(code, namespace)
+    assert checked == 3
+
 
 def test_walkthrough_prints_the_doc_example_and_agrees_everywhere():
     out = io.StringIO()
