@@ -17,7 +17,7 @@ New in this stage (marked # NEW): the gather and write between the allocator and
 Read: engine.py, sections 1 and 3: PagedKVPool.gather and .write, Engine._run (printed when
       the stage starts).
 
-Run:  python lessons/07_real_model.py            (SmolLM2-135M on a 2-core CPU: about 15 s)
+Run:  python lessons/07_real_model.py            (SmolLM2-135M on a 2-core CPU: 25-90 s)
       python lessons/07_real_model.py --tiny     (a random 2-layer model: a few seconds)
 """
 

@@ -31,8 +31,8 @@ scheduler's queues, and Engine.generate_batch.
 Read: scheduler.py: Scheduler.schedule and ._preempt; batch_engine.py: pool_attention,
       build_step, BatchRunner.step (printed when the stage starts).
 
-Run:  python lessons/08_many_requests.py            (SmolLM2-135M on a 2-core CPU: about 45 s)
-      python lessons/08_many_requests.py --tiny     (a random 2-layer model: a few seconds)
+Run:  python lessons/08_many_requests.py            (SmolLM2-135M on a 2-core CPU: 40-120 s)
+      python lessons/08_many_requests.py --tiny     (a random 2-layer model: 10-30 s)
 """
 
 import sys

@@ -15,7 +15,7 @@ cannot forget or forge.
 
 New in this stage (marked # NEW): create_app, requests over HTTP, per-key salts.
 
-Run:  python lessons/09_serving.py            (SmolLM2-135M on a 2-core CPU: about 15 s)
+Run:  python lessons/09_serving.py            (SmolLM2-135M on a 2-core CPU: 20-80 s)
       python lessons/09_serving.py --tiny     (a random 2-layer model: a few seconds)
 """
 

@@ -61,8 +61,13 @@ VLLM_TODAY = [
      "vllm/v1/core/single_type_kv_cache_manager.py"),
     ("a full pool waits",
      "The scheduler admits a request only when its blocks fit and preempts a running one when a decode step "
-     "finds no block; nothing is refused for being busy. This engine runs one request per step and refuses "
-     "with OutOfBlocksError (the server's 503) until it gets a scheduler.", "vllm/v1/core/sched/scheduler.py"),
+     "finds no block; nothing is refused for being busy. Stage 8's scheduler does the same (Engine(batching=True), "
+     "the server's default); stage 7's one-request engine refuses with OutOfBlocksError instead.",
+     "vllm/v1/core/sched/scheduler.py"),
+    ("long prompts in chunks",
+     "With chunked prefill (on by default in v1) a prompt longer than the step's token budget is split into "
+     "chunks that run beside the decodes. Stage 8 prefills a prompt in one step, alone when it is over the "
+     "budget.", "vllm/v1/core/sched/scheduler.py"),
     ("cached_tokens only on request",
      "The OpenAI server fills usage.prompt_tokens_details.cached_tokens only when started with "
      "--enable-prompt-tokens-details (and a hit); this course's server always sends it.",

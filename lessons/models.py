@@ -1,5 +1,5 @@
 """
-The model a model stage (1, 2, 7, 8) runs, chosen on its command line:
+The model a model stage (1, 2, 7, 8, 9) runs, chosen on its command line:
 
     (no flag)        SmolLM2-135M-Instruct, the offline default (model_loader.load_model)
     --model NAME     any Hugging Face causal LM, by id or local path

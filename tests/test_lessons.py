@@ -15,7 +15,7 @@ LESSONS = ROOT / "lessons"
 sys.path.insert(0, str(LESSONS))  # the lessons' helper modules: workloads, radix_tree, words, figures, models
 
 STAGES = sorted(LESSONS.glob("[0-9][0-9]_*.py"))
-HELPERS = ["workloads", "radix_tree", "words", "models", "reading", "measure"]
+HELPERS = ["workloads", "radix_tree", "words", "models", "reading", "measure", "batch_views"]
 
 # Flags a stage needs to run fast in the test suite (e.g. a tiny model); none means none.
 FLAGS: dict[str, list[str]] = {
@@ -118,7 +118,7 @@ def test_the_syllabus_shows_the_curl_commands_stage_9_prints():
         assert line in readme, f"lessons/README.md (stage 9) lacks: {line}"
 
 
-# --- the claims of stage 10------------------------------------------------------------------------
+# --- the claims of stage 10 -----------------------------------------------------------------------
 
 
 def test_the_radix_tree_and_the_hash_table_agree_on_whole_blocks():
