@@ -154,6 +154,21 @@ class _State:
     events: queue.SimpleQueue | None = None  # where an EngineLoop sends this request's StreamEvents
 
 
+@dataclass(frozen=True)
+class StepFigures:
+    """How big one step was: its requests, the tokens of its forward pass, and how many of
+    those were prefill (a prompt's uncached suffix, or a resumed request's text again)."""
+
+    num_requests: int
+    num_tokens: int
+    num_prefill_tokens: int
+
+    @classmethod
+    def of(cls, plan: StepPlan) -> StepFigures:
+        prefill = sum(s.end - s.start for s in plan.scheduled if s.is_prefill)
+        return cls(len(plan.scheduled), plan.num_tokens, prefill)
+
+
 class BatchRunner:
     """Runs an Engine's requests together: one forward pass per step for all of them."""
 
@@ -163,6 +178,8 @@ class BatchRunner:
         self.scheduler = Scheduler(engine.allocator, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens)
         self.last_plan: StepPlan | None = None
+        self.num_steps = 0  # steps that scheduled anything: one forward pass each
+        self.last_step: StepFigures | None = None  # the latest of them, maybe running now
 
     def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams, cache_salt: str | None,
             stop: tuple[str, ...] = ()) -> Request:
@@ -188,13 +205,17 @@ class BatchRunner:
                 plan = scheduler.schedule()
                 block_tables = {s.request.request_id: list(engine.allocator.block_tables[s.request.request_id])
                                 for s in plan.scheduled}
+                if plan.scheduled:
+                    self.num_steps += 1
+                    self.last_step = StepFigures.of(plan)
             self.last_plan = plan
             if not plan.scheduled:
                 return []
             now = time.perf_counter()
             for s in plan.scheduled:
-                if s.request.payload.admitted_at is None:
+                if s.request.payload.admitted_at is None:  # its first admission: its hit is known
                     s.request.payload.admitted_at = now
+                    s.request.payload.reply.cached_tokens = s.request.num_cached_tokens
             inputs = build_step(plan, engine.kv, block_tables, engine.device)
             with torch.inference_mode():
                 logits = engine.model(
@@ -247,6 +268,17 @@ class BatchRunner:
 
 # -----------------------------------------------------------------------------
 # 4. The engine loop: calls from many threads, one forward pass per step for all of them
+
+
+@dataclass(frozen=True)
+class LoopSnapshot:
+    """The engine loop at one moment (EngineLoop.snapshot), for a status page."""
+
+    running: list[tuple[str, str | None]]  # (request id, cache_salt), in admission order
+    waiting: list[tuple[str, str | None]]  # the same, in queue order: the head is admitted next
+    num_preemptions: int
+    num_steps: int
+    last_step: StepFigures | None
 
 
 class EngineLoop:
@@ -336,6 +368,21 @@ class EngineLoop:
                     state.events.put(StreamEvent(request.output_ids[-1], state.new_text, reply.finish_reason, reply))
                 else:
                     state.events.put(StreamEvent(request.output_ids[-1], state.new_text, None, state.reply))
+
+    def snapshot(self) -> LoopSnapshot:
+        """Who runs, who waits, and the steps so far, read without waiting for a forward pass:
+        the scheduler's queues change only under engine.allocator_lock, which a step holds
+        around its bookkeeping and never across the model."""
+        with self.engine.allocator_lock, self._wake:
+            scheduler, cancelled = self.scheduler, set(self._cancelled)
+            waiting = [r for r in [*scheduler.waiting, *self._inbox] if r not in cancelled]
+            return LoopSnapshot(
+                running=[(r.request_id, r.cache_salt) for r in scheduler.running],
+                waiting=[(r.request_id, r.cache_salt) for r in waiting],
+                num_preemptions=scheduler.num_preemptions,
+                num_steps=self.runner.num_steps,
+                last_step=self.runner.last_step,
+            )
 
     def _forget(self, request: Request) -> None:
         with self._wake:

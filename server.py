@@ -3,7 +3,8 @@ A tiny HTTP server around the Engine: what a class can curl, what an OpenAI clie
 and a page that shows the KV block pool live while the requests come in.
 
     python server.py                        # the offline default model on http://127.0.0.1:5000
-    python server.py --num-blocks 64        # a small pool: watch blocks get evicted
+    python server.py --num-blocks 64        # a small pool: watch blocks get evicted, requests wait
+    python server.py --no-batching          # one request at a time, as stage 7's engine runs it
     python server.py --salt-by-api-key --admin-key SECRET   # a cache per API key; only SECRET resets
 
     curl -s localhost:5000/generate -H 'Content-Type: application/json' \\
@@ -12,17 +13,29 @@ and a page that shows the KV block pool live while the requests come in.
 Routes:
     POST /generate               {"prompt": str} or {"messages": [...]}, max_tokens, temperature,
                                  top_p, seed, stop, cache_salt -> text, prompt_tokens, cached_tokens, ...
-    GET  /health                 status, model and the cache figures (hit rate, blocks in use, ...)
-    GET  /cache                  /health plus the pool: every block, the free queue, block tables
+    GET  /health                 status, model, the cache figures (hit rate, blocks in use, ...)
+                                 and the scheduler's (running, waiting, preemptions, the last step)
+    GET  /cache                  /health plus the pool: every block, the free queue, block tables,
+                                 the waiting queue
     POST /reset_prefix_cache     forget every cached block (refused while requests run)
     POST /v1/chat/completions    OpenAI's shapes, stream: true included, and
     POST /v1/completions           usage.prompt_tokens_details.cached_tokens
     GET  /v1/models
     GET  /                       the live view of the pool (static/index.html), polling /cache
 
-Requests run concurrently in threads; the engine lets one step (a prefill or one decoded
-token) run at a time, so replies interleave token by token. Every error is a JSON object
-{"error": {"message", "type"}} with a 4xx status (5xx when the server is at fault).
+Each client's request runs in a thread of its own; what the engine does with them depends
+on its kind:
+
+    batching (the default)  Engine(batching=True): an engine loop puts every running request
+                            in the same forward pass, one step after another (batch_engine.py).
+                            A request the pool has no room for now waits in a queue, or a
+                            running one is preempted and resumed later, as in vLLM.
+    --no-batching           stage 7's engine: one step (one request's prefill, or one decoded
+                            token) at a time, so replies interleave token by token; a request
+                            the pool has no room for is refused with a 503.
+
+Every error is a JSON object {"error": {"message", "type"}} with a 4xx status (5xx when the
+server is at fault).
 docs/server.md says what a tenant can see, and where this server differs from vLLM's.
 
 server_requests.py reads and checks what a client sends (the body, who is asking, the
@@ -48,6 +61,7 @@ from flask import Blueprint, Flask, Response, current_app, request
 from werkzeug.exceptions import HTTPException
 from werkzeug.serving import make_server
 
+from batch_engine import LoopSnapshot
 from engine import Engine, Generation, StreamEvent, add_model_arguments, pool_arguments, positive_int
 from model_loader import DEFAULT_MODEL
 from prefix_caching import KVCacheBlock, OutOfBlocksError, short_hash
@@ -58,17 +72,21 @@ from server_requests import (
 )
 
 log = logging.getLogger("server")
+ENGINE_DEFAULTS = Engine.__init__.__kwdefaults__  # what Engine(...) takes when a flag is left out
 
 # -----------------------------------------------------------------------------
 # 1. Running a request, and the OpenAI shapes of its reply
 #
-# The prefill runs before any response is sent, so a bad or unplaceable request still gets a
-# 4xx/503. A reply then either streams (server-sent events in OpenAI's chunk shapes) or runs
-# to the end, watching between two steps whether its client is still there.
+# No response is sent before the request's first token, so a bad request still gets a 4xx
+# (and, without batching, one the pool has no room for a 503). A reply then either streams
+# (server-sent events in OpenAI's chunk shapes) or runs to the end, watching between two
+# tokens whether its client is still there. Either way, closing the engine's stream stops the
+# request and frees its blocks: in the batching engine it cancels it in the engine loop.
 
 
 def start(server: ServerState, req: GenerationRequest, request_id: str) -> tuple[Iterator[StreamEvent], StreamEvent]:
-    """Run the prefill: the engine's stream and its first event. Counted for its tenant."""
+    """The engine's stream and its first event (after the prefill, and with batching after
+    any wait in the queue). Counted for its tenant."""
     try:
         events = server.engine.stream(req.prompt, req.max_tokens, req.temperature, req.top_p, req.seed,
                                       req.cache_salt, request_id, stop=req.stop)
@@ -76,7 +94,8 @@ def start(server: ServerState, req: GenerationRequest, request_id: str) -> tuple
     except ValueError as err:  # the engine checks every argument at the call, before any work
         raise APIError(400, str(err))
     except OutOfBlocksError as err:
-        # vLLM would queue the request until blocks free up; this server has no scheduler yet.
+        # Only the one-request-at-a-time engine (--no-batching) refuses: the batching engine
+        # queues the request until blocks free up, as vLLM does.
         raise APIError(503, f"the KV pool is full, try again when running requests finish: {err}")
     server.count(req.cache_salt, first.generation)
     return events, first
@@ -105,7 +124,7 @@ def run_to_end(events: Iterator[StreamEvent], event: StreamEvent, path: str, env
                          path, len(event.generation.token_ids))
                 return None
             event = next(events)
-    except OutOfBlocksError as err:  # a decode step found no free block: the pool is full
+    except OutOfBlocksError as err:  # --no-batching: a decode step found no free block
         raise APIError(503, f"the KV pool filled up during the reply, try again later: {err}")
     finally:
         events.close()  # closing the engine's stream frees the request's blocks
@@ -163,7 +182,7 @@ def stream_response(events: Iterator[StreamEvent], first: StreamEvent, request_i
             if include_usage:
                 yield sse({**head, "choices": [], "usage": usage(gen)})
             log_generation(route.path, gen)
-        except OutOfBlocksError as err:  # the status is already sent: say it in the stream
+        except OutOfBlocksError as err:  # --no-batching; the status is already sent: say it in the stream
             yield sse(error_json(503, f"the KV pool filled up during the reply: {err}"))
         except GeneratorExit:  # the client hung up: the server's next write failed and closed us
             log.info("%s: the client left after %d tokens; freeing its blocks", route.path,
@@ -186,9 +205,13 @@ def stream_response(events: Iterator[StreamEvent], first: StreamEvent, request_i
 # sees the hash and the text of its own tenant's blocks only; any other block is opaque: its
 # id, ref count and state, so the page can still draw the pool, and nothing of its content.
 # Under --salt-by-api-key the counters are the caller's own (the pool-wide hit counters
-# would move whenever another tenant repeats a prompt), and so are the block tables.
+# would move whenever another tenant repeats a prompt), and so are the block tables and the
+# request ids in the waiting queue; how many requests run and wait is everyone's to see.
 # Everything is read under engine.allocator_lock, held for microseconds around the allocator's
-# bookkeeping, never across a forward pass: /health answers while a long prefill runs.
+# and the scheduler's bookkeeping, never across a forward pass: /health answers while a long
+# prefill runs.
+
+NO_STEPS_YET = LoopSnapshot(running=[], waiting=[], num_preemptions=0, num_steps=0, last_step=None)
 
 
 @dataclass
@@ -224,10 +247,17 @@ class ServerState:
             counters.queried_tokens += gen.prompt_tokens
             counters.hit_tokens += gen.cached_tokens
 
+    def loop_snapshot(self) -> LoopSnapshot | None:
+        """The batching engine's queues and steps; None for an engine that does not batch."""
+        if not self.engine.batching:
+            return None
+        loop = self.engine.loop  # started by the first request
+        return NO_STEPS_YET if loop is None else loop.snapshot()
+
     def figures(self, tenant: str | None) -> dict:
         """What /health reports to `tenant`."""
-        alloc = self.engine.allocator
-        with self.engine.allocator_lock:
+        engine, alloc = self.engine, self.engine.allocator
+        with engine.allocator_lock:
             pool = {
                 "num_blocks": alloc.num_blocks,
                 "block_size": alloc.block_size,
@@ -237,27 +267,43 @@ class ServerState:
                 "running_requests": len(alloc.block_tables),
             }
             counters = alloc.stats.as_dict()
+            loop = self.loop_snapshot()  # under the same hold: its running requests are these
+        if loop is not None:
+            last = loop.last_step
+            pool |= {
+                "waiting_requests": len(loop.waiting),
+                "preemptions": loop.num_preemptions,
+                "steps": loop.num_steps,
+                "last_step": None if last is None else {
+                    "requests": last.num_requests, "tokens": last.num_tokens, "prefill_tokens": last.num_prefill_tokens,
+                },
+                **engine.scheduler_options,  # max_num_seqs, max_num_batched_tokens
+            }
         if self.settings.salt_by_api_key:
             with self.tenants_lock:
                 counters = self.tenants.get(tenant, TenantCounters()).as_dict()
         counted = "this API key" if self.settings.salt_by_api_key else "all requests"
-        return {"status": "ok", "model": self.settings.model_name, **pool, "counted": counted, **counters}
+        return {"status": "ok", "model": self.settings.model_name, "batching": engine.batching, **pool,
+                "counted": counted, **counters}
 
     def snapshot(self, tenant: str | None) -> dict:
         """What /cache reports to `tenant`: figures() plus every block, the free queue, the
-        block tables. Copied under the lock, decoded after it."""
+        block tables and the waiting queue. Copied under the lock, decoded after it."""
         alloc, keyed = self.engine.allocator, self.settings.salt_by_api_key
         with self.engine.allocator_lock:
             blocks = [KVCacheBlock(b.block_id, b.ref_cnt, b.block_hash, list(b.token_ids), b.cache_salt)
                       for b in alloc.blocks]
             free_queue = alloc.free_queue.block_ids()  # head (evicted first) -> tail
             tables = {rid: list(table) for rid, table in alloc.block_tables.items()}
-        snap = self.figures(tenant)
+            snap = self.figures(tenant)
+            loop = self.loop_snapshot()
         snap["blocks"] = [self.block_view(block, tenant) for block in blocks]
         snap["free_queue"] = free_queue
         # A request's blocks all carry its salt: the first one tells whose request it is.
         snap["block_tables"] = {rid: table for rid, table in tables.items()
                                 if not keyed or blocks[table[0]].cache_salt == tenant}
+        if loop is not None:  # head first; another tenant's request is a null: it waits, that is all
+            snap["waiting_queue"] = [rid if not keyed or salt == tenant else None for rid, salt in loop.waiting]
         return snap
 
     def block_view(self, block: KVCacheBlock, tenant: str | None) -> dict:
@@ -511,6 +557,14 @@ def main(argv: list[str] | None = None) -> None:
                         help="a name clients use to reach this server, besides localhost and IP addresses "
                              "(repeat it for several); any other Host header is refused")
     add_model_arguments(parser)  # --model, --device, --dtype, --block-size, --num-blocks
+    batching = parser.add_argument_group("batching (the engine loop of batch_engine.py; vLLM's flags of the same names)")
+    batching.add_argument("--max-num-seqs", type=positive_int, default=None,
+                          help=f"requests running in one step at most (default: {ENGINE_DEFAULTS['max_num_seqs']})")
+    batching.add_argument("--max-num-batched-tokens", type=positive_int, default=None,
+                          help=f"tokens one step computes at most; a longer prompt runs in a step of its own "
+                               f"(default: {ENGINE_DEFAULTS['max_num_batched_tokens']})")
+    batching.add_argument("--no-batching", action="store_true",
+                          help="one request's step at a time, as stage 7's engine runs it; a full pool answers 503")
     parser.add_argument("--salt-by-api-key", action="store_true", help="isolate each bearer token's cache")
     parser.add_argument("--admin-key", help="the bearer token POST /reset_prefix_cache needs "
                                             "(required for a reset under --salt-by-api-key)")
@@ -520,6 +574,11 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--port must be in 1..65535, got {args.port}")
     if args.admin_key is not None and not args.admin_key.strip():
         parser.error("--admin-key is empty: give a secret")
+    scheduler_options = {name: value for name, value in vars(args).items()
+                         if name in ("max_num_seqs", "max_num_batched_tokens") and value is not None}
+    if args.no_batching and scheduler_options:
+        flag = "--" + next(iter(scheduler_options)).replace("_", "-")
+        parser.error(f"{flag} sizes the batching engine's steps: leave it out, or leave out --no-batching")
 
     handler = RichHandler(show_path=False)
     handler.addFilter(EscapeControlCharacters())  # werkzeug's records and any library's too
@@ -528,7 +587,8 @@ def main(argv: list[str] | None = None) -> None:
     console = Console(stderr=True)
     console.print(f"loading {args.model or DEFAULT_MODEL}…")  # the default's first load converts its GGUF file, and says so
     try:
-        engine = Engine(args.model, device=args.device, dtype=args.dtype, **pool_arguments(args))
+        engine = Engine(args.model, device=args.device, dtype=args.dtype, **pool_arguments(args),
+                        batching=not args.no_batching, **scheduler_options)
     except (OSError, ValueError) as err:
         parser.exit(2, f"error: {err}\n")
     engine.warm_up()
@@ -541,6 +601,12 @@ def main(argv: list[str] | None = None) -> None:
 
     url = f"http://{args.host}:{server.server_port}"
     console.print(f"{engine.kv}")
+    if engine.batching:
+        options = engine.scheduler_options
+        console.print(f"batching: up to {options['max_num_seqs']} requests and {options['max_num_batched_tokens']} "
+                      f"tokens a step; a full pool makes requests wait")
+    else:
+        console.print("no batching: one request's step at a time; a full pool answers 503")
     console.print(f"[bold green]serving {app.extensions['server'].settings.model_name} on {url}[/]   (Ctrl+C stops)")
     console.print(f"  watch the cache:  open {url}/ in a browser")
     example = '{"messages": [{"role": "user", "content": "What is a cache?"}], "max_tokens": 32}'

@@ -1,18 +1,27 @@
 """How many requests per second does the server answer when a class hits it at once?
 
-    python -m benchmarks.server_load                    # 1 client, then 8, on the default model
-    python -m benchmarks.server_load --clients 8 --requests 64 --json out.json
-    python -m benchmarks.server_load --url http://127.0.0.1:5000   # a server already running
+    python prefix_caching.py --bench server_load                  # 1 client, then 16, on the default model
+    python prefix_caching.py --bench server_load --no-batching    # the same on stage 7's engine
+    python prefix_caching.py --bench server_load --clients 1 4 16 --requests 64 --json out.json
+    python prefix_caching.py --bench server_load --url http://127.0.0.1:5000   # a server already running
 
 Without --url it starts the server in this process on a free port of 127.0.0.1 (the default
-model, the default pool). Every request is a chat with the same system prompt and its own
-short question, max_tokens 16, greedy: the traffic of a class trying the lesson's curl
-command. For each number of concurrent clients the cache is reset, one request primes the
-system prompt, then the clients send `--requests` requests between them, as fast as answers
-come back. Traffic stays on the loopback interface; each level stops after --time-limit s.
+model and pool unless --model / --num-blocks say otherwise), batching as python server.py does.
+Every request is a chat with the same system prompt and its own short question, max_tokens 16,
+greedy: the traffic of a class trying the lesson's curl command. Two measurements:
 
-The engine runs one step (a prefill or one token) at a time and never batches, so more
-clients do not mean more requests per second: they share the same steps, and each waits longer.
+    load    for each number of concurrent clients (--clients): the cache is reset, one request
+            primes the system prompt, then the clients send --requests requests between them,
+            each as soon as its last answer came back: requests/s, and the ratio of the most
+            clients to the fewest
+    class   --class-size students send one question each at the same moment: how long until
+            the last of them has its answer
+
+The batching engine puts every running request in the same forward pass, so more clients
+mean more requests per second until a step is as large as the machine computes in the time of
+a small one; with --no-batching the engine runs one request's step at a time, and more clients
+only share the same steps, each waiting longer. Traffic stays on the loopback interface; each
+level stops after --time-limit s.
 """
 
 from __future__ import annotations
@@ -30,6 +39,7 @@ import urllib.request
 from urllib.parse import urlparse
 
 from benchmarks import save_json
+from engine import add_model_arguments, pool_arguments, positive_int
 
 SYSTEM_PROMPT = (
     "You are a patient teaching assistant in a course about large language model serving. "
@@ -46,7 +56,7 @@ LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 
 def post(url: str, body: dict) -> dict:
     request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=120) as response:
+    with urllib.request.urlopen(request, timeout=600) as response:
         return json.loads(response.read())
 
 
@@ -56,10 +66,15 @@ def ask(url: str, i: int, max_tokens: int) -> dict:
     return post(url + "/generate", {"messages": messages, "max_tokens": max_tokens})
 
 
+def prime(url: str, max_tokens: int) -> None:
+    """An empty cache, then the system prompt in it, as the first student of the class would leave it."""
+    post(url + "/reset_prefix_cache", {})
+    ask(url, -1, max_tokens)
+
+
 def load(url: str, clients: int, requests: int, max_tokens: int, time_limit: float) -> dict:
     """`requests` requests from `clients` threads at once; the figures of the replies."""
-    post(url + "/reset_prefix_cache", {})
-    ask(url, -1, max_tokens)  # primes the system prompt, as the first student of the class would
+    prime(url, max_tokens)
     deadline = time.perf_counter() + time_limit
     numbers = iter(range(requests))
     lock = threading.Lock()
@@ -93,31 +108,62 @@ def load(url: str, clients: int, requests: int, max_tokens: int, time_limit: flo
     }
 
 
-def start_server(enable_caching: bool):
-    """The default model served in a daemon thread on a free loopback port; (url, server)."""
-    from prefix_caching import Engine
+def one_class(url: str, students: int, max_tokens: int) -> dict:
+    """`students` questions sent at the same moment, one each: when the first and the last
+    answer came back, in ms from that moment."""
+    prime(url, max_tokens)
+    ready = threading.Barrier(students + 1)
+    answered_at: list[float] = []
+
+    def student(i: int) -> None:
+        ready.wait()
+        ask(url, i, max_tokens)
+        answered_at.append(time.perf_counter())
+
+    with concurrent.futures.ThreadPoolExecutor(students) as pool:
+        done = [pool.submit(student, i) for i in range(students)]
+        ready.wait()
+        start = time.perf_counter()
+        for future in done:
+            future.result()
+    return {"students": students, "first_answer_ms": round((min(answered_at) - start) * 1e3, 1),
+            "last_answer_ms": round((max(answered_at) - start) * 1e3, 1)}
+
+
+def start_server(args: argparse.Namespace):
+    """The model served in a daemon thread on a free loopback port; (url, server)."""
+    from engine import Engine
     from server import create_app, serve_in_background
 
     logging.getLogger("werkzeug").setLevel(logging.WARNING)  # no line per request on the screen
-    engine = Engine(enable_caching=enable_caching)
+    engine = Engine(args.model, device=args.device, dtype=args.dtype, **pool_arguments(args),
+                    enable_caching=not args.no_caching, batching=not args.no_batching)
     engine.warm_up()
     return serve_in_background(create_app(engine))
 
 
-def main(argv: list[str] | None = None) -> list[dict]:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.server_load", description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(prog="prefix_caching.py --bench server_load", description=__doc__.split("\n\n")[0])
     parser.add_argument("--url", help="a running server on this machine (default: start one in this process)")
-    parser.add_argument("--clients", type=int, nargs="+", default=[1, 8], help="concurrent clients, one run each")
-    parser.add_argument("--requests", type=int, default=32, help="requests per run")
-    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--clients", type=positive_int, nargs="+", default=[1, 16], help="concurrent clients, one run each")
+    parser.add_argument("--requests", type=positive_int, default=32, help="requests per run")
+    parser.add_argument("--class-size", type=positive_int, default=16, help="students who ask at the same moment")
+    parser.add_argument("--max-tokens", type=positive_int, default=16)
     parser.add_argument("--time-limit", type=float, default=300, help="seconds per run at most")
+    parser.add_argument("--no-batching", action="store_true", help="serve stage 7's one-request-at-a-time engine")
     parser.add_argument("--no-caching", action="store_true", help="the same load with prefix caching off")
+    parser.add_argument("--quick", action="store_true", help="1 and 4 clients, 8 requests of 4 tokens (for tests)")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    add_model_arguments(parser)  # the server this starts: --model, --num-blocks, ...
     args = parser.parse_args(argv)
     if args.url and urlparse(args.url).hostname not in LOOPBACK:
         parser.error(f"--url must be on this machine (127.0.0.1 or localhost), got {args.url}")
-    if args.url and args.no_caching:
-        parser.error("--no-caching starts its own server: leave out --url")
+    own_server = [flag for flag, given in (("--no-caching", args.no_caching), ("--no-batching", args.no_batching),
+                                           ("--model", args.model), ("--num-blocks", args.num_blocks)) if given]
+    if args.url and own_server:
+        parser.error(f"{own_server[0]} is for the server this starts: leave out --url")
+    if args.quick:
+        args.clients, args.requests, args.max_tokens, args.class_size = [1, 4], 8, 4, 4
     from rich.console import Console
     from rich.table import Table
 
@@ -125,26 +171,35 @@ def main(argv: list[str] | None = None) -> list[dict]:
     server = None
     url = args.url.rstrip("/") if args.url else None
     if url is None:
-        console.print(f"starting the server on the default model, prefix caching {'off' if args.no_caching else 'on'}…")
-        url, server = start_server(enable_caching=not args.no_caching)
+        console.print(f"starting the server, batching {'off' if args.no_batching else 'on'}, "
+                      f"prefix caching {'off' if args.no_caching else 'on'}…")
+        url, server = start_server(args)
     health = json.loads(urllib.request.urlopen(url + "/health", timeout=30).read())
     console.print(f"[bold]server load[/] on {platform.machine()}, {os.cpu_count()} CPU cores, "
                   f"model {health['model']}, {health['num_blocks']} blocks of {health['block_size']}, "
-                  f"max_tokens {args.max_tokens}")
+                  f"{'batching' if health.get('batching') else 'no batching'}, max_tokens {args.max_tokens}")
 
-    results = [load(url, n, args.requests, args.max_tokens, args.time_limit) for n in args.clients]
+    runs = [load(url, n, args.requests, args.max_tokens, args.time_limit) for n in args.clients]
+    burst = one_class(url, args.class_size, args.max_tokens)
     if server is not None:
         server.shutdown()
 
     table = Table(title="chat requests sharing a system prompt, greedy (medians of TTFT and latency)")
     for column in ("clients", "requests", "req/s", "tokens/s", "prompt", "cached", "TTFT ms", "latency ms"):
         table.add_column(column, justify="right")
-    for r in results:
+    for r in runs:
         table.add_row(*map(str, (r["clients"], r["requests"], r["requests_per_s"], r["completion_tokens_per_s"],
                                  r["prompt_tokens"], r["cached_tokens"], r["ttft_ms_median"], r["latency_ms_median"])))
     console.print(table)
-    save_json(args.json, {"machine": platform.platform(), "cpu_cores": os.cpu_count(), "model": health["model"],
-                          "caching": not args.no_caching, "runs": results}, console)
+    fewest, most = runs[0], runs[-1]
+    ratio = round(most["requests_per_s"] / fewest["requests_per_s"], 2)
+    console.print(f"requests/s, {most['clients']} clients / {fewest['clients']}: {ratio}x")
+    console.print(f"a class of {burst['students']} asking at once: the first answer after "
+                  f"{burst['first_answer_ms']:,.0f} ms, the last after {burst['last_answer_ms']:,.0f} ms")
+    results = {"machine": platform.platform(), "cpu_cores": os.cpu_count(), "model": health["model"],
+               "batching": health.get("batching", False), "caching": not args.no_caching, "runs": runs,
+               "requests_per_s_ratio": ratio, "class": burst}
+    save_json(args.json, results, console)
     return results
 
 

@@ -1,8 +1,9 @@
 """The server's spec. Every test talks to a real server on a real port (werkzeug's, on
 127.0.0.1, port picked by the OS) around a real Engine over conftest's tiny random model:
 curl-style requests, the official openai client, bad input, clients that leave, concurrent
-clients. Tenants, keys and the network rules are in test_server_security.py; how a request
-body is read, without HTTP, in test_server_requests.py.
+clients, on the engine of --no-batching. The batching engine behind the server is in
+test_server_batching.py; tenants, keys and the network rules in test_server_security.py;
+how a request body is read, without HTTP, in test_server_requests.py.
 Every test ends with the pool whole: no request holds a block, every ref count is 0.
 """
 
@@ -87,7 +88,9 @@ def wait_until_idle(engine: Engine, timeout: float = 20.0) -> None:
 
 @pytest.fixture(scope="module")
 def engine(tiny_model, tokenizer):
-    """One engine for the module: block size 4 so blocks fill fast, 64 blocks (256 tokens)."""
+    """One engine for the module: block size 4 so blocks fill fast, 64 blocks (256 tokens).
+    The one-request-at-a-time engine of --no-batching; test_server_batching.py serves the
+    batching one, python server.py's default."""
     return Engine(model=tiny_model, tokenizer=tokenizer, block_size=4, num_blocks=64)
 
 
@@ -514,6 +517,7 @@ def test_python_server_py_serves_the_default_model():
                 assert time.monotonic() < deadline, "the server did not come up in 180 s"
                 time.sleep(0.5)
         assert health["model"] == "SmolLM2-135M-Instruct" and health["num_blocks"] == 64
+        assert health["batching"] is True and health["waiting_requests"] == 0  # the default engine batches
         status, reply = call(url, "/generate", {"messages": [{"role": "user", "content": "Hi!"}], "max_tokens": 4})
         assert status == 200 and reply["completion_tokens"] >= 1 and reply["text"]
         status, health = call(url, "/health")
@@ -522,6 +526,7 @@ def test_python_server_py_serves_the_default_model():
         process.terminate()
         output = process.communicate(timeout=30)[0]
     assert f"serving SmolLM2-135M-Instruct on {url}" in output
+    assert "batching: up to 64 requests and 2048 tokens a step" in output
     assert f"curl -s {url}/generate -H 'Content-Type: application/json' -d '" in output  # the banner's example works
     assert f"/generate: prompt {reply['prompt_tokens']} tokens, cached 0" in output
 
@@ -533,6 +538,8 @@ def test_python_server_py_serves_the_default_model():
     (["--port", "0"], "--port must be in 1..65535, got 0"),
     (["--block-size", "0"], "argument --block-size: must be at least 1, got 0"),
     (["--admin-key", " "], "--admin-key is empty"),
+    (["--max-num-seqs", "0"], "argument --max-num-seqs: must be at least 1, got 0"),
+    (["--no-batching", "--max-num-batched-tokens", "512"], "--max-num-batched-tokens sizes the batching engine's steps"),
 ])
 def test_python_server_py_refuses_bad_flags_before_loading_anything(flags, words, capsys):
     import server
