@@ -56,13 +56,15 @@ def pool_attention(module, query, key, value, attention_mask, scaling=None, drop
     # Write first: every new key and value of the step lands in its slot before anyone reads.
     flat[0, step.slot_mapping] = key[0].transpose(0, 1).to(flat.dtype)
     flat[1, step.slot_mapping] = value[0].transpose(0, 1).to(flat.dtype)
-    # Then read: each request's whole context, through its block table, padded to one length.
-    keys = flat[0][step.context_slots].transpose(1, 2)  # (requests, kv heads, context, dim)
-    values = flat[1][step.context_slots].transpose(1, 2)
-    queries = query[0].transpose(0, 1)[step.query_index].transpose(1, 2)  # (requests, heads, queries, dim)
-    out = F.scaled_dot_product_attention(queries, keys.to(queries.dtype), values.to(queries.dtype),
-                                         attn_mask=step.mask, scale=scaling, enable_gqa=True)
-    out = out.transpose(1, 2)[step.token_request, step.token_query]  # back to packed order: (T, heads, dim)
+    # Then read: each request's whole context, through its block table, a group at a time.
+    packed = query[0].transpose(0, 1)  # (T, heads, dim)
+    out = packed.new_empty(packed.shape)
+    for group in step.groups:
+        keys, values = flat[:, group.context_slots].transpose(2, 3)  # each (rows, kv heads, context, dim)
+        queries = packed[group.query_index].transpose(1, 2)  # (rows, heads, queries, dim)
+        attended = F.scaled_dot_product_attention(queries, keys.to(queries.dtype), values.to(queries.dtype),
+                                                  attn_mask=group.mask, scale=scaling, enable_gqa=True)
+        out[group.token_index] = attended.transpose(1, 2)[group.token_row, group.token_query]  # packed order
     return out.unsqueeze(0), None
 
 
@@ -81,59 +83,85 @@ def use_pool_attention(model) -> None:
 
 
 @dataclass
+class AttentionGroup:
+    """Requests that attend together in one scaled_dot_product_attention call, padded to the
+    group's longest context and most queries.
+
+    For requests a computing tokens 4..6 of 7 and b decoding token 9, in one group:
+        context_slots  (2, 10): a's slots 0..6, padded; b's slots 0..9
+        mask           (2, 1, 3, 10): a's query 4 sees keys 0..4, ...; b's one query sees 0..9
+        query_index    (2, 3): the packed token of each (request, query); padding points at 0
+        token_index    [0, 1, 2, 3]: the group's packed tokens, and for each its request's row
+        token_row      [0, 0, 0, 1]  and its query in that row
+        token_query    [0, 1, 2, 0]
+    """
+
+    context_slots: torch.Tensor  # (rows, longest context)
+    mask: torch.Tensor  # (rows, 1, most queries, longest context), True = may attend
+    query_index: torch.Tensor  # (rows, most queries)
+    token_index: torch.Tensor  # (tokens of the group,)
+    token_row: torch.Tensor
+    token_query: torch.Tensor
+
+
+@dataclass
 class StepInputs:
     """What the attention layers need to find every request's K/V in the pool.
 
     For a step with request a computing tokens 4..6 of 7 and request b decoding token 9:
         positions      [4, 5, 6, 9]             each packed token's place in its request
         slot_mapping   the slots tokens 4, 5, 6 of a and 9 of b are written to
-        context_slots  (2, 10): a's slots 0..6, padded; b's slots 0..9
-        mask           (2, 1, 3, 10): a's query 4 sees keys 0..4, ...; b's one query sees 0..9
-        query_index    (2, 3): packed token of each (request, query); padding points at 0
+        groups         who attends with whom: every decode in one group (one query each,
+                       padded only to the longest context), each prefill in a group of its
+                       own, so a 500-token prompt does not pad fifteen decodes to 500 queries
     """
 
     pool: object  # engine.PagedKVPool
     input_ids: torch.Tensor  # (1, T)
     positions: torch.Tensor  # (1, T)
     slot_mapping: torch.Tensor  # (T,)
-    context_slots: torch.Tensor  # (requests, longest context)
-    mask: torch.Tensor  # (requests, 1, most queries, longest context), True = may attend
-    query_index: torch.Tensor  # (requests, most queries)
-    token_request: torch.Tensor  # (T,) the request of each packed token
-    token_query: torch.Tensor  # (T,) its row among that request's queries
+    groups: list[AttentionGroup]
     last_token: torch.Tensor  # (requests,) packed index of each request's last token
+
+
+def attention_group(rows: list[tuple[int, int, int, list[int]]], device) -> AttentionGroup:
+    """rows: (first packed token, start, end, context slot ids) of each request in the group."""
+    longest_context = max(end for _, _, end, _ in rows)
+    most_queries = max(end - start for _, start, end, _ in rows)
+    context_slots = torch.zeros(len(rows), longest_context, dtype=torch.long)
+    query_index = torch.zeros(len(rows), most_queries, dtype=torch.long)
+    query_position = torch.zeros(len(rows), most_queries, dtype=torch.long)  # padding rows see key 0 only
+    token_index, token_row, token_query = [], [], []
+    for r, (first, start, end, slots) in enumerate(rows):
+        n = end - start
+        context_slots[r, :end] = slots
+        query_index[r, :n] = torch.arange(first, first + n)
+        query_position[r, :n] = torch.arange(start, end)
+        token_index += range(first, first + n)
+        token_row += [r] * n
+        token_query += range(n)
+    mask = torch.arange(longest_context)[None, None, :] <= query_position[:, :, None]  # causal, per request
+    as_tensor = lambda values: torch.tensor(values, device=device)  # noqa: E731
+    return AttentionGroup(context_slots.to(device), mask.unsqueeze(1).to(device), query_index.to(device),
+                          as_tensor(token_index), as_tensor(token_row), as_tensor(token_query))
 
 
 def build_step(plan: StepPlan, pool, block_tables: dict[str, list[int]], device) -> StepInputs:
     block_size = pool.block_size
-    tokens, positions, slots, token_request, token_query, last = [], [], [], [], [], []
-    longest_context = max(s.end for s in plan.scheduled)
-    most_queries = max(s.end - s.start for s in plan.scheduled)
-    rows = len(plan.scheduled)
-    context_slots = torch.zeros(rows, longest_context, dtype=torch.long)
-    query_index = torch.zeros(rows, most_queries, dtype=torch.long)
-    query_position = torch.zeros(rows, most_queries, dtype=torch.long)  # padding rows see key 0 only
-    for r, s in enumerate(plan.scheduled):
+    tokens, positions, slots, last = [], [], [], []
+    decodes, prefills = [], []
+    for s in plan.scheduled:
         table = block_tables[s.request.request_id]
-        first = len(tokens)
+        row = (len(tokens), s.start, s.end, slot_ids(table, block_size, 0, s.end))
+        (decodes if s.end - s.start == 1 else prefills).append(row)
         tokens += s.request.token_ids[s.start : s.end]
         positions += range(s.start, s.end)
         slots.append(slot_ids(table, block_size, s.start, s.end))
-        context_slots[r, : s.end] = slot_ids(table, block_size, 0, s.end)
-        n = s.end - s.start
-        query_index[r, :n] = torch.arange(first, first + n)
-        query_position[r, :n] = torch.arange(s.start, s.end)
-        token_request += [r] * n
-        token_query += range(n)
         last.append(len(tokens) - 1)
-    mask = torch.arange(longest_context)[None, None, :] <= query_position[:, :, None]  # causal, per request
+    groups = ([attention_group(decodes, device)] if decodes else []) + [attention_group([p], device) for p in prefills]
     as_tensor = lambda values: torch.tensor(values, device=device)  # noqa: E731
-    return StepInputs(
-        pool=pool, input_ids=as_tensor([tokens]), positions=as_tensor([positions]),
-        slot_mapping=torch.cat(slots).to(device), context_slots=context_slots.to(device),
-        mask=mask.unsqueeze(1).to(device), query_index=query_index.to(device),
-        token_request=as_tensor(token_request), token_query=as_tensor(token_query), last_token=as_tensor(last),
-    )
+    return StepInputs(pool=pool, input_ids=as_tensor([tokens]), positions=as_tensor([positions]),
+                      slot_mapping=torch.cat(slots).to(device), groups=groups, last_token=as_tensor(last))
 
 
 # -----------------------------------------------------------------------------
