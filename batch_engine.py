@@ -20,6 +20,7 @@ other computes in that very step, as in vLLM.
 
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
 import time
@@ -324,6 +325,7 @@ class EngineLoop:
         self._cancelled: list[Request] = []
         self.live: dict[str, Request] = {}  # submitted and not finished, by request id
         self._thread: threading.Thread | None = None
+        self._stopping = False
 
     @property
     def scheduler(self):
@@ -338,11 +340,24 @@ class EngineLoop:
                 raise ValueError(f"request id {request_id!r} is already running; pick another id")
             self.live[request_id] = request
             self._inbox.append(request)
+            if self._stopping:
+                raise RuntimeError("the engine loop has stopped: the process is exiting")
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
                 self._thread.start()
+                atexit.register(self.stop)
             self._wake.notify()
         return request
+
+    def stop(self) -> None:
+        """Let the step that runs finish, then end the thread. Called at exit: a thread
+        killed inside a forward pass aborts the whole process ("terminate called without an
+        active exception"), since torch's C++ frames cannot be unwound under it."""
+        with self._wake:
+            self._stopping = True
+            self._wake.notify()
+        if self._thread is not None:
+            self._thread.join()
 
     def cancel(self, request: Request) -> None:
         with self._wake:
@@ -367,8 +382,10 @@ class EngineLoop:
         scheduler, engine = self.runner.scheduler, self.engine
         while True:
             with self._wake:
-                while not (self._inbox or self._cancelled or scheduler.has_work()):
+                while not (self._inbox or self._cancelled or scheduler.has_work() or self._stopping):
                     self._wake.wait()
+                if self._stopping:
+                    return
                 inbox, self._inbox = list(self._inbox), deque()
                 cancelled, self._cancelled = self._cancelled, []
             with engine.allocator_lock:

@@ -542,7 +542,21 @@ def serve_in_background(app: Flask, host: str = "127.0.0.1", port: int = 0):
     server.shutdown() stops it."""
     app.extensions["server"].settings.allowed_hosts.add(host.lower())
     server = make_server(host, port, app, threaded=True)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    # A thread that touches torch while the interpreter shuts down aborts the process
+    # ("terminate called without an active exception"): a tensor freed there gives up the
+    # GIL and cannot take it back. So the process waits for running requests at exit, and
+    # shutdown() waits for the serving thread, whose last act is to drop its reference to
+    # the server, the app and so the engine, which may be the last one.
+    server.daemon_threads = False
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    stop_serving = server.shutdown
+
+    def shutdown() -> None:
+        stop_serving()
+        thread.join()
+
+    server.shutdown = shutdown
     return f"http://{host}:{server.server_port}", server
 
 
