@@ -158,3 +158,16 @@ def test_a_request_id_waiting_or_running_in_the_loop_is_refused(make_engine):
         engine.stream([1, 2], request_id="lesson")
     stream.close()
     wait_until_idle(engine)
+
+
+def test_the_engine_loop_stops_between_steps_and_takes_nothing_after(make_engine):
+    # At exit the loop must not be killed inside a forward pass (the process would abort):
+    # stop() lets the running step finish and ends the thread; atexit calls it.
+    engine = make_engine(batching=True)
+    before = engine.generate(SHARED, max_tokens=3)
+    engine.loop.stop()
+    assert not engine.loop._thread.is_alive()
+    with pytest.raises(RuntimeError, match="stopped"):
+        engine.generate(SHARED, max_tokens=3)
+    assert before.finish_reason == "length"
+    assert_pool_whole(engine)

@@ -44,6 +44,17 @@ def serve(app):
         server.shutdown()
 
 
+def test_shutdown_waits_for_the_serving_thread(engine):
+    # The serving thread drops the last reference to the app (and the engine's tensors) as it
+    # ends; if that happened while the interpreter shut down, the process would abort.
+    before = set(threading.enumerate())
+    url, server = serve_in_background(create_app(engine))
+    serving = [t for t in threading.enumerate() if t not in before and t.name.endswith("(serve_forever)")]
+    assert len(serving) == 1 and call(url, "/health")[0] == 200
+    server.shutdown()
+    assert not serving[0].is_alive()
+
+
 def call(url: str, path: str, body=None, *, method=None, headers=None, timeout=60) -> tuple[int, dict]:
     """What `curl -s url/path -H 'Content-Type: application/json' -d body` does: (status, parsed
     JSON reply). body: dict or bytes; a body is sent as JSON unless headers say otherwise."""
