@@ -305,6 +305,16 @@ def _check_stop(stop) -> tuple[str, ...]:
     return tuple(stops)
 
 
+def _check_request(max_tokens, temperature, top_p, seed, cache_salt, stop):
+    """The arguments every request takes, checked (ValueError): (SamplingParams, salt, stop)."""
+    params = SamplingParams(max_tokens, temperature, top_p, seed)
+    try:
+        cache_salt = check_cache_salt(cache_salt)
+    except TypeError as err:
+        raise ValueError(str(err)) from None
+    return params, cache_salt, _check_stop(stop)
+
+
 def _held_back(text: str, stop: tuple[str, ...]) -> int:
     """How many characters at the end of `text` could be the start of a stop string.
 
@@ -475,12 +485,7 @@ class Engine:
         """
         from batch_engine import BatchRunner  # it builds on this file, so it is imported when used
 
-        params = SamplingParams(max_tokens, temperature, top_p, seed)
-        try:
-            cache_salt = check_cache_salt(cache_salt)
-        except TypeError as err:
-            raise ValueError(str(err)) from None
-        stop = _check_stop(stop)
+        params, cache_salt, stop = _check_request(max_tokens, temperature, top_p, seed, cache_salt, stop)
         if isinstance(prompts, str) or not isinstance(prompts, Sequence) or not prompts:
             raise ValueError("prompts must be a non-empty list of prompts (str, messages or token ids)")
         all_ids = [self.tokenize(prompt) for prompt in prompts]
@@ -511,12 +516,7 @@ class Engine:
             with finish_reason "stop", and the stop text is not part of it.
         """
         arrival = time.perf_counter()
-        params = SamplingParams(max_tokens, temperature, top_p, seed)
-        try:
-            cache_salt = check_cache_salt(cache_salt)
-        except TypeError as err:
-            raise ValueError(str(err)) from None
-        stop = _check_stop(stop)
+        params, cache_salt, stop = _check_request(max_tokens, temperature, top_p, seed, cache_salt, stop)
         prompt_ids = self.tokenize(prompt)
         self._check_fits(len(prompt_ids), max_tokens)
         if request_id is None:
