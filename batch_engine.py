@@ -1,9 +1,10 @@
 """
 Many requests, one forward pass: the step that runs what scheduler.py plans, on the paged pool.
 
-Read engine.py first (the pool, sampling, one request at a time). There, each request's
-K/V is copied out of the pool into a private DynamicCache. Here nothing is copied: the
-model's attention reads every request's K/V from the pool in place, through its block table.
+Read one_request.py first (stage 7: one request at a time, its cached prefix copied out of
+the pool into a private DynamicCache) and scheduler.py (what runs in the next step). Here
+there is no DynamicCache: in every layer, the model's attention takes each request's K/V
+from the pool through its block table.
 
     1. pool attention    an attention function registered with transformers'
                          AttentionInterface. The model stays an unmodified Hugging Face model;
@@ -12,6 +13,8 @@ model's attention reads every request's K/V from the pool in place, through its 
                          input ids, their positions, the slot each token's K/V goes to, the
                          slots each request attends over, and a mask that keeps requests apart
     3. the batch runner  schedule, run the step, sample a token per request, finish requests
+    4. the engine loop   a thread that steps the runner for callers in other threads
+                         (Engine(batching=True): the server's clients)
 
 In every layer, the step's new K/V are written into their slots first; only then does any
 request attend. So a request admitted in the same step as another can hit the blocks the
@@ -33,14 +36,17 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-from engine import Engine, Generation, SamplingParams, StreamEvent, sample, slot_ids
+from kv_pool import slot_ids
+from outputs import Generation, ReplyBuilder, StreamEvent
+from prefix_caching import OutOfBlocksError
+from sampling import SamplingParams, sample
 from scheduler import FINISHED, Request, Scheduler, StepPlan
 
 # -----------------------------------------------------------------------------
 # 1. Pool attention
 #
-# Registered under its own name; when a forward pass carries no `pool_step` (engine.py's
-# one-request path, or plain model.generate) it is exactly transformers' sdpa.
+# Registered under its own name; when a forward pass carries no `pool_step` (one_request.py's
+# path, or plain model.generate) it is exactly transformers' sdpa.
 
 POOL_ATTENTION = "prefix_caching_pool"
 
@@ -117,7 +123,7 @@ class StepInputs:
                        own, so a 500-token prompt does not pad fifteen decodes to 500 queries
     """
 
-    pool: object  # engine.PagedKVPool
+    pool: object  # kv_pool.PagedKVPool
     input_ids: torch.Tensor  # (1, T)
     positions: torch.Tensor  # (1, T)
     slot_mapping: torch.Tensor  # (T,)
@@ -175,12 +181,15 @@ class _State:
 
     params: SamplingParams
     generator: torch.Generator | None
-    stop: tuple[str, ...]
-    reply: Generation
+    builder: ReplyBuilder  # the reply, and its text as the tokens come (outputs.py)
     arrival: float
     admitted_at: float | None = None
-    new_text: str = ""  # what the last sampled token added to reply.text
+    new_text: str = ""  # what the last sampled token added to the reply's text
     events: queue.SimpleQueue | None = None  # where an EngineLoop sends this request's StreamEvents
+
+    @property
+    def reply(self) -> Generation:
+        return self.builder.reply
 
 
 @dataclass(frozen=True)
@@ -199,14 +208,20 @@ class StepFigures:
 
 
 class BatchRunner:
-    """Runs an Engine's requests together: one forward pass per step for all of them."""
+    """Runs requests together over an engine's model and pool: one forward pass per step for
+    all of them, planned by a Scheduler of its own.
 
-    def __init__(self, engine: Engine, *, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048) -> None:
+    engine: what it runs on (engine.Engine): its model, tokenizer, stop_token_ids, allocator,
+    kv (the PagedKVPool), and its two locks: lock, held for every step, and allocator_lock,
+    held around the allocator's and the scheduler's bookkeeping only.
+    """
+
+    def __init__(self, engine, *, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048) -> None:
         self.engine = engine
         use_pool_attention(engine.model)
         self.scheduler = Scheduler(engine.allocator, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens)
-        self.last_plan: StepPlan | None = None
+        self.last_plan: StepPlan | None = None  # the latest step's plan; None while one is being made
         self.num_steps = 0  # steps that scheduled anything: one forward pass each
         self.last_step: StepFigures | None = None  # the latest of them, maybe running now
 
@@ -216,28 +231,31 @@ class BatchRunner:
         self.scheduler.add(request)
         return request
 
-    @staticmethod
-    def new_request(request_id: str, prompt_ids: list[int], params: SamplingParams, cache_salt: str | None,
+    def new_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams, cache_salt: str | None,
                     stop: tuple[str, ...] = ()) -> Request:
         generator = None if params.seed is None else torch.Generator().manual_seed(params.seed)
-        state = _State(params, generator, stop, Generation(request_id, prompt_tokens=len(prompt_ids)), time.perf_counter())
+        reply = Generation(request_id, prompt_tokens=len(prompt_ids))
+        builder = ReplyBuilder(reply, self.engine.tokenizer, self.engine.stop_token_ids, stop, params.max_tokens)
+        state = _State(params, generator, builder, time.perf_counter())
         return Request(request_id, list(prompt_ids), cache_salt, params.max_tokens, payload=state)
 
     def step(self) -> list[Request]:
-        """Schedule, run one forward pass, sample; returns the requests that finished.
+        """Schedule, run one forward pass, sample; returns the requests that finished (their
+        blocks freed, their replies complete).
 
-        Holds engine.lock for the step (so it never interleaves with engine.stream's steps)
-        and engine.allocator_lock around the allocator's bookkeeping only."""
+        Holds engine.lock for the step (so it never interleaves with another caller's steps)
+        and engine.allocator_lock around the allocator's bookkeeping only. If it raises, the
+        requests of last_plan (all of them, if that is None) are the ones it left half done."""
         engine, scheduler = self.engine, self.scheduler
+        self.last_plan = None
         with engine.lock:
             with engine.allocator_lock:
-                plan = scheduler.schedule()
+                plan = self.last_plan = scheduler.schedule()
                 block_tables = {s.request.request_id: list(engine.allocator.block_tables[s.request.request_id])
                                 for s in plan.scheduled}
                 if plan.scheduled:
                     self.num_steps += 1
                     self.last_step = StepFigures.of(plan)
-            self.last_plan = plan
             if not plan.scheduled:
                 return []
             now = time.perf_counter()
@@ -251,48 +269,47 @@ class BatchRunner:
                     input_ids=inputs.input_ids, position_ids=inputs.positions, use_cache=False,
                     logits_to_keep=inputs.last_token, pool_step=inputs,
                 ).logits[0]  # (requests, vocab)
-            finished = []
-            for row, s in enumerate(plan.scheduled):
-                request = s.request
-                request.num_computed_tokens = s.end
-                if self._sample(request, logits[row]):
-                    with engine.allocator_lock:
-                        scheduler.finish(request)
-                    finished.append(request)
+            for s in plan.scheduled:
+                s.request.num_computed_tokens = s.end  # its K/V are in the pool now
+            # Every request samples before any finishes: a failure in one leaves them all as
+            # they were, for the caller to fail together.
+            finished = [s.request for row, s in enumerate(plan.scheduled) if self._sample(s.request, logits[row])]
+            with engine.allocator_lock:
+                for request in finished:
+                    scheduler.finish(request)
+        end = time.perf_counter()
+        for request in finished:
+            state, reply = request.payload, request.payload.reply
+            reply.total_ms = (end - state.arrival) * 1e3
+            reply.wait_ms = (state.admitted_at - state.arrival) * 1e3
+            reply.num_preemptions = request.num_preemptions
         return finished
 
     def _sample(self, request: Request, logits) -> bool:
-        """Sample the request's next token; whether that finished it."""
-        state, engine = request.payload, self.engine
+        """Sample the request's next token and add it to the reply; whether that finished it."""
+        state = request.payload
         token = sample(logits, state.params, state.generator)
         request.output_ids.append(token)
-        reply = state.reply
-        reply.token_ids = request.output_ids
         if len(request.output_ids) == 1:
-            reply.ttft_ms = (time.perf_counter() - state.arrival) * 1e3
-        state.new_text, hit_stop = engine._new_text(reply, state.stop)
-        if hit_stop or token in engine.stop_token_ids:
-            reply.finish_reason = "stop"
-        elif len(request.output_ids) == state.params.max_tokens:
-            reply.finish_reason = "length"
-        return reply.finish_reason is not None
-
-    def finish_reply(self, request: Request) -> Generation:
-        state = request.payload
-        reply = state.reply
-        if reply.finish_reason != "stop" or not state.stop:
-            state.new_text += self.engine._new_text(reply, state.stop, final=True)[0]  # what was held back
-        reply.cached_tokens = request.num_cached_tokens
-        reply.total_ms = (time.perf_counter() - state.arrival) * 1e3
-        reply.wait_ms = ((state.admitted_at or state.arrival) - state.arrival) * 1e3
-        reply.num_preemptions = request.num_preemptions
-        return reply
+            state.reply.ttft_ms = (time.perf_counter() - state.arrival) * 1e3
+        state.new_text, finish_reason = state.builder.add(token)
+        return finish_reason is not None
 
     def run(self, requests: list[Request]) -> list[Generation]:
-        """Step until every one of `requests` has finished; their replies, in order."""
+        """Step until every one of `requests` has finished; their replies, in order.
+
+        The runner's scheduler sees only its own requests. If a step can run none of them
+        while none runs, the pool is held by someone else (a stream of the same engine): that
+        raises OutOfBlocksError instead of waiting for blocks this runner cannot see freed."""
         while any(r.status != FINISHED for r in requests):
             self.step()
-        return [self.finish_reply(r) for r in requests]
+            plan = self.last_plan
+            if not (plan.scheduled or plan.preempted or self.scheduler.running):
+                raise OutOfBlocksError(
+                    f"the KV pool is held by other requests of this engine ({self.engine.allocator.num_free_blocks} "
+                    f"blocks free): use Engine(batching=True) to queue every caller's requests together"
+                )
+        return [r.payload.reply for r in requests]
 
 
 # -----------------------------------------------------------------------------
@@ -311,13 +328,16 @@ class LoopSnapshot:
 
 
 class EngineLoop:
-    """A thread that owns the model and steps a BatchRunner while any request waits or runs.
+    """A thread that owns the model and steps one BatchRunner while any request waits or runs:
+    the engine's only scheduler, whoever calls.
 
-    Callers (a server's request threads) submit a request and read its StreamEvents from a
-    queue; a caller that gives up cancels it, and its blocks are freed before the next step.
+    Callers (a server's request threads, generate_batch) submit requests and read each one's
+    StreamEvents from a queue; a caller that gives up cancels, and the request's blocks are
+    freed before the next step. A step that fails fails every request in it, with the error
+    as its last event, and the loop goes on with the rest.
     """
 
-    def __init__(self, engine: Engine, **scheduler_options) -> None:
+    def __init__(self, engine, **scheduler_options) -> None:
         self.engine = engine
         self.runner = BatchRunner(engine, **scheduler_options)
         self._wake = threading.Condition()
@@ -331,23 +351,30 @@ class EngineLoop:
     def scheduler(self):
         return self.runner.scheduler
 
-    def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, cache_salt: str | None,
-               stop: tuple[str, ...]) -> Request:
+    def new_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams, cache_salt: str | None,
+                    stop: tuple[str, ...] = ()) -> Request:
         request = self.runner.new_request(request_id, prompt_ids, params, cache_salt, stop)
         request.payload.events = queue.SimpleQueue()
+        return request
+
+    def submit(self, requests: list[Request]) -> None:
+        """Queue `requests` in this order, behind everything submitted before; all of them or,
+        when one is refused, none."""
+        ids = [r.request_id for r in requests]
         with self._wake:
-            if request_id in self.live:
-                raise ValueError(f"request id {request_id!r} is already running; pick another id")
-            self.live[request_id] = request
-            self._inbox.append(request)
             if self._stopping:
                 raise RuntimeError("the engine loop has stopped: the process is exiting")
+            taken = sorted({i for i in ids if i in self.live or ids.count(i) > 1})
+            if taken:
+                raise ValueError(f"request id {taken[0]!r} is already running; pick another id")
+            for request in requests:
+                self.live[request.request_id] = request
+                self._inbox.append(request)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
                 self._thread.start()
                 atexit.register(self.stop)
             self._wake.notify()
-        return request
 
     def stop(self) -> None:
         """Let the step that runs finish, then end the thread. Called at exit: a thread
@@ -396,23 +423,29 @@ class EngineLoop:
                         scheduler.finish(request)
                         self._forget(request)
             try:
-                finished = self.runner.step()
-            except Exception as err:  # the step failed: every request in it fails, nothing leaks
-                with engine.allocator_lock:
-                    for request in list(scheduler.running) + list(scheduler.waiting):
-                        scheduler.finish(request)
-                        request.payload.events.put(err)
-                        self._forget(request)
+                finished = set(self.runner.step())
+            except Exception as err:
+                self._fail(err)
                 continue
-            done = set(finished)
             for s in self.runner.last_plan.scheduled:
                 request, state = s.request, s.request.payload
-                if request in done:
-                    reply = self.runner.finish_reply(request)  # after its blocks were freed
+                if request in finished:
                     self._forget(request)
-                    state.events.put(StreamEvent(request.output_ids[-1], state.new_text, reply.finish_reason, reply))
-                else:
-                    state.events.put(StreamEvent(request.output_ids[-1], state.new_text, None, state.reply))
+                event = StreamEvent(request.output_ids[-1], state.new_text, state.reply.finish_reason, state.reply)
+                state.events.put(event)
+
+    def _fail(self, err: Exception) -> None:
+        """The step raised: every request in it (finished in it or not) ends with the error,
+        its blocks freed; requests that were not in it go on."""
+        scheduler, plan = self.runner.scheduler, self.runner.last_plan
+        failed = [s.request for s in plan.scheduled] if plan else [*scheduler.running, *scheduler.waiting]
+        with self.engine.allocator_lock:
+            for request in failed:
+                if request.status != FINISHED:
+                    scheduler.finish(request)
+        for request in failed:
+            self._forget(request)
+            request.payload.events.put(err)
 
     def snapshot(self) -> LoopSnapshot:
         """Who runs, who waits, and the steps so far, read without waiting for a forward pass:

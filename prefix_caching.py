@@ -12,19 +12,27 @@ is its bookkeeping, built in the order the ideas depend on each other:
     3. the allocator      PrefixCachingAllocator.allocate_with_prefix (lookup, room, touch,
                           take, cache), append_token, free; touch and evict by name
 
-It is pure Python: no torch, no model. The rest of the course, in reading order:
+It is pure Python: no torch, no model. The rest of the course, in reading order (each file
+imports only files above it in this list):
 
     walkthrough.py    rich views of the state, and the design doc's example replayed
     model_loader.py   the offline default model (SmolLM2-135M-Instruct) or any HF model
-    engine.py         the paged KV pool the block ids point into, and Engine: gather the
-                      cached prefix into past_key_values, run the model on the rest only
+    kv_pool.py        PagedKVPool: the K/V memory the block ids point into
+    sampling.py       SamplingParams and sample
+    outputs.py        Generation, StreamEvent, and the one finisher of reply text (stop
+                      strings, EOS, held-back text) that every path goes through
+    one_request.py    stage 7: one request at a time, the cached prefix gathered into
+                      past_key_values, the model run on the rest only
+    scheduler.py      stage 8: a waiting queue, a running list, admission within a token
+                      budget and the pool, preemption when a decode finds no block
+    batch_engine.py   stage 8: one forward pass per step for every running request, and the
+                      engine loop that serves many callers with one scheduler
+    engine.py         Engine: the model, the allocator and the pool, every argument checked,
+                      and the request handed to one_request.py or batch_engine.py
     demo.py           one long system prompt, several questions, measured
-    scheduler.py      many requests: a waiting queue, a running list, admission within a
-                      token budget and the pool, preemption when a decode finds no block
-    batch_engine.py   one forward pass per step for every running request; attention reads
-                      their K/V from the pool in place (Engine(batching=True), generate_batch)
+    server_requests.py  what a client sends, read and checked
     server.py         the class server: /generate and OpenAI's routes over one Engine
-                      (server_requests.py reads and checks what a client sends)
+    cli.py            the command line of `python prefix_caching.py`, running the modes above
 
 References:
     vLLM v1 design doc, "Automatic Prefix Caching"
@@ -44,9 +52,7 @@ Run:
 
 from __future__ import annotations
 
-import argparse
 import hashlib
-import importlib
 import json
 from array import array
 from dataclasses import dataclass, field
@@ -130,7 +136,6 @@ def check_cache_salt(cache_salt) -> str | None:
     bad = [c for c in _FORBIDDEN_IN_SALT if c in cache_salt]
     if bad:
         raise ValueError(f"cache_salt must not contain {bad[0]!r} (nor any of '@', '/', '\\', NUL)")
-    check_text(cache_salt, "cache_salt")
     return cache_salt
 
 
@@ -718,62 +723,9 @@ class PrefixCachingAllocator:
                 assert self.blocks[block_id].token_ids == expected, f"{request_id}: block {block_id} content"
 
 
-# -----------------------------------------------------------------------------
-# Command line, and the names that live in the other files
-
-
-BENCHMARKS = ("allocator", "ttft", "throughput", "server_load")
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog="\n\n".join(__doc__.split("\n\n")[-2:]),
-                                     formatter_class=argparse.RawDescriptionHelpFormatter, add_help=False)
-    parser.add_argument("-h", "--help", action="store_true", help="this help; after a mode, that mode's flags")
-    mode = parser.add_mutually_exclusive_group()
-    mode.add_argument("--walkthrough", action="store_true", help="replay the vLLM design doc's worked example")
-    mode.add_argument("--demo", action="store_true", help="a real model answering questions behind one long system prompt")
-    mode.add_argument("--bench", choices=BENCHMARKS, help="run a benchmark; the flags after it are the benchmark's")
-    args, rest = parser.parse_known_args(argv)
-    if args.help and (args.demo or args.bench):
-        rest.append("--help")  # the mode's own parser lists its flags
-    if args.bench:
-        importlib.import_module(f"benchmarks.{args.bench}").main(rest)
-    elif args.demo:
-        import demo
-        from engine import add_model_arguments
-
-        demo_parser = argparse.ArgumentParser(prog="prefix_caching.py --demo", description=demo.__doc__.strip().split("\n")[0])
-        demo_parser.add_argument("--no-cache", action="store_true", help="the same requests with prefix caching off")
-        add_model_arguments(demo_parser)
-        demo.run_demo(demo_parser.parse_args(rest))
-    elif args.help:
-        parser.print_help()
-    elif rest or not args.walkthrough:
-        parser.error(f"unrecognized arguments: {' '.join(rest)}" if rest else "choose --walkthrough, --demo or --bench NAME")
-    else:
-        from walkthrough import walkthrough
-
-        walkthrough()
-
-
-# `from prefix_caching import Engine` keeps working: the model side is imported (with torch)
-# only when one of its names is first asked for.
-_ELSEWHERE = {
-    "engine": ("Engine", "Generation", "StreamEvent", "SamplingParams", "PagedKVPool", "sample",
-               "add_model_arguments", "pool_arguments", "DEFAULT_KV_MEMORY_GB"),
-    "model_loader": ("DEFAULT_MODEL", "load_model", "default_model_dir"),
-    "demo": ("run_demo", "DEMO_SYSTEM_PROMPT", "DEMO_QUESTIONS", "DEMO_MAX_TOKENS"),
-    "walkthrough": ("walkthrough", "design_doc_example", "render_block_table", "render_free_queue",
-                    "render_cache_map", "render_stats", "render_pool"),
-}
-
-
-def __getattr__(name: str):
-    for module, names in _ELSEWHERE.items():
-        if name in names:
-            return getattr(importlib.import_module(module), name)
-    raise AttributeError(f"module 'prefix_caching' has no attribute {name!r}")
-
-
 if __name__ == "__main__":
+    # The modes (the walkthrough, the demo, the benchmarks) are built on this file, so the
+    # command line that runs them lives above it, in cli.py.
+    from cli import main
+
     main()

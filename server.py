@@ -61,8 +61,10 @@ from flask import Blueprint, Flask, Response, current_app, request
 from werkzeug.exceptions import HTTPException
 from werkzeug.serving import make_server
 
-from batch_engine import LoopSnapshot
-from engine import Engine, Generation, StreamEvent, add_model_arguments, pool_arguments, positive_int
+from engine import (
+    DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, Engine, Generation, StreamEvent, add_model_arguments,
+    pool_arguments, positive_int,
+)
 from model_loader import DEFAULT_MODEL
 from prefix_caching import KVCacheBlock, OutOfBlocksError, short_hash
 from server_requests import (
@@ -72,7 +74,6 @@ from server_requests import (
 )
 
 log = logging.getLogger("server")
-ENGINE_DEFAULTS = Engine.__init__.__kwdefaults__  # what Engine(...) takes when a flag is left out
 
 # -----------------------------------------------------------------------------
 # 1. Running a request, and the OpenAI shapes of its reply
@@ -211,8 +212,6 @@ def stream_response(events: Iterator[StreamEvent], first: StreamEvent, request_i
 # and the scheduler's bookkeeping, never across a forward pass: /health answers while a long
 # prefill runs.
 
-NO_STEPS_YET = LoopSnapshot(running=[], waiting=[], num_preemptions=0, num_steps=0, last_step=None)
-
 
 @dataclass
 class TenantCounters:
@@ -247,13 +246,6 @@ class ServerState:
             counters.queried_tokens += gen.prompt_tokens
             counters.hit_tokens += gen.cached_tokens
 
-    def loop_snapshot(self) -> LoopSnapshot | None:
-        """The batching engine's queues and steps; None for an engine that does not batch."""
-        if not self.engine.batching:
-            return None
-        loop = self.engine.loop  # started by the first request
-        return NO_STEPS_YET if loop is None else loop.snapshot()
-
     def figures(self, tenant: str | None) -> dict:
         """What /health reports to `tenant`."""
         engine, alloc = self.engine, self.engine.allocator
@@ -267,7 +259,7 @@ class ServerState:
                 "running_requests": len(alloc.block_tables),
             }
             counters = alloc.stats.as_dict()
-            loop = self.loop_snapshot()  # under the same hold: its running requests are these
+            loop = engine.snapshot()  # under the same hold: its running requests are these
         if loop is not None:
             last = loop.last_step
             pool |= {
@@ -296,7 +288,7 @@ class ServerState:
             free_queue = alloc.free_queue.block_ids()  # head (evicted first) -> tail
             tables = {rid: list(table) for rid, table in alloc.block_tables.items()}
             snap = self.figures(tenant)
-            loop = self.loop_snapshot()
+            loop = self.engine.snapshot()
         snap["blocks"] = [self.block_view(block, tenant) for block in blocks]
         snap["free_queue"] = free_queue
         # A request's blocks all carry its salt: the first one tells whose request it is.
@@ -573,10 +565,10 @@ def main(argv: list[str] | None = None) -> None:
     add_model_arguments(parser)  # --model, --device, --dtype, --block-size, --num-blocks
     batching = parser.add_argument_group("batching (the engine loop of batch_engine.py; vLLM's flags of the same names)")
     batching.add_argument("--max-num-seqs", type=positive_int, default=None,
-                          help=f"requests running in one step at most (default: {ENGINE_DEFAULTS['max_num_seqs']})")
+                          help=f"requests running in one step at most (default: {DEFAULT_MAX_NUM_SEQS})")
     batching.add_argument("--max-num-batched-tokens", type=positive_int, default=None,
                           help=f"tokens one step computes at most; a longer prompt runs in a step of its own "
-                               f"(default: {ENGINE_DEFAULTS['max_num_batched_tokens']})")
+                               f"(default: {DEFAULT_MAX_NUM_BATCHED_TOKENS})")
     batching.add_argument("--no-batching", action="store_true",
                           help="one request's step at a time, as stage 7's engine runs it; a full pool answers 503")
     parser.add_argument("--salt-by-api-key", action="store_true", help="isolate each bearer token's cache")

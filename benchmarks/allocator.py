@@ -17,7 +17,7 @@
 
 Timings are the best of several repeats (the least disturbed by other work on the machine).
 The two figures with a target get a verdict; a miss says whether the machine was busy
-(lessons/measure.py: the repeats of one measurement far apart) or what else can explain it.
+(benchmarks/measure.py: the repeats of one measurement far apart) or what else can explain it.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import random
 import time
 
 from benchmarks import save_json
-from lessons.measure import Runs, busy_note
+from benchmarks.measure import Runs, busy_note
 from prefix_caching import FreeKVCacheBlockQueue, PrefixCachingAllocator, compute_block_hashes
 
 BLOCK_SIZE = 16

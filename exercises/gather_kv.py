@@ -12,7 +12,7 @@ tokens in prompt order. Token p of the prompt sits in block block_ids[p // block
 slot p % block_size: the block table can point anywhere in the pool, in any order.
 
 The constructor, write() (the opposite copy: a cache's K/V into the pool) and the rest come
-from the reference pool, engine.PagedKVPool (engine.py, section "The paged KV pool"). Write
+from the reference pool, kv_pool.PagedKVPool (kv_pool.py). Write
 the two parts marked TODO, with tensor operations only: no Python loop over tokens or blocks
 (a real prefix has thousands of tokens in hundreds of blocks, and one index picks them all). A test counts the tensor operations of a 1-block and a 12-block
 gather: they must be as many.
@@ -25,10 +25,10 @@ pass, and an engine running on your gather replies exactly what model.generate d
 
 from transformers import DynamicCache
 
-import engine
+import kv_pool
 
 
-class PagedKVPool(engine.PagedKVPool):
+class PagedKVPool(kv_pool.PagedKVPool):
     def gather(self, block_ids: list[int], config):
         """A fresh DynamicCache holding the K/V of `block_ids`, in order. No blocks (a cold
         request) give a cache of 0 tokens."""

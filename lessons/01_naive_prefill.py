@@ -31,7 +31,7 @@ from rich.table import Table
 
 import models
 from demo import DEMO_SYSTEM_PROMPT
-from measure import Runs, TokenCounter, conclusion
+from benchmarks.measure import Runs, TokenCounter, conclusion
 from reading import show_code
 
 QUESTION = [{"role": "user", "content": "What does the processor of a computer do?"}]

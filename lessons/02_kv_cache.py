@@ -36,8 +36,8 @@ from rich.table import Table
 from transformers import DynamicCache
 
 import models
-from engine import PagedKVPool
-from measure import Runs, TokenCounter, busy_note, conclusion, how_much_faster
+from kv_pool import PagedKVPool
+from benchmarks.measure import Runs, TokenCounter, busy_note, conclusion, how_much_faster
 from reading import show_code
 
 stage_1 = importlib.import_module("01_naive_prefill")  # a file name starting with a digit needs importlib

@@ -14,8 +14,8 @@ a request runs like this:
 
 New in this stage (marked # NEW): the gather and write between the allocator and the model.
 
-Read: engine.py, sections 1 and 3: PagedKVPool.gather and .write, Engine._run (printed when
-      the stage starts).
+Read: kv_pool.py (PagedKVPool.gather and .write) and one_request.py (run_request), printed
+      when the stage starts; engine.py's Engine checks a request and hands it to run_request.
 
 Run:  python lessons/07_real_model.py            (SmolLM2-135M on a 2-core CPU: 25-90 s)
       python lessons/07_real_model.py --tiny     (a random 2-layer model: a few seconds)
@@ -33,8 +33,11 @@ from rich.table import Table
 
 import models
 from demo import DEMO_QUESTIONS, DEMO_SYSTEM_PROMPT
-from engine import Engine, Generation, PagedKVPool
-from measure import Runs, TokenCounter, conclusion, how_much_faster
+from engine import Engine
+from kv_pool import PagedKVPool
+from one_request import run_request
+from outputs import Generation
+from benchmarks.measure import Runs, TokenCounter, conclusion, how_much_faster
 from reading import show_code
 
 SYSTEM = {"role": "system", "content": DEMO_SYSTEM_PROMPT}
@@ -146,7 +149,7 @@ def show_one_gather(console: Console, engine: Engine, prompt_ids: list[int]) -> 
 def main(argv: list[str] | None = None) -> None:
     args = models.parse_args("Stage 7: prefix caching on a real model, cold vs warm", argv, engine=True)
     console = Console()
-    show_code(console, PagedKVPool.gather, PagedKVPool.write, Engine._run)
+    show_code(console, PagedKVPool.gather, PagedKVPool.write, run_request)
     engine = models.make_engine(args)
     console.print(models.describe(engine.model, args))
     console.print(str(engine.kv))

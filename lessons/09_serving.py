@@ -35,7 +35,7 @@ from rich.rule import Rule
 from rich.table import Table
 
 import models
-from prefix_caching import DEMO_QUESTIONS, DEMO_SYSTEM_PROMPT
+from demo import DEMO_QUESTIONS, DEMO_SYSTEM_PROMPT
 from server import create_app, serve_in_background
 from server_requests import JSON_HEADER
 

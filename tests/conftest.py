@@ -1,5 +1,6 @@
-"""Fixtures for the engine tests: a tiny random Llama built in a second, the real default
-model, and the rule every engine test ends with: the KV pool is whole again."""
+"""Fixtures: a tiny random Llama built in a second, the real default model, engines over them
+(every one checked at teardown: the KV pool is whole again), and the class server on a real
+port over the tiny model. Helpers the test files share are in helpers.py."""
 
 import sys
 from pathlib import Path
@@ -8,19 +9,12 @@ import pytest
 from transformers import AutoTokenizer
 
 from engine import Engine
+from helpers import MODEL, assert_pool_whole, serve, wait_until_idle
 from model_loader import default_model_dir
+from server import create_app
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lessons"))  # the lessons' helper modules
 from models import tiny_llama  # noqa: E402  (what a stage's --tiny runs is what the tests check)
-
-
-def assert_pool_whole(engine: Engine) -> None:
-    """No request holds a block: every block free, every ref count 0, the allocator consistent."""
-    alloc = engine.allocator
-    assert alloc.block_tables == {}, f"requests still hold blocks: {alloc.block_tables}"
-    assert alloc.num_free_blocks == alloc.num_blocks
-    assert all(alloc.ref_count(b) == 0 for b in range(alloc.num_blocks))
-    alloc.check_invariants()
 
 
 @pytest.fixture(scope="session")
@@ -59,6 +53,8 @@ def make_engine(tiny_model, tokenizer):
 
     yield make
     for engine in engines:
+        if engine.loop is not None:
+            wait_until_idle(engine)  # a cancelled request is freed by the loop moments later
         assert_pool_whole(engine)
 
 
@@ -72,3 +68,33 @@ def smollm(smollm_session):
     """The real default model, shared by the tests that use it; the pool is checked after each."""
     yield smollm_session
     assert_pool_whole(smollm_session)
+
+
+# --- the server, as python server.py runs it: the batching engine --------------------------------
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model, tokenizer):
+    """The server's engine for a test module: batching, as python server.py's default; block
+    size 4 so blocks fill fast, 64 blocks (256 tokens). A module may define its own."""
+    return Engine(model=tiny_model, tokenizer=tokenizer, block_size=4, num_blocks=64, batching=True)
+
+
+@pytest.fixture(scope="module")
+def url(engine):
+    with serve(create_app(engine, model_name=MODEL, max_tokens_limit=300)) as base_url:
+        yield base_url
+
+
+@pytest.fixture(autouse=True)
+def fresh_pool(request):
+    """Each test that uses the module's server engine starts with an empty cache and leaves
+    every block free."""
+    if "engine" not in request.fixturenames:
+        yield
+        return
+    engine = request.getfixturevalue("engine")
+    wait_until_idle(engine)
+    assert engine.allocator.reset_prefix_cache()
+    yield
+    wait_until_idle(engine)

@@ -7,9 +7,8 @@ import time
 import pytest
 
 from batch_engine import BatchRunner
-from conftest import assert_pool_whole
-from engine import SamplingParams
-from test_engine import EmbeddingCounter, hf_greedy
+from helpers import EmbeddingCounter, assert_pool_whole, hf_greedy
+from sampling import SamplingParams
 
 SHARED = list(range(300, 330))  # 30 tokens: 7 full blocks of 4 and a partial one
 MIXED = [SHARED + [40], SHARED + [41, 42, 43, 44, 45], [7], list(range(500, 523)), SHARED[:9], [8, 9]]

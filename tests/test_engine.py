@@ -8,9 +8,12 @@ full forward pass. Most tests use the tiny random model of conftest.py, in float
 import pytest
 import torch
 
-from conftest import assert_pool_whole
-from engine import Engine, PagedKVPool, SamplingParams, sample
+import one_request
+from engine import Engine
+from helpers import EmbeddingCounter, assert_pool_whole, hf_greedy
+from kv_pool import PagedKVPool
 from prefix_caching import OutOfBlocksError
+from sampling import SamplingParams, sample
 
 PROMPTS = {
     "token ids": list(range(100, 123)),  # 23 tokens: 5 full blocks of 4 and a partial one
@@ -20,27 +23,6 @@ PROMPTS = {
         {"role": "user", "content": "Why reuse the KV cache?"},
     ],
 }
-
-
-def hf_greedy(model, prompt_ids: list[int], max_tokens: int) -> list[int]:
-    """What plain Hugging Face generates, greedy, on the whole prompt."""
-    input_ids = torch.tensor([prompt_ids])
-    out = model.generate(
-        input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
-        max_new_tokens=max_tokens, pad_token_id=model.generation_config.pad_token_id,
-    )
-    return out[0, len(prompt_ids) :].tolist()
-
-
-class EmbeddingCounter:
-    """Counts the tokens the model embeds: the tokens it actually computes."""
-
-    def __init__(self, model):
-        self.count = 0
-        self.handle = model.get_input_embeddings().register_forward_hook(self.hook)
-
-    def hook(self, module, args, output):
-        self.count += args[0].numel()
 
 
 # --- exactness against the oracle ----------------------------------------------------------
@@ -274,6 +256,7 @@ def test_engine_shapes_its_pool_from_the_model(make_engine):
         ("hi", {"cache_salt": 123}, "cache_salt"),
         ("hi", {"cache_salt": "x" * 129}, "at most 128"),
         ("hi", {"cache_salt": "a/b"}, "'/'"),
+        ("hi", {"cache_salt": "\ud800"}, "surrogate"),
         ("hi", {"request_id": 123}, "request_id"),
         ("hi", {"request_id": ""}, "request_id"),
         ("hi", {"stop": 5}, "stop"),
@@ -358,15 +341,15 @@ def test_a_full_pool_raises_out_of_blocks_and_nothing_leaks(make_engine):
 def test_a_request_failing_midway_frees_its_blocks_and_caches_no_unwritten_slot(make_engine, monkeypatch, fail_at_call):
     engine = make_engine()
     prompt = list(range(100, 114))  # 14 tokens: 3 full blocks; the 4th fills while decoding
-    real_forward, calls = engine._forward, []
+    real_forward, calls = one_request.forward, []
 
-    def flaky_forward(token_ids, cache):
+    def flaky_forward(model, token_ids, cache):
         calls.append(len(token_ids))
         if len(calls) == fail_at_call:
             raise RuntimeError("the GPU fell over")
-        return real_forward(token_ids, cache)
+        return real_forward(model, token_ids, cache)
 
-    monkeypatch.setattr(engine, "_forward", flaky_forward)
+    monkeypatch.setattr(one_request, "forward", flaky_forward)
     with pytest.raises(RuntimeError, match="fell over"):
         engine.generate(prompt, max_tokens=8)
     assert_pool_whole(engine)

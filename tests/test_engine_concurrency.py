@@ -9,7 +9,8 @@ finds it.
 import sys
 import threading
 
-from conftest import assert_pool_whole
+import one_request
+from helpers import assert_pool_whole
 
 SHARED = list(range(300, 316))  # 4 full blocks of 4, new to every engine these tests make
 
@@ -116,19 +117,19 @@ def test_closing_a_stream_while_holding_the_lock_does_not_deadlock(make_engine):
     assert_pool_whole(engine)
 
 
-def test_the_allocator_can_be_read_while_a_forward_pass_runs(make_engine):
+def test_the_allocator_can_be_read_while_a_forward_pass_runs(make_engine, monkeypatch):
     """engine.allocator_lock is never held across a forward pass: a server's /health reads
     the allocator in microseconds even during a long prefill."""
     engine = make_engine()
     in_forward, release = threading.Event(), threading.Event()
-    real_forward = engine._forward
+    real_forward = one_request.forward
 
-    def slow_forward(token_ids, past_key_values):
+    def slow_forward(model, token_ids, past_key_values):
         in_forward.set()
         assert release.wait(timeout=30)
-        return real_forward(token_ids, past_key_values)
+        return real_forward(model, token_ids, past_key_values)
 
-    engine._forward = slow_forward
+    monkeypatch.setattr(one_request, "forward", slow_forward)
     worker = threading.Thread(target=lambda: engine.generate(SHARED + [5], max_tokens=2))
     worker.start()
     try:

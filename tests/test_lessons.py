@@ -15,7 +15,7 @@ LESSONS = ROOT / "lessons"
 sys.path.insert(0, str(LESSONS))  # the lessons' helper modules: workloads, radix_tree, words, figures, models
 
 STAGES = sorted(LESSONS.glob("[0-9][0-9]_*.py"))
-HELPERS = ["workloads", "radix_tree", "words", "models", "reading", "measure", "batch_views"]
+HELPERS = ["workloads", "radix_tree", "words", "models", "reading", "benchmarks.measure", "batch_views"]
 
 # Flags a stage needs to run fast in the test suite (e.g. a tiny model); none means none.
 FLAGS: dict[str, list[str]] = {
@@ -186,11 +186,11 @@ def test_figures_command_writes_small_pngs(tmp_path):
         assert (ROOT / "assets" / name).exists(), f"assets/{name} is missing: run python lessons/figures.py"
 
 
-# --- counts first, times worded from what was measured (lessons/measure.py) ----------------------
+# --- counts first, times worded from what was measured (benchmarks/measure.py) ----------------------
 
 
 def test_a_slower_warm_run_is_never_called_faster():
-    from measure import Runs, conclusion, how_much_faster
+    from benchmarks.measure import Runs, conclusion, how_much_faster
 
     cold, warm = Runs([1579.0]), Runs([5317.0])  # seen on a busy 2-core machine
     assert "faster" not in how_much_faster(warm, cold).replace("not faster", "")
@@ -202,7 +202,7 @@ def test_a_slower_warm_run_is_never_called_faster():
 
 
 def test_a_claim_is_printed_when_the_numbers_show_it_and_flagged_when_the_runs_disagree():
-    from measure import Runs, conclusion
+    from benchmarks.measure import Runs, conclusion
 
     quiet = conclusion("Warm beat cold.", Runs([100.0, 104.0, 98.0]), Runs([800.0, 812.0, 790.0]))
     assert quiet == "Warm beat cold."
@@ -212,7 +212,7 @@ def test_a_claim_is_printed_when_the_numbers_show_it_and_flagged_when_the_runs_d
 
 
 def test_the_busy_rule_ignores_a_few_ms_between_short_runs():
-    from measure import Runs, busy_note
+    from benchmarks.measure import Runs, busy_note
 
     assert busy_note(Runs([16.0, 24.0, 18.0])) == ""  # 1.5x, but 8 ms: timer and memory noise
     assert "differed by up to 1.5x" in busy_note(Runs([160.0, 240.0, 180.0]))
@@ -220,7 +220,7 @@ def test_the_busy_rule_ignores_a_few_ms_between_short_runs():
 
 def test_the_token_counter_counts_what_the_model_embeds(tiny_model):
     import torch
-    from measure import TokenCounter
+    from benchmarks.measure import TokenCounter
 
     with TokenCounter(tiny_model.get_input_embeddings()) as embedded, torch.inference_mode():
         tiny_model(torch.tensor([[1, 2, 3, 4, 5]]))

@@ -1,14 +1,15 @@
 """The server's spec. Every test talks to a real server on a real port (werkzeug's, on
 127.0.0.1, port picked by the OS) around a real Engine over conftest's tiny random model:
 curl-style requests, the official openai client, bad input, clients that leave, concurrent
-clients, on the engine of --no-batching. The batching engine behind the server is in
+clients, on the server's default engine (batching; conftest's engine and url fixtures), and
+on the one-request engine of --no-batching where the two differ (a full pool: 503 there,
+a wait here). What only batching shows (the queue, preemption, shared steps) is in
 test_server_batching.py; tenants, keys and the network rules in test_server_security.py;
 how a request body is read, without HTTP, in test_server_requests.py.
 Every test ends with the pool whole: no request holds a block, every ref count is 0.
 """
 
 import concurrent.futures
-import contextlib
 import http.client
 import json
 import logging
@@ -25,23 +26,9 @@ from pathlib import Path
 import openai
 import pytest
 
-from conftest import assert_pool_whole
-from prefix_caching import Engine
+from engine import Engine
+from helpers import CHAT, MODEL, SYSTEM, call, client, raw_request, serve, wait_for_log, wait_until_idle
 from server import create_app, serve_in_background
-
-MODEL = "tiny-llama"
-SYSTEM = "You are a patient teacher. Answer every question in one short sentence. "
-CHAT = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What is a KV cache?"}]
-
-
-@contextlib.contextmanager
-def serve(app):
-    """Run `app` on a free port of 127.0.0.1 in a daemon thread; yields its base URL."""
-    url, server = serve_in_background(app)
-    try:
-        yield url
-    finally:
-        server.shutdown()
 
 
 def test_shutdown_waits_for_the_serving_thread(engine):
@@ -53,78 +40,6 @@ def test_shutdown_waits_for_the_serving_thread(engine):
     assert len(serving) == 1 and call(url, "/health")[0] == 200
     server.shutdown()
     assert not serving[0].is_alive()
-
-
-def call(url: str, path: str, body=None, *, method=None, headers=None, timeout=60) -> tuple[int, dict]:
-    """What `curl -s url/path -H 'Content-Type: application/json' -d body` does: (status, parsed
-    JSON reply). body: dict or bytes; a body is sent as JSON unless headers say otherwise."""
-    data = body if body is None or isinstance(body, bytes) else json.dumps(body).encode()
-    headers = ({"Content-Type": "application/json"} if data is not None else {}) | (headers or {})
-    req = urllib.request.Request(url + path, data=data, method=method, headers=headers)
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as err:
-        return err.code, json.loads(err.read())
-
-
-def raw_request(url: str, head: list[str], body: bytes = b"") -> socket.socket:
-    """Send a request byte for byte (the request line and headers in `head`), as no polite
-    client would: a chunked body, a control character in the path, a hang-up. Returns the
-    open socket."""
-    host, port = url.removeprefix("http://").split(":")
-    sock = socket.create_connection((host, int(port)), timeout=30)
-    sock.sendall("\r\n".join(head).encode() + b"\r\n\r\n" + body)
-    return sock
-
-
-def wait_for_log(caplog, words: str, timeout: float = 20.0) -> str:
-    """The first log message holding `words`; a server thread may write it a moment later."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        found = [r.getMessage() for r in caplog.records if words in r.getMessage()]
-        if found:
-            return found[0]
-        time.sleep(0.02)
-    raise AssertionError(f"no log line with {words!r} in {timeout} s")
-
-
-def wait_until_idle(engine: Engine, timeout: float = 20.0) -> None:
-    """A stream the client abandoned is freed by the server thread moments later."""
-    deadline = time.monotonic() + timeout
-    while engine.allocator.block_tables and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert_pool_whole(engine)
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_model, tokenizer):
-    """One engine for the module: block size 4 so blocks fill fast, 64 blocks (256 tokens).
-    The one-request-at-a-time engine of --no-batching; test_server_batching.py serves the
-    batching one, python server.py's default."""
-    return Engine(model=tiny_model, tokenizer=tokenizer, block_size=4, num_blocks=64)
-
-
-@pytest.fixture(scope="module")
-def url(engine):
-    with serve(create_app(engine, model_name=MODEL, max_tokens_limit=300)) as base_url:
-        yield base_url
-
-
-@pytest.fixture(autouse=True)
-def fresh_pool(request):
-    """Each test starts with an empty cache and must leave every block free."""
-    if "engine" not in request.fixturenames:
-        yield
-        return
-    engine = request.getfixturevalue("engine")
-    assert engine.allocator.reset_prefix_cache()
-    yield
-    wait_until_idle(engine)
-
-
-def client(url: str, api_key: str = "unused") -> openai.OpenAI:
-    return openai.OpenAI(base_url=url + "/v1", api_key=api_key, max_retries=0)
 
 
 # --- /generate, /health, /cache, /reset_prefix_cache: what the lessons curl ---------------------

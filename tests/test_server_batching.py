@@ -20,10 +20,9 @@ import time
 import pytest
 
 from batch_engine import EngineLoop
-from conftest import assert_pool_whole
-from prefix_caching import Engine
+from engine import Engine
+from helpers import MODEL, SYSTEM, call, client, raw_request, serve, wait_for_log, wait_until_idle
 from server import create_app
-from test_server import MODEL, SYSTEM, call, client, raw_request, serve, wait_for_log
 
 ALICE, BOB = {"Authorization": "Bearer alice-key"}, {"Authorization": "Bearer bob-key"}
 
@@ -49,29 +48,6 @@ def alone(tiny_model, tokenizer):
     """The one-request-at-a-time engine on the same model: what a request gets alone."""
     one = Engine(model=tiny_model, tokenizer=tokenizer, block_size=4, num_blocks=256)
     return lambda prompt, max_tokens: one.generate(prompt, max_tokens=max_tokens)
-
-
-def wait_until_idle(engine: Engine, timeout: float = 30.0) -> None:
-    """Every request finished or cancelled, every block back; the loop frees a cancelled
-    request before its next step, moments after its client left."""
-    deadline = time.monotonic() + timeout
-    while (engine.allocator.block_tables or (engine.loop and engine.loop.live)) and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert engine.loop is None or engine.loop.live == {}
-    assert_pool_whole(engine)
-
-
-@pytest.fixture(autouse=True)
-def fresh_pool(request):
-    """Each test that uses the module's engine starts with an empty cache and leaves it idle."""
-    if "engine" not in request.fixturenames:
-        yield
-        return
-    engine = request.getfixturevalue("engine")
-    wait_until_idle(engine)
-    assert engine.allocator.reset_prefix_cache()
-    yield
-    wait_until_idle(engine)
 
 
 def health_when(url: str, ready, headers=None, timeout: float = 30.0) -> dict:
@@ -187,7 +163,8 @@ def test_a_request_that_could_never_fit_is_refused_at_once(tiny_model, tokenizer
     with serve(create_app(engine, model_name=MODEL)) as url:
         got, reply = call(url, "/generate", {"prompt": list(range(100, 170)), "max_tokens": 4})
         assert got == 400 and "whole KV pool has 64" in reply["error"]["message"]
-        assert engine.loop is None and engine.allocator.stats.requests == 0  # it never reached the queue
+        assert engine.snapshot().num_steps == 0 and engine.allocator.stats.requests == 0  # it never reached the queue
+        assert engine.loop.live == {}
 
 
 # --- clients that leave ------------------------------------------------------------------------

@@ -10,10 +10,9 @@ import shutil
 
 import pytest
 
-from conftest import assert_pool_whole
-from prefix_caching import Engine
+from engine import Engine
 from server import create_app
-from test_server import SYSTEM, call, serve
+from helpers import SYSTEM, assert_pool_whole, call, serve
 
 sync_api = pytest.importorskip("playwright.sync_api")
 

@@ -1,6 +1,7 @@
 """What the server shows to whom, and what it refuses from the network: tenants on /cache and
 /health, API keys, the admin key, Content-Type, the Host header, the log. Real servers on
-127.0.0.1 around conftest's tiny random model, as in test_server.py, whose helpers these use.
+127.0.0.1 around conftest's tiny random model (its engine and url fixtures: the batching
+engine, as python server.py runs it).
 """
 
 import hashlib
@@ -10,10 +11,8 @@ import logging
 import openai
 import pytest
 
+from helpers import CHAT, MODEL, SYSTEM, call, client, raw_request, serve, wait_for_log
 from server import create_app
-from test_server import (  # noqa: F401  (engine, url and fresh_pool are fixtures)
-    CHAT, MODEL, SYSTEM, call, client, engine, fresh_pool, raw_request, serve, url, wait_for_log,
-)
 
 ALICE, BOB = {"Authorization": "Bearer alice-key"}, {"Authorization": "Bearer bob-key"}
 

@@ -22,7 +22,7 @@ REFERENCE = {
     "block_hash": "prefix_caching",
     "allocator": "prefix_caching",
     "free_queue": "prefix_caching",
-    "gather_kv": "engine",
+    "gather_kv": "kv_pool",
     "scheduler": "scheduler",
 }
 

@@ -13,8 +13,8 @@ from torch.overrides import TorchFunctionMode
 from transformers import LlamaConfig
 
 from grading import exercise
-from engine import PagedKVPool
-from test_engine import hf_greedy
+from kv_pool import PagedKVPool
+from helpers import hf_greedy
 
 impl = exercise("gather_kv")
 

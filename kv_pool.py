@@ -1,0 +1,141 @@
+"""
+The paged KV pool: the K/V memory the allocator's block ids point into.
+
+Read prefix_caching.py (the allocator: which block holds which tokens) first. The allocator
+hands out block ids; this file is the memory they name, and the two ways the engines move
+K/V in and out of it:
+
+    slot_ids      a token's place in the pool: its block (from the block table) and offset
+    PagedKVPool   the tensors, sized once from the model's shape; gather copies cached
+                  blocks into a DynamicCache (stage 7's engine), write copies new K/V back
+
+Both engines (one_request.py, batch_engine.py) use it; it imports neither.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+
+# -----------------------------------------------------------------------------
+# The pool
+#
+# The allocator hands out block ids; this is the memory they name. It is allocated once,
+# from the model's shape, and never grows: one slot per (block, position in block), and each
+# slot holds one token's key and value vectors in every layer. A cached block is just a
+# block whose slots were written by an earlier request and not overwritten since.
+#
+# Neither engine runs attention on the pool itself; both copy out what a step needs.
+# One request at a time (one_request.py): a hit is *gathered* from the pool into a fresh
+# DynamicCache, the model attends over that, and whatever it computes is *written* back into
+# the request's slots, so the blocks that fill are truly there for the next request. Many
+# requests (batch_engine.py): every layer indexes each request's slots out of the pool for
+# its attention call. vLLM's paged-attention kernels read the blocks where they lie, with no
+# copy; the copy is the price of running an unmodified Hugging Face model on any device.
+
+
+def slot_ids(block_table: list[int], block_size: int, start: int, end: int, device=None):
+    """Flat slot index of tokens start..end-1: block_table[i // block_size] * block_size + i % block_size.
+
+    >>> slot_ids([7, 2], block_size=4, start=3, end=6).tolist()   # token 3 in block 7; 4, 5 in block 2
+    [31, 8, 9]
+    """
+    positions = torch.arange(start, end)
+    blocks = torch.tensor(block_table)[positions // block_size]
+    return (blocks * block_size + positions % block_size).to(device)
+
+
+class PagedKVPool:
+    """The K/V tensors behind the allocator's blocks.
+
+        data[layer, 0, block, offset]  the key of one token,   shape (num_kv_heads, head_dim)
+        data[layer, 1, block, offset]  the value of that token
+
+    >>> kv = PagedKVPool(num_layers=2, num_kv_heads=1, head_dim=8, num_blocks=4, block_size=4)
+    >>> tuple(kv.data.shape)
+    (2, 2, 4, 4, 1, 8)
+    """
+    def __init__(self, *, num_layers, num_kv_heads, head_dim, num_blocks, block_size, dtype=None, device=None):
+        self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.data = torch.zeros(
+            num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype or torch.float32, device=device
+        )
+
+    @staticmethod
+    def shape_from_config(config) -> dict:
+        """Layers, KV heads and head dim of a transformers model config."""
+        text = config.get_text_config()
+        if any(kind != "full_attention" for kind in getattr(text, "layer_types", None) or ()):
+            raise ValueError(
+                f"{text.model_type} has sliding-window layers, whose cache drops old tokens; "
+                f"this pool assumes every layer attends to the whole prefix"
+            )
+        return {
+            "num_layers": text.num_hidden_layers,
+            "num_kv_heads": getattr(text, "num_key_value_heads", None) or text.num_attention_heads,
+            "head_dim": getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads,
+        }
+
+    @property
+    def dtype(self):
+        return self.data.dtype
+
+    @property
+    def device(self):
+        return self.data.device
+
+    @staticmethod
+    def bytes_per_block(*, num_layers, num_kv_heads, head_dim, block_size, dtype) -> int:
+        """K and V of block_size tokens in every layer: 2 x layers x tokens x heads x dim x bytes.
+
+        >>> import torch   # SmolLM2-135M: 30 layers, 3 KV heads of 64 dims
+        >>> PagedKVPool.bytes_per_block(num_layers=30, num_kv_heads=3, head_dim=64, block_size=16, dtype=torch.float32)
+        737280
+        """
+        return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
+
+    def gather(self, block_ids: list[int], config):
+        """A fresh DynamicCache holding the K/V of `block_ids`, in order.
+
+        One index_select copies the blocks of every layer at once; the per-layer tensors
+        handed to the cache are views of that one copy, in the (batch, heads, tokens, dim)
+        layout attention expects.
+        """
+        if not block_ids:
+            return DynamicCache(config=config)
+        kv = self.tokens_of(block_ids)
+        return DynamicCache([(kv[layer, 0], kv[layer, 1]) for layer in range(self.num_layers)], config=config)
+
+    def tokens_of(self, block_ids: list[int]):
+        """The K/V of every slot of `block_ids`, token after token, in attention's layout:
+        (layers, 2, 1, num_kv_heads, len(block_ids) * block_size, head_dim).
+
+        >>> kv = PagedKVPool(num_layers=2, num_kv_heads=1, head_dim=8, num_blocks=4, block_size=4)
+        >>> tuple(kv.tokens_of([3, 1]).shape)
+        (2, 2, 1, 1, 8, 8)
+        """
+        index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        kv = self.data.index_select(2, index).flatten(2, 3)  # (layers, 2, tokens, heads, dim)
+        return kv.transpose(2, 3).unsqueeze(2)  # (layers, 2, 1, heads, tokens, dim)
+
+    def slots(self, layer: int):
+        """Layer `layer` of the pool as (K/V, slot, kv heads, dim): slot = block * block_size + offset."""
+        return self.data[layer].view(2, self.num_blocks * self.block_size, self.num_kv_heads, self.head_dim)
+
+    def write(self, cache, block_table: list[int], start: int, end: int) -> None:
+        """Copy tokens start..end-1 of a request's DynamicCache into its slots."""
+        slots = slot_ids(block_table, self.block_size, start, end, self.device)
+        flat = self.data.view(self.num_layers, 2, self.num_blocks * self.block_size, self.num_kv_heads, self.head_dim)
+        for layer, (keys, values, *_) in enumerate(cache):
+            flat[layer, 0, slots] = keys[0, :, start:end].transpose(0, 1)  # (tokens, heads, dim)
+            flat[layer, 1, slots] = values[0, :, start:end].transpose(0, 1)
+
+    def __str__(self) -> str:
+        total = self.data.numel() * self.data.element_size()
+        return (
+            f"paged KV pool: {self.num_blocks} blocks x {self.block_size} slots "
+            f"({self.num_blocks * self.block_size:,} tokens), each slot {self.num_layers} layers x K,V x "
+            f"{self.num_kv_heads} heads x {self.head_dim} dims; {str(self.dtype).removeprefix('torch.')} "
+            f"on {self.device}, {total / 2**20:,.1f} MiB ({total / self.num_blocks / 2**10:,.0f} KiB a block)"
+        )

@@ -1,0 +1,122 @@
+"""
+Stage 7's engine: one request at a time, its cached prefix gathered into past_key_values.
+
+Read prefix_caching.py (the allocator) and kv_pool.py (the memory its block ids name) first.
+A request, from prompt to reply:
+
+    allocate_with_prefix   which leading blocks are cached? take them, and new blocks for the rest
+    gather                 copy the hit blocks' K/V from the pool into a fresh DynamicCache
+    forward                run the model on the uncached suffix only
+    write                  copy the suffix's new K/V into the request's blocks
+    sample                 the first token: time to first token (TTFT) ends here
+    decode                 one token at a time: append_token, forward, write its slot, sample
+    free                   the blocks go back to the pool, still cached
+
+A sampled token goes to the allocator only when its K/V is about to be computed, so the
+last token of a reply never does: no cached block ever holds a slot nobody wrote.
+
+engine.py's Engine runs this when it does not batch (Engine(batching=False), the server's
+--no-batching); batch_engine.py runs many requests in one forward pass instead.
+
+References: vLLM v1 (vllm/v1/worker/gpu_model_runner.py, vllm/v1/core/kv_cache_manager.py);
+transformers' DynamicCache (past_key_values).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Iterator
+
+import torch
+
+from outputs import Generation, ReplyBuilder, StreamEvent
+from prefix_caching import OutOfBlocksError
+from sampling import SamplingParams, sample
+
+
+class _Stopwatch:
+    """Milliseconds between laps. On a GPU work runs asynchronously, so each lap first
+    waits for it to finish: otherwise the time lands in whichever lap waits next."""
+    def __init__(self, device):
+        self.device = device
+        self.last = time.perf_counter()
+
+    def lap(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        now = time.perf_counter()
+        elapsed, self.last = (now - self.last) * 1e3, now
+        return elapsed
+
+
+def forward(model, token_ids: list[int], past_key_values):
+    """Logits of the last position. past_key_values grows in place by len(token_ids)
+    tokens; position ids continue after what it already holds."""
+    input_ids = torch.tensor([token_ids], device=model.device)
+    output = model(input_ids=input_ids, past_key_values=past_key_values, use_cache=True, logits_to_keep=1)
+    return output.logits[0, -1]
+
+
+def run_request(engine, request_id: str, prompt_ids: list[int], params: SamplingParams, cache_salt: str | None,
+                stop: tuple[str, ...], arrival: float) -> Iterator[StreamEvent]:
+    """Yield a StreamEvent per generated token of one request, run in the caller's thread.
+
+    engine: what it runs on (engine.Engine): its model, tokenizer, stop_token_ids, allocator,
+    kv (the PagedKVPool), and its two locks: lock, held for every step (a prefill, or one
+    decoded token), and allocator_lock, held around the allocator's bookkeeping only.
+    """
+    alloc, kv, model = engine.allocator, engine.kv, engine.model
+    block_size = alloc.block_size
+    reply = Generation(request_id, prompt_tokens=len(prompt_ids))
+    builder = ReplyBuilder(reply, engine.tokenizer, engine.stop_token_ids, stop, params.max_tokens)
+    generator = None if params.seed is None else torch.Generator().manual_seed(params.seed)
+    allocated = False
+    num_computed = 0  # tokens whose K/V are in the pool
+    try:
+        # Allocation and prefill are one step, under one hold of the lock. allocate_with_prefix
+        # caches the prompt's full blocks at once; if the lock were let go before their K/V
+        # is written, another request could hit them and read slots nobody wrote yet.
+        with engine.lock, torch.inference_mode():
+            clock = _Stopwatch(model.device)
+            with engine.allocator_lock:
+                try:
+                    num_cached, _ = alloc.allocate_with_prefix(request_id, prompt_ids, cache_salt=cache_salt)
+                except OutOfBlocksError as err:
+                    raise OutOfBlocksError(f"{err} (num_blocks / --num-blocks). Now: {kv}") from err
+                table = list(alloc.block_tables[request_id])
+            allocated = True
+            reply.cached_tokens = num_computed = num_cached
+            reply.prefill.lookup_ms = clock.lap()
+            past_key_values = kv.gather(table[: num_cached // block_size], model.config)
+            reply.prefill.gather_ms = clock.lap()
+            logits = forward(model, prompt_ids[num_cached:], past_key_values)
+            reply.prefill.forward_ms = clock.lap()
+            kv.write(past_key_values, table, num_cached, len(prompt_ids))
+            num_computed = len(prompt_ids)
+            reply.prefill.write_ms = clock.lap()
+            token = sample(logits, params, generator)
+            reply.prefill.sample_ms = clock.lap()
+        reply.ttft_ms = (time.perf_counter() - arrival) * 1e3
+
+        while True:
+            text, finish_reason = builder.add(token)
+            if finish_reason:
+                break
+            yield StreamEvent(token, text, None, reply)
+            with engine.lock, torch.inference_mode():
+                with engine.allocator_lock:
+                    alloc.append_token(request_id, token)  # its K/V is computed right below
+                    table = list(alloc.block_tables[request_id])
+                logits = forward(model, [token], past_key_values)
+                kv.write(past_key_values, table, num_computed, num_computed + 1)
+                num_computed += 1
+                token = sample(logits, params, generator)
+    finally:
+        if allocated:
+            with engine.allocator_lock:
+                # Normally every token is computed by now; after a failure, free un-caches
+                # the blocks whose slots were never written.
+                alloc.free(request_id, num_computed_tokens=num_computed)
+    # The last event comes after the free, so whoever sees finish_reason sees the pool whole.
+    reply.total_ms = (time.perf_counter() - arrival) * 1e3
+    yield StreamEvent(token, text, finish_reason, reply)

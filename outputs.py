@@ -1,0 +1,144 @@
+"""
+What a request gives back, and the one place its text is made.
+
+    Generation     one reply: its tokens and text, why it finished, and what caching did for it
+    StreamEvent    one generated token, as a stream yields it
+    ReplyBuilder   sampled token in, new text and finish reason out: detokenizing, stop
+                   strings, EOS, max_tokens, and the text held back in between
+
+Both engines (one_request.py, batch_engine.py) feed every sampled token through a
+ReplyBuilder and nothing else, so a reply's text cannot depend on which engine ran it. In
+vLLM the same job is the output processor's (vllm/v1/engine/output_processor.py, with
+detokenizer.py and its stop-string check), run outside the engine core.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# -----------------------------------------------------------------------------
+# 1. Replies
+
+
+@dataclass
+class PrefillTiming:
+    """Where the time to first token went, in milliseconds (one request at a time only)."""
+    lookup_ms: float = 0.0  # hash the prompt's blocks, find the cached prefix, allocate the rest
+    gather_ms: float = 0.0  # copy the hit blocks' K/V out of the pool
+    forward_ms: float = 0.0  # run the model on the uncached suffix
+    write_ms: float = 0.0  # copy the suffix's new K/V into the request's blocks
+    sample_ms: float = 0.0  # pick the first token
+
+
+@dataclass
+class Generation:
+    """One reply, and what prefix caching did for it."""
+    request_id: str
+    prompt_tokens: int
+    cached_tokens: int = 0  # prompt tokens whose K/V came from the pool instead of the model
+    token_ids: list[int] = field(default_factory=list)  # generated only; ends with EOS if it stopped there
+    text: str = ""  # the generated tokens decoded, special tokens left out
+    finish_reason: str | None = None  # "stop" (EOS or a stop string) or "length" (max_tokens), once finished
+    ttft_ms: float = 0.0  # request in -> first token sampled
+    total_ms: float = 0.0
+    prefill: PrefillTiming = field(default_factory=PrefillTiming)  # one request at a time only
+    wait_ms: float = 0.0  # request in -> admitted by the scheduler (batched only)
+    num_preemptions: int = 0  # times the scheduler took its blocks back to make room
+
+    @property
+    def computed_prompt_tokens(self) -> int:
+        """Prompt tokens the model had to run: the uncached suffix."""
+        return self.prompt_tokens - self.cached_tokens
+
+
+@dataclass
+class StreamEvent:
+    """One generated token, as Engine.stream yields it."""
+    token_id: int
+    text: str  # the text this token adds ("" while it is held back)
+    finish_reason: str | None  # None until the last event: then "stop" or "length"
+    generation: Generation  # the reply being built (one object, filled in as the stream goes)
+
+
+# -----------------------------------------------------------------------------
+# 2. Stop strings
+
+
+def check_stop(stop) -> tuple[str, ...]:
+    """stop as a tuple of non-empty strings: None -> (), "x" -> ("x",); ValueError otherwise."""
+    if stop is None:
+        return ()
+    stops = (stop,) if isinstance(stop, str) else stop
+    if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) and s for s in stops):
+        raise ValueError(f"stop must be a non-empty string or a list of them, got {stop!r:.60}")
+    return tuple(stops)
+
+
+def held_back(text: str, stop: tuple[str, ...]) -> int:
+    """How many characters at the end of `text` could be the start of a stop string.
+
+    >>> held_back("The answer is 4", ("4.", "Q:"))   # "4" may become "4."
+    1
+    """
+    held = 0
+    for s in stop:
+        for n in range(min(len(s) - 1, len(text)), held, -1):
+            if text.endswith(s[:n]):
+                held = n
+                break
+    return held
+
+
+# -----------------------------------------------------------------------------
+# 3. The finisher
+
+
+class ReplyBuilder:
+    """Builds one reply from its sampled tokens: the only code that decides a reply's text
+    and when it ends.
+
+    add(token) appends the token and returns (new text, finish reason):
+      - a stop string in the text ends the reply with "stop"; the text is cut before it;
+      - a stop token (EOS) ends it with "stop"; max_tokens with "length";
+      - until then, text that could be the start of a stop string is held back, and so is
+        half a multi-byte character (decoded as U+FFFD until its other bytes come);
+      - a reply that ends any way but a stop string lets out what was held back.
+
+    With stop=(".!",) and a reply " Yes." then EOS: " Yes" comes out, "." waits (it may be
+    the start of ".!"), and at EOS the "." comes out with the last event.
+    """
+
+    def __init__(self, reply: Generation, tokenizer, stop_token_ids: set[int], stop: tuple[str, ...] = (),
+                 max_tokens: int = 64) -> None:
+        self.reply, self.tokenizer = reply, tokenizer
+        self.stop_token_ids, self.stop, self.max_tokens = stop_token_ids, stop, max_tokens
+
+    def add(self, token: int) -> tuple[str, str | None]:
+        reply = self.reply
+        reply.token_ids.append(token)
+        new, hit_stop = self._new_text(final=False)
+        if hit_stop or token in self.stop_token_ids:
+            reply.finish_reason = "stop"
+        elif len(reply.token_ids) >= self.max_tokens:
+            reply.finish_reason = "length"
+        if reply.finish_reason is not None and not hit_stop:
+            new += self._new_text(final=True)[0]  # what was held back
+        return new, reply.finish_reason
+
+    def _new_text(self, final: bool) -> tuple[str, bool]:
+        """Decode the reply so far; what it adds to reply.text, and whether it reached a stop
+        string (reply.text is then cut just before it)."""
+        reply, stop = self.reply, self.stop
+        text = self.tokenizer.decode(reply.token_ids, skip_special_tokens=True)
+        found = [i for i in (text.find(s, max(0, len(reply.text) - len(s))) for s in stop) if i >= 0]
+        if found:
+            end = min(found)
+        elif final:
+            end = len(text)
+        elif text.endswith("\ufffd"):
+            return "", False  # a multi-byte character split across tokens: wait for its other bytes
+        else:
+            end = len(text) - held_back(text, stop)
+        end = max(end, len(reply.text))
+        new, reply.text = text[len(reply.text) : end], text[:end]
+        return new, bool(found)

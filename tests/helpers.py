@@ -1,0 +1,114 @@
+"""Helpers the test files share: the oracle (plain Hugging Face generate), a token counter,
+the rule every engine test ends with (the pool whole), and a real server on a real port with
+the curl-style calls the HTTP tests make. Fixtures are in conftest.py."""
+
+import contextlib
+import json
+import socket
+import time
+import urllib.error
+import urllib.request
+
+import openai
+import torch
+
+from server import serve_in_background
+
+MODEL = "tiny-llama"
+SYSTEM = "You are a patient teacher. Answer every question in one short sentence. "
+CHAT = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What is a KV cache?"}]
+
+
+# --- the oracle, and what an engine leaves behind -------------------------------------------------
+
+
+def hf_greedy(model, prompt_ids: list[int], max_tokens: int) -> list[int]:
+    """What plain Hugging Face generates, greedy, on the whole prompt."""
+    input_ids = torch.tensor([prompt_ids])
+    out = model.generate(
+        input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
+        max_new_tokens=max_tokens, pad_token_id=model.generation_config.pad_token_id,
+    )
+    return out[0, len(prompt_ids) :].tolist()
+
+
+class EmbeddingCounter:
+    """Counts the tokens the model embeds: the tokens it actually computes."""
+
+    def __init__(self, model):
+        self.count = 0
+        self.handle = model.get_input_embeddings().register_forward_hook(self.hook)
+
+    def hook(self, module, args, output):
+        self.count += args[0].numel()
+
+
+def assert_pool_whole(engine) -> None:
+    """No request holds a block: every block free, every ref count 0, the allocator consistent."""
+    alloc = engine.allocator
+    assert alloc.block_tables == {}, f"requests still hold blocks: {alloc.block_tables}"
+    assert alloc.num_free_blocks == alloc.num_blocks
+    assert all(alloc.ref_count(b) == 0 for b in range(alloc.num_blocks))
+    alloc.check_invariants()
+
+
+def wait_until_idle(engine, timeout: float = 30.0) -> None:
+    """Every request finished or cancelled, every block back. A client that left is noticed
+    by its server thread, and (batching) its request freed by the loop before its next step,
+    moments later."""
+    deadline = time.monotonic() + timeout
+    while (engine.allocator.block_tables or (engine.loop and engine.loop.live)) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert engine.loop is None or engine.loop.live == {}
+    assert_pool_whole(engine)
+
+
+# --- a real server, and what a client sends it ------------------------------------------------------
+
+
+@contextlib.contextmanager
+def serve(app):
+    """Run `app` on a free port of 127.0.0.1 in a thread; yields its base URL."""
+    url, server = serve_in_background(app)
+    try:
+        yield url
+    finally:
+        server.shutdown()
+
+
+def call(url: str, path: str, body=None, *, method=None, headers=None, timeout=60) -> tuple[int, dict]:
+    """What `curl -s url/path -H 'Content-Type: application/json' -d body` does: (status, parsed
+    JSON reply). body: dict or bytes; a body is sent as JSON unless headers say otherwise."""
+    data = body if body is None or isinstance(body, bytes) else json.dumps(body).encode()
+    headers = ({"Content-Type": "application/json"} if data is not None else {}) | (headers or {})
+    req = urllib.request.Request(url + path, data=data, method=method, headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+def raw_request(url: str, head: list[str], body: bytes = b"") -> socket.socket:
+    """Send a request byte for byte (the request line and headers in `head`), as no polite
+    client would: a chunked body, a control character in the path, a hang-up. Returns the
+    open socket."""
+    host, port = url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)), timeout=30)
+    sock.sendall("\r\n".join(head).encode() + b"\r\n\r\n" + body)
+    return sock
+
+
+def wait_for_log(caplog, words: str, timeout: float = 20.0) -> str:
+    """The first log message holding `words`; a server thread may write it a moment later."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = [r.getMessage() for r in caplog.records if words in r.getMessage()]
+        if found:
+            return found[0]
+        time.sleep(0.02)
+    raise AssertionError(f"no log line with {words!r} in {timeout} s")
+
+
+def client(url: str, api_key: str = "unused") -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key=api_key, max_retries=0)

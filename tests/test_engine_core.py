@@ -1,0 +1,267 @@
+"""One engine core: every path (one request at a time, generate_batch, the batching engine's
+loop, the server streamed or not) finishes a reply with the same code; a batching engine has
+one scheduler, whoever calls; a step that fails ends every request in it and the loop goes
+on. Tiny random model, float32; failures forced, never waited for.
+"""
+
+import json
+import threading
+import time
+import urllib.request
+
+import pytest
+
+import batch_engine
+from helpers import MODEL, assert_pool_whole, call, serve, wait_until_idle
+from scheduler import Scheduler
+from server import create_app
+
+PROMPT = list(range(100, 118))  # 18 tokens
+TEXT = "A ripe banana is"
+
+
+# --- one finisher ------------------------------------------------------------------------------
+
+
+def eos_inside_the_reply(engine, prompt):
+    """A token of the tiny model's greedy reply made its stop token, so the reply ends there,
+    on a character a stop string can start with; (reply text, stop string)."""
+    tokens = engine.generate(prompt, max_tokens=12).token_ids
+    for k in range(3, len(tokens)):
+        text = engine.tokenizer.decode(tokens[: k + 1], skip_special_tokens=True)
+        if tokens[k] not in tokens[:k] and text.strip() and not text.endswith("\ufffd"):
+            engine.stop_token_ids = {tokens[k]}
+            return text, text[-1] + "\u2603"  # begins with the reply's last character, never completed
+    raise AssertionError("no usable token in the reply")
+
+
+def test_a_reply_that_ends_on_eos_with_stop_strings_set_keeps_its_text_on_every_path(make_engine):
+    one, batching = make_engine(), make_engine(batching=True)
+    text, stop = eos_inside_the_reply(one, TEXT)
+    batching.stop_token_ids = set(one.stop_token_ids)
+
+    replies = {
+        "generate": one.generate(TEXT, max_tokens=12, stop=stop),
+        "generate_batch": one.generate_batch([TEXT], max_tokens=12, stop=stop)[0],
+        "batching generate": batching.generate(TEXT, max_tokens=12, stop=stop),
+        "batching generate_batch": batching.generate_batch([TEXT], max_tokens=12, stop=stop)[0],
+    }
+    streamed = "".join(event.text for event in batching.stream(TEXT, max_tokens=12, stop=stop))
+    for path, reply in replies.items():
+        assert (path, reply.text, reply.finish_reason) == (path, text, "stop")
+    assert streamed == text
+
+    with serve(create_app(batching, model_name=MODEL)) as url:
+        status, reply = call(url, "/generate", {"prompt": TEXT, "max_tokens": 12, "stop": stop})
+        assert status == 200 and (reply["text"], reply["finish_reason"]) == (text, "stop")
+        body = {"model": MODEL, "prompt": TEXT, "max_tokens": 12, "stop": stop, "stream": True, "temperature": 0}
+        request = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(),
+                                         {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60) as response:
+            events = [line.removeprefix("data: ") for line in response.read().decode().split("\n\n") if line]
+        chunks = [json.loads(e)["choices"][0] for e in events[:-1]]
+        assert "".join(c["text"] for c in chunks) == text and chunks[-1]["finish_reason"] == "stop"
+        assert events[-1] == "[DONE]"
+
+
+def test_text_held_back_for_a_stop_string_comes_out_when_max_tokens_ends_the_reply(make_engine):
+    engine = make_engine(batching=True)
+    full = engine.generate(PROMPT, max_tokens=6).text
+    stop = full[-1] + "\u2603"
+    assert engine.generate(PROMPT, max_tokens=6, stop=stop).text == full
+    assert engine.generate_batch([PROMPT], max_tokens=6, stop=stop)[0].text == full
+
+
+# --- one scheduler per engine ------------------------------------------------------------------
+
+
+def test_generate_batch_on_a_batching_engine_takes_the_engines_settings_or_none(make_engine):
+    engine = make_engine(batching=True, max_num_seqs=4)
+    with pytest.raises(ValueError, match="max_num_seqs=8: this engine batches every caller's requests"):
+        engine.generate_batch([PROMPT], max_tokens=2, max_num_seqs=8)
+    with pytest.raises(ValueError, match="max_num_batched_tokens=64"):
+        engine.generate_batch([PROMPT], max_tokens=2, max_num_batched_tokens=64)
+    assert engine.snapshot().num_steps == 0 and engine.allocator.stats.requests == 0  # refused before any work
+    replies = engine.generate_batch([PROMPT, PROMPT[:9]], max_tokens=2, max_num_seqs=4)  # its own value is fine
+    assert [len(r.token_ids) for r in replies] == [2, 2]
+
+
+def test_generate_batch_beside_other_callers_joins_their_queue_in_arrival_order(make_engine):
+    # 24 blocks of 4: three callers' traffic keeps the pool nearly full the whole time.
+    engine = make_engine(batching=True, num_blocks=24)
+    scheduler = engine.loop.scheduler
+    added, admitted, empty_steps = [], [], []
+    real_add, real_schedule = scheduler.add, scheduler.schedule
+
+    def add(request):
+        added.append(request.request_id)
+        real_add(request)
+
+    def schedule():
+        waiting = {r.request_id for r in scheduler.waiting if not r.admitted}
+        plan = real_schedule()
+        admitted.extend(s.request.request_id for s in plan.scheduled if s.request.request_id in waiting)
+        if not plan.scheduled and not plan.preempted:
+            empty_steps.append(1)
+        return plan
+
+    scheduler.add, scheduler.schedule = add, schedule
+    stop, traffic_done = threading.Event(), []
+
+    def traffic(n):
+        i = 0
+        while not stop.is_set():
+            engine.generate(list(range(200 + 40 * n, 218 + 40 * n)) + [i % 7], max_tokens=8)
+            i += 1
+        traffic_done.append(i)
+
+    callers = [threading.Thread(target=traffic, args=(n,)) for n in range(3)]
+    for thread in callers:
+        thread.start()
+    batch = [list(range(600, 612)), list(range(700, 710)), list(range(800, 814)), list(range(600, 608))]
+    expected = [make_engine().generate(p, max_tokens=6).token_ids for p in batch]
+    try:
+        while len(admitted) < 3:
+            time.sleep(0.01)  # the traffic is flowing
+        result = {}
+        runner = threading.Thread(target=lambda: result.update(replies=engine.generate_batch(batch, max_tokens=6)))
+        runner.start()
+        runner.join(timeout=120)
+        assert not runner.is_alive(), "generate_batch did not finish beside the traffic"
+        assert not traffic_done, "the traffic stopped before the batch finished"
+    finally:
+        stop.set()
+        for thread in callers:
+            thread.join(timeout=120)
+    assert [r.token_ids for r in result["replies"]] == expected
+    assert admitted == [rid for rid in added if rid in admitted]  # first admissions in arrival order
+    batch_ids = [rid for rid in added if rid.startswith("batch-")]
+    assert len(batch_ids) == 4 and all(rid in admitted for rid in batch_ids)
+    assert not empty_steps, "the loop stepped with nothing to run"
+    assert all(thread.is_alive() is False for thread in callers) and min(traffic_done) >= 1
+
+
+def test_generate_batch_on_a_one_request_engine_refuses_a_pool_held_by_a_stream(make_engine):
+    engine = make_engine(num_blocks=8)
+    held = engine.stream(list(range(100, 124)), max_tokens=4)  # 6 of the 8 blocks, held between tokens
+    next(held)
+    steps = []
+    real_step = batch_engine.BatchRunner.step
+    try:
+        batch_engine.BatchRunner.step = lambda self: steps.append(1) or real_step(self)
+        with pytest.raises(batch_engine.OutOfBlocksError, match="held by other requests of this engine"):
+            engine.generate_batch([list(range(300, 312))], max_tokens=2)  # needs 3 blocks
+    finally:
+        batch_engine.BatchRunner.step = real_step
+        held.close()
+    assert len(steps) == 1  # refused after the one step that could run nothing, no spinning
+    assert_pool_whole(engine)
+
+
+# --- failures reach everyone -------------------------------------------------------------------
+
+
+def submit_together(engine, prompts, max_tokens):
+    """Requests queued in one go, so the loop's next step takes them all."""
+    requests = [engine.loop.new_request(f"r{i}", p, batch_engine.SamplingParams(max_tokens=max_tokens), None)
+                for i, p in enumerate(prompts)]
+    engine.loop.submit(requests)
+    return requests
+
+
+def outcome(engine, request):
+    try:
+        return [event.text for event in engine.loop.events(request)][-1:]
+    except RuntimeError as err:
+        return str(err)
+
+
+def test_a_failed_sampling_fails_every_request_of_the_step_and_the_loop_goes_on(make_engine, monkeypatch):
+    engine = make_engine(batching=True)
+    real_sample, calls = batch_engine.sample, []
+
+    def sample(logits, params, generator=None):
+        calls.append(1)
+        if len(calls) == 2:  # the second request of the first step
+            raise RuntimeError("sampling fell over")
+        return real_sample(logits, params, generator)
+
+    monkeypatch.setattr(batch_engine, "sample", sample)
+    first, second = submit_together(engine, [PROMPT, list(range(300, 310))], max_tokens=1)  # first ends in the step
+    assert outcome(engine, first) == outcome(engine, second) == "sampling fell over"
+    wait_until_idle(engine)
+    assert engine.generate(PROMPT, max_tokens=4).token_ids == make_engine().generate(PROMPT, max_tokens=4).token_ids
+
+
+def test_a_failure_after_a_request_finished_in_the_step_still_reaches_it(make_engine, monkeypatch):
+    # The request that finished first had its blocks freed; the step then failed on the next.
+    engine = make_engine(batching=True)
+    real_finish, failed = Scheduler.finish, []
+
+    def finish(self, request):
+        if request.request_id == "r1" and not failed:
+            failed.append(request)
+            raise RuntimeError("finishing fell over")
+        real_finish(self, request)
+
+    monkeypatch.setattr(Scheduler, "finish", finish)
+    first, second = submit_together(engine, [PROMPT, list(range(300, 310))], max_tokens=1)
+    assert outcome(engine, first) == outcome(engine, second) == "finishing fell over"  # neither waits forever
+    wait_until_idle(engine)
+    assert engine.loop.live == {}
+    assert engine.generate(PROMPT, max_tokens=2, request_id="r0").finish_reason == "length"  # its id is free again
+
+
+def test_a_failed_step_spares_the_requests_that_were_not_in_it(make_engine, monkeypatch):
+    engine = make_engine(batching=True, num_blocks=8)  # room for one of the two at a time
+    real_sample, calls = batch_engine.sample, []
+
+    def sample(logits, params, generator=None):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("sampling fell over")
+        return real_sample(logits, params, generator)
+
+    monkeypatch.setattr(batch_engine, "sample", sample)
+    first, second = submit_together(engine, [list(range(100, 124)), list(range(300, 320))], max_tokens=2)
+    assert outcome(engine, first) == "sampling fell over"
+    assert outcome(engine, second) != "sampling fell over"  # it waited for the pool, then ran
+    wait_until_idle(engine)
+
+
+def test_a_refused_submit_leaves_no_trace(make_engine):
+    engine = make_engine(batching=True)
+    one, two = submit_together(engine, [PROMPT], 2)[0], None
+    with pytest.raises(ValueError, match="'r0' is already running"):
+        submit_together(engine, [list(range(300, 310)), PROMPT], 2)  # r0 taken: neither is queued
+    list(engine.loop.events(one))
+    wait_until_idle(engine)
+    engine.loop.stop()
+    with pytest.raises(RuntimeError, match="the engine loop has stopped"):
+        engine.generate(PROMPT, max_tokens=2, request_id="late")
+    assert engine.loop.live == {} and two is None
+    assert engine.allocator.stats.requests == 1
+
+
+def test_the_server_sends_a_failed_steps_error_then_done_and_serves_on(make_engine, monkeypatch):
+    engine = make_engine(batching=True)
+    real_sample, calls = batch_engine.sample, []
+
+    def sample(logits, params, generator=None):
+        calls.append(1)
+        if len(calls) == 3:  # mid-reply: the stream's status line and first events are out
+            raise RuntimeError("sampling fell over")
+        return real_sample(logits, params, generator)
+
+    monkeypatch.setattr(batch_engine, "sample", sample)
+    with serve(create_app(engine, model_name=MODEL)) as url:
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 8, "stream": True, "temperature": 0}
+        request = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(),
+                                         {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60) as response:
+            events = response.read().decode().split("\n\n")
+        assert events[-2:] == ["data: [DONE]", ""]
+        assert "sampling fell over" in json.loads(events[-3].removeprefix("data: "))["error"]["message"]
+        status, reply = call(url, "/generate", {"prompt": PROMPT, "max_tokens": 4})
+        assert status == 200 and reply["completion_tokens"] == 4
+    wait_until_idle(engine)
