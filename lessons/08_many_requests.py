@@ -13,9 +13,12 @@ more than over one (the weights are read once either way). Two files do it:
                      blocks are freed, the full ones stay cached, and it waits at the front
     batch_engine.py  the step: every scheduled token packed into one sequence (build_step),
                      one forward pass, one sampled token per request (BatchRunner.step).
-                     The attention reads each request's K/V from the pool in place, through
-                     its block table (pool_attention, registered with transformers'
-                     AttentionInterface): no DynamicCache is copied out, as stage 7 did.
+                     The attention takes each request's K/V from the pool through its block
+                     table (pool_attention, registered with transformers' AttentionInterface):
+                     no DynamicCache is kept between steps, as stage 7 kept one per request.
+                     It still copies: every layer indexes each request's whole context out
+                     of the pool, padded to the longest in its group (the decodes share one
+                     group). vLLM's paged-attention kernels read the blocks where they lie.
 
 In every layer, the step's new K/V are written into the pool before any request attends.
 So a request admitted in the same step as another hits the blocks the other is computing
@@ -50,8 +53,9 @@ from batch_engine import BatchRunner, build_step, pool_attention
 from batch_views import add_step_row, render_step, run_step, step_history
 from benchmarks.throughput import TOPICS, questions, run_ours, summary
 from demo import DEMO_SYSTEM_PROMPT
-from engine import Engine, SamplingParams
-from measure import Runs, TokenCounter, busy_note, how_much_faster
+from engine import Engine
+from sampling import SamplingParams
+from benchmarks.measure import Runs, TokenCounter, busy_note, how_much_faster
 from reading import show_code
 from scheduler import Scheduler
 
