@@ -128,7 +128,7 @@ class StepInputs:
     positions: torch.Tensor  # (1, T)
     slot_mapping: torch.Tensor  # (T,)
     groups: list[AttentionGroup]
-    last_token: torch.Tensor  # (requests,) packed index of each request's last token
+    last_token: torch.Tensor  # packed index of the last token of each request that samples
 
 
 def attention_group(rows: list[tuple[int, int, int, list[int]]], device) -> AttentionGroup:
@@ -164,9 +164,10 @@ def build_step(plan: StepPlan, pool, block_tables: dict[str, list[int]], device)
         tokens += s.request.token_ids[s.start : s.end]
         positions += range(s.start, s.end)
         slots.append(slot_ids(table, block_size, s.start, s.end))
-        last.append(len(tokens) - 1)
+        if s.samples:  # a chunk that stops part-way through a prompt has no next token to pick
+            last.append(len(tokens) - 1)
     groups = ([attention_group(decodes, device)] if decodes else []) + [attention_group([p], device) for p in prefills]
-    as_tensor = lambda values: torch.tensor(values, device=device)  # noqa: E731
+    as_tensor = lambda values: torch.tensor(values, dtype=torch.long, device=device)  # noqa: E731
     return StepInputs(pool=pool, input_ids=as_tensor([tokens]), positions=as_tensor([positions]),
                       slot_mapping=torch.cat(slots).to(device), groups=groups, last_token=as_tensor(last))
 
@@ -216,11 +217,12 @@ class BatchRunner:
     held around the allocator's and the scheduler's bookkeeping only.
     """
 
-    def __init__(self, engine, *, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048) -> None:
+    def __init__(self, engine, **scheduler_options) -> None:
+        """scheduler_options: Scheduler's max_num_seqs, max_num_batched_tokens and
+        enable_chunked_prefill."""
         self.engine = engine
         use_pool_attention(engine.model)
-        self.scheduler = Scheduler(engine.allocator, max_num_seqs=max_num_seqs,
-                                   max_num_batched_tokens=max_num_batched_tokens)
+        self.scheduler = Scheduler(engine.allocator, **scheduler_options)
         self.last_plan: StepPlan | None = None  # the latest step's plan; None while one is being made
         self.num_steps = 0  # steps that scheduled anything: one forward pass each
         self.last_step: StepFigures | None = None  # the latest of them, maybe running now
@@ -268,12 +270,13 @@ class BatchRunner:
                 logits = engine.model(
                     input_ids=inputs.input_ids, position_ids=inputs.positions, use_cache=False,
                     logits_to_keep=inputs.last_token, pool_step=inputs,
-                ).logits[0]  # (requests, vocab)
+                ).logits[0]  # (requests that sample, vocab)
             for s in plan.scheduled:
                 s.request.num_computed_tokens = s.end  # its K/V are in the pool now
             # Every request samples before any finishes: a failure in one leaves them all as
             # they were, for the caller to fail together.
-            finished = [s.request for row, s in enumerate(plan.scheduled) if self._sample(s.request, logits[row])]
+            sampling = [s.request for s in plan.scheduled if s.samples]
+            finished = [request for row, request in enumerate(sampling) if self._sample(request, logits[row])]
             with engine.allocator_lock:
                 for request in finished:
                     scheduler.finish(request)
@@ -322,6 +325,7 @@ class LoopSnapshot:
 
     running: list[tuple[str, str | None]]  # (request id, cache_salt), in admission order
     waiting: list[tuple[str, str | None]]  # the same, in queue order: the head is admitted next
+    prefilling: dict[str, tuple[int, int]]  # running requests part-way through their prompt: (computed, total)
     num_preemptions: int
     num_steps: int
     last_step: StepFigures | None
@@ -428,6 +432,8 @@ class EngineLoop:
                 self._fail(err)
                 continue
             for s in self.runner.last_plan.scheduled:
+                if not s.samples:
+                    continue  # a chunk of a prompt: nothing to tell its caller yet
                 request, state = s.request, s.request.payload
                 if request in finished:
                     self._forget(request)
@@ -457,6 +463,8 @@ class EngineLoop:
             return LoopSnapshot(
                 running=[(r.request_id, r.cache_salt) for r in scheduler.running],
                 waiting=[(r.request_id, r.cache_salt) for r in waiting],
+                prefilling={r.request_id: (r.num_computed_tokens, r.num_computed_tokens + r.num_prefill_left)
+                            for r in scheduler.running if r.num_prefill_left},
                 num_preemptions=scheduler.num_preemptions,
                 num_steps=self.runner.num_steps,
                 last_step=self.runner.last_step,

@@ -43,7 +43,7 @@ from one_request import run_request
 from outputs import Generation, StreamEvent, check_stop
 from prefix_caching import PrefixCachingAllocator, check_cache_salt, check_text
 from sampling import SamplingParams
-from scheduler import FINISHED
+from scheduler import FINISHED, check_step_size
 
 # -----------------------------------------------------------------------------
 # 1. The Engine
@@ -107,6 +107,7 @@ class Engine:
         batching: bool = False,
         max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
         max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
+        enable_chunked_prefill: bool = True,
     ):
         if model is None and tokenizer is None:
             model, tokenizer = load_model(model_name_or_path, device=device, dtype=dtype)
@@ -146,7 +147,9 @@ class Engine:
         self.lock = threading.RLock()
         self.allocator_lock = threading.RLock()
         self.batching = batching
-        self.scheduler_options = {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens}
+        check_step_size(max_num_seqs, max_num_batched_tokens)
+        self.scheduler_options = {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
+                                  "enable_chunked_prefill": enable_chunked_prefill}
         # batching=True: the engine's one scheduler, in a thread started by the first request.
         self.loop = EngineLoop(self, **self.scheduler_options) if batching else None
 
@@ -225,15 +228,16 @@ class Engine:
         unless given), and fails with OutOfBlocksError if other streams hold the pool.
         """
         params, cache_salt, stop = check_request(max_tokens, temperature, top_p, seed, cache_salt, stop)
-        options = {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens}
-        for name, value in options.items():
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ValueError(f"{name} must be an int >= 1, got {value!r:.40}")
-            if self.batching and value is not None and value != self.scheduler_options[name]:
+        given = {name: value for name, value in [("max_num_seqs", max_num_seqs),
+                                                 ("max_num_batched_tokens", max_num_batched_tokens)] if value is not None}
+        for name, value in given.items():
+            if self.batching and value != self.scheduler_options[name]:
                 raise ValueError(
-                    f"{name}={value}: this engine batches every caller's requests in one loop, with "
+                    f"{name}={value!r:.40}: this engine batches every caller's requests in one loop, with "
                     f"{name}={self.scheduler_options[name]} (set it when making the Engine); leave it out"
                 )
+        options = self.scheduler_options | given
+        check_step_size(options["max_num_seqs"], options["max_num_batched_tokens"])
         if isinstance(prompts, str) or not isinstance(prompts, Sequence) or not prompts:
             raise ValueError("prompts must be a non-empty list of prompts (str, messages or token ids)")
         all_ids = [self.tokenize(prompt) for prompt in prompts]
@@ -242,7 +246,7 @@ class Engine:
         request_ids = [f"batch-{next(self._request_counter)}" for _ in all_ids]
         if self.batching:
             return self._run_in_loop(request_ids, all_ids, params, cache_salt, stop)
-        runner = BatchRunner(self, **(self.scheduler_options | {k: v for k, v in options.items() if v is not None}))
+        runner = BatchRunner(self, **options)
         requests = [runner.add(rid, ids, params, cache_salt, stop) for rid, ids in zip(request_ids, all_ids)]
         try:
             return runner.run(requests)

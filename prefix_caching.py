@@ -47,6 +47,7 @@ Run:
     python prefix_caching.py --bench allocator  # hashing cost, miss overhead, throughput
     python prefix_caching.py --bench ttft       # time to first token, cold vs warm
     python prefix_caching.py --bench throughput # many requests: one by one, batched, batched + cache
+    python prefix_caching.py --bench chunked_prefill  # a long prompt among decodes, chunked or not
     python prefix_caching.py --bench server_load  # requests/s of the server, 1 client vs a class
 """
 
@@ -305,6 +306,8 @@ class FreeKVCacheBlockQueue:
 #                         old hash is dropped), and cache every block that is already full
 #   append_token          one decode step: a new block when the last one is full; a block
 #                         is cached the moment it fills
+#   append_tokens         the same for several tokens at once, all or nothing: the next
+#                         chunk of a prompt prefilled in pieces (chunked prefill)
 #   free                  ref counts down, in reverse block order; blocks that reach 0 go
 #                         to the tail of the free queue and keep their hash
 
@@ -631,6 +634,33 @@ class PrefixCachingAllocator:
             block_hash = hash_block_tokens(parent, block.token_ids, keys, self.hash_algo)
             request.block_hashes.append(block_hash)
             self._cache_block(block, block_hash)
+
+    def append_tokens(self, request_id: str, token_ids: Sequence[int]) -> None:
+        """Add several tokens whose K/V are about to be computed, in one step: the next chunk
+        of a prompt prefilled in pieces. Each block is cached as it fills, so a request finds
+        a chunk's blocks from the step that computes them on, never earlier.
+
+        All or nothing: raises OutOfBlocksError, changing nothing, when the new blocks the
+        tokens need are more than the free ones.
+
+        >>> alloc = PrefixCachingAllocator(num_blocks=4, block_size=4)
+        >>> alloc.allocate_with_prefix("r", [1, 2, 3])          # a first chunk of 3 tokens
+        Allocation(num_cached_tokens=0, num_new_tokens=3)
+        >>> alloc.append_tokens("r", [4, 5, 6, 7]); alloc.block_tables["r"], alloc.num_cached_blocks  # block 0 full
+        ([0, 1], 1)
+        """
+        request = self._request(request_id)
+        token_ids = _check_tokens(token_ids, "token_ids")
+        num_blocks = -(-(len(request.token_ids) + len(token_ids)) // self.block_size)
+        num_new_blocks = num_blocks - len(self.block_tables[request_id])
+        if num_new_blocks > self.num_free_blocks:
+            self.stats.refused += 1
+            raise OutOfBlocksError(
+                f"request {request_id!r} needs {num_new_blocks} new blocks for {len(token_ids)} more tokens "
+                f"but only {self.num_free_blocks} of {self.num_blocks} are free"
+            )
+        for token_id in token_ids:
+            self.append_token(request_id, token_id)  # cannot run out now
 
     # --- free ----------------------------------------------------------------------------------
 

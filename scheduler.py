@@ -4,26 +4,34 @@ The scheduler: which requests run in the next forward pass, and how many tokens 
 Read prefix_caching.py (the allocator) first; batch_engine.py runs what this file plans.
 Pure Python, like the allocator: the rules below are tested without a model.
 
-One step, as vLLM v1's Scheduler.schedule and nano-vllm's Scheduler do it:
+There is no prefill phase and no decode phase, as in vLLM v1's Scheduler.schedule
+(vllm/v1/core/sched/scheduler.py): every request knows how many of its tokens have K/V in
+the pool (num_computed_tokens), and each step hands out a token budget,
+max_num_batched_tokens:
 
-    1. running requests first: each decodes one token (the one it sampled last step). Its
-       K/V needs a slot; when the last block is full that takes a new block. If the pool has
-       none, the most recently admitted running request is preempted: its blocks are freed
-       (last block first; the full ones stay cached), and it goes back to the front of the
-       waiting queue. vLLM v1 calls this recompute preemption: when it is admitted again, it
-       usually finds most of its prompt and reply still in the pool.
-    2. then waiting requests, in arrival order, while the step's token budget and the pool
-       allow. allocate_with_prefix does the capacity check after the prefix hit (a hit on a
-       free cached block takes that block out of the free queue) and changes nothing when it
-       refuses; the first request that does not fit stops admission (no overtaking).
+    1. running requests first, in admission order. One that is decoding takes 1 token (the
+       one it sampled last step); one still prefilling takes its next chunk, as much of the
+       rest of its prompt as the budget left allows. Its new tokens need slots; when that
+       takes a new block and the pool has none, the most recently admitted running request
+       is preempted: its blocks are freed (last block first; the full ones stay cached), and
+       it goes back to the front of the waiting queue. vLLM v1 calls this recompute
+       preemption: when it is admitted again, it usually finds most of its tokens still in
+       the pool.
+    2. then waiting requests, in arrival order, while the budget, max_num_seqs and the pool
+       allow. After its prefix hit, a request's uncached tokens are scheduled up to the
+       budget left; the rest come in later steps (chunked prefill). allocate_with_prefix does
+       the capacity check after the prefix hit and changes nothing when it refuses; the first
+       request that does not fit stops admission (no overtaking).
 
-A request admitted in this step can hit blocks another request admitted in this step is
-about to compute: allocate_with_prefix caches a full block the moment it is allocated, and
-batch_engine.py writes every new K/V of the step into the pool before anything attends.
+A step allocates slots only for the tokens it schedules, and a block is cached the moment
+its last token gets a slot: so another request can find a block from the step that computes
+its K/V on, never earlier. Within that step it may: batch_engine.py writes every new K/V of
+the step into the pool before anything attends, so a request admitted in the same step as
+another can hit the blocks the other computes in that very step.
 
-Not done here: chunked prefill. A prompt is prefilled in one step; the token budget counts
-only its uncached tokens (as nano-vllm does), and a prompt longer than the budget runs in a
-step of its own.
+enable_chunked_prefill=False restores the older rule, for comparison: a prompt is prefilled
+whole in one step, its uncached tokens counted against the budget, and one longer than the budget left waits for a step of its own, which comes only when every
+running request has finished.
 """
 
 from __future__ import annotations
@@ -58,14 +66,26 @@ class Request:
         """Prompt and reply: what a resumed request recomputes, minus what the pool still holds."""
         return self.prompt_ids + self.output_ids
 
+    @property
+    def num_prefill_left(self) -> int:
+        """Tokens still to compute before it can sample again, beyond the one it decodes next:
+        above 0 while a prompt (or a resumed request's text) comes in chunks."""
+        return max(0, len(self.token_ids) - (1 if self.output_ids else 0) - self.num_computed_tokens)
+
 
 @dataclass
 class ScheduledRequest:
-    """Compute tokens [start, end) of request.token_ids in this step, then sample one more."""
+    """Compute tokens [start, end) of request.token_ids in this step; if that reaches the end
+    of its tokens, sample one more (a chunk that stops part-way through a prompt samples
+    nothing: its next token is already known)."""
 
     request: Request
     start: int
     end: int
+    samples: bool = field(init=False)  # set when planned: sampling adds a token to request.token_ids
+
+    def __post_init__(self):
+        self.samples = self.end == len(self.request.token_ids)
 
     @property
     def is_prefill(self) -> bool:
@@ -82,21 +102,40 @@ class StepPlan:
         return sum(s.end - s.start for s in self.scheduled)
 
 
+def check_step_size(max_num_seqs, max_num_batched_tokens) -> None:
+    """Refuse (ValueError) a step size that cannot work."""
+    for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r:.40}")
+    if max_num_batched_tokens < max_num_seqs:
+        # vLLM refuses it too: with fewer tokens than requests, a step could not decode every
+        # running request, and a new request would wait for a budget never left over.
+        raise ValueError(
+            f"max_num_batched_tokens ({max_num_batched_tokens}) must be at least max_num_seqs "
+            f"({max_num_seqs}): every running request decodes a token each step"
+        )
+
+
 class Scheduler:
     """A waiting queue and a running list over one allocator.
 
     >>> from prefix_caching import PrefixCachingAllocator
-    >>> s = Scheduler(PrefixCachingAllocator(num_blocks=8, block_size=4))
+    >>> s = Scheduler(PrefixCachingAllocator(num_blocks=8, block_size=4), max_num_seqs=4, max_num_batched_tokens=8)
     >>> s.add(Request("a", list(range(10)))); s.add(Request("b", list(range(9)) + [99]))
+    >>> plan = s.schedule(); [(r.request.request_id, r.start, r.end) for r in plan.scheduled]  # a's first chunk
+    [('a', 0, 8)]
+    >>> for r in plan.scheduled: r.request.num_computed_tokens = r.end   # the model ran it (batch_engine.py)
     >>> [(r.request.request_id, r.start, r.end) for r in s.schedule().scheduled]  # b hits a's 2 blocks
-    [('a', 0, 10), ('b', 8, 10)]
+    [('a', 8, 10), ('b', 8, 10)]
     """
 
     def __init__(self, allocator: PrefixCachingAllocator, *, max_num_seqs: int = 64,
-                 max_num_batched_tokens: int = 2048) -> None:
+                 max_num_batched_tokens: int = 2048, enable_chunked_prefill: bool = True) -> None:
+        check_step_size(max_num_seqs, max_num_batched_tokens)
         self.allocator = allocator
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.enable_chunked_prefill = enable_chunked_prefill
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last is preempted first
         self.num_preemptions = 0
@@ -113,31 +152,37 @@ class Scheduler:
         preempted: list[Request] = []
         budget = self.max_num_batched_tokens
 
-        # 1. Running requests decode their last sampled token.
+        # 1. Running requests: a decode takes 1 token, a prompt still prefilling its next chunk.
         i = 0
-        while i < len(self.running):
+        while i < len(self.running) and budget > 0:
             request = self.running[i]
+            start = request.num_computed_tokens
+            end = min(len(request.token_ids), start + budget)
             try:
-                alloc.append_token(request.request_id, request.output_ids[-1])
+                alloc.append_tokens(request.request_id, request.token_ids[start:end])
             except OutOfBlocksError:
                 victim = self.running.pop()  # the most recently admitted
                 self._preempt(victim)
                 preempted.append(victim)
                 continue  # retry `request`, unless it was the victim (then the loop ends)
-            scheduled.append(ScheduledRequest(request, request.num_computed_tokens, request.num_computed_tokens + 1))
-            budget -= 1
+            scheduled.append(ScheduledRequest(request, start, end))
+            budget -= end - start
             i += 1
 
         # 2. Waiting requests, in arrival order, while there is room. A request preempted in
         # this very step waits for the next one: the pool was just too small for it.
-        while self.waiting and len(self.running) < self.max_num_seqs and self.waiting[0] not in preempted:
+        while (self.waiting and len(self.running) < self.max_num_seqs and budget > 0
+               and self.waiting[0] not in preempted):
             request = self.waiting[0]
             tokens = request.token_ids
-            uncached = len(tokens) - alloc.peek(tokens, request.cache_salt)
-            if uncached > budget and scheduled:
+            num_cached = alloc.peek(tokens, request.cache_salt)
+            num_new = len(tokens) - num_cached
+            if self.enable_chunked_prefill:
+                num_new = min(num_new, budget)  # the rest in later steps
+            elif num_new > budget and scheduled:
                 break  # over the token budget: next step (alone in a step, any length runs)
             try:
-                num_cached, _ = alloc.allocate_with_prefix(request.request_id, tokens, request.cache_salt)
+                alloc.allocate_with_prefix(request.request_id, tokens[: num_cached + num_new], request.cache_salt)
             except OutOfBlocksError:
                 break  # the pool is full for now: wait until running requests finish
             self.waiting.popleft()
@@ -146,8 +191,8 @@ class Scheduler:
             request.num_computed_tokens = num_cached
             if not request.admitted:
                 request.admitted, request.num_cached_tokens = True, num_cached
-            scheduled.append(ScheduledRequest(request, num_cached, len(tokens)))
-            budget -= len(tokens) - num_cached
+            scheduled.append(ScheduledRequest(request, num_cached, num_cached + num_new))
+            budget -= num_new
         return StepPlan(scheduled, preempted)
 
     def _preempt(self, request: Request) -> None:

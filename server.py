@@ -67,6 +67,7 @@ from engine import (
 )
 from model_loader import DEFAULT_MODEL
 from prefix_caching import KVCacheBlock, OutOfBlocksError, short_hash
+from scheduler import check_step_size
 from server_requests import (
     CHAT, COMPLETIONS, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_TOKENS_LIMIT, GENERATE, JSON_HEADER, LOCAL_HOSTS,
     APIError, GenerationRequest, Route, Settings, check_admin, check_content_type, check_host, error_json,
@@ -264,12 +265,13 @@ class ServerState:
             last = loop.last_step
             pool |= {
                 "waiting_requests": len(loop.waiting),
+                "prefilling_requests": len(loop.prefilling),  # running, part-way through their prompt
                 "preemptions": loop.num_preemptions,
                 "steps": loop.num_steps,
                 "last_step": None if last is None else {
                     "requests": last.num_requests, "tokens": last.num_tokens, "prefill_tokens": last.num_prefill_tokens,
                 },
-                **engine.scheduler_options,  # max_num_seqs, max_num_batched_tokens
+                **engine.scheduler_options,  # max_num_seqs, max_num_batched_tokens, enable_chunked_prefill
             }
         if self.settings.salt_by_api_key:
             with self.tenants_lock:
@@ -296,6 +298,9 @@ class ServerState:
                                 if not keyed or blocks[table[0]].cache_salt == tenant}
         if loop is not None:  # head first; another tenant's request is a null: it waits, that is all
             snap["waiting_queue"] = [rid if not keyed or salt == tenant else None for rid, salt in loop.waiting]
+            salts = dict(loop.running)
+            snap["prefilling"] = {rid: {"computed_tokens": done, "prompt_tokens": total}
+                                  for rid, (done, total) in loop.prefilling.items() if not keyed or salts[rid] == tenant}
         return snap
 
     def block_view(self, block: KVCacheBlock, tenant: str | None) -> dict:
@@ -567,8 +572,11 @@ def main(argv: list[str] | None = None) -> None:
     batching.add_argument("--max-num-seqs", type=positive_int, default=None,
                           help=f"requests running in one step at most (default: {DEFAULT_MAX_NUM_SEQS})")
     batching.add_argument("--max-num-batched-tokens", type=positive_int, default=None,
-                          help=f"tokens one step computes at most; a longer prompt runs in a step of its own "
-                               f"(default: {DEFAULT_MAX_NUM_BATCHED_TOKENS})")
+                          help=f"tokens one step computes at most, at least --max-num-seqs; a longer prompt is "
+                               f"prefilled in chunks (default: {DEFAULT_MAX_NUM_BATCHED_TOKENS})")
+    batching.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
+                          help="split a prompt longer than the step's budget across steps (default: on); "
+                               "--no-enable-chunked-prefill prefills it whole, in a step of its own")
     batching.add_argument("--no-batching", action="store_true",
                           help="one request's step at a time, as stage 7's engine runs it; a full pool answers 503")
     parser.add_argument("--salt-by-api-key", action="store_true", help="isolate each bearer token's cache")
@@ -581,10 +589,15 @@ def main(argv: list[str] | None = None) -> None:
     if args.admin_key is not None and not args.admin_key.strip():
         parser.error("--admin-key is empty: give a secret")
     scheduler_options = {name: value for name, value in vars(args).items()
-                         if name in ("max_num_seqs", "max_num_batched_tokens") and value is not None}
+                         if name in ("max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill")
+                         and value is not None}
     if args.no_batching and scheduler_options:
         flag = "--" + next(iter(scheduler_options)).replace("_", "-")
-        parser.error(f"{flag} sizes the batching engine's steps: leave it out, or leave out --no-batching")
+        parser.error(f"{flag} is a setting of the batching engine: leave it out, or leave out --no-batching")
+    try:  # before the model loads
+        check_step_size(args.max_num_seqs or DEFAULT_MAX_NUM_SEQS, args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS)
+    except ValueError as err:
+        parser.error(str(err).replace("max_num_", "--max-num-").replace("batched_tokens", "batched-tokens"))
 
     handler = RichHandler(show_path=False)
     handler.addFilter(EscapeControlCharacters())  # werkzeug's records and any library's too
@@ -609,8 +622,9 @@ def main(argv: list[str] | None = None) -> None:
     console.print(f"{engine.kv}")
     if engine.batching:
         options = engine.scheduler_options
+        chunks = "a longer prompt in chunks" if options["enable_chunked_prefill"] else "a longer prompt alone"
         console.print(f"batching: up to {options['max_num_seqs']} requests and {options['max_num_batched_tokens']} "
-                      f"tokens a step; a full pool makes requests wait")
+                      f"tokens a step, {chunks}; a full pool makes requests wait")
     else:
         console.print("no batching: one request's step at a time; a full pool answers 503")
     console.print(f"[bold green]serving {app.extensions['server'].settings.model_name} on {url}[/]   (Ctrl+C stops)")

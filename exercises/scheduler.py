@@ -4,8 +4,9 @@ Exercise 6: one step of the scheduler: decodes, preemption, admission (stage 8).
 Everything but the two methods below comes from scheduler.py (Request, ScheduledRequest,
 StepPlan, the waiting queue and the running list, add, finish). The allocator is
 prefix_caching's: it has the two calls a scheduler needs that exercises 2 and 4 left out,
-peek (how many prompt tokens would hit, changing nothing) and append_token (one more token;
-a new block when the last one is full, OutOfBlocksError when none is free).
+peek (how many prompt tokens would hit, changing nothing) and append_tokens (more tokens for
+a running request: new blocks when the last one fills, each block cached as it fills;
+OutOfBlocksError, changing nothing, when too few are free).
 
 Worked example: 4 blocks of 4 tokens; a has 8 tokens, b has a's first 4 and 3 of its own.
     step 1  admit a: blocks [0, 1]. admit b: it hits block 0 (cached the moment a got it,
@@ -31,25 +32,29 @@ class Scheduler(scheduler.Scheduler):
     def schedule(self) -> StepPlan:
         """Plan one step: StepPlan(scheduled, preempted), both lists in the order things happen.
 
-        The step may compute self.max_num_batched_tokens tokens (the budget).
-          1. decode  Each running request, in order: self.allocator.append_token(its id, its
-                     last output id) gives the token it sampled last step a slot. Schedule
-                     ScheduledRequest(request, n, n + 1), n = its num_computed_tokens: 1 token
-                     of the budget. On OutOfBlocksError, pop the LAST running request (the most
-                     recently admitted), self._preempt it, and retry the same request, unless
-                     it was the one preempted.
-          2. admit   Then, while the waiting queue is not empty and fewer than
-                     self.max_num_seqs run, look at the request at its front. Stop if this step
-                     preempted anyone: the pool was just too small. Its cost is its uncached
-                     tokens, len(request.token_ids) - peek(token_ids, cache_salt); stop if that
-                     is over what is left of the budget, unless nothing is scheduled yet (a
-                     long prompt runs alone). allocate_with_prefix checks the room after the
-                     prefix hit, and raises OutOfBlocksError changing nothing: stop then too.
-                     Stop means stop, not skip: no request overtakes an earlier one. Admitted:
-                     it leaves the waiting queue for the end of self.running, its status is
-                     RUNNING, its num_computed_tokens the hit; at its first admission only,
-                     admitted = True and num_cached_tokens = the hit (what its client is told).
-                     Schedule tokens [hit, len(token_ids)).
+        The step may compute self.max_num_batched_tokens tokens (the budget); chunked
+        prefill is always on here (the reference's enable_chunked_prefill=True).
+          1. running Each running request, in order, while budget is left. n = its
+                     num_computed_tokens, end = min(len(token_ids), n + budget left): a request
+                     decoding gets 1 token (the one it sampled last step), one still prefilling
+                     its next chunk. self.allocator.append_tokens(its id, token_ids[n:end])
+                     gives those tokens slots; schedule ScheduledRequest(request, n, end). On
+                     OutOfBlocksError, pop the LAST running request (the most recently
+                     admitted), self._preempt it, and retry the same request, unless it was
+                     the one preempted.
+          2. admit   Then, while the waiting queue is not empty, fewer than self.max_num_seqs
+                     run and budget is left, look at the request at its front. Stop if this step
+                     preempted anyone: the pool was just too small. hit = peek(token_ids,
+                     cache_salt); it computes its uncached tokens, len(token_ids) - hit, at most
+                     the budget left (the rest are later chunks). allocate_with_prefix(its id,
+                     token_ids[:hit + that many], cache_salt): slots for this step's tokens only,
+                     so no block is cached before the step that writes it. It checks the room
+                     after the prefix hit and raises OutOfBlocksError changing nothing: stop
+                     then. Stop means stop, not skip: no request overtakes an earlier one.
+                     Admitted: it leaves the waiting queue for the end of self.running, its
+                     status is RUNNING, its num_computed_tokens the hit; at its first admission
+                     only, admitted = True and num_cached_tokens = the hit (what its client is
+                     told). Schedule tokens [hit, hit + that many).
         """
         # TODO exercise 6a
         raise NotImplementedError("exercise 6a: Scheduler.schedule is not written yet (exercises/scheduler.py)")

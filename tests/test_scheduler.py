@@ -1,6 +1,10 @@
-"""The scheduler's rules, without a model: admission in arrival order while the pool and the
-token budget allow, decodes first, preemption of the most recently admitted, and its
-invariants after every step of random workloads (hypothesis)."""
+"""The scheduler's rules, without a model: one token budget per step (decodes first, then the
+next chunk of a prompt still prefilling, then waiting requests in arrival order, a prompt
+longer than what is left split across steps), preemption of the most recently admitted, and
+its invariants after every step of random workloads (hypothesis): among them, no block can
+be found before the step that writes its K/V."""
+
+import pytest
 
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -11,11 +15,13 @@ from scheduler import FINISHED, RUNNING, WAITING, Request, Scheduler
 
 
 def run_step(scheduler: Scheduler, token: int = 7) -> list[tuple[str, int, int]]:
-    """Schedule a step and pretend the model ran it: each request gets `token`."""
+    """Schedule a step and pretend the model ran it: each request that reached the end of its
+    tokens samples `token` (a chunk part-way through a prompt samples nothing)."""
     plan = scheduler.schedule()
     for s in plan.scheduled:
         s.request.num_computed_tokens = s.end
-        s.request.output_ids.append(token)
+        if s.samples:
+            s.request.output_ids.append(token)
     return [(s.request.request_id, s.start, s.end) for s in plan.scheduled]
 
 
@@ -46,7 +52,7 @@ def test_admission_stops_at_the_first_request_that_does_not_fit():
 
 def test_the_token_budget_counts_only_uncached_tokens():
     alloc = PrefixCachingAllocator(num_blocks=20, block_size=4)
-    s = Scheduler(alloc, max_num_batched_tokens=10)
+    s = Scheduler(alloc, max_num_seqs=4, max_num_batched_tokens=10)
     s.add(Request("a", list(range(9))))
     run_step(s)
     s.finish(s.running[0])
@@ -55,11 +61,50 @@ def test_the_token_budget_counts_only_uncached_tokens():
     assert run_step(s) == [("b", 8, 10), ("c", 8, 10)]
 
 
-def test_a_prompt_longer_than_the_budget_runs_alone():
-    s = Scheduler(PrefixCachingAllocator(num_blocks=20, block_size=4), max_num_batched_tokens=4)
+def test_a_prompt_longer_than_the_budget_is_split_across_steps_beside_the_decodes():
+    s = Scheduler(PrefixCachingAllocator(num_blocks=20, block_size=4), max_num_seqs=4, max_num_batched_tokens=8)
+    s.add(Request("a", [1, 2]))
+    run_step(s)
+    s.add(Request("long", list(range(100, 120))))  # 20 tokens
+    s.add(Request("short", [5]))
+    assert run_step(s) == [("a", 2, 3), ("long", 0, 7)]  # a decodes; the budget left is long's first chunk
+    assert run_step(s) == [("a", 3, 4), ("long", 7, 14)]  # short waits: no overtaking
+    assert run_step(s) == [("a", 4, 5), ("long", 14, 20), ("short", 0, 1)]  # long's last chunk samples
+    assert run_step(s) == [("a", 5, 6), ("long", 20, 21), ("short", 1, 2)]
+    s.check_invariants()
+
+
+def test_a_chunk_caches_only_the_blocks_it_writes():
+    alloc = PrefixCachingAllocator(num_blocks=20, block_size=4)
+    s = Scheduler(alloc, max_num_seqs=2, max_num_batched_tokens=6)
+    long = list(range(100, 116))  # 16 tokens: 4 blocks
+    s.add(Request("long", long))
+    assert run_step(s) == [("long", 0, 6)]  # block 0 written and cached; block 1 half written
+    assert alloc.peek(long + [1]) == 4  # a request arriving now would hit block 0 only
+    s.add(Request("copy", long + [1]))
+    assert run_step(s) == [("long", 6, 12)]  # the budget is spent: copy waits
+    assert alloc.peek(long + [1]) == 12
+    # long's last chunk writes block 3 in this step; copy, admitted in the same step, hits it
+    # (every new K/V of a step is written before anyone attends).
+    assert run_step(s) == [("long", 12, 16), ("copy", 16, 17)]
+    s.check_invariants()
+
+
+def test_without_chunked_prefill_a_prompt_longer_than_the_budget_runs_alone():
+    s = Scheduler(PrefixCachingAllocator(num_blocks=20, block_size=4), max_num_seqs=4, max_num_batched_tokens=4,
+                  enable_chunked_prefill=False)
     s.add(Request("long", list(range(30))))
     s.add(Request("short", [1]))
     assert run_step(s) == [("long", 0, 30)]
+
+
+@pytest.mark.parametrize("seqs, budget, words", [
+    (8, 4, "must be at least max_num_seqs"), (0, 8, "max_num_seqs must be an int >= 1"),
+    (4, 0, "max_num_batched_tokens must be an int >= 1"), (True, 8, "max_num_seqs must be an int"),
+])
+def test_a_step_size_that_cannot_work_is_refused_at_construction(seqs, budget, words):
+    with pytest.raises(ValueError, match=words):
+        Scheduler(PrefixCachingAllocator(num_blocks=4, block_size=4), max_num_seqs=seqs, max_num_batched_tokens=budget)
 
 
 def test_when_the_pool_runs_out_the_most_recent_request_is_preempted_and_resumes_from_the_cache():
@@ -108,16 +153,23 @@ PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [1, 2, 3, 4, 5], [9, 9, 9, 9, 1], [3], l
 
 
 class SchedulerMachine(RuleBasedStateMachine):
+    """Random arrivals, budgets, pool sizes, chunking on or off, cancellations. A pretend
+    model writes each step's scheduled tokens into `written` (slot -> the tokens up to and
+    including it, which is what decides its K/V); after every schedule, every token a
+    scheduled request attends to must be written before the step or in it, and so must every
+    block a later request could find."""
+
     def __init__(self):
         super().__init__()
         self.scheduler = None
         self.count = 0
+        self.written: dict[tuple[int, int], tuple] = {}  # (block, offset) -> prefix it holds
 
-    @rule(num_blocks=st.integers(4, 12), budget=st.integers(1, 20), max_seqs=st.integers(1, 4))
+    @rule(num_blocks=st.integers(4, 12), max_seqs=st.integers(1, 4), extra=st.integers(0, 16), chunked=st.booleans())
     @precondition(lambda self: self.scheduler is None)
-    def make(self, num_blocks, budget, max_seqs):
-        self.scheduler = Scheduler(PrefixCachingAllocator(num_blocks=num_blocks, block_size=4),
-                                   max_num_seqs=max_seqs, max_num_batched_tokens=budget)
+    def make(self, num_blocks, max_seqs, extra, chunked):
+        self.scheduler = Scheduler(PrefixCachingAllocator(num_blocks=num_blocks, block_size=4), max_num_seqs=max_seqs,
+                                   max_num_batched_tokens=max_seqs + extra, enable_chunked_prefill=chunked)
 
     @rule(prompt=st.sampled_from(PROMPTS), tail=st.lists(st.integers(0, 3), max_size=3), max_tokens=st.integers(1, 8))
     @precondition(lambda self: self.scheduler is not None)
@@ -128,15 +180,45 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.count += 1
         self.scheduler.add(Request(f"r{self.count}", prompt + tail, max_tokens=max_tokens))
 
+    def check_and_write(self, plan) -> None:
+        alloc, size = self.scheduler.allocator, self.scheduler.allocator.block_size
+        step = {}  # what this step's forward pass writes
+        for s in plan.scheduled:
+            table, tokens = alloc.block_tables[s.request.request_id], s.request.token_ids
+            for p in range(s.start, s.end):
+                step[table[p // size], p % size] = tuple(tokens[: p + 1])
+        seen = self.written | step  # in a step, every new K/V is written before anyone attends
+        for s in plan.scheduled:
+            table, tokens = alloc.block_tables[s.request.request_id], s.request.token_ids
+            for p in range(s.end):
+                assert seen.get((table[p // size], p % size)) == tuple(tokens[: p + 1]), (
+                    f"{s.request.request_id} reads token {p} from a slot nobody wrote")
+        for block in alloc.blocks:
+            if block.block_hash is not None:
+                held = [seen.get((block.block_id, offset)) for offset in range(size)]
+                assert all(held) and [prefix[-1] for prefix in held] == block.token_ids, (
+                    f"block {block.block_id} can be found before its K/V is written")
+        self.written = seen
+
     @rule(token=st.integers(0, 3))
     @precondition(lambda self: self.scheduler is not None)
     def step(self, token):
-        before = {r.request_id: len(r.output_ids) for r in self.scheduler.running + list(self.scheduler.waiting)}
-        run_step(self.scheduler, token)
-        for r in list(self.scheduler.running):  # every running request moved forward by one token
-            assert len(r.output_ids) == before.get(r.request_id, 0) + 1
+        scheduler = self.scheduler
+        before = {r.request_id: len(r.output_ids) for r in scheduler.running + list(scheduler.waiting)}
+        plan = scheduler.schedule()
+        self.check_and_write(plan)
+        for s in plan.scheduled:
+            s.request.num_computed_tokens = s.end
+            if s.samples:
+                s.request.output_ids.append(token)
+        for s in plan.scheduled:
+            r = s.request
+            assert len(r.output_ids) == before[r.request_id] + s.samples  # a chunk part-way samples nothing
             if len(r.output_ids) == r.max_tokens:
-                self.scheduler.finish(r)
+                scheduler.finish(r)
+        assert plan.num_tokens <= scheduler.max_num_batched_tokens or (
+            not scheduler.enable_chunked_prefill and len(plan.scheduled) == 1)  # a long prompt alone
+        assert len(scheduler.running) <= scheduler.max_num_seqs
 
     @rule()
     @precondition(lambda self: self.scheduler is not None and self.scheduler.has_work())
@@ -149,9 +231,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         raise AssertionError("requests still waiting or running after 500 steps")
 
     @rule(data=st.data())
-    @precondition(lambda self: self.scheduler is not None and self.scheduler.running)
-    def finish_one(self, data):
-        self.scheduler.finish(data.draw(st.sampled_from(self.scheduler.running)))
+    @precondition(lambda self: self.scheduler is not None and self.scheduler.has_work())
+    def cancel_one(self, data):
+        """A client that leaves, whether its request waits, prefills or decodes."""
+        self.scheduler.finish(data.draw(st.sampled_from(self.scheduler.running + list(self.scheduler.waiting))))
 
     @invariant()
     def consistent(self):
@@ -159,9 +242,9 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.scheduler.check_invariants()
             for r in self.scheduler.running:
                 assert r.status == RUNNING
-                # A running request holds blocks for every token computed plus the one it decodes next.
+                # A running request holds slots for exactly the tokens it has computed.
                 assert self.scheduler.allocator.num_tokens(r.request_id) == r.num_computed_tokens
 
 
-SchedulerMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=30, deadline=None)
+SchedulerMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=40, deadline=None)
 test_scheduler_invariants_hold_under_random_workloads = SchedulerMachine.TestCase

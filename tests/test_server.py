@@ -465,7 +465,9 @@ def test_python_server_py_serves_the_default_model():
     (["--block-size", "0"], "argument --block-size: must be at least 1, got 0"),
     (["--admin-key", " "], "--admin-key is empty"),
     (["--max-num-seqs", "0"], "argument --max-num-seqs: must be at least 1, got 0"),
-    (["--no-batching", "--max-num-batched-tokens", "512"], "--max-num-batched-tokens sizes the batching engine's steps"),
+    (["--no-batching", "--max-num-batched-tokens", "512"], "--max-num-batched-tokens is a setting of the batching engine"),
+    (["--no-batching", "--no-enable-chunked-prefill"], "--enable-chunked-prefill is a setting of the batching engine"),
+    (["--max-num-batched-tokens", "32"], "--max-num-batched-tokens (32) must be at least --max-num-seqs (64)"),
 ])
 def test_python_server_py_refuses_bad_flags_before_loading_anything(flags, words, capsys):
     import server

@@ -158,6 +158,32 @@ def test_health_answers_inside_a_step_and_shows_who_runs_and_who_waits(tiny_mode
     wait_until_idle(engine)
 
 
+def test_health_and_the_page_show_a_request_part_way_through_its_prompt(page, tiny_model, tokenizer, alone):
+    from playwright.sync_api import expect
+
+    engine = batching_engine(tiny_model, tokenizer, num_blocks=64, max_num_seqs=2, max_num_batched_tokens=8)
+    prompt = list(range(100, 140))  # 40 tokens: five chunks of 8
+    with serve(create_app(engine, model_name=MODEL)) as url:
+        page.goto(url + "/")
+        with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+            with held_in_step(engine, step=3) as (inside, release):
+                reply = pool.submit(call, url, "/generate", {"prompt": prompt, "max_tokens": 3})
+                assert inside.wait(30)  # chunks 1 and 2 written (16 tokens), chunk 3 in the model
+                health = call(url, "/health", timeout=10)[1]
+                snap = call(url, "/cache", timeout=10)[1]
+                (request_id,) = snap["prefilling"]
+                assert snap["prefilling"][request_id] == {"computed_tokens": 16, "prompt_tokens": 40}
+                expect(page.locator("#tables .request .prefilling")).to_have_text(" prefill 16/40")
+                release.set()
+            status, result = reply.result()
+        assert (health["prefilling_requests"], health["enable_chunked_prefill"]) == (1, True)
+        assert health["last_step"] == {"requests": 1, "tokens": 8, "prefill_tokens": 8}
+        assert snap["blocks_in_use"] == 6  # slots for the 24 tokens scheduled so far: 6 blocks of 4, not 10
+        assert status == 200 and result["text"] == alone(prompt, 3).text
+        assert call(url, "/health")[1]["prefilling_requests"] == 0
+    wait_until_idle(engine)
+
+
 def test_a_request_that_could_never_fit_is_refused_at_once(tiny_model, tokenizer):
     engine = batching_engine(tiny_model, tokenizer, num_blocks=16)
     with serve(create_app(engine, model_name=MODEL)) as url:

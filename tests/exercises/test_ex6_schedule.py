@@ -1,5 +1,5 @@
 """Exercise 6: one step of the scheduler (exercises/scheduler.py). Needs no other exercise:
-it runs on prefix_caching's allocator, which has the decode side (append_token) and peek.
+it runs on prefix_caching's allocator, which has the decode side (append_tokens) and peek.
 
 No model runs: `step` below plays it, so each test reads as a few steps and the plans they
 give. A plan is a list of (request id, start, end): compute tokens [start, end) this step.
@@ -36,11 +36,13 @@ def state(s) -> str:
 
 def step(s, token: int = 7) -> tuple[list[tuple[str, int, int]], list[str]]:
     """Plan a step and play the model: each scheduled request has its tokens [start, end)
-    computed and samples `token`. Returns (the plan, who was preempted)."""
+    computed, and one that reached the end of its tokens samples `token` (a chunk part-way
+    through a prompt samples nothing). Returns (the plan, who was preempted)."""
     plan = s.schedule()
     for scheduled in plan.scheduled:
         scheduled.request.num_computed_tokens = scheduled.end
-        scheduled.request.output_ids.append(token)
+        if scheduled.samples:
+            scheduled.request.output_ids.append(token)
     try:
         s.check_invariants()
     except AssertionError as err:
@@ -71,7 +73,7 @@ def test_the_worked_example_step_by_step():
     assert s.allocator.block_tables == {"a": [0, 1], "b": [0, 2]}, f"step 1: {state(s)}"
     plan, _ = step(s)
     assert plan == [("a", 8, 9), ("b", 7, 8)], (
-        f"step 2: both running requests decode one token (append_token their last output id), got {plan}"
+        f"step 2: both running requests decode one token (append_tokens their last output id), got {plan}"
     )
     plan, preempted = step(s)
     assert preempted == ["b"] and plan == [("a", 9, 10)], (
@@ -141,12 +143,17 @@ def test_the_first_request_that_does_not_fit_stops_admission():
     )
 
 
-def test_a_request_over_the_budget_also_stops_admission():
-    s = scheduler(10, max_num_batched_tokens=10)
+def test_a_request_over_the_budget_gets_a_chunk_and_stops_admission():
+    s = scheduler(10, max_num_seqs=4, max_num_batched_tokens=10)
     add(s, a=list(range(8)), b=list(range(100, 105)), c=[1])
     plan, _ = step(s)
-    assert plan == [("a", 0, 8)], (
-        f"a uses 8 of the 10 tokens; b needs 5 and waits, and c must not overtake it. Got {plan}"
+    assert plan == [("a", 0, 8), ("b", 0, 2)], (
+        f"a uses 8 of the 10 tokens; b needs 5 and gets the 2 that are left (its first chunk), and c must not "
+        f"overtake it: the budget is spent. Got {plan}"
+    )
+    plan, _ = step(s)
+    assert plan == [("a", 8, 9), ("b", 2, 5), ("c", 0, 1)], (
+        f"next step a decodes, b takes the rest of its prompt (3 tokens) and c fits in what is left. Got {plan}"
     )
 
 
@@ -181,9 +188,9 @@ def test_a_request_that_does_not_fit_waits_even_when_its_hits_are_free_blocks():
 
 
 def test_the_token_budget_counts_only_uncached_tokens():
-    s = scheduler(20, max_num_batched_tokens=6)
+    s = scheduler(20, max_num_seqs=4, max_num_batched_tokens=6)
     add(s, a=list(range(12)))
-    step(s)
+    step(s), step(s)  # a's prompt, in two chunks of 6
     s.finish(request(s, "a"))
     add(s, b=list(range(8)) + [60, 61, 62], c=list(range(8)) + [70, 71, 72])  # 11 tokens, 8 of them cached
     plan, _ = step(s)
@@ -194,7 +201,7 @@ def test_the_token_budget_counts_only_uncached_tokens():
 
 
 def test_a_request_admitted_earlier_in_the_step_lowers_the_cost_of_the_next():
-    s = scheduler(10, max_num_batched_tokens=12)
+    s = scheduler(10, max_num_seqs=4, max_num_batched_tokens=12)
     add(s, a=list(range(10)), b=list(range(9)) + [99])
     plan, _ = step(s)
     assert plan == [("a", 0, 10), ("b", 8, 10)], (
@@ -204,26 +211,57 @@ def test_a_request_admitted_earlier_in_the_step_lowers_the_cost_of_the_next():
 
 
 def test_each_decode_takes_one_token_of_the_budget():
-    s = scheduler(10, max_num_batched_tokens=4)
+    s = scheduler(10, max_num_seqs=4, max_num_batched_tokens=4)
     add(s, a=[1, 2, 3])
     step(s)
     add(s, b=[4, 5, 6, 7])
     plan, _ = step(s)
-    assert plan == [("a", 3, 4)], (
-        f"a's decode uses 1 of the 4 tokens, so b (4 tokens) waits for the next step. Got {plan}"
+    assert plan == [("a", 3, 4), ("b", 0, 3)], (
+        f"a's decode uses 1 of the 4 tokens, so b (4 tokens) gets the 3 left, its first chunk. Got {plan}"
     )
 
 
-def test_a_prompt_longer_than_the_budget_runs_alone():
-    s = scheduler(20, max_num_batched_tokens=4)
-    add(s, long=list(range(30)), short=[1])
+def test_a_prompt_longer_than_the_budget_is_prefilled_in_chunks():
+    s = scheduler(20, max_num_seqs=4, max_num_batched_tokens=4)
+    add(s, long=list(range(10)), short=[1])
     plan, _ = step(s)
-    assert plan == [("long", 0, 30)], (
-        f"a 30-token prompt is over any budget of 4 and would wait forever: when nothing is scheduled yet, admit it "
-        f"anyway, alone in its step. Got {plan}"
+    assert plan == [("long", 0, 4)], (
+        f"a 10-token prompt is over a budget of 4: schedule the first 4 (allocate_with_prefix on token_ids[:4] only, "
+        f"so no block is cached before the step that writes it) and the rest in later steps. Got {plan}"
+    )
+    assert s.allocator.num_tokens("long") == 4, (
+        f"the allocator holds {s.allocator.num_tokens('long')} tokens of long: a step takes slots for the tokens it "
+        "schedules, not for the whole prompt"
     )
     plan, _ = step(s)
-    assert plan == [("long", 30, 31), ("short", 0, 1)], f"next step long decodes and short fits: got {plan}"
+    assert plan == [("long", 4, 8)], (
+        f"a running request still prefilling takes its next chunk: tokens 4-7, as much as the budget allows "
+        f"(allocator.append_tokens gives them slots). short waits: it must not overtake long. Got {plan}"
+    )
+    assert request(s, "long").output_ids == [], "a chunk that stops part-way through a prompt samples nothing"
+    plan, _ = step(s)
+    assert plan == [("long", 8, 10), ("short", 0, 1)], (
+        f"long's last chunk (2 tokens), then short fits in what is left. Got {plan}"
+    )
+    plan, _ = step(s)
+    assert plan == [("long", 10, 11), ("short", 1, 2)], f"both decode now: got {plan}"
+
+
+def test_a_chunk_comes_after_the_decodes():
+    s = scheduler(20, max_num_seqs=4, max_num_batched_tokens=5)
+    add(s, a=[1, 2], b=[3])
+    step(s)
+    add(s, long=list(range(100, 112)))
+    plans = [step(s)[0] for _ in range(4)]
+    assert plans == [
+        [("a", 2, 3), ("b", 1, 2), ("long", 0, 3)],
+        [("a", 3, 4), ("b", 2, 3), ("long", 3, 6)],
+        [("a", 4, 5), ("b", 3, 4), ("long", 6, 9)],
+        [("a", 5, 6), ("b", 4, 5), ("long", 9, 12)],
+    ], (
+        f"each step a and b decode first (1 token each) and long gets the 3 tokens left, until its 12-token prompt "
+        f"is done. Got {plans}"
+    )
 
 
 # --- decodes first, and preemption -----------------------------------------------------------
