@@ -39,7 +39,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 from kv_pool import slot_ids
 from outputs import Generation, ReplyBuilder, StreamEvent
 from prefix_caching import OutOfBlocksError
-from sampling import SamplingParams, sample
+from sampling import SamplingParams, sample_batch
 from scheduler import FINISHED, Request, Scheduler, StepPlan
 
 # -----------------------------------------------------------------------------
@@ -87,6 +87,64 @@ def use_pool_attention(model) -> None:
 
 # -----------------------------------------------------------------------------
 # 2. One step's inputs
+#
+# Attention runs in a few groups, each one scaled_dot_product_attention call over its
+# requests' contexts padded to the longest in the group. One group for everyone would make
+# every request pay for the longest context (one 2,000-token request among short ones makes
+# every decode read 2,000 slots); one call per request makes many small operations, each
+# with a fixed cost. So the decodes are sorted by context and cut into as few groups as keep
+# the padding within PADDING (25 %) of the work, at most MAX_GROUPS, and so are the prompts'
+# chunks: at most 2 x MAX_GROUPS calls a layer, whatever the number of requests.
+
+MAX_GROUPS = 4
+PADDING = 1.25
+
+
+@dataclass
+class Row:
+    """One request in a step: its tokens [start, end) are packed from `first` on."""
+
+    first: int
+    start: int
+    end: int
+    context_slots: torch.Tensor  # the pool slots of its tokens 0..end-1
+
+    @property
+    def num_queries(self) -> int:
+        return self.end - self.start
+
+
+def group_rows(rows: list[Row], max_groups: int = MAX_GROUPS) -> list[list[Row]]:
+    """Rows cut into the fewest groups whose padded work is within PADDING of the work itself,
+    at most max_groups (then the cut with the least padded work). Rows are sorted by
+    context; a group's work is its rows x longest context x most queries.
+
+    >>> rows = [Row(0, n - 1, n, None) for n in (100, 2000, 110, 105)]   # four decodes
+    >>> [[r.end for r in g] for g in group_rows(rows, 2)]   # the long one apart: 3 x 110 + 2,000 slots
+    [[100, 105, 110], [2000]]
+    """
+    rows = sorted(rows, key=lambda r: (r.end, r.num_queries))
+    n = len(rows)
+    best = [[0.0] + [float("inf")] * n]  # best[k][j]: least cost of rows[:j] in k groups
+    cut = [[0] * (n + 1)]
+    for k in range(1, min(max_groups, n) + 1):
+        best.append([float("inf")] * (n + 1))
+        cut.append([0] * (n + 1))
+        for j in range(1, n + 1):
+            most = 0
+            for i in range(j - 1, -1, -1):  # the last group is rows[i:j]
+                most = max(most, rows[i].num_queries)
+                cost = best[k - 1][i] + (j - i) * rows[j - 1].end * most
+                if cost < best[k][j]:
+                    best[k][j], cut[k][j] = cost, i
+    work = sum(r.end * r.num_queries for r in rows)
+    k = next((k for k in range(1, len(best)) if best[k][n] <= PADDING * work), None)
+    k = k or min(range(len(best)), key=lambda k: best[k][n])
+    groups, j = [], n
+    while j > 0:
+        groups.append(rows[cut[k][j]:j])
+        j, k = cut[k][j], k - 1
+    return groups[::-1]
 
 
 @dataclass
@@ -118,9 +176,7 @@ class StepInputs:
     For a step with request a computing tokens 4..6 of 7 and request b decoding token 9:
         positions      [4, 5, 6, 9]             each packed token's place in its request
         slot_mapping   the slots tokens 4, 5, 6 of a and 9 of b are written to
-        groups         who attends with whom: every decode in one group (one query each,
-                       padded only to the longest context), each prefill in a group of its
-                       own, so a 500-token prompt does not pad fifteen decodes to 500 queries
+        groups         who attends with whom (group_rows)
     """
 
     pool: object  # kv_pool.PagedKVPool
@@ -129,28 +185,38 @@ class StepInputs:
     slot_mapping: torch.Tensor  # (T,)
     groups: list[AttentionGroup]
     last_token: torch.Tensor  # packed index of the last token of each request that samples
+    slots_needed: int  # pool slots the step's requests attend to: the sum of their contexts
+    slots_read: int  # the slots the groups read, padding included, in each layer
 
 
-def attention_group(rows: list[tuple[int, int, int, list[int]]], device) -> AttentionGroup:
-    """rows: (first packed token, start, end, context slot ids) of each request in the group."""
-    longest_context = max(end for _, _, end, _ in rows)
-    most_queries = max(end - start for _, start, end, _ in rows)
+def group_indices(rows: list[Row]) -> dict[str, torch.Tensor]:
+    """The CPU index tensors of one group (AttentionGroup's, with the queries' positions
+    instead of the mask, which is built from them where it is used)."""
+    longest_context = max(r.end for r in rows)
+    most_queries = max(r.num_queries for r in rows)
     context_slots = torch.zeros(len(rows), longest_context, dtype=torch.long)
     query_index = torch.zeros(len(rows), most_queries, dtype=torch.long)
     query_position = torch.zeros(len(rows), most_queries, dtype=torch.long)  # padding rows see key 0 only
     token_index, token_row, token_query = [], [], []
-    for r, (first, start, end, slots) in enumerate(rows):
-        n = end - start
-        context_slots[r, :end] = slots
-        query_index[r, :n] = torch.arange(first, first + n)
-        query_position[r, :n] = torch.arange(start, end)
-        token_index += range(first, first + n)
-        token_row += [r] * n
-        token_query += range(n)
-    mask = torch.arange(longest_context)[None, None, :] <= query_position[:, :, None]  # causal, per request
-    as_tensor = lambda values: torch.tensor(values, device=device)  # noqa: E731
-    return AttentionGroup(context_slots.to(device), mask.unsqueeze(1).to(device), query_index.to(device),
-                          as_tensor(token_index), as_tensor(token_row), as_tensor(token_query))
+    for i, r in enumerate(rows):
+        context_slots[i, : r.end] = r.context_slots
+        query_index[i, : r.num_queries] = torch.arange(r.first, r.first + r.num_queries)
+        query_position[i, : r.num_queries] = torch.arange(r.start, r.end)
+        token_index += range(r.first, r.first + r.num_queries)
+        token_row += [i] * r.num_queries
+        token_query += range(r.num_queries)
+    return {"context_slots": context_slots, "query_index": query_index, "query_position": query_position,
+            "token_index": torch.tensor(token_index), "token_row": torch.tensor(token_row),
+            "token_query": torch.tensor(token_query)}
+
+
+def to_device(tensors: list[torch.Tensor], device) -> list[torch.Tensor]:
+    """Long tensors moved to `device` in one copy (on a GPU, each copy has a fixed cost)."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return tensors
+    moved = torch.cat([t.reshape(-1) for t in tensors]).to(device, non_blocking=True)
+    return [part.view(t.shape) for part, t in zip(moved.split([t.numel() for t in tensors]), tensors)]
 
 
 def build_step(plan: StepPlan, pool, block_tables: dict[str, list[int]], device) -> StepInputs:
@@ -159,17 +225,29 @@ def build_step(plan: StepPlan, pool, block_tables: dict[str, list[int]], device)
     decodes, prefills = [], []
     for s in plan.scheduled:
         table = block_tables[s.request.request_id]
-        row = (len(tokens), s.start, s.end, slot_ids(table, block_size, 0, s.end))
+        row = Row(len(tokens), s.start, s.end, slot_ids(table, block_size, 0, s.end))
         (decodes if s.end - s.start == 1 else prefills).append(row)
         tokens += s.request.token_ids[s.start : s.end]
         positions += range(s.start, s.end)
         slots.append(slot_ids(table, block_size, s.start, s.end))
         if s.samples:  # a chunk that stops part-way through a prompt has no next token to pick
             last.append(len(tokens) - 1)
-    groups = ([attention_group(decodes, device)] if decodes else []) + [attention_group([p], device) for p in prefills]
-    as_tensor = lambda values: torch.tensor(values, dtype=torch.long, device=device)  # noqa: E731
-    return StepInputs(pool=pool, input_ids=as_tensor([tokens]), positions=as_tensor([positions]),
-                      slot_mapping=torch.cat(slots).to(device), groups=groups, last_token=as_tensor(last))
+    grouped = group_rows(decodes) + group_rows(prefills)
+    indices = [group_indices(rows) for rows in grouped]
+    cpu = [torch.tensor([tokens]), torch.tensor([positions]), torch.cat(slots), torch.tensor(last, dtype=torch.long)]
+    cpu += [t for group in indices for t in group.values()]
+    moved = to_device(cpu, device)
+    input_ids, position_ids, slot_mapping, last_token = moved[:4]
+    groups = []
+    for i, group in enumerate(indices):
+        parts = dict(zip(group, moved[4 + 6 * i : 10 + 6 * i]))
+        position = parts.pop("query_position")
+        longest = parts["context_slots"].shape[1]
+        mask = torch.arange(longest, device=position.device)[None, None, :] <= position[:, :, None]  # causal
+        groups.append(AttentionGroup(mask=mask.unsqueeze(1), **parts))
+    return StepInputs(pool=pool, input_ids=input_ids, positions=position_ids, slot_mapping=slot_mapping,
+                      groups=groups, last_token=last_token, slots_needed=sum(r.end for r in decodes + prefills),
+                      slots_read=sum(len(rows) * max(r.end for r in rows) for rows in grouped))
 
 
 # -----------------------------------------------------------------------------
@@ -195,17 +273,20 @@ class _State:
 
 @dataclass(frozen=True)
 class StepFigures:
-    """How big one step was: its requests, the tokens of its forward pass, and how many of
-    those were prefill (a prompt's uncached suffix, or a resumed request's text again)."""
+    """How big one step was: its requests, the tokens of its forward pass, how many of those
+    were prefill (a prompt's uncached part, or a resumed request's text again), and the pool
+    slots its attention needed and read (padding included), in each layer."""
 
     num_requests: int
     num_tokens: int
     num_prefill_tokens: int
+    num_slots_needed: int = 0
+    num_slots_read: int = 0
 
     @classmethod
-    def of(cls, plan: StepPlan) -> StepFigures:
+    def of(cls, plan: StepPlan, inputs: StepInputs) -> StepFigures:
         prefill = sum(s.end - s.start for s in plan.scheduled if s.is_prefill)
-        return cls(len(plan.scheduled), plan.num_tokens, prefill)
+        return cls(len(plan.scheduled), plan.num_tokens, prefill, inputs.slots_needed, inputs.slots_read)
 
 
 class BatchRunner:
@@ -255,17 +336,16 @@ class BatchRunner:
                 plan = self.last_plan = scheduler.schedule()
                 block_tables = {s.request.request_id: list(engine.allocator.block_tables[s.request.request_id])
                                 for s in plan.scheduled}
-                if plan.scheduled:
-                    self.num_steps += 1
-                    self.last_step = StepFigures.of(plan)
             if not plan.scheduled:
                 return []
+            inputs = build_step(plan, engine.kv, block_tables, engine.device)
+            self.num_steps += 1
+            self.last_step = StepFigures.of(plan, inputs)
             now = time.perf_counter()
             for s in plan.scheduled:
                 if s.request.payload.admitted_at is None:  # its first admission: its hit is known
                     s.request.payload.admitted_at = now
                     s.request.payload.reply.cached_tokens = s.request.num_cached_tokens
-            inputs = build_step(plan, engine.kv, block_tables, engine.device)
             with torch.inference_mode():
                 logits = engine.model(
                     input_ids=inputs.input_ids, position_ids=inputs.positions, use_cache=False,
@@ -276,7 +356,8 @@ class BatchRunner:
             # Every request samples before any finishes: a failure in one leaves them all as
             # they were, for the caller to fail together.
             sampling = [s.request for s in plan.scheduled if s.samples]
-            finished = [request for row, request in enumerate(sampling) if self._sample(request, logits[row])]
+            tokens = sample_batch(logits, [r.payload.params for r in sampling], [r.payload.generator for r in sampling])
+            finished = [request for request, token in zip(sampling, tokens) if self._add_token(request, token)]
             with engine.allocator_lock:
                 for request in finished:
                     scheduler.finish(request)
@@ -288,10 +369,9 @@ class BatchRunner:
             reply.num_preemptions = request.num_preemptions
         return finished
 
-    def _sample(self, request: Request, logits) -> bool:
-        """Sample the request's next token and add it to the reply; whether that finished it."""
+    def _add_token(self, request: Request, token: int) -> bool:
+        """Add the request's sampled token to it and to its reply; whether that finished it."""
         state = request.payload
-        token = sample(logits, state.params, state.generator)
         request.output_ids.append(token)
         if len(request.output_ids) == 1:
             state.reply.ttft_ms = (time.perf_counter() - state.arrival) * 1e3

@@ -78,3 +78,16 @@ def sample(logits, params: SamplingParams, generator=None) -> int:
         sorted_probs[drop] = 0
         probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
     return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def sample_batch(logits, params: list[SamplingParams], generators: list) -> list[int]:
+    """One token id per row of logits (rows, vocab): every greedy row from one argmax and one
+    copy to the host, the others sampled one by one, each with its own generator.
+
+    >>> import torch
+    >>> sample_batch(torch.tensor([[0.1, 2.0], [3.0, 0.2]]), [SamplingParams()] * 2, [None, None])
+    [1, 0]
+    """
+    greedy = logits.argmax(-1).tolist() if any(p.greedy for p in params) else []
+    return [greedy[row] if p.greedy else sample(logits[row], p, generator)
+            for row, (p, generator) in enumerate(zip(params, generators))]

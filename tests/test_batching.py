@@ -5,8 +5,10 @@ import threading
 import time
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from batch_engine import BatchRunner
+from batch_engine import MAX_GROUPS, BatchRunner, Row, group_rows
 from helpers import EmbeddingCounter, assert_pool_whole, hf_greedy
 from sampling import SamplingParams
 
@@ -170,3 +172,33 @@ def test_the_engine_loop_stops_between_steps_and_takes_nothing_after(make_engine
         engine.generate(SHARED, max_tokens=3)
     assert before.finish_reason == "length"
     assert_pool_whole(engine)
+
+
+# --- what a step's attention reads -------------------------------------------------------------
+
+
+def test_one_long_context_does_not_pad_the_short_ones(make_engine):
+    engine = make_engine(num_blocks=256)
+    runner = BatchRunner(engine, max_num_seqs=8, max_num_batched_tokens=512)
+    prompts = [list(range(100 + i, 110 + i)) for i in range(7)] + [list(range(600, 900))]
+    requests = [runner.add(f"r{i}", p, SamplingParams(max_tokens=6), None) for i, p in enumerate(prompts)]
+    runner.step()  # the prompts
+    runner.step()  # eight decodes: seven of ~11 tokens of context, one of 301
+    figures = runner.last_step
+    assert figures.num_slots_needed == 7 * 11 + 301
+    assert figures.num_slots_read <= 1.25 * figures.num_slots_needed  # not 8 x 301
+    replies = runner.run(requests)
+    assert [r.token_ids for r in replies] == [hf_greedy(engine.model, p, 6) for p in prompts]
+
+
+@settings(max_examples=200, deadline=None)
+@given(contexts=st.lists(st.integers(1, 3000), min_size=1, max_size=64), queries=st.lists(st.integers(1, 64), max_size=64))
+def test_groups_cover_every_request_once_in_a_bounded_number_of_calls(contexts, queries):
+    rows = [Row(0, max(0, n - (queries[i] if i < len(queries) else 1)), n, None) for i, n in enumerate(contexts)]
+    groups = group_rows(rows)
+    assert 1 <= len(groups) <= MAX_GROUPS
+    assert sorted(map(id, (r for g in groups for r in g))) == sorted(map(id, rows))
+    one_group = len(rows) * max(r.end for r in rows) * max(r.num_queries for r in rows)
+    padded = sum(len(g) * max(r.end for r in g) * max(r.num_queries for r in g) for g in groups)
+    work = sum(r.end * r.num_queries for r in rows)
+    assert padded <= one_group and (padded <= 1.25 * work or len(groups) == MAX_GROUPS)

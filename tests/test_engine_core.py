@@ -178,16 +178,16 @@ def outcome(engine, request):
 
 def test_a_failed_sampling_fails_every_request_of_the_step_and_the_loop_goes_on(make_engine, monkeypatch):
     engine = make_engine(batching=True)
-    real_sample, calls = batch_engine.sample, []
+    real_sample, calls = batch_engine.sample_batch, []
 
-    def sample(logits, params, generator=None):
+    def sample_batch(logits, params, generators):
         calls.append(1)
-        if len(calls) == 2:  # the second request of the first step
+        if len(calls) == 1:  # the first step, both requests in it; each would end in it
             raise RuntimeError("sampling fell over")
-        return real_sample(logits, params, generator)
+        return real_sample(logits, params, generators)
 
-    monkeypatch.setattr(batch_engine, "sample", sample)
-    first, second = submit_together(engine, [PROMPT, list(range(300, 310))], max_tokens=1)  # first ends in the step
+    monkeypatch.setattr(batch_engine, "sample_batch", sample_batch)
+    first, second = submit_together(engine, [PROMPT, list(range(300, 310))], max_tokens=1)
     assert outcome(engine, first) == outcome(engine, second) == "sampling fell over"
     wait_until_idle(engine)
     assert engine.generate(PROMPT, max_tokens=4).token_ids == make_engine().generate(PROMPT, max_tokens=4).token_ids
@@ -214,15 +214,15 @@ def test_a_failure_after_a_request_finished_in_the_step_still_reaches_it(make_en
 
 def test_a_failed_step_spares_the_requests_that_were_not_in_it(make_engine, monkeypatch):
     engine = make_engine(batching=True, num_blocks=8)  # room for one of the two at a time
-    real_sample, calls = batch_engine.sample, []
+    real_sample, calls = batch_engine.sample_batch, []
 
-    def sample(logits, params, generator=None):
+    def sample_batch(logits, params, generators):
         calls.append(1)
         if len(calls) == 1:
             raise RuntimeError("sampling fell over")
-        return real_sample(logits, params, generator)
+        return real_sample(logits, params, generators)
 
-    monkeypatch.setattr(batch_engine, "sample", sample)
+    monkeypatch.setattr(batch_engine, "sample_batch", sample_batch)
     first, second = submit_together(engine, [list(range(100, 124)), list(range(300, 320))], max_tokens=2)
     assert outcome(engine, first) == "sampling fell over"
     assert outcome(engine, second) != "sampling fell over"  # it waited for the pool, then ran
@@ -245,15 +245,15 @@ def test_a_refused_submit_leaves_no_trace(make_engine):
 
 def test_the_server_sends_a_failed_steps_error_then_done_and_serves_on(make_engine, monkeypatch):
     engine = make_engine(batching=True)
-    real_sample, calls = batch_engine.sample, []
+    real_sample, calls = batch_engine.sample_batch, []
 
-    def sample(logits, params, generator=None):
+    def sample_batch(logits, params, generators):
         calls.append(1)
         if len(calls) == 3:  # mid-reply: the stream's status line and first events are out
             raise RuntimeError("sampling fell over")
-        return real_sample(logits, params, generator)
+        return real_sample(logits, params, generators)
 
-    monkeypatch.setattr(batch_engine, "sample", sample)
+    monkeypatch.setattr(batch_engine, "sample_batch", sample_batch)
     with serve(create_app(engine, model_name=MODEL)) as url:
         body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 8, "stream": True, "temperature": 0}
         request = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(),

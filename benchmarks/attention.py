@@ -1,0 +1,117 @@
+"""What a decode step costs when the contexts of its requests differ: the batch attention's price.
+
+    python prefix_caching.py --bench attention [--decodes 24] [--short 100] [--long 2000] [--json out.json]
+
+Two batches of decoding requests, stepped side by side in one run on one model:
+
+    short   N requests with contexts of about --short tokens
+    mixed   the same, but one of them has a context of --long tokens (a RAG request among chats)
+
+For each: the median time of a decode step, and the pool slots its attention needed (the
+sum of the requests' contexts) and read (padding included: a group of requests is padded to
+its longest context), counted in every layer. The target is the mixed step at most 1.5x the
+short one: one long request should cost what its own context costs, not slow every other.
+Then the floor: the same number of tokens through a plain forward pass with nothing to attend
+to, which no attention can beat.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import random
+import statistics
+import sys
+import time
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from batch_engine import BatchRunner
+from benchmarks import save_json
+from engine import Engine, add_model_arguments, pool_arguments, positive_int
+from model_loader import DEFAULT_MODEL
+from sampling import SamplingParams
+
+
+def decode_steps(engine: Engine, contexts: list[int], steps: int, vocab: int) -> dict:
+    """Prefill requests of these context lengths, then time `steps` decode steps of them all."""
+    rng = random.Random(len(contexts) * 7919 + max(contexts))
+    runner = BatchRunner(engine, max_num_seqs=len(contexts), max_num_batched_tokens=max(2048, max(contexts)))
+    for i, n in enumerate(contexts):
+        # Enough tokens that nobody finishes while the steps are timed; they are stopped after.
+        runner.add(f"r{i}", [rng.randrange(100, vocab) for _ in range(n)], SamplingParams(max_tokens=steps + 64), None)
+    while any(len(r.output_ids) == 0 for r in runner.scheduler.running + list(runner.scheduler.waiting)):
+        runner.step()  # the prompts, in as many steps as the budget takes
+    times, figures = [], []
+    for _ in range(steps):
+        start = time.perf_counter()
+        runner.step()
+        times.append((time.perf_counter() - start) * 1e3)
+        figures.append(runner.last_step)
+    for request in list(runner.scheduler.running):
+        runner.scheduler.finish(request)
+    return {"contexts": len(contexts), "median_ms": statistics.median(times),
+            "slots_needed": figures[-1].num_slots_needed, "slots_read": figures[-1].num_slots_read}
+
+
+def floor_ms(engine: Engine, num_tokens: int, repeats: int) -> float:
+    """A plain forward pass over num_tokens tokens with no context: the matmuls alone."""
+    ids = torch.zeros(1, num_tokens, dtype=torch.long, device=engine.device)
+    times = []
+    with torch.inference_mode():
+        for _ in range(repeats):
+            start = time.perf_counter()
+            engine.model(input_ids=ids, logits_to_keep=num_tokens)
+            times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(prog="prefix_caching.py --bench attention", description=__doc__.split("\n\n")[0])
+    add_model_arguments(parser)
+    parser.add_argument("--decodes", type=positive_int, default=24, help="requests decoding together")
+    parser.add_argument("--short", type=positive_int, default=100, help="the contexts of the short requests")
+    parser.add_argument("--long", type=positive_int, default=2000, help="the context of the long one")
+    parser.add_argument("--steps", type=positive_int, default=12, help="decode steps timed in each batch")
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    parser.add_argument("--quick", action="store_true", help="a small run (for tests)")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.decodes, args.short, args.long, args.steps = 4, 12, 60, 3
+
+    console = Console(width=None if sys.stdout.isatty() else 120)
+    engine = Engine(args.model, device=args.device, dtype=args.dtype, **pool_arguments(args))
+    vocab = engine.model.get_input_embeddings().num_embeddings
+    device = torch.cuda.get_device_name(engine.device) if engine.device.type == "cuda" else (platform.processor() or platform.machine())
+    console.print(f"[bold]Decode steps with mixed contexts[/]: {args.model or DEFAULT_MODEL} on {engine.device} "
+                  f"({device}, {torch.get_num_threads()} threads, {str(engine.dtype).removeprefix('torch.')}); "
+                  f"{args.decodes} requests decoding, median of {args.steps} steps")
+    engine.warm_up()
+    short = [args.short + i for i in range(args.decodes)]  # near, not equal: as real chats are
+    mixed = short[:-1] + [args.long]
+    rows = {"short": decode_steps(engine, short, args.steps, vocab), "mixed": decode_steps(engine, mixed, args.steps, vocab)}
+    floor = floor_ms(engine, args.decodes, args.steps)
+
+    table = Table(title=f"{args.decodes} decodes a step: contexts of ~{args.short} tokens, and the same with one of "
+                        f"{args.long:,}")
+    for column in ("batch", "step (median)", "slots needed a layer", "slots read a layer", "read / needed"):
+        table.add_column(column, justify="left" if column == "batch" else "right")
+    for name, row in rows.items():
+        table.add_row(name, f"{row['median_ms']:,.0f} ms", f"{row['slots_needed']:,}", f"{row['slots_read']:,}",
+                      f"{row['slots_read'] / row['slots_needed']:.2f}")
+    table.add_row("floor: no context", f"{floor:,.0f} ms", "0", "0", "")
+    console.print(table)
+    ratio = rows["mixed"]["median_ms"] / rows["short"]["median_ms"]
+    verdict = "meets" if ratio <= 1.5 else "misses"
+    console.print(f"the mixed step took {ratio:.2f}x the short one in this run: {verdict} the target (<= 1.5x). "
+                  f"Over the floor: short {rows['short']['median_ms'] / floor:.2f}x, mixed "
+                  f"{rows['mixed']['median_ms'] / floor:.2f}x. Measured on {device}.")
+    results = {"machine": device, "threads": torch.get_num_threads(), "rows": rows, "floor_ms": floor, "ratio": ratio}
+    save_json(args.json, results, console)
+    return results
+
+
+if __name__ == "__main__":
+    main()
