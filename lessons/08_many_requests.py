@@ -5,12 +5,13 @@ Stage 7's engine runs one request at a time. A server has many: sixteen students
 at once should not wait in line, because one forward pass over sixteen tokens costs little
 more than over one (the weights are read once either way). Two files do it:
 
-    scheduler.py     each step, who runs and how many tokens (Scheduler.schedule):
-                     running requests decode one token each; waiting ones are admitted in
-                     arrival order while the step's token budget and the pool allow (the
-                     budget counts only a prompt's uncached tokens); when a decode finds no
-                     free block, the most recently admitted request is preempted: its
-                     blocks are freed, the full ones stay cached, and it waits at the front
+    scheduler.py     each step, who runs and how many tokens (Scheduler.schedule): one
+                     token budget for the step; running requests first, a decode taking one
+                     token and a prompt still coming in its next chunk; then waiting ones in
+                     arrival order, their uncached tokens up to the budget left, the rest in
+                     later steps (chunked prefill); when a request finds no free block for
+                     its tokens, the most recently admitted one is preempted: its blocks are
+                     freed, the full ones stay cached, and it waits at the front
     batch_engine.py  the step: every scheduled token packed into one sequence (build_step),
                      one forward pass, one sampled token per request (BatchRunner.step).
                      The attention takes each request's K/V from the pool through its block
@@ -24,9 +25,8 @@ In every layer, the step's new K/V are written into the pool before any request 
 So a request admitted in the same step as another hits the blocks the other is computing
 in that very step: allocate_with_prefix cached them the moment they were allocated.
 
-Not done here: chunked prefill. A prompt is prefilled whole, in one step; one longer than
-the step's token budget waits until it can run alone. (vLLM cuts it into chunks that fit
-the budget and runs them beside the decodes.)
+A long prompt is prefilled in chunks, as vLLM v1 does by default: scene 2 shows it beside
+the decodes, and scene 2b the same steps with chunking off, where it waits to run alone.
 
 New in this stage (marked # NEW): a BatchRunner driven one step at a time, its plan, the
 scheduler's queues, and Engine.generate_batch.
@@ -116,38 +116,50 @@ def same_step_hit(console: Console, engine: Engine, prompts: dict[str, list[int]
 
 
 def decode_steps(console: Console, engine: Engine, runner: BatchRunner, requests: list) -> tuple[list, list[Runs]]:
-    """Scene 2: the four decode together; a long uncached prompt arrives and waits."""
+    """Scene 2: the four decode together; a long uncached prompt arrives and is prefilled in
+    chunks beside them."""
     erin_ids = engine.tokenize(ERIN)
     requests.append(runner.add("erin", erin_ids, SamplingParams(max_tokens=MAX_TOKENS), None))  # NEW
+    block_size = engine.allocator.block_size
     console.print(f"erin arrives after step 1 with a plain-text prompt of {len(erin_ids):,} tokens, none of them "
-                  f"in the pool.")
+                  f"in the pool: more than the budget of {BUDGET} tokens a step.")
     history = step_history("every step of scenes 1-2 after the first: one row each")
-    records = []
+    records, findable = [], []  # findable: erin's tokens a new request could hit, after each of her chunks
     while runner.scheduler.has_work():  # NEW
         record = run_step(runner, len(records) + 2)
         records.append(record)
         add_step_row(history, record)
-        if record.number == 2 or "erin" in record.admitted:
+        chunk = next((s for s in record.prefills() if s.request.request_id == "erin"), None)
+        if chunk is not None:
+            findable.append((record.number, chunk.end, engine.allocator.peek(erin_ids + [0])))  # NEW
             console.print(render_step(record, runner))
     console.print(history)
 
-    together = [r for r in records if len(r.decodes()) == len(USERS)]
-    alone = [r for r in records if not r.admitted and len(r.decodes()) == 1]
-    erin_step = next(r for r in records if "erin" in r.admitted)
-    together, alone = Runs([r.ms for r in together]), Runs([r.ms for r in alone])
+    chunks = [r for r in records if any(s.request.request_id == "erin" for s in r.prefills())]
+    together = [r for r in records if len(r.decodes()) > 1 and not r.prefills()]
+    alone = [r for r in records if not r.prefills() and len(r.decodes()) == 1]
+    decoders = max(len(r.decodes()) for r in together)
+    together, alone, chunk_ms = Runs([r.ms for r in together]), Runs([r.ms for r in alone]), Runs([r.ms for r in chunks])
     console.print(
-        f"Decode steps: one token per running request, all in one forward pass. The four together: "
-        f"{len(USERS)} tokens a step, {together} (median of {len(together.ms)} steps here); erin alone: 1 token a "
-        f"step, {alone} (median of {len(alone.ms)}; her context is {len(erin_ids):,}+ tokens, theirs "
-        f"{min(len(r.prompt_ids) for r in requests[:len(USERS)]):,}+). Her {erin_step.num_tokens:,}-token "
-        f"prefill took {erin_step.ms:,.0f} ms. {busy_note(together, alone)}".strip()
+        f"erin's prompt came in {len(chunks)} chunks, in steps {chunks[0].number}-{chunks[-1].number}, each beside "
+        f"the four decodes: a step's budget of {BUDGET} tokens goes to the running requests first (one token "
+        f"each), and what is left to the next chunk of her prompt. Nobody waited for her, and she waited for nobody."
+    )
+    grown = ", ".join(f"after step {number}: {computed:,} computed, {hit:,} findable ({hit // block_size} blocks)"
+                      for number, computed, hit in findable)
+    console.print(
+        f"Her blocks were cached chunk by chunk ({grown}): a step takes slots only for the tokens it schedules, "
+        f"so another request finds a block from the step that writes its K/V on, never earlier. (The last, "
+        f"partial block is never cached, and a hit always leaves the last token to compute.)"
     )
     console.print(
-        f"erin waited {erin_step.number - 2} steps. Her {len(erin_ids):,} uncached tokens exceed the budget "
-        f"left after the decodes ({BUDGET} - {len(USERS)}), and a prompt is never cut into pieces here: no "
-        f"chunked prefill. Once nobody else ran, she ran alone, whole, {erin_step.num_tokens:,} tokens in step "
-        f"{erin_step.number}, above the budget. vLLM's chunked prefill would have run part of her prompt beside "
-        f"the decodes in step 2 and the rest in the steps after."
+        f"Decode steps: one token per running request, all in one forward pass. Up to {decoders} together "
+        f"(the four and erin): {together} (median of {len(together.ms)} steps here); erin alone at the end: 1 "
+        f"token a step, {alone} (median of {len(alone.ms)}; her context is {len(erin_ids):,}+ tokens, theirs "
+        f"{min(len(r.prompt_ids) for r in requests[:len(USERS)]):,}+). A step with a chunk of hers: {chunk_ms} "
+        f"(median of {len(chunk_ms.ms)}). The budget sets that price: a bigger one finishes a long prompt in "
+        f"fewer steps, and makes each of those steps longer for the requests decoding beside it. "
+        f"{busy_note(together, alone)}".strip()
     )
     replies = runner.run(requests)
     bob = replies[1]
@@ -156,6 +168,34 @@ def decode_steps(console: Console, engine: Engine, runner: BatchRunner, requests
     console.print(f"bob's reply {bob.text!r}: [bold green]exactness ok: the same {len(bob.token_ids)} tokens as "
                   f"model.generate on his prompt alone[/], though he read blocks computed in his own first step.")
     return replies, [together, alone]
+
+
+def chunking_off(console: Console, engine: Engine, prompts: dict[str, list[int]], chunked: list) -> None:
+    """Scene 2, again, with chunked prefill off: erin's prompt runs whole, in a step of its own."""
+    assert engine.allocator.reset_prefix_cache()  # cold again, as in scene 1
+    runner = BatchRunner(engine, max_num_batched_tokens=BUDGET, enable_chunked_prefill=False)  # NEW
+    requests = [runner.add(user, ids, SamplingParams(max_tokens=MAX_TOKENS), None) for user, ids in prompts.items()]
+    run_step(runner, 1)
+    erin_ids = engine.tokenize(ERIN)
+    requests.append(runner.add("erin", erin_ids, SamplingParams(max_tokens=MAX_TOKENS), None))
+    history = step_history("the same steps with enable_chunked_prefill=False")
+    records = []
+    while runner.scheduler.has_work():
+        record = run_step(runner, len(records) + 2)
+        records.append(record)
+        add_step_row(history, record)
+    console.print(history)
+    erin_step = next(r for r in records if "erin" in r.admitted)
+    left = BUDGET - len(records[0].decodes())
+    replies = runner.run(requests)
+    same = sum(a.token_ids == b.token_ids for a, b in zip(replies, chunked))
+    console.print(
+        f"erin waited {erin_step.number - 2} steps. Her {len(erin_ids):,} uncached tokens exceed the budget "
+        f"left after the decodes in step 2 ({BUDGET} - {len(records[0].decodes())} = {left}), and with chunking "
+        f"off a prompt is never cut into pieces: she waits for a step of her own, which comes only when nobody "
+        f"else runs. She ran alone, whole, {erin_step.num_tokens:,} tokens in step {erin_step.number}, above the "
+        f"budget, {erin_step.ms:,.0f} ms. Every reply is the same as with chunking: {same} of {len(replies)}."
+    )
 
 
 def preemption(console: Console, engine: Engine, prompts: dict[str, list[int]], big_pool: list) -> None:
@@ -258,8 +298,10 @@ def main(argv: list[str] | None = None) -> None:
 
     console.print(Rule("1. Four requests behind one system prompt, admitted in one step"))
     runner, requests = same_step_hit(console, engine, prompts)
-    console.print(Rule("2. Decode steps: one token each, one forward pass; a long prompt waits"))
+    console.print(Rule("2. Decode steps: one token each, one forward pass; a long prompt comes in chunks"))
     replies, step_times = decode_steps(console, engine, runner, requests)
+    console.print(Rule("2b. The same with chunked prefill off: the long prompt waits"))
+    chunking_off(console, engine, prompts, replies)
     console.print(Rule("3. A small pool: preemption, and the return from the cache"))
     preemption(console, engine, prompts, replies)
     console.print(Rule("4. Throughput: one after another, batched, batched with caching"))

@@ -65,9 +65,9 @@ VLLM_TODAY = [
      "the server's default); stage 7's one-request engine refuses with OutOfBlocksError instead.",
      "vllm/v1/core/sched/scheduler.py"),
     ("long prompts in chunks",
-     "With chunked prefill (on by default in v1) a prompt longer than the step's token budget is split into "
-     "chunks that run beside the decodes. Stage 8 prefills a prompt in one step, alone when it is over the "
-     "budget.", "vllm/v1/core/sched/scheduler.py"),
+     "Chunked prefill is on by default in v1, as in stage 8. vLLM can also cap one request's chunk below the "
+     "budget (long_prefill_token_threshold), so one long prompt cannot take a whole step; stage 8 gives a prompt all "
+     "of the budget that is left.", "vllm/v1/core/sched/scheduler.py"),
     ("cached_tokens only on request",
      "The OpenAI server fills usage.prompt_tokens_details.cached_tokens only when started with "
      "--enable-prompt-tokens-details (and a hit); this course's server always sends it.",

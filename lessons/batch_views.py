@@ -52,11 +52,12 @@ class StepRecord:
         return sum(s.end - s.start for s in self.scheduled)
 
     def prefills(self) -> list[ScheduledRequest]:
-        """Requests admitted in this step (their prompt, or their whole text after a preemption)."""
-        return [s for s in self.scheduled if s.request.request_id in self.admitted]
+        """Requests computing part of a prompt in this step: admitted in it (their prompt, or their
+        whole text after a preemption), or running and taking their prompt's next chunk."""
+        return [s for s in self.scheduled if s.request.request_id in self.admitted or s.is_prefill]
 
     def decodes(self) -> list[ScheduledRequest]:
-        return [s for s in self.scheduled if s.request.request_id not in self.admitted]
+        return [s for s in self.scheduled if s not in self.prefills()]
 
 
 def run_step(runner: BatchRunner, number: int) -> StepRecord:
@@ -107,9 +108,11 @@ def block_ranges(ids: list[int]) -> str:
 
 def _what(record: StepRecord, s: ScheduledRequest) -> Text:
     n = s.end - s.start
-    if s.request.request_id not in record.admitted:
+    if s not in record.prefills():
         return Text(f"decode token {s.start}", style=DECODE)
     kind = "prefill" if s.request.num_preemptions == 0 else "resume"
+    if s.request.request_id not in record.admitted:
+        kind = "next chunk,"  # running, its prompt coming in pieces
     return Text(f"{kind} tokens {s.start}-{s.end - 1} ({n:,})", style=PREFILL)
 
 
@@ -120,8 +123,8 @@ def render_step(record: StepRecord, runner: BatchRunner) -> Panel:
     scheduler, alloc = runner.scheduler, runner.scheduler.allocator
     shared = scheduler.shared_blocks()
     table = Table(box=None, pad_edge=False)
-    for column in ("request", "this step", "hit in the pool", "blocks (table)", "tokens held"):
-        table.add_column(column, justify="right" if column in ("hit in the pool", "tokens held") else "left")
+    for column in ("request", "this step", "hit in the pool", "blocks (table)", "computed"):
+        table.add_column(column, justify="right" if column in ("hit in the pool", "computed") else "left")
 
     finished = {r.request_id for r in record.finished}
     for s in record.scheduled:
@@ -133,7 +136,9 @@ def render_step(record: StepRecord, runner: BatchRunner) -> Panel:
         blocks = Text()
         for run in _runs(alloc.block_tables[rid], key=lambda b: b in shared):
             blocks.append(_run_text(run), style=SHARED if run[0] in shared else "").append(" ")
-        table.add_row(rid, _what(record, s), hit, blocks, f"{alloc.num_tokens(rid):,}")
+        # A chunk that stops part-way through a prompt: how far it got, of how many.
+        computed = f"{s.end:,}" if s.samples else f"{s.end:,} of {len(s.request.token_ids):,}"
+        table.add_row(rid, _what(record, s), hit, blocks, computed)
     for r in record.preempted:
         table.add_row(r.request_id, Text(f"preempted: held {record.held[r.request_id]:,} tokens", style=PREEMPTED),
                       "", Text("freed, last block first; full ones stay cached", style=PREEMPTED), "0")

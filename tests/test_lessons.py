@@ -46,7 +46,10 @@ EXPECTED_OUTPUT = {
     "08_many_requests.py": ["peek found [0, 0, 0, 0] cached tokens for the four prompts",
                             "bob, carol and dave each found 448 tokens in the pool: the blocks alice was computing "
                             "in that very step", "shared blocks 0-27: ref count 4 (alice, bob, carol, dave)",
-                            "a prompt is never cut into pieces here: no chunked prefill",
+                            "erin's prompt came in 2 chunks, in steps 2-3, each beside the four decodes",
+                            "after step 2: 508 computed, 496 findable (31 blocks)",
+                            "with chunking off a prompt is never cut into pieces",
+                            "Every reply is the same as with chunking: 5 of 5",
                             "exactness ok: the same 16 tokens as model.generate on his prompt alone",
                             "recomputed 17 of their 465 tokens",
                             "same tokens as in the big pool of scenes 1-2: 4 of 4",
