@@ -67,12 +67,50 @@ def pool_attention(module, query, key, value, attention_mask, scaling=None, drop
     packed = query[0].transpose(0, 1)  # (T, heads, dim)
     out = packed.new_empty(packed.shape)
     for group in step.groups:
+        if group.prefix_slots is not None:
+            out[group.token_index] = shared_prefix_attention(packed[group.query_index[:, 0]], flat, group, scaling)
+            continue
         keys, values = flat[:, group.context_slots].transpose(2, 3)  # each (rows, kv heads, context, dim)
         queries = packed[group.query_index].transpose(1, 2)  # (rows, heads, queries, dim)
         attended = F.scaled_dot_product_attention(queries, keys.to(queries.dtype), values.to(queries.dtype),
                                                   attn_mask=group.mask, scale=scaling, enable_gqa=True)
         out[group.token_index] = attended.transpose(1, 2)[group.token_row, group.token_query]  # packed order
     return out.unsqueeze(0), None
+
+
+def attend(queries, keys, values, scale, valid=None):
+    """Attention of queries (n, kv heads, g, dim) over keys and values (n, keys, kv heads, dim),
+    or (keys, kv heads, dim) shared by all n; valid (n, keys) masks out padding. Returns the
+    output (n, kv heads, g, dim) and the log-sum-exp of each query's scores (n, kv heads, g, 1)."""
+    shared = keys.dim() == 3
+    scores = torch.einsum("nkgd,pkd->nkgp" if shared else "nkgd,npkd->nkgp", queries, keys) * scale
+    if valid is not None:
+        scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    lse = scores.logsumexp(-1, keepdim=True)
+    out = torch.einsum("nkgp,pkd->nkgd" if shared else "nkgp,npkd->nkgd", (scores - lse).exp(), values)
+    return out, lse
+
+
+def shared_prefix_attention(query, flat, group: AttentionGroup, scaling):
+    """Decodes that share their first blocks (a system prompt): attention over the shared
+    prefix computed once for all their queries, over each one's own part apart, and the two
+    merged by their log-sum-exp, as vLLM's cascade attention and FlashInfer's shared-prefix
+    decoding do. The same numbers as one attention over the whole context, up to rounding:
+        softmax over [prefix, own] = (e^lse_p * out_p + e^lse_o * out_o) / (e^lse_p + e^lse_o)
+
+    query (n, heads, dim), one per decode; returns (n, heads, dim).
+    """
+    n, heads, dim = query.shape
+    kv_heads = flat.shape[2]
+    q = query.view(n, kv_heads, heads // kv_heads, dim)
+    scale = dim ** -0.5 if scaling is None else scaling
+    prefix_k, prefix_v = flat[:, group.prefix_slots]  # (prefix, kv heads, dim): read once for all n
+    own_k, own_v = flat[:, group.context_slots]  # (n, own, kv heads, dim)
+    out_p, lse_p = attend(q, prefix_k.to(q.dtype), prefix_v.to(q.dtype), scale)
+    out_o, lse_o = attend(q, own_k.to(q.dtype), own_v.to(q.dtype), scale, valid=group.mask[:, 0, 0, :])
+    top = torch.maximum(lse_p, lse_o)
+    w_p, w_o = (lse_p - top).exp(), (lse_o - top).exp()
+    return ((out_p * w_p + out_o * w_o) / (w_p + w_o)).reshape(n, heads, dim)
 
 
 AttentionInterface.register(POOL_ATTENTION, pool_attention)
@@ -108,6 +146,7 @@ class Row:
     start: int
     end: int
     context_slots: torch.Tensor  # the pool slots of its tokens 0..end-1
+    table: list[int] = None  # its block table: where its prefix is shared, the same ids
 
     @property
     def num_queries(self) -> int:
@@ -167,6 +206,9 @@ class AttentionGroup:
     token_index: torch.Tensor  # (tokens of the group,)
     token_row: torch.Tensor
     token_query: torch.Tensor
+    # Decodes sharing their first blocks (shared_prefix_attention): the shared slots, read once;
+    # context_slots and mask then hold each one's own part only.
+    prefix_slots: torch.Tensor | None = None
 
 
 @dataclass
@@ -210,6 +252,39 @@ def group_indices(rows: list[Row]) -> dict[str, torch.Tensor]:
             "token_query": torch.tensor(token_query)}
 
 
+def shared_prefix(rows: list[Row], block_size: int) -> int:
+    """Tokens at the start of every row's context held in the same blocks (whole blocks, and
+    never a row's whole context: each keeps at least its own last token).
+
+    >>> rows = [Row(0, 9, 10, None, [4, 5, 6]), Row(1, 10, 11, None, [4, 5, 7])]
+    >>> shared_prefix(rows, block_size=4)   # blocks 4 and 5: tokens 0-7
+    8
+    """
+    if len(rows) < 2:
+        return 0
+    common = 0
+    for ids in zip(*(r.table for r in rows)):
+        if len(set(ids)) > 1:
+            break
+        common += 1
+    return min(common * block_size, (min(r.end for r in rows) - 1) // block_size * block_size)
+
+
+def decode_groups(decodes: list[Row], cascade: bool) -> list[list[Row]]:
+    """The decodes' groups. With cascade, decodes whose tables start with the same block (a
+    family: one system prompt) form a group of their own, at most MAX_GROUPS families, the
+    largest first: their shared prefix is read once and only their own parts are padded, to
+    the longest own part. The others are grouped by context (group_rows)."""
+    if not cascade:
+        return group_rows(decodes)
+    families: dict[int, list[Row]] = {}
+    for row in decodes:
+        families.setdefault(row.table[0], []).append(row)
+    shared = sorted((f for f in families.values() if len(f) > 1), key=len, reverse=True)[:MAX_GROUPS]
+    taken = {id(row) for family in shared for row in family}
+    return shared + group_rows([row for row in decodes if id(row) not in taken])
+
+
 def to_device(tensors: list[torch.Tensor], device) -> list[torch.Tensor]:
     """Long tensors moved to `device` in one copy (on a GPU, each copy has a fixed cost)."""
     device = torch.device(device)
@@ -219,35 +294,45 @@ def to_device(tensors: list[torch.Tensor], device) -> list[torch.Tensor]:
     return [part.view(t.shape) for part, t in zip(moved.split([t.numel() for t in tensors]), tensors)]
 
 
-def build_step(plan: StepPlan, pool, block_tables: dict[str, list[int]], device) -> StepInputs:
+def build_step(plan: StepPlan, pool, block_tables: dict[str, list[int]], device, cascade: bool = True) -> StepInputs:
+    """cascade: decodes grouped together that share their first blocks attend over them once
+    (shared_prefix_attention)."""
     block_size = pool.block_size
     tokens, positions, slots, last = [], [], [], []
     decodes, prefills = [], []
     for s in plan.scheduled:
         table = block_tables[s.request.request_id]
-        row = Row(len(tokens), s.start, s.end, slot_ids(table, block_size, 0, s.end))
+        row = Row(len(tokens), s.start, s.end, slot_ids(table, block_size, 0, s.end), table)
         (decodes if s.end - s.start == 1 else prefills).append(row)
         tokens += s.request.token_ids[s.start : s.end]
         positions += range(s.start, s.end)
         slots.append(slot_ids(table, block_size, s.start, s.end))
         if s.samples:  # a chunk that stops part-way through a prompt has no next token to pick
             last.append(len(tokens) - 1)
-    grouped = group_rows(decodes) + group_rows(prefills)
-    indices = [group_indices(rows) for rows in grouped]
+    indices, slots_read = [], 0
+    for rows, decoding in [(g, True) for g in decode_groups(decodes, cascade)] + [(g, False) for g in group_rows(prefills)]:
+        prefix = shared_prefix(rows, block_size) if cascade and decoding else 0
+        if prefix:  # the group attends over its shared prefix once, then each over its own part
+            own = [Row(r.first, r.start - prefix, r.end - prefix, r.context_slots[prefix:]) for r in rows]
+            indices.append(group_indices(own) | {"prefix_slots": rows[0].context_slots[:prefix]})
+            slots_read += prefix + len(own) * max(r.end for r in own)
+        else:
+            indices.append(group_indices(rows))
+            slots_read += len(rows) * max(r.end for r in rows)
     cpu = [torch.tensor([tokens]), torch.tensor([positions]), torch.cat(slots), torch.tensor(last, dtype=torch.long)]
     cpu += [t for group in indices for t in group.values()]
-    moved = to_device(cpu, device)
-    input_ids, position_ids, slot_mapping, last_token = moved[:4]
+    moved = iter(to_device(cpu, device))
+    input_ids, position_ids, slot_mapping, last_token = (next(moved) for _ in range(4))
     groups = []
-    for i, group in enumerate(indices):
-        parts = dict(zip(group, moved[4 + 6 * i : 10 + 6 * i]))
+    for group in indices:
+        parts = {name: next(moved) for name in group}
         position = parts.pop("query_position")
         longest = parts["context_slots"].shape[1]
         mask = torch.arange(longest, device=position.device)[None, None, :] <= position[:, :, None]  # causal
         groups.append(AttentionGroup(mask=mask.unsqueeze(1), **parts))
     return StepInputs(pool=pool, input_ids=input_ids, positions=position_ids, slot_mapping=slot_mapping,
                       groups=groups, last_token=last_token, slots_needed=sum(r.end for r in decodes + prefills),
-                      slots_read=sum(len(rows) * max(r.end for r in rows) for rows in grouped))
+                      slots_read=slots_read)
 
 
 # -----------------------------------------------------------------------------
@@ -298,10 +383,12 @@ class BatchRunner:
     held around the allocator's and the scheduler's bookkeeping only.
     """
 
-    def __init__(self, engine, **scheduler_options) -> None:
-        """scheduler_options: Scheduler's max_num_seqs, max_num_batched_tokens and
-        enable_chunked_prefill."""
+    def __init__(self, engine, *, cascade_attention: bool = True, **scheduler_options) -> None:
+        """cascade_attention: decodes that share their first blocks attend over them once
+        (shared_prefix_attention). scheduler_options: Scheduler's max_num_seqs,
+        max_num_batched_tokens and enable_chunked_prefill."""
         self.engine = engine
+        self.cascade_attention = cascade_attention
         use_pool_attention(engine.model)
         self.scheduler = Scheduler(engine.allocator, **scheduler_options)
         self.last_plan: StepPlan | None = None  # the latest step's plan; None while one is being made
@@ -338,7 +425,7 @@ class BatchRunner:
                                 for s in plan.scheduled}
             if not plan.scheduled:
                 return []
-            inputs = build_step(plan, engine.kv, block_tables, engine.device)
+            inputs = build_step(plan, engine.kv, block_tables, engine.device, self.cascade_attention)
             self.num_steps += 1
             self.last_step = StepFigures.of(plan, inputs)
             now = time.perf_counter()
@@ -421,9 +508,9 @@ class EngineLoop:
     as its last event, and the loop goes on with the rest.
     """
 
-    def __init__(self, engine, **scheduler_options) -> None:
+    def __init__(self, engine, **options) -> None:
         self.engine = engine
-        self.runner = BatchRunner(engine, **scheduler_options)
+        self.runner = BatchRunner(engine, **options)
         self._wake = threading.Condition()
         self._inbox: deque[Request] = deque()
         self._cancelled: list[Request] = []

@@ -108,6 +108,7 @@ class Engine:
         max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
         max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
         enable_chunked_prefill: bool = True,
+        cascade_attention: bool = True,
     ):
         if model is None and tokenizer is None:
             model, tokenizer = load_model(model_name_or_path, device=device, dtype=dtype)
@@ -150,8 +151,9 @@ class Engine:
         check_step_size(max_num_seqs, max_num_batched_tokens)
         self.scheduler_options = {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
                                   "enable_chunked_prefill": enable_chunked_prefill}
+        self.cascade_attention = cascade_attention  # batched decodes sharing a prefix read it once
         # batching=True: the engine's one scheduler, in a thread started by the first request.
-        self.loop = EngineLoop(self, **self.scheduler_options) if batching else None
+        self.loop = EngineLoop(self, cascade_attention=cascade_attention, **self.scheduler_options) if batching else None
 
     # --- prompts -----------------------------------------------------------------------------
 
@@ -246,7 +248,7 @@ class Engine:
         request_ids = [f"batch-{next(self._request_counter)}" for _ in all_ids]
         if self.batching:
             return self._run_in_loop(request_ids, all_ids, params, cache_salt, stop)
-        runner = BatchRunner(self, **options)
+        runner = BatchRunner(self, cascade_attention=self.cascade_attention, **options)
         requests = [runner.add(rid, ids, params, cache_salt, stop) for rid, ids in zip(request_ids, all_ids)]
         try:
             return runner.run(requests)

@@ -18,8 +18,10 @@ more than over one (the weights are read once either way). Two files do it:
                      table (pool_attention, registered with transformers' AttentionInterface):
                      no DynamicCache is kept between steps, as stage 7 kept one per request.
                      It still copies: every layer indexes each request's whole context out
-                     of the pool, padded to the longest in its group (the decodes share one
-                     group). vLLM's paged-attention kernels read the blocks where they lie.
+                     of the pool. Requests attend in a few groups of similar context length
+                     (group_rows: at most 4 for the decodes, 4 for the prompts' chunks, the
+                     padding within 25 %), so one long context does not pad every short one.
+                     vLLM's paged-attention kernels read the blocks where they lie.
 
 In every layer, the step's new K/V are written into the pool before any request attends.
 So a request admitted in the same step as another hits the blocks the other is computing

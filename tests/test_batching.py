@@ -5,10 +5,13 @@ import threading
 import time
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import batch_engine
 from batch_engine import MAX_GROUPS, BatchRunner, Row, group_rows
+from engine import Engine
 from helpers import EmbeddingCounter, assert_pool_whole, hf_greedy
 from sampling import SamplingParams
 
@@ -202,3 +205,65 @@ def test_groups_cover_every_request_once_in_a_bounded_number_of_calls(contexts, 
     padded = sum(len(g) * max(r.end for r in g) * max(r.num_queries for r in g) for g in groups)
     work = sum(r.end * r.num_queries for r in rows)
     assert padded <= one_group and (padded <= 1.25 * work or len(groups) == MAX_GROUPS)
+
+
+# --- shared prefixes read once (cascade attention) ----------------------------------------------
+
+
+def step_logits(engine, prompts, cascade, max_tokens=5, block_size=4):
+    """Every decode step's logits, and the replies, of a batch run with cascade on or off."""
+    runner = BatchRunner(engine, cascade_attention=cascade, max_num_seqs=16, max_num_batched_tokens=512)
+    requests = [runner.add(f"r{i}", p, SamplingParams(max_tokens=max_tokens), None) for i, p in enumerate(prompts)]
+    seen = []
+    hook = engine.model.register_forward_hook(lambda module, args, output: seen.append(output.logits[0].clone()))
+    try:
+        replies = runner.run(requests)
+    finally:
+        hook.remove()
+    return seen, replies, runner
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_shared_prefix_attention_gives_the_numbers_of_one_attention_over_each_context(tiny_model, tokenizer, block_size):
+    prompts = [SHARED + [40 + i] * (i + 1) for i in range(5)] + [SHARED[:20] + [7, 8], list(range(500, 540))]
+    calls = []
+    real = batch_engine.shared_prefix_attention
+
+    def counting(*args):
+        calls.append(1)
+        return real(*args)
+
+    batch_engine.shared_prefix_attention = counting
+    try:
+        runs = [step_logits(Engine(model=tiny_model, tokenizer=tokenizer, block_size=block_size, num_blocks=2048 // block_size),
+                            prompts, cascade) for cascade in (True, False)]
+    finally:
+        batch_engine.shared_prefix_attention = real
+    (on, on_replies, _), (off, off_replies, _) = runs
+    assert calls, "the decodes sharing SHARED's blocks should attend over them once"
+    assert len(on) == len(off) and all(torch.allclose(a, b, rtol=1e-5, atol=1e-5) for a, b in zip(on, off))
+    for prompt, reply in zip(prompts, on_replies):
+        assert reply.token_ids == hf_greedy(tiny_model, prompt, 5)
+
+
+def test_sixteen_requests_behind_one_prefix_read_it_once(make_engine):
+    engine = make_engine(num_blocks=512)
+    prompts = [SHARED + [60 + i, 61 + i] for i in range(16)]  # 32 tokens: 7 full shared blocks of 4, then their own
+    for cascade, expected in ((True, 28 + 16 * (32 + 1 - 28)), (False, 16 * 33)):
+        runner = BatchRunner(engine, cascade_attention=cascade, max_num_seqs=16, max_num_batched_tokens=512)
+        requests = [runner.add(f"{cascade}-{i}", p, SamplingParams(max_tokens=3), None) for i, p in enumerate(prompts)]
+        runner.step()  # the prompts (and the same-step hits)
+        runner.step()  # sixteen decodes, each with a context of 33
+        assert runner.last_step.num_slots_needed == 16 * 33
+        assert runner.last_step.num_slots_read == expected  # the 28 shared slots once, or sixteen times
+        runner.run(requests)
+
+
+def test_a_preempted_request_rejoins_the_shared_prefix_exactly(make_engine):
+    engine = make_engine(num_blocks=16)  # the shared prompt's 7 blocks, and room for a few more
+    prompts = [SHARED[:16] + [60 + i] for i in range(4)]
+    runner = BatchRunner(engine, max_num_seqs=4, max_num_batched_tokens=64)
+    requests = [runner.add(f"r{i}", p, SamplingParams(max_tokens=14), None) for i, p in enumerate(prompts)]
+    replies = runner.run(requests)
+    assert runner.scheduler.num_preemptions > 0
+    assert [r.token_ids for r in replies] == [hf_greedy(engine.model, p, 14) for p in prompts]
