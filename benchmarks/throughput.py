@@ -13,7 +13,9 @@ run four ways on the same model and token ids, one after another in one process:
                      like ours: pages of our block size, as many, the same step budget
 
 For each: requests/s, output tokens/s, TTFT p50/p95 (every request arrives at time 0, so a
-TTFT includes the wait for admission), and whether its tokens equal (a)'s.
+TTFT includes the wait for admission), and whether its tokens equal (a)'s. Then (c)'s floor:
+the same forward passes, of the same numbers of tokens, run plainly with nothing in a pool to
+attend to: the time no attention or bookkeeping could beat, and (c)'s time over it.
 """
 
 from __future__ import annotations
@@ -82,6 +84,15 @@ def run_ours(engine: Engine, prompts: list[list[int]], max_tokens: int, batched:
             replies.append(engine.generate(prompt, max_tokens=max_tokens))
             ttfts.append((time.perf_counter() - start) * 1e3 - replies[-1].total_ms + replies[-1].ttft_ms)
     return time.perf_counter() - start, [r.token_ids for r in replies], ttfts
+
+
+def floor_seconds(engine: Engine, sizes: list[int]) -> float:
+    """Plain forward passes of these numbers of tokens, one after another: no pool, no cache."""
+    start = time.perf_counter()
+    with torch.inference_mode():
+        for n in sizes:
+            engine.model(input_ids=torch.zeros(1, n, dtype=torch.long, device=engine.device), logits_to_keep=1)
+    return time.perf_counter() - start
 
 
 def run_transformers(model, prompts: list[list[int]], max_tokens: int, eos: set[int], engine: Engine) -> tuple[float, list, list]:
@@ -160,13 +171,19 @@ def main(argv: list[str] | None = None) -> dict:
         reference = outputs
         rows.append(summary("(a) sequential", seconds, outputs, ttfts, reference))
         rows.append(summary("(b) batched, caching off", *run_ours(off, prompts, args.max_tokens, batched=True), reference))
+        sizes = []  # the tokens of each of (c)'s forward passes
+        hook = engine.model.register_forward_pre_hook(
+            lambda module, args, kwargs: sizes.append(kwargs["input_ids"].shape[1]), with_kwargs=True)
         rows.append(summary("(c) batched, caching on", *run_ours(engine, prompts, args.max_tokens, batched=True), reference))
+        hook.remove()
+        floor = floor_seconds(engine, sizes)
         if not args.skip_transformers:
             hf_model = type(engine.model).from_pretrained(engine.model.name_or_path, dtype=engine.dtype).to(engine.device)
             rows.append(summary("(d) transformers generate_batch", *run_transformers(
                 hf_model, prompts, args.max_tokens, engine.stop_token_ids, engine), reference))
             del hf_model
-        results["runs"].append({"requests": n, "prompt_tokens_min": shared, "rows": rows})
+        results["runs"].append({"requests": n, "prompt_tokens_min": shared, "rows": rows,
+                                "floor_seconds": round(floor, 3), "forward_passes": len(sizes)})
 
         table = Table(title=f"{n} requests behind one system prompt (prompts of {shared}+ tokens)")
         table.add_column("way", no_wrap=True)
@@ -182,6 +199,8 @@ def main(argv: list[str] | None = None) -> dict:
         if "(d)" in by_name:
             ratios.append(f"(c)/(d) {by_name['(c)']['requests_per_s'] / by_name['(d)']['requests_per_s']:.1f}x")
         console.print("requests/s, measured in this run: " + ", ".join(ratios))
+        console.print(f"(c)'s floor: its {len(sizes)} forward passes ({sum(sizes):,} tokens) run plainly, with no pool "
+                      f"to attend to, took {floor:.2f} s; (c) took {by_name['(c)']['seconds'] / floor:.2f}x that.")
     plot(results, args.plot, f"{args.model or DEFAULT_MODEL}, {args.max_tokens} new tokens each, on {device}")
     console.print(f"figure: {args.plot}")
     save_json(args.json, results, console)

@@ -51,7 +51,7 @@ from rich.rule import Rule
 from rich.table import Table
 
 import models
-from batch_engine import BatchRunner, build_step, pool_attention
+from batch_engine import BatchRunner, attend, build_step, pool_attention, shared_prefix_attention
 from batch_views import add_step_row, render_step, run_step, step_history
 from benchmarks.throughput import TOPICS, questions, run_ours, summary
 from demo import DEMO_SYSTEM_PROMPT
@@ -200,6 +200,66 @@ def chunking_off(console: Console, engine: Engine, prompts: dict[str, list[int]]
     )
 
 
+def what_a_step_reads(console: Console, engine: Engine, prompts: dict[str, list[int]]) -> None:
+    """Scene 2c: the pool slots one decode step's attention reads, three ways; and the merge
+    that lets requests sharing a prefix read it once, on numbers small enough to check."""
+    assert engine.allocator.reset_prefix_cache()
+    runner = BatchRunner(engine, max_num_batched_tokens=2048)
+    requests = [runner.add(user, ids, SamplingParams(max_tokens=4), None) for user, ids in prompts.items()]
+    requests.append(runner.add("erin", engine.tokenize(ERIN), SamplingParams(max_tokens=4), None))
+    runner.step()  # the five prompts, in one step
+    runner.step()  # five decodes: the four behind the system prompt, and erin
+    plan, alloc = runner.last_plan, engine.allocator
+    tables = {s.request.request_id: list(alloc.block_tables[s.request.request_id]) for s in plan.scheduled}
+    one_group = len(plan.scheduled) * max(s.end for s in plan.scheduled)  # every context padded to the longest
+    grouped = build_step(plan, engine.kv, tables, engine.device, cascade=False)  # NEW: groups of similar length
+    cascade = build_step(plan, engine.kv, tables, engine.device, cascade=True)  # NEW: the shared prefix once
+    kv = engine.kv
+    per_slot = 2 * kv.num_layers * kv.num_kv_heads * kv.head_dim * kv.dtype.itemsize  # K and V, every layer
+    table = Table("how the step attends", "slots read a layer", "blocks", "K/V read a step",
+                  title=f"one decode step: {', '.join(f'{s.request.request_id} {s.end:,}' for s in plan.scheduled)} "
+                        f"tokens of context", title_justify="left")
+    for name, slots in [("every request padded to the longest context", one_group),
+                        ("groups of similar context length (group_rows)", grouped.slots_read),
+                        ("the same, shared prefix read once (cascade)", cascade.slots_read),
+                        ("what the contexts hold", cascade.slots_needed)]:
+        table.add_row(name, f"{slots:,}", f"{slots / kv.block_size:,.1f}", f"{slots * per_slot / 2**20:,.1f} MiB")
+    console.print(table)
+    console.print(
+        f"In every layer the step copies the slots it reads out of the pool. Padded to erin's context, the four "
+        f"short requests would read {one_group - cascade.slots_needed:,} slots they do not have; grouped by "
+        f"length they read their own {grouped.slots_read - max(s.end for s in plan.scheduled):,} and erin hers; "
+        f"and the four share the system prompt's blocks, so with cascade attention those are read once, not four "
+        f"times. (vLLM's paged-attention kernels read the blocks where they lie, with no copy at all.)"
+    )
+    runner.run(requests)
+
+    # The merge, on numbers you can check by hand: two queries, a shared block of two keys, and a
+    # key of each one's own. Attention over [shared, own] in one softmax, and the same in two parts.
+    torch.manual_seed(0)
+    q = torch.randn(2, 1, 1, 4)  # (queries, kv heads, heads per kv head, dim)
+    shared_k, shared_v = torch.randn(2, 1, 4), torch.randn(2, 1, 4)  # (keys, kv heads, dim): one copy for both
+    own_k, own_v = torch.randn(2, 1, 1, 4), torch.randn(2, 1, 1, 4)  # (queries, keys, kv heads, dim)
+    whole = [torch.softmax(torch.cat([shared_k[:, 0] @ q[i, 0, 0], own_k[i, :, 0] @ q[i, 0, 0]]) / 2, 0)
+             @ torch.cat([shared_v[:, 0], own_v[i, :, 0]]) for i in range(2)]
+    out_shared, lse_shared = attend(q, shared_k, shared_v, scale=0.5)  # NEW: the shared keys, once for both
+    out_own, lse_own = attend(q, own_k, own_v, scale=0.5)  # NEW: each query's own keys
+    w_shared, w_own = lse_shared.exp(), lse_own.exp()  # NEW: each part's share of the softmax's sum
+    merged = (out_shared * w_shared + out_own * w_own) / (w_shared + w_own)  # NEW
+    diff = max((merged[i, 0, 0] - whole[i]).abs().max().item() for i in range(2))
+    show = lambda v: "(" + ", ".join(f"{x:.4f}" for x in v.tolist()) + ")"  # noqa: E731
+    console.print(
+        f"The merge, small: two queries, a shared block of two keys and one key each of their own (dim 4, scale "
+        f"0.5). One softmax over the shared keys and its own together gives query 0 {show(whole[0])}. In two parts: "
+        f"attention over the shared keys alone (computed once for both queries) and over its own key alone, each "
+        f"with lse, the log of the sum of its exp(scores): {lse_shared[0, 0, 0, 0]:.4f} and "
+        f"{lse_own[0, 0, 0, 0]:.4f}; then "
+        f"out = (e^lse_shared x out_shared + e^lse_own x out_own) / (e^lse_shared + e^lse_own) = "
+        f"{show(merged[0, 0, 0])}. Largest difference over both queries: {diff:.1e}. "
+        f"shared_prefix_attention in batch_engine.py does this for every layer of a step."
+    )
+
+
 def preemption(console: Console, engine: Engine, prompts: dict[str, list[int]], big_pool: list) -> None:
     """Scene 3: the same four in a pool too small for their replies."""
     block_size = engine.allocator.block_size
@@ -292,7 +352,8 @@ def throughput(console: Console, engine: Engine, step_times: list[Runs]) -> None
 def main(argv: list[str] | None = None) -> None:
     args = models.parse_args("Stage 8: many requests at once, one forward pass per step", argv, engine=True)
     console = Console()
-    show_code(console, Scheduler.schedule, Scheduler._preempt, pool_attention, build_step, BatchRunner.step)
+    show_code(console, Scheduler.schedule, Scheduler._preempt, pool_attention, shared_prefix_attention, build_step,
+              BatchRunner.step)
     engine = models.make_engine(args)
     console.print(models.describe(engine.model, args))
     engine.warm_up()
@@ -304,6 +365,8 @@ def main(argv: list[str] | None = None) -> None:
     replies, step_times = decode_steps(console, engine, runner, requests)
     console.print(Rule("2b. The same with chunked prefill off: the long prompt waits"))
     chunking_off(console, engine, prompts, replies)
+    console.print(Rule("2c. What a decode step reads, and a shared prefix read once"))
+    what_a_step_reads(console, engine, prompts)
     console.print(Rule("3. A small pool: preemption, and the return from the cache"))
     preemption(console, engine, prompts, replies)
     console.print(Rule("4. Throughput: one after another, batched, batched with caching"))
