@@ -5,6 +5,7 @@ the curl-style calls the HTTP tests make. Fixtures are in conftest.py."""
 import contextlib
 import json
 import socket
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -112,3 +113,23 @@ def wait_for_log(caplog, words: str, timeout: float = 20.0) -> str:
 
 def client(url: str, api_key: str = "unused") -> openai.OpenAI:
     return openai.OpenAI(base_url=url + "/v1", api_key=api_key, max_retries=0)
+
+
+@contextlib.contextmanager
+def paused(engine, timeout: float = 30.0):
+    """The batching engine's loop held inside its next forward pass until the block ends, so a
+    running request's blocks stay as they are while a test reads them (the allocator is
+    read under engine.allocator_lock, which a step never holds across the model)."""
+    inside, release = threading.Event(), threading.Event()
+
+    def wait(module, args):
+        inside.set()
+        release.wait(timeout)
+
+    hook = engine.model.register_forward_pre_hook(wait)
+    try:
+        assert inside.wait(timeout), "the engine loop ran no step: is a request running?"
+        yield
+    finally:
+        hook.remove()
+        release.set()

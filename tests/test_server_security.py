@@ -11,7 +11,7 @@ import logging
 import openai
 import pytest
 
-from helpers import CHAT, MODEL, SYSTEM, call, client, raw_request, serve, wait_for_log
+from helpers import CHAT, MODEL, SYSTEM, call, client, paused, raw_request, serve, wait_for_log
 from server import create_app
 
 ALICE, BOB = {"Authorization": "Bearer alice-key"}, {"Authorization": "Bearer bob-key"}
@@ -50,13 +50,14 @@ def test_cache_salt_keeps_tenants_apart(engine, url):
 def test_cache_shows_public_blocks_and_no_salted_block_to_anyone(engine, url):
     generate(url, SYSTEM + "Public question.")
     generate(url, SYSTEM + "My secret question.", cache_salt="team-blue")
-    held = engine.stream(SYSTEM + "Still running.", max_tokens=4, cache_salt="team-blue", request_id="blue-1")
+    held = engine.stream(SYSTEM + "Still running.", max_tokens=150, cache_salt="team-blue", request_id="blue-1")
     next(held)
     try:
-        snap = call(url, "/cache")[1]
+        with paused(engine):  # blue-1 keeps running, one step stopped half-way, while the test reads
+            snap = call(url, "/cache")[1]
+            public, salted = blocks_of(engine, None), blocks_of(engine, "team-blue")
     finally:
         held.close()
-    public, salted = blocks_of(engine, None), blocks_of(engine, "team-blue")
     assert public and salted
     for block_id in public:
         block = snap["blocks"][block_id]
@@ -113,19 +114,21 @@ def test_under_keys_a_caller_sees_its_own_counters_blocks_and_requests_only(engi
     assert bob["requests"] == 2 and bob["hit_tokens"] > 0
     assert bob["num_cached_blocks"] == engine.allocator.num_cached_blocks  # the pool's size and use: everyone's
 
-    held = engine.stream(SYSTEM + "Bob waits.", max_tokens=4, cache_salt=salt_of("bob-key"), request_id="bob-1")
+    held = engine.stream(SYSTEM + "Bob waits.", max_tokens=150, cache_salt=salt_of("bob-key"), request_id="bob-1")
     next(held)
     try:
-        seen_by_alice = call(keyed_url, "/cache", headers=ALICE)[1]
-        seen_by_bob = call(keyed_url, "/cache", headers=BOB)[1]
+        with paused(engine):  # bob-1 keeps running, one step stopped half-way, while the test reads
+            seen_by_alice = call(keyed_url, "/cache", headers=ALICE)[1]
+            seen_by_bob = call(keyed_url, "/cache", headers=BOB)[1]
+            alice_blocks, bob_blocks = blocks_of(engine, salt_of("alice-key")), blocks_of(engine, salt_of("bob-key"))
     finally:
         held.close()
     assert seen_by_alice["block_tables"] == {} and list(seen_by_bob["block_tables"]) == ["bob-1"]
     assert seen_by_alice["running_requests"] == 1  # that someone runs, not who or what
-    for block_id in blocks_of(engine, salt_of("alice-key")):
+    for block_id in alice_blocks:
         assert seen_by_alice["blocks"][block_id]["text"] and seen_by_alice["blocks"][block_id]["block_hash"]
         assert seen_by_bob["blocks"][block_id]["opaque"]
-    for block_id in blocks_of(engine, salt_of("bob-key")):
+    for block_id in bob_blocks:
         block = seen_by_alice["blocks"][block_id]
         assert block["opaque"] and block["block_hash"] is None and block["text"] is None  # no hash to test keys on
     assert "Bob" not in str(seen_by_alice) and "Alice" not in str(seen_by_bob)
