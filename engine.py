@@ -10,6 +10,8 @@ Read prefix_caching.py (the allocator) first. Under this file, each with one rol
     one_request.py    stage 7: one request at a time, its cached prefix gathered into
                       past_key_values (Engine(batching=False), the default here)
     scheduler.py      stage 8: which requests run in the next step (pure Python)
+    batch_attention.py  stage 8: one forward pass's attention for every request, on the pool
+    cpu_threads.py    how many threads a batched step runs with on a CPU
     batch_engine.py   stage 8: one forward pass per step for every running request, and the
                       engine loop that runs it for callers in many threads (batching=True)
 
@@ -37,6 +39,7 @@ from typing import Iterator, Sequence
 import torch
 
 from batch_engine import BatchRunner, EngineLoop, LoopSnapshot
+from cpu_threads import ThreadChooser
 from kv_pool import PagedKVPool
 from model_loader import DTYPES, DEFAULT_MODEL, load_model
 from one_request import run_request
@@ -109,6 +112,7 @@ class Engine:
         max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
         enable_chunked_prefill: bool = True,
         cascade_attention: bool = True,
+        choose_threads: bool = True,
     ):
         if model is None and tokenizer is None:
             model, tokenizer = load_model(model_name_or_path, device=device, dtype=dtype)
@@ -152,8 +156,13 @@ class Engine:
         self.scheduler_options = {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
                                   "enable_chunked_prefill": enable_chunked_prefill}
         self.cascade_attention = cascade_attention  # batched decodes sharing a prefix read it once
+        # Batched steps on a CPU pick their thread count by measuring (cpu_threads.ThreadChooser);
+        # what it learns serves every batch of this engine. choose_threads=False keeps torch's.
+        self.threads = ThreadChooser() if choose_threads else None
+        batch_options = {"cascade_attention": cascade_attention, "threads": self.threads,
+                         "choose_threads": choose_threads, **self.scheduler_options}
         # batching=True: the engine's one scheduler, in a thread started by the first request.
-        self.loop = EngineLoop(self, cascade_attention=cascade_attention, **self.scheduler_options) if batching else None
+        self.loop = EngineLoop(self, **batch_options) if batching else None
 
     # --- prompts -----------------------------------------------------------------------------
 
@@ -248,7 +257,8 @@ class Engine:
         request_ids = [f"batch-{next(self._request_counter)}" for _ in all_ids]
         if self.batching:
             return self._run_in_loop(request_ids, all_ids, params, cache_salt, stop)
-        runner = BatchRunner(self, cascade_attention=self.cascade_attention, **options)
+        runner = BatchRunner(self, cascade_attention=self.cascade_attention, threads=self.threads,
+                             choose_threads=self.threads is not None, **options)
         requests = [runner.add(rid, ids, params, cache_salt, stop) for rid, ids in zip(request_ids, all_ids)]
         try:
             return runner.run(requests)

@@ -23,8 +23,11 @@ imports only files above it in this list):
                       strings, EOS, held-back text) that every path goes through
     one_request.py    stage 7: one request at a time, the cached prefix gathered into
                       past_key_values, the model run on the rest only
-    scheduler.py      stage 8: a waiting queue, a running list, admission within a token
-                      budget and the pool, preemption when a decode finds no block
+    scheduler.py      stage 8: a waiting queue, a running list, one token budget per step
+                      (prompts in chunks), preemption when the pool runs out
+    batch_attention.py  stage 8: attention for every request of a step, on the pool: groups
+                      by context length, a shared prefix read once
+    cpu_threads.py    how many threads a batched step runs with on a CPU, by measuring
     batch_engine.py   stage 8: one forward pass per step for every running request, and the
                       engine loop that serves many callers with one scheduler
     engine.py         Engine: the model, the allocator and the pool, every argument checked,
@@ -48,6 +51,8 @@ Run:
     python prefix_caching.py --bench ttft       # time to first token, cold vs warm
     python prefix_caching.py --bench throughput # many requests: one by one, batched, batched + cache
     python prefix_caching.py --bench chunked_prefill  # a long prompt among decodes, chunked or not
+    python prefix_caching.py --bench attention  # what a decode step reads: mixed contexts, shared prefixes
+    python prefix_caching.py --bench busy       # throughput beside busy programs it starts and stops
     python prefix_caching.py --bench server_load  # requests/s of the server, 1 client vs a class
 """
 

@@ -12,16 +12,19 @@ more than over one (the weights are read once either way). Two files do it:
                      later steps (chunked prefill); when a request finds no free block for
                      its tokens, the most recently admitted one is preempted: its blocks are
                      freed, the full ones stay cached, and it waits at the front
-    batch_engine.py  the step: every scheduled token packed into one sequence (build_step),
-                     one forward pass, one sampled token per request (BatchRunner.step).
-                     The attention takes each request's K/V from the pool through its block
+    batch_attention.py  every scheduled token packed into one sequence (build_step); the
+                     attention takes each request's K/V from the pool through its block
                      table (pool_attention, registered with transformers' AttentionInterface):
                      no DynamicCache is kept between steps, as stage 7 kept one per request.
                      It still copies: every layer indexes each request's whole context out
                      of the pool. Requests attend in a few groups of similar context length
                      (group_rows: at most 4 for the decodes, 4 for the prompts' chunks, the
-                     padding within 25 %), so one long context does not pad every short one.
-                     vLLM's paged-attention kernels read the blocks where they lie.
+                     padding within 25 %), so one long context does not pad every short one,
+                     and decodes sharing a system prompt's blocks read them once
+                     (shared_prefix_attention, scene 2c). vLLM's paged-attention kernels read
+                     the blocks where they lie.
+    batch_engine.py  the step: schedule, one forward pass, one sampled token per request
+                     (BatchRunner.step).
 
 In every layer, the step's new K/V are written into the pool before any request attends.
 So a request admitted in the same step as another hits the blocks the other is computing
@@ -33,8 +36,9 @@ the decodes, and scene 2b the same steps with chunking off, where it waits to ru
 New in this stage (marked # NEW): a BatchRunner driven one step at a time, its plan, the
 scheduler's queues, and Engine.generate_batch.
 
-Read: scheduler.py: Scheduler.schedule and ._preempt; batch_engine.py: pool_attention,
-      build_step, BatchRunner.step (printed when the stage starts).
+Read: scheduler.py: Scheduler.schedule and ._preempt; batch_attention.py: pool_attention,
+      shared_prefix_attention, build_step; batch_engine.py: BatchRunner.step (printed when the
+      stage starts).
 
 Run:  python lessons/08_many_requests.py            (SmolLM2-135M on a 2-core CPU: 40-120 s)
       python lessons/08_many_requests.py --tiny     (a random 2-layer model: 10-30 s)
@@ -51,7 +55,8 @@ from rich.rule import Rule
 from rich.table import Table
 
 import models
-from batch_engine import BatchRunner, attend, build_step, pool_attention, shared_prefix_attention
+from batch_attention import attend, build_step, pool_attention, shared_prefix_attention
+from batch_engine import BatchRunner
 from batch_views import add_step_row, render_step, run_step, step_history
 from benchmarks.throughput import TOPICS, questions, run_ours, summary
 from demo import DEMO_SYSTEM_PROMPT
@@ -256,7 +261,7 @@ def what_a_step_reads(console: Console, engine: Engine, prompts: dict[str, list[
         f"{lse_own[0, 0, 0, 0]:.4f}; then "
         f"out = (e^lse_shared x out_shared + e^lse_own x out_own) / (e^lse_shared + e^lse_own) = "
         f"{show(merged[0, 0, 0])}. Largest difference over both queries: {diff:.1e}. "
-        f"shared_prefix_attention in batch_engine.py does this for every layer of a step."
+        f"shared_prefix_attention in batch_attention.py does this for every layer of a step."
     )
 
 

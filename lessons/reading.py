@@ -22,7 +22,7 @@ def section_of(path: Path, line: int) -> str | None:
     """The `# N. Title` section heading above `line` in a reference file, if it has one.
 
     >>> import prefix_caching
-    >>> section_of(Path(prefix_caching.__file__), 300)
+    >>> section_of(Path(prefix_caching.__file__), 400)
     '3. The allocator'
     """
     heading = None

@@ -9,8 +9,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import batch_attention
 import batch_engine
-from batch_engine import MAX_GROUPS, BatchRunner, Row, group_rows
+import cpu_threads
+from batch_attention import MAX_GROUPS, Row, group_rows
+from batch_engine import BatchRunner
 from engine import Engine
 from helpers import EmbeddingCounter, assert_pool_whole, hf_greedy
 from sampling import SamplingParams
@@ -227,18 +230,18 @@ def step_logits(engine, prompts, cascade, max_tokens=5, block_size=4):
 def test_shared_prefix_attention_gives_the_numbers_of_one_attention_over_each_context(tiny_model, tokenizer, block_size):
     prompts = [SHARED + [40 + i] * (i + 1) for i in range(5)] + [SHARED[:20] + [7, 8], list(range(500, 540))]
     calls = []
-    real = batch_engine.shared_prefix_attention
+    real = batch_attention.shared_prefix_attention
 
     def counting(*args):
         calls.append(1)
         return real(*args)
 
-    batch_engine.shared_prefix_attention = counting
+    batch_attention.shared_prefix_attention = counting
     try:
         runs = [step_logits(Engine(model=tiny_model, tokenizer=tokenizer, block_size=block_size, num_blocks=2048 // block_size),
                             prompts, cascade) for cascade in (True, False)]
     finally:
-        batch_engine.shared_prefix_attention = real
+        batch_attention.shared_prefix_attention = real
     (on, on_replies, _), (off, off_replies, _) = runs
     assert calls, "the decodes sharing SHARED's blocks should attend over them once"
     assert len(on) == len(off) and all(torch.allclose(a, b, rtol=1e-5, atol=1e-5) for a, b in zip(on, off))
@@ -267,3 +270,35 @@ def test_a_preempted_request_rejoins_the_shared_prefix_exactly(make_engine):
     replies = runner.run(requests)
     assert runner.scheduler.num_preemptions > 0
     assert [r.token_ids for r in replies] == [hf_greedy(engine.model, p, 14) for p in prompts]
+
+
+# --- the thread count the engine chooses ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("others", [0.0, 2.0])  # a quiet machine, or two other programs keeping cores busy
+def test_batches_are_exact_with_the_thread_count_the_engine_chooses(make_engine, monkeypatch, others):
+    monkeypatch.setattr(batch_engine, "cores_used_by_others", lambda before, after: others)
+    default = torch.get_num_threads()
+    engine = make_engine()
+    replies = engine.generate_batch(MIXED, max_tokens=8)
+    assert engine.threads.threads == (1 if others and default > 1 else default)
+    assert torch.get_num_threads() == default  # set for each forward pass only, and put back
+    for prompt, reply in zip(MIXED, replies):
+        assert reply.token_ids == hf_greedy(engine.model, prompt, 8)
+
+
+def test_the_chooser_goes_back_to_all_the_cores_when_the_machine_is_quiet_again():
+    chooser = cpu_threads.ThreadChooser()
+    assert chooser.choose("decode", most=2) == 2
+    chooser.record("decode", 2, 0.05, others=0.0)
+    chooser.choose("decode", most=2)
+    chooser.record("decode", 2, 0.30, others=1.9)  # two other programs started
+    assert chooser.choose("decode", most=2) == 1
+    chooser.record("decode", 1, 0.20, others=1.0)
+    assert chooser.choose("decode", most=2) == 1  # still busy: no probe with both cores
+    chooser.steps = chooser.next_probe  # ... many steps later, the others have stopped
+    chooser.record("decode", 1, 0.08, others=0.0)
+    assert chooser.choose("decode", most=2) == 2  # a probe with both cores
+    chooser.record("decode", 2, 0.05, others=0.0)
+    assert chooser.choose("decode", most=2) == 2 and chooser.choose("prefill", most=2, may_probe=False) == 2
+    assert chooser.choose("decode", most=1) == 1  # torch's own setting is the most it ever uses

@@ -51,7 +51,7 @@ EXPECTED_OUTPUT = {
                             "with chunking off a prompt is never cut into pieces",
                             "Every reply is the same as with chunking: 5 of 5",
                             "the same, shared prefix read", "what the contexts hold",
-                            "shared_prefix_attention in batch_engine.py does this for every layer",
+                            "shared_prefix_attention in batch_attention.py does this for every layer",
                             "exactness ok: the same 16 tokens as model.generate on his prompt alone",
                             "recomputed 17 of their 465 tokens",
                             "same tokens as in the big pool of scenes 1-2: 4 of 4",

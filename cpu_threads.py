@@ -1,0 +1,114 @@
+"""
+How many threads a batched step runs with on a CPU, chosen by measuring the machine.
+
+Read batch_engine.py's BatchRunner.step, which asks ThreadChooser before each forward pass.
+
+    cpu_sample / cores_used_by_others   how many cores other programs kept busy (/proc/stat)
+    ThreadChooser                        torch's own thread count, or one when others are busy
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+def cpu_sample() -> tuple[float, float, float] | None:
+    """(wall seconds, CPU seconds every process used, CPU seconds this process used), to take
+    two of and subtract; None where /proc/stat is not (Linux has it; macOS and Windows do not).
+    With two samples, (busy - ours) / wall is how many cores other programs kept busy."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    busy = sum(fields) - fields[3] - (fields[4] if len(fields) > 4 else 0)  # all but idle and iowait
+    return time.perf_counter(), busy / os.sysconf("SC_CLK_TCK"), time.process_time()
+
+
+def cores_used_by_others(before, after) -> float | None:
+    if before is None or after is None or after[0] <= before[0]:
+        return None
+    return max(0.0, ((after[1] - before[1]) - (after[2] - before[2])) / (after[0] - before[0]))
+
+
+class ThreadChooser:
+    """Picks torch's thread count for each forward pass on a CPU, by measuring.
+
+    Every matrix product and attention call of a step is a parallel region whose threads
+    wait for each other at its end, spinning. On a quiet machine all threads (one per core)
+    is fastest. When other programs keep the cores busy, the OS takes a core from one thread
+    now and then, and every region waits, spinning, for it to come back: on a 2-core machine
+    beside two busy programs a decode step took 0.2-0.3 s with one thread and 0.7-8.8 s with
+    two. Which count is faster depends on the machine's load, which changes. So:
+
+      - it starts with torch's own setting (`most`, all the cores);
+      - it uses one thread from the step after one that says other programs are busy: they
+        kept OTHERS cores or more busy during it (read from /proc/stat, on Linux), or a step
+        with all the cores took SLOWER times the last step of its kind (prefill or decode,
+        about as many tokens). After an idle pause there is no recent step to go by, so it
+        watches the machine for GLANCE seconds first (glance);
+      - with one thread it tries all the cores again now and then, on a decode step, and only
+        when the last step saw the others quiet (a probe beside busy programs can cost
+        seconds): if that step beats the last one-thread step of its kind, it goes back to
+        all the cores. A probe that loses makes the next one twice as far away.
+
+    >>> chooser = ThreadChooser()
+    >>> chooser.choose("decode", most=2); chooser.record("decode", 2, 0.05, others=0.1)
+    2
+    >>> chooser.record("decode", 2, 0.24, others=1.8); chooser.choose("decode", most=2)   # busy now
+    1
+    """
+
+    SLOWER = 2.0  # a step with all the cores this much slower than the last of its kind: busy
+    OTHERS = 0.75  # cores other programs kept busy during a step: busy
+    FIRST_PROBE = 25  # steps with one thread before all the cores are tried again
+
+    def __init__(self) -> None:
+        self.most = None  # torch's own setting
+        self.threads = None  # the count in use
+        self.last: dict[tuple, float] = {}  # (kind, threads) -> seconds of the latest such step
+        self.others: float | None = None  # cores the other programs used during the latest step
+        self.steps = 0
+        self.next_probe = 0
+        self.interval = self.FIRST_PROBE
+
+    def choose(self, kind, most: int, may_probe: bool = True) -> int:
+        """The thread count for a step of this kind; most: torch.get_num_threads()."""
+        if most != self.most:  # someone changed torch's setting: start again from it
+            self.__init__()
+            self.most = self.threads = most
+        self.steps += 1
+        quiet = self.others is None or self.others < self.OTHERS
+        probe = (self.threads < most and may_probe and quiet and self.steps >= self.next_probe
+                 and (kind, self.threads) in self.last)
+        return most if probe else self.threads
+
+    GLANCE = 0.05  # seconds of watching the machine before the first step after a pause
+
+    def glance(self) -> None:
+        """Before the first step after a pause: how many cores do other programs use now? If
+        OTHERS or more, the step starts with one thread. (Waits GLANCE seconds; nothing on a
+        machine without /proc/stat.)"""
+        before = cpu_sample()
+        if before is None or self.threads is None:
+            return
+        time.sleep(self.GLANCE)
+        self.others = cores_used_by_others(before, cpu_sample())
+        if self.others >= self.OTHERS:
+            self.threads = 1
+            self.next_probe = self.steps + self.interval
+
+    def record(self, kind, threads: int, seconds: float, others: float | None = None) -> None:
+        """What a step with `threads` threads took; others: cores other programs used meanwhile."""
+        before = self.last.get((kind, threads))
+        self.last[kind, threads], self.others = seconds, others
+        busy = (others is not None and others >= self.OTHERS) or (before is not None and seconds > self.SLOWER * before)
+        if threads != self.threads:  # a probe with all the cores: did it beat one thread?
+            if seconds < self.last[kind, self.threads] and not busy:
+                self.threads, self.interval = threads, self.FIRST_PROBE
+            else:
+                self.interval *= 2
+            self.next_probe = self.steps + self.interval
+        elif threads > 1 and busy:
+            self.threads = 1  # other programs took some of the cores
+            self.next_probe = self.steps + self.interval
