@@ -93,7 +93,6 @@ class BatchRunner:
         # On a GPU the CPU only launches kernels: nothing to choose there.
         cpu = engine.device.type == "cpu"
         self.threads = (threads or ThreadChooser()) if cpu and choose_threads else None
-        self.last_step_end = 0.0
         use_pool_attention(engine.model)
         self.scheduler = Scheduler(engine.allocator, **scheduler_options)
         self.last_plan: StepPlan | None = None  # the latest step's plan; None while one is being made
@@ -140,7 +139,7 @@ class BatchRunner:
                     s.request.payload.reply.cached_tokens = s.request.num_cached_tokens
             kind = (self.last_step.num_prefill_tokens > 0, plan.num_tokens.bit_length())  # about as big
             default = torch.get_num_threads()
-            if self.threads is not None and time.perf_counter() - self.last_step_end > 1.0:
+            if self.threads is not None and time.perf_counter() - self.threads.last_end > 1.0:
                 self.threads.glance()  # idle for a while: is the machine busy now?
             threads = default if self.threads is None else self.threads.choose(kind, default, may_probe=not kind[0])
             started, sample = time.perf_counter(), cpu_sample()
@@ -156,7 +155,6 @@ class BatchRunner:
             if self.threads is not None:
                 others = cores_used_by_others(sample, cpu_sample())
                 self.threads.record(kind, threads, time.perf_counter() - started, others)
-            self.last_step_end = time.perf_counter()
             for s in plan.scheduled:
                 s.request.num_computed_tokens = s.end  # its K/V are in the pool now
             # Every request samples before any finishes: a failure in one leaves them all as

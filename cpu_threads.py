@@ -71,6 +71,7 @@ class ThreadChooser:
         self.steps = 0
         self.next_probe = 0
         self.interval = self.FIRST_PROBE
+        self.last_end = 0.0  # when the latest step ended (time.perf_counter)
 
     def choose(self, kind, most: int, may_probe: bool = True) -> int:
         """The thread count for a step of this kind; most: torch.get_num_threads()."""
@@ -101,7 +102,7 @@ class ThreadChooser:
     def record(self, kind, threads: int, seconds: float, others: float | None = None) -> None:
         """What a step with `threads` threads took; others: cores other programs used meanwhile."""
         before = self.last.get((kind, threads))
-        self.last[kind, threads], self.others = seconds, others
+        self.last[kind, threads], self.others, self.last_end = seconds, others, time.perf_counter()
         busy = (others is not None and others >= self.OTHERS) or (before is not None and seconds > self.SLOWER * before)
         if threads != self.threads:  # a probe with all the cores: did it beat one thread?
             if seconds < self.last[kind, self.threads] and not busy:

@@ -23,19 +23,17 @@ reads the whole prompt for itself. Decode tokens per second, and the slots read 
 from __future__ import annotations
 
 import argparse
-import platform
 import random
 import statistics
-import sys
 import time
 
 import torch
-from rich.console import Console
 from rich.table import Table
 
 from batch_engine import BatchRunner
 from benchmarks import save_json
-from engine import Engine, add_model_arguments, pool_arguments, positive_int
+from benchmarks.engines import open_engine
+from engine import Engine, add_model_arguments, positive_int
 from model_loader import DEFAULT_MODEL
 from benchmarks.throughput import questions
 from sampling import SamplingParams
@@ -89,10 +87,8 @@ def main(argv: list[str] | None = None) -> dict:
     if args.quick:
         args.decodes, args.short, args.long, args.steps, args.shared = 4, 12, 60, 3, [3]
 
-    console = Console(width=None if sys.stdout.isatty() else 120)
-    engine = Engine(args.model, device=args.device, dtype=args.dtype, **pool_arguments(args))
+    console, engine, device = open_engine(args)
     vocab = engine.model.get_input_embeddings().num_embeddings
-    device = torch.cuda.get_device_name(engine.device) if engine.device.type == "cuda" else (platform.processor() or platform.machine())
     console.print(f"[bold]Decode steps with mixed contexts[/]: {args.model or DEFAULT_MODEL} on {engine.device} "
                   f"({device}, {torch.get_num_threads()} threads, {str(engine.dtype).removeprefix('torch.')}); "
                   f"{args.decodes} requests decoding, median of {args.steps} steps")

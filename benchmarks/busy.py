@@ -17,17 +17,16 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import platform
 import subprocess
 import sys
 
 import torch
-from rich.console import Console
 from rich.table import Table
 
 from benchmarks import save_json
+from benchmarks.engines import open_engine
 from benchmarks.throughput import questions, run_ours, run_transformers, summary
-from engine import Engine, add_model_arguments, pool_arguments, positive_int
+from engine import Engine, add_model_arguments, positive_int
 from model_loader import DEFAULT_MODEL
 
 SPIN = "while True: pass"  # one core kept busy, as a browser tab running a script would
@@ -67,10 +66,8 @@ def main(argv: list[str] | None = None) -> dict:
     if args.quick:
         args.requests, args.max_tokens, args.programs = 4, 4, 1
 
-    console = Console(width=None if sys.stdout.isatty() else 120)
-    engine = Engine(args.model, device=args.device, dtype=args.dtype, **pool_arguments(args))
+    console, engine, device = open_engine(args)
     hf_model = type(engine.model).from_pretrained(engine.model.name_or_path, dtype=engine.dtype).to(engine.device)
-    device = torch.cuda.get_device_name(engine.device) if engine.device.type == "cuda" else (platform.processor() or platform.machine())
     console.print(f"[bold]Throughput on a busy machine[/]: {args.model or DEFAULT_MODEL} on {engine.device} ({device}, "
                   f"torch's {torch.get_num_threads()} threads); {args.requests} requests behind one system prompt, "
                   f"{args.max_tokens} new tokens each; quiet, then beside {args.programs} busy programs")

@@ -21,19 +21,17 @@ overtake it. With chunking on it is split across steps beside the decodes.
 from __future__ import annotations
 
 import argparse
-import platform
 import random
 import statistics
-import sys
 import time
 
 import torch
-from rich.console import Console
 from rich.table import Table
 
 from batch_engine import BatchRunner
 from benchmarks import save_json
-from engine import Engine, add_model_arguments, pool_arguments, positive_int
+from benchmarks.engines import open_engine
+from engine import Engine, add_model_arguments, positive_int
 from model_loader import DEFAULT_MODEL
 from sampling import SamplingParams
 
@@ -115,10 +113,8 @@ def main(argv: list[str] | None = None) -> dict:
     if args.budget < args.clients + args.behind + 1:
         parser.error(f"--budget must be at least the number of requests ({args.clients + args.behind + 1})")
 
-    console = Console(width=None if sys.stdout.isatty() else 120)
-    engine = Engine(args.model, device=args.device, dtype=args.dtype, **pool_arguments(args))
+    console, engine, device = open_engine(args)
     vocab = engine.model.get_input_embeddings().num_embeddings
-    device = torch.cuda.get_device_name(engine.device) if engine.device.type == "cuda" else (platform.processor() or platform.machine())
     console.print(f"[bold]Chunked prefill[/]: {args.model or DEFAULT_MODEL} on {engine.device} ({device}, "
                   f"{torch.get_num_threads()} threads); budget {args.budget} tokens a step; {args.clients} clients "
                   f"with {args.client_tokens} tokens left to decode when a {args.long_tokens:,}-token prompt arrives, "

@@ -21,19 +21,17 @@ attend to: the time no attention or bookkeeping could beat, and (c)'s time over 
 from __future__ import annotations
 
 import argparse
-import platform
-import sys
 import time
 from pathlib import Path
 
 import torch
-from rich.console import Console
 from rich.table import Table
 from transformers import ContinuousBatchingConfig, GenerationConfig
 
 from benchmarks import save_json
+from benchmarks.engines import open_engine
 from demo import DEMO_SYSTEM_PROMPT
-from engine import Engine, add_model_arguments, pool_arguments
+from engine import Engine, add_model_arguments
 from model_loader import DEFAULT_MODEL
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
@@ -151,11 +149,9 @@ def main(argv: list[str] | None = None) -> dict:
     if args.quick:
         args.requests, args.max_tokens = [4], 4
 
-    console = Console(width=None if sys.stdout.isatty() else 120)  # a log file keeps every column
-    engine = Engine(args.model, device=args.device, dtype=args.dtype, **pool_arguments(args))
+    console, engine, device = open_engine(args)
     off = Engine(model=engine.model, tokenizer=engine.tokenizer, block_size=args.block_size,
                  num_blocks=engine.allocator.num_blocks, enable_caching=False)
-    device = torch.cuda.get_device_name(engine.device) if engine.device.type == "cuda" else (platform.processor() or platform.machine())
     console.print(f"[bold]Throughput benchmark[/]: {args.model or DEFAULT_MODEL} on {engine.device} ({device}, "
                   f"{torch.get_num_threads()} threads, {str(engine.dtype).removeprefix('torch.')}); "
                   f"{engine.allocator.num_blocks} blocks of {args.block_size}; {args.max_tokens} new tokens each")

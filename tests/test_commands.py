@@ -4,6 +4,7 @@ this one pins what a reader sees on screen, counts rather than times.
 """
 
 import argparse
+import contextlib
 import io
 import json
 import subprocess
@@ -14,7 +15,7 @@ import pytest
 from rich.console import Console
 
 import walkthrough
-from benchmarks import throughput, ttft
+from benchmarks import attention, busy, chunked_prefill, throughput, ttft
 from benchmarks.allocator import free_order_hit_rates
 from demo import run_demo
 from engine import add_model_arguments, pool_arguments
@@ -132,3 +133,41 @@ def test_the_throughput_benchmark_checks_every_way_gives_the_same_tokens(tiny_mo
     assert [r["name"][:3] for r in rows] == ["(a)", "(b)", "(c)", "(d)"]
     assert all(r["same_tokens_as_a"] == r["requests"] == 4 for r in rows)
     assert (tmp_path / "t.png").stat().st_size > 0
+
+
+def test_the_chunked_prefill_benchmark_runs_the_scene_both_ways(tiny_model_dir, tmp_path):
+    results = chunked_prefill.main(["--model", str(tiny_model_dir), "--num-blocks", "256", "--quick",
+                                    "--json", str(tmp_path / "c.json")])
+    on, off = results["runs"]
+    assert (on["chunked"], off["chunked"]) == (True, False) and on["long_tokens"] == off["long_tokens"]
+    # Counted in steps from the long prompt's arrival (budget 8, two clients): chunked, it starts at
+    # once and is done before the clients; unchunked, it waits for them to drain.
+    assert on["long_first_token_step"] < off["long_first_token_step"]
+    assert on["long_done_step"] < on["clients_done_step"] <= off["long_first_token_step"]
+
+
+def test_the_attention_benchmark_counts_what_a_step_reads(tiny_model_dir, tmp_path):
+    results = attention.main(["--model", str(tiny_model_dir), "--num-blocks", "256", "--quick",
+                              "--json", str(tmp_path / "a.json")])
+    short, mixed = results["rows"]["short"], results["rows"]["mixed"]
+    assert mixed["slots_read"] <= 1.25 * mixed["slots_needed"] and short["slots_read"] <= 1.25 * short["slots_needed"]
+    on, off = results["shared"]["3 on"], results["shared"]["3 off"]
+    assert on["slots_needed"] == off["slots_needed"] and on["slots_read"] < off["slots_read"]
+
+
+def test_the_busy_benchmark_starts_and_stops_its_busy_programs(tiny_model_dir, tmp_path, monkeypatch):
+    started = []
+    real = busy.busy_programs
+
+    @contextlib.contextmanager
+    def watched(n):
+        with real(n) as programs:
+            started.extend(programs)
+            assert all(p.poll() is None for p in programs)  # running while the busy ways run
+            yield programs
+
+    monkeypatch.setattr(busy, "busy_programs", watched)
+    results = busy.main(["--model", str(tiny_model_dir), "--num-blocks", "256", "--quick", "--fixed-threads",
+                         "--json", str(tmp_path / "b.json")])
+    assert len(started) == 1 and all(p.poll() is not None for p in started)  # stopped after
+    assert set(results["busy"]) == {"c", "d", "c fixed"} and results["quiet"]["c"]["requests"] == 4
