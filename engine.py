@@ -302,16 +302,21 @@ class Engine:
         params, cache_salt, stop = check_request(max_tokens, temperature, top_p, seed, cache_salt, stop)
         prompt_ids = self.tokenize(prompt)
         self._check_fits(len(prompt_ids), max_tokens)
-        if request_id is None:
-            request_id = f"request-{next(self._request_counter)}"
-        elif not isinstance(request_id, str) or not request_id:
+        if request_id is not None and (not isinstance(request_id, str) or not request_id):
             raise ValueError(f"request_id must be a non-empty str or None, got {request_id!r:.40}")
         with self.allocator_lock:
-            if request_id in self.allocator.requests or (self.loop is not None and request_id in self.loop.live):
+            if request_id is None:  # the next automatic id that no running request has taken
+                request_id = f"request-{next(self._request_counter)}"
+                while self._running(request_id):
+                    request_id = f"request-{next(self._request_counter)}"
+            elif self._running(request_id):
                 raise ValueError(f"request id {request_id!r} is already running; pick another id")
         if self.batching:
             return self._stream_in_loop(self.loop.new_request(request_id, prompt_ids, params, cache_salt, stop))
         return run_request(self, request_id, prompt_ids, params, cache_salt, stop, arrival)
+
+    def _running(self, request_id: str) -> bool:
+        return request_id in self.allocator.requests or (self.loop is not None and request_id in self.loop.live)
 
     def _stream_in_loop(self, request) -> Iterator[StreamEvent]:
         """Submit to the engine loop when iteration starts; its events as they come."""

@@ -102,7 +102,9 @@ class ReplyBuilder:
       - a stop token (EOS) ends it with "stop"; max_tokens with "length";
       - until then, text that could be the start of a stop string is held back, and so is
         half a multi-byte character (decoded as U+FFFD until its other bytes come);
-      - a reply that ends any way but a stop string lets out what was held back.
+      - a reply that ends any way but a stop string lets out what was held back, except half
+        a character: a reply cut by max_tokens in the middle of an emoji drops its first
+        bytes instead of ending in U+FFFD.
 
     With stop=(".!",) and a reply " Yes." then EOS: " Yes" comes out, "." waits (it may be
     the start of ".!"), and at EOS the "." comes out with the last event.
@@ -134,7 +136,7 @@ class ReplyBuilder:
         if found:
             end = min(found)
         elif final:
-            end = len(text)
+            end = len(text.rstrip("\ufffd"))  # half a character at the very end: never finished
         elif text.endswith("\ufffd"):
             return "", False  # a multi-byte character split across tokens: wait for its other bytes
         else:

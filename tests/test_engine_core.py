@@ -265,3 +265,26 @@ def test_the_server_sends_a_failed_steps_error_then_done_and_serves_on(make_engi
         status, reply = call(url, "/generate", {"prompt": PROMPT, "max_tokens": 4})
         assert status == 200 and reply["completion_tokens"] == 4
     wait_until_idle(engine)
+
+
+def test_a_reply_cut_in_the_middle_of_a_character_drops_its_half(tokenizer):
+    from outputs import Generation, ReplyBuilder
+
+    ok, smile = tokenizer.encode(" ok 🙂")[0], tokenizer.encode("🙂")  # " ok", then 🙂 in two tokens
+    cut = ReplyBuilder(Generation("r", 3), tokenizer, set(), max_tokens=2)
+    assert cut.add(ok) == (" ok", None)
+    assert cut.add(smile[0]) == ("", "length") and cut.reply.text == " ok"  # not " ok\ufffd"
+    whole = ReplyBuilder(Generation("r", 3), tokenizer, set(), max_tokens=3)
+    assert [whole.add(t) for t in (ok, *smile)] == [(" ok", None), ("", None), ("🙂", "length")]
+
+
+@pytest.mark.parametrize("batching", [False, True])
+def test_an_automatic_request_id_skips_one_a_caller_took(make_engine, batching):
+    engine = make_engine(batching=batching)
+    held = engine.stream(PROMPT, max_tokens=200, request_id="request-0")  # the id the counter gives next
+    next(held)
+    try:
+        reply = engine.generate(list(range(300, 310)), max_tokens=2)
+    finally:
+        held.close()
+    assert reply.request_id == "request-1" and reply.finish_reason == "length"
