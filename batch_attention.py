@@ -17,8 +17,7 @@ request attend. So a request admitted in the same step as another can hit the bl
 other computes in that very step, as in vLLM.
 
 References: vLLM's attention metadata (slot_mapping, block tables) and its cascade attention
-(vllm/v1/attention/backends/flash_attn.py, cascade_attention); FlashInfer's shared-prefix
-decoding.
+(vllm/v1/attention/backends/flash_attn.py: cascade_attention, merge_attn_states).
 """
 
 from __future__ import annotations
@@ -86,8 +85,10 @@ def attend(queries, keys, values, scale, valid=None):
 def shared_prefix_attention(query, flat, group: AttentionGroup, scaling):
     """Decodes that share their first blocks (a system prompt): attention over the shared
     prefix computed once for all their queries, over each one's own part apart, and the two
-    merged by their log-sum-exp, as vLLM's cascade attention and FlashInfer's shared-prefix
-    decoding do. The same numbers as one attention over the whole context, up to rounding:
+    merged by their log-sum-exp, as vLLM's cascade attention does (cascade_attention and
+    merge_attn_states in vllm/v1/attention/backends/flash_attn.py; there one prefix common to
+    every request of the batch, here one for each family of decodes, decode_groups). The same
+    numbers as one attention over the whole context, up to rounding:
         softmax over [prefix, own] = (e^lse_p * out_p + e^lse_o * out_o) / (e^lse_p + e^lse_o)
 
     query (n, heads, dim), one per decode; returns (n, heads, dim).
@@ -124,7 +125,8 @@ def use_pool_attention(model) -> None:
 # every decode read 2,000 slots); one call per request makes many small operations, each
 # with a fixed cost. So the decodes are sorted by context and cut into as few groups as keep
 # the padding within PADDING (25 %) of the work, at most MAX_GROUPS, and so are the prompts'
-# chunks: at most 2 x MAX_GROUPS calls a layer, whatever the number of requests.
+# chunks; decodes sharing a prefix's blocks form up to MAX_GROUPS families of their own
+# (decode_groups). At most 3 x MAX_GROUPS groups a layer, whatever the number of requests.
 
 MAX_GROUPS = 4
 PADDING = 1.25
