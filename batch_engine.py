@@ -17,6 +17,7 @@ How many threads a step runs with on a CPU is cpu_threads.py's to choose.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import queue
 import threading
 import time
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from batch_attention import StepInputs, build_step, use_pool_attention
-from cpu_threads import ThreadChooser, cores_used_by_others, cpu_sample
+from cpu_threads import ThreadChooser
 from outputs import Generation, ReplyBuilder, StreamEvent
 from prefix_caching import OutOfBlocksError
 from sampling import SamplingParams, sample_batch
@@ -63,8 +64,8 @@ class StepFigures:
     num_requests: int
     num_tokens: int
     num_prefill_tokens: int
-    num_slots_needed: int = 0
-    num_slots_read: int = 0
+    num_slots_needed: int
+    num_slots_read: int
 
     @classmethod
     def of(cls, plan: StepPlan, inputs: StepInputs) -> StepFigures:
@@ -137,24 +138,14 @@ class BatchRunner:
                 if s.request.payload.admitted_at is None:  # its first admission: its hit is known
                     s.request.payload.admitted_at = now
                     s.request.payload.reply.cached_tokens = s.request.num_cached_tokens
-            kind = (self.last_step.num_prefill_tokens > 0, plan.num_tokens.bit_length())  # about as big
-            default = torch.get_num_threads()
-            if self.threads is not None and time.perf_counter() - self.threads.last_end > 1.0:
-                self.threads.glance()  # idle for a while: is the machine busy now?
-            threads = default if self.threads is None else self.threads.choose(kind, default, may_probe=not kind[0])
-            started, sample = time.perf_counter(), cpu_sample()
-            torch.set_num_threads(threads)  # for this pass only: the setting is the whole process's
-            try:
-                with torch.inference_mode():
-                    logits = engine.model(
-                        input_ids=inputs.input_ids, position_ids=inputs.positions, use_cache=False,
-                        logits_to_keep=inputs.last_token, pool_step=inputs,
-                    ).logits[0]  # (requests that sample, vocab)
-            finally:
-                torch.set_num_threads(default)
-            if self.threads is not None:
-                others = cores_used_by_others(sample, cpu_sample())
-                self.threads.record(kind, threads, time.perf_counter() - started, others)
+            prefill = self.last_step.num_prefill_tokens > 0
+            kind = (prefill, plan.num_tokens.bit_length())  # steps about as big are timed together
+            threads = contextlib.nullcontext() if self.threads is None else self.threads.running(kind, not prefill)
+            with threads, torch.inference_mode():
+                logits = engine.model(
+                    input_ids=inputs.input_ids, position_ids=inputs.positions, use_cache=False,
+                    logits_to_keep=inputs.last_token, pool_step=inputs,
+                ).logits[0]  # (requests that sample, vocab)
             for s in plan.scheduled:
                 s.request.num_computed_tokens = s.end  # its K/V are in the pool now
             # Every request samples before any finishes: a failure in one leaves them all as

@@ -4,13 +4,17 @@ How many threads a batched step runs with on a CPU, chosen by measuring the mach
 Read batch_engine.py's BatchRunner.step, which asks ThreadChooser before each forward pass.
 
     cpu_sample / cores_used_by_others   how many cores other programs kept busy (/proc/stat)
-    ThreadChooser                        torch's own thread count, or one when others are busy
+    ThreadChooser                        torch's own thread count, or one when others are busy;
+                                         ThreadChooser.running wraps one forward pass
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
+
+import torch
 
 def cpu_sample() -> tuple[float, float, float] | None:
     """(wall seconds, CPU seconds every process used, CPU seconds this process used), to take
@@ -62,10 +66,14 @@ class ThreadChooser:
     SLOWER = 2.0  # a step with all the cores this much slower than the last of its kind: busy
     OTHERS = 0.75  # cores other programs kept busy during a step: busy
     FIRST_PROBE = 25  # steps with one thread before all the cores are tried again
+    IDLE = 1.0  # seconds without a step after which the machine is looked at again (glance)
+    GLANCE = 0.05  # seconds of watching it then
 
     def __init__(self) -> None:
-        self.most = None  # torch's own setting
-        self.threads = None  # the count in use
+        self._start(None)
+
+    def _start(self, most: int | None) -> None:
+        self.most = self.threads = most  # torch's own setting, and the count in use
         self.last: dict[tuple, float] = {}  # (kind, threads) -> seconds of the latest such step
         self.others: float | None = None  # cores the other programs used during the latest step
         self.steps = 0
@@ -73,18 +81,33 @@ class ThreadChooser:
         self.interval = self.FIRST_PROBE
         self.last_end = 0.0  # when the latest step ended (time.perf_counter)
 
+    @contextlib.contextmanager
+    def running(self, kind, may_probe: bool = True):
+        """Run the block (one forward pass) with the count chosen for this kind of step, timed
+        and watched; torch's own setting is put back after, for whatever else runs."""
+        most = torch.get_num_threads()
+        if most != self.most:  # someone changed torch's setting: start again from it
+            self._start(most)
+        if time.perf_counter() - self.last_end > self.IDLE:
+            self.glance()  # no recent step to go by: is the machine busy now?
+        threads = self.choose(kind, most, may_probe)
+        started, sample = time.perf_counter(), cpu_sample()
+        torch.set_num_threads(threads)  # for this pass only: the setting is the whole process's
+        try:
+            yield
+        finally:
+            torch.set_num_threads(most)
+        self.record(kind, threads, time.perf_counter() - started, cores_used_by_others(sample, cpu_sample()))
+
     def choose(self, kind, most: int, may_probe: bool = True) -> int:
         """The thread count for a step of this kind; most: torch.get_num_threads()."""
         if most != self.most:  # someone changed torch's setting: start again from it
-            self.__init__()
-            self.most = self.threads = most
+            self._start(most)
         self.steps += 1
         quiet = self.others is None or self.others < self.OTHERS
         probe = (self.threads < most and may_probe and quiet and self.steps >= self.next_probe
                  and (kind, self.threads) in self.last)
         return most if probe else self.threads
-
-    GLANCE = 0.05  # seconds of watching the machine before the first step after a pause
 
     def glance(self) -> None:
         """Before the first step after a pause: how many cores do other programs use now? If
