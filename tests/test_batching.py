@@ -213,8 +213,11 @@ def test_groups_cover_every_request_once_in_a_bounded_number_of_calls(contexts, 
 
 
 def step_logits(engine, prompts, cascade, max_tokens=5, block_size=4):
-    """Every decode step's logits, and the replies, of a batch run with cascade on or off."""
-    runner = BatchRunner(engine, cascade_attention=cascade, max_num_seqs=16, max_num_batched_tokens=512)
+    """Every decode step's logits, and the replies, of a batch run with cascade on or off. With
+    torch's own thread count for every step: a count chosen for a busy machine would sum in
+    another order, and the two runs would differ by more than attention's own rounding."""
+    runner = BatchRunner(engine, cascade_attention=cascade, choose_threads=False, max_num_seqs=16,
+                         max_num_batched_tokens=512)
     requests = [runner.add(f"r{i}", p, SamplingParams(max_tokens=max_tokens), None) for i, p in enumerate(prompts)]
     seen = []
     hook = engine.model.register_forward_hook(lambda module, args, output: seen.append(output.logits[0].clone()))
@@ -243,7 +246,8 @@ def test_shared_prefix_attention_gives_the_numbers_of_one_attention_over_each_co
         batch_attention.shared_prefix_attention = real
     (on, on_replies, _), (off, off_replies, _) = runs
     assert calls, "the decodes sharing SHARED's blocks should attend over them once"
-    assert len(on) == len(off) and all(torch.allclose(a, b, rtol=1e-5, atol=1e-5) for a, b in zip(on, off))
+    # Merging two partial softmaxes rounds differently from one: ~1e-5 apart on logits of ~3.
+    assert len(on) == len(off) and all(torch.allclose(a, b, rtol=1e-4, atol=1e-4) for a, b in zip(on, off))
     for prompt, reply in zip(prompts, on_replies):
         assert reply.token_ids == hf_greedy(tiny_model, prompt, 5)
 
