@@ -34,11 +34,11 @@ import itertools
 import math
 import threading
 import time
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 
-from batch_engine import BatchRunner, EngineLoop, LoopSnapshot
+from batch_engine import BatchRunner, ClientGoneError, EngineLoop, EngineStoppedError, LoopSnapshot, QueueFullError
 from cpu_threads import ThreadChooser
 from kv_pool import PagedKVPool
 from model_loader import DTYPES, DEFAULT_MODEL, load_model
@@ -285,7 +285,8 @@ class Engine:
 
     def stream(self, prompt, max_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0,
                seed: int | None = None, cache_salt: str | None = None, request_id: str | None = None,
-               stop: str | Sequence[str] | None = None) -> Iterator[StreamEvent]:
+               stop: str | Sequence[str] | None = None, *, gone: Callable[[], bool] | None = None,
+               max_waiting: int | None = None, timeout: float | None = None) -> Iterator[StreamEvent]:
         """Yield a StreamEvent per generated token.
 
         Every argument is checked here, at the call, before anything runs: a bad one raises
@@ -297,11 +298,20 @@ class Engine:
             (None and "" are the public cache).
         stop: a str or a list of them; the reply ends before the first one it contains,
             with finish_reason "stop", and the stop text is not part of it.
+        A server's guards, for a batching engine only (the engine loop's, batch_engine.py):
+        gone: a check the loop calls while the request waits and before each of its prefill
+            steps; True drops the request, and iteration raises ClientGoneError.
+        max_waiting: QueueFullError at the first next() if more requests would then wait.
+        timeout: seconds the whole request may take; then iteration raises TimeoutError.
         """
         arrival = time.perf_counter()
         params, cache_salt, stop = check_request(max_tokens, temperature, top_p, seed, cache_salt, stop)
         prompt_ids = self.tokenize(prompt)
         self._check_fits(len(prompt_ids), max_tokens)
+        guards = {name: value for name, value in [("gone", gone), ("max_waiting", max_waiting), ("timeout", timeout)]
+                  if value is not None}
+        if guards and not self.batching:
+            raise ValueError(f"{next(iter(guards))} is a guard of the batching engine's queue; this engine has none")
         if request_id is not None and (not isinstance(request_id, str) or not request_id):
             raise ValueError(f"request_id must be a non-empty str or None, got {request_id!r:.40}")
         with self.allocator_lock:
@@ -312,21 +322,28 @@ class Engine:
             elif self._running(request_id):
                 raise ValueError(f"request id {request_id!r} is already running; pick another id")
         if self.batching:
-            return self._stream_in_loop(self.loop.new_request(request_id, prompt_ids, params, cache_salt, stop))
+            request = self.loop.new_request(request_id, prompt_ids, params, cache_salt, stop, gone)
+            return self._stream_in_loop(request, max_waiting, timeout)
         return run_request(self, request_id, prompt_ids, params, cache_salt, stop, arrival)
 
     def _running(self, request_id: str) -> bool:
         return request_id in self.allocator.requests or (self.loop is not None and request_id in self.loop.live)
 
-    def _stream_in_loop(self, request) -> Iterator[StreamEvent]:
+    def _stream_in_loop(self, request, max_waiting: int | None, timeout: float | None) -> Iterator[StreamEvent]:
         """Submit to the engine loop when iteration starts; its events as they come."""
-        self.loop.submit([request])
-        yield from self.loop.events(request)
+        self.loop.submit([request], max_waiting)
+        yield from self.loop.events(request, timeout)
 
     def snapshot(self) -> LoopSnapshot | None:
         """The batching engine's queues and steps (who runs, who waits, the last step), read
         without waiting for a forward pass; None for an engine that does not batch."""
         return None if self.loop is None else self.loop.snapshot()
+
+    def drain(self, grace: float) -> None:
+        """Shut the batching engine down gently (EngineLoop.drain): waiting requests end with
+        EngineStoppedError, running ones get `grace` seconds, then finish with "abort"."""
+        if self.loop is not None:
+            self.loop.drain(grace)
 
     def warm_up(self) -> None:
         """One throwaway forward pass outside the pool, so the first timed request does not

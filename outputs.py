@@ -38,7 +38,7 @@ class Generation:
     cached_tokens: int = 0  # prompt tokens whose K/V came from the pool instead of the model
     token_ids: list[int] = field(default_factory=list)  # generated only; ends with EOS if it stopped there
     text: str = ""  # the generated tokens decoded, special tokens left out
-    finish_reason: str | None = None  # "stop" (EOS or a stop string) or "length" (max_tokens), once finished
+    finish_reason: str | None = None  # "stop" (EOS, stop string), "length" (max_tokens), "abort" (cut short)
     ttft_ms: float = 0.0  # request in -> first token sampled
     total_ms: float = 0.0
     prefill: PrefillTiming = field(default_factory=PrefillTiming)  # one request at a time only
@@ -56,7 +56,7 @@ class StreamEvent:
     """One generated token, as Engine.stream yields it."""
     token_id: int
     text: str  # the text this token adds ("" while it is held back)
-    finish_reason: str | None  # None until the last event: then "stop" or "length"
+    finish_reason: str | None  # None until the last event: then "stop", "length" or "abort"
     generation: Generation  # the reply being built (one object, filled in as the stream goes)
 
 
@@ -126,6 +126,12 @@ class ReplyBuilder:
         if reply.finish_reason is not None and not hit_stop:
             new += self._new_text(final=True)[0]  # what was held back
         return new, reply.finish_reason
+
+    def abort(self) -> str:
+        """End the reply now, before its own end (a server shutting down): finish reason
+        "abort", as vLLM's; returns what was held back, as any other ending lets it out."""
+        self.reply.finish_reason = "abort"
+        return self._new_text(final=True)[0]
 
     def _new_text(self, final: bool) -> tuple[str, bool]:
         """Decode the reply so far; what it adds to reply.text, and whether it reached a stop

@@ -23,6 +23,14 @@ from prefix_caching import check_cache_salt, check_text
 
 DEFAULT_MAX_TOKENS_LIMIT = 512
 DEFAULT_MAX_BODY_BYTES = 1 << 20  # 1 MiB: far more text than the default pool holds
+# Limits for one laptop and a class (docs/server.md lists them; each has a flag).
+DEFAULT_MAX_PROMPT_TOKENS = 4096  # a third of the default pool; ~10 s of prefill on a laptop CPU
+DEFAULT_MAX_WAITING = 64  # requests queued behind the running ones; beyond it a 503
+DEFAULT_REQUEST_TIMEOUT = 300.0  # seconds a generation request may take, its wait in the queue included
+DEFAULT_READ_TIMEOUT = 10.0  # seconds a connection may stay silent while it sends a request
+DEFAULT_IDLE_TIMEOUT = 5.0  # seconds a kept-alive connection may wait for its next request
+DEFAULT_MAX_CONNECTIONS = 128  # open connections (one thread each); beyond it a 503
+RETRY_AFTER_S = 2  # what a 503 asks a client to wait before it tries again
 EXAMPLE_BODY = '{"prompt": "Hello", "max_tokens": 16}'
 JSON_HEADER = "-H 'Content-Type: application/json'"
 
@@ -38,6 +46,7 @@ ERROR_TYPES = {
     401: "authentication_error",
     403: "permission_error",
     404: "not_found_error",
+    408: "timeout_error",
     409: "conflict_error",
     500: "internal_error",
     503: "service_unavailable_error",
@@ -45,9 +54,11 @@ ERROR_TYPES = {
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str):
+    """retry_after: for a 503, the seconds to wait before trying again (a Retry-After header)."""
+
+    def __init__(self, status: int, message: str, retry_after: int | None = None):
         super().__init__(message)
-        self.status, self.message = status, message
+        self.status, self.message, self.retry_after = status, message, retry_after
 
 
 def error_json(status: int, message: str) -> dict:
@@ -79,7 +90,10 @@ def read_body(stream, content_length: int | None, limit: int) -> bytes:
                             f"send a shorter prompt")
     chunks, size = [], 0
     while size <= limit:
-        chunk = stream.read(limit + 1 - size)
+        try:
+            chunk = stream.read(limit + 1 - size)
+        except TimeoutError:  # the connection's read timeout: a chunked body that stopped coming
+            raise APIError(408, f"the body stopped arriving after {size:,} bytes; send it whole") from None
         if not chunk:
             break
         chunks.append(chunk)
@@ -177,6 +191,34 @@ def bearer_key(headers: Mapping[str, str]) -> str | None:
     return key.strip() if scheme.lower() == "bearer" and key.strip() else None
 
 
+def read_api_keys(path: str) -> frozenset[str]:
+    """The keys a class may use (--api-keys FILE): one per line; blank lines and lines
+    starting with # are skipped."""
+    with open(path, encoding="utf-8") as file:
+        keys = frozenset(line.strip() for line in file if line.strip() and not line.lstrip().startswith("#"))
+    if not keys:
+        raise ValueError(f"{path} lists no API key: write one key per line")
+    return keys
+
+
+def check_api_key(headers: Mapping[str, str], api_keys: frozenset[str] | None, admin_key: str | None) -> None:
+    """401 unless the request's key is one of api_keys (or the admin key); no list: any key."""
+    if api_keys is None:
+        return
+    key = bearer_key(headers)
+    if key is None:
+        raise APIError(401, "send an API key: 'Authorization: Bearer <key>'; your teacher has the list")
+    # Compare with every key, each in constant time: how long a refusal takes tells nothing.
+    known = [hmac.compare_digest(key.encode(), k.encode()) for k in (*api_keys, *([admin_key] if admin_key else []))]
+    if not any(known):
+        raise APIError(401, "this API key is not on this server's list (--api-keys); check it with your teacher")
+
+
+def is_admin(headers: Mapping[str, str], admin_key: str | None) -> bool:
+    key = bearer_key(headers)
+    return admin_key is not None and key is not None and hmac.compare_digest(key.encode(), admin_key.encode())
+
+
 def tenant_of(headers: Mapping[str, str], salt_by_api_key: bool) -> str | None:
     """Whose cache a caller uses and may look at: under --salt-by-api-key the SHA-256 of its
     API key (so the key itself never reaches the allocator, the logs or /cache), else None,
@@ -251,6 +293,10 @@ class Settings:
     max_tokens_limit: int = DEFAULT_MAX_TOKENS_LIMIT
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     allowed_hosts: set[str] = field(default_factory=lambda: set(LOCAL_HOSTS))
+    api_keys: frozenset[str] | None = None  # the keys a class may use; None: any key (or none)
+    max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS
+    max_waiting: int = DEFAULT_MAX_WAITING
+    request_timeout: float = DEFAULT_REQUEST_TIMEOUT
 
 
 @dataclass

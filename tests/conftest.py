@@ -82,7 +82,7 @@ def engine(tiny_model, tokenizer):
 
 @pytest.fixture(scope="module")
 def url(engine):
-    with serve(create_app(engine, model_name=MODEL, max_tokens_limit=300)) as base_url:
+    with serve(create_app(engine, cache_page_every_s=0, model_name=MODEL, max_tokens_limit=300)) as base_url:
         yield base_url
 
 

@@ -68,9 +68,10 @@ def wait_until_idle(engine, timeout: float = 30.0) -> None:
 
 
 @contextlib.contextmanager
-def serve(app):
-    """Run `app` on a free port of 127.0.0.1 in a thread; yields its base URL."""
-    url, server = serve_in_background(app)
+def serve(app, **limits):
+    """Run `app` on a free port of 127.0.0.1 in a thread; yields its base URL. limits: the
+    connection limits of server.ClassServer."""
+    url, server = serve_in_background(app, **limits)
     try:
         yield url
     finally:
@@ -80,14 +81,21 @@ def serve(app):
 def call(url: str, path: str, body=None, *, method=None, headers=None, timeout=60) -> tuple[int, dict]:
     """What `curl -s url/path -H 'Content-Type: application/json' -d body` does: (status, parsed
     JSON reply). body: dict or bytes; a body is sent as JSON unless headers say otherwise."""
+    status, reply, _ = call_with_headers(url, path, body, method=method, headers=headers, timeout=timeout)
+    return status, reply
+
+
+def call_with_headers(url: str, path: str, body=None, *, method=None, headers=None,
+                      timeout=60) -> tuple[int, dict, dict]:
+    """call(), and the reply's headers too."""
     data = body if body is None or isinstance(body, bytes) else json.dumps(body).encode()
     headers = ({"Content-Type": "application/json"} if data is not None else {}) | (headers or {})
     req = urllib.request.Request(url + path, data=data, method=method, headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=timeout) as response:
-            return response.status, json.loads(response.read())
+            return response.status, json.loads(response.read()), dict(response.headers)
     except urllib.error.HTTPError as err:
-        return err.code, json.loads(err.read())
+        return err.code, json.loads(err.read()), dict(err.headers)
 
 
 def raw_request(url: str, head: list[str], body: bytes = b"") -> socket.socket:

@@ -51,7 +51,7 @@ def test_a_reply_that_ends_on_eos_with_stop_strings_set_keeps_its_text_on_every_
         assert (path, reply.text, reply.finish_reason) == (path, text, "stop")
     assert streamed == text
 
-    with serve(create_app(batching, model_name=MODEL)) as url:
+    with serve(create_app(batching, cache_page_every_s=0, model_name=MODEL)) as url:
         status, reply = call(url, "/generate", {"prompt": TEXT, "max_tokens": 12, "stop": stop})
         assert status == 200 and (reply["text"], reply["finish_reason"]) == (text, "stop")
         body = {"model": MODEL, "prompt": TEXT, "max_tokens": 12, "stop": stop, "stream": True, "temperature": 0}
@@ -254,7 +254,7 @@ def test_the_server_sends_a_failed_steps_error_then_done_and_serves_on(make_engi
         return real_sample(logits, params, generators)
 
     monkeypatch.setattr(batch_engine, "sample_batch", sample_batch)
-    with serve(create_app(engine, model_name=MODEL)) as url:
+    with serve(create_app(engine, cache_page_every_s=0, model_name=MODEL)) as url:
         body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 8, "stream": True, "temperature": 0}
         request = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(),
                                          {"Content-Type": "application/json"})

@@ -76,7 +76,7 @@ def test_cache_shows_public_blocks_and_no_salted_block_to_anyone(engine, url):
 
 @pytest.fixture
 def keyed_url(engine):
-    with serve(create_app(engine, model_name=MODEL, salt_by_api_key=True, admin_key="s3cret")) as base_url:
+    with serve(create_app(engine, cache_page_every_s=0, model_name=MODEL, salt_by_api_key=True, admin_key="s3cret")) as base_url:
         yield base_url
 
 
@@ -93,9 +93,10 @@ def test_salt_by_api_key_isolates_keys_and_refuses_client_salts(engine, keyed_ur
     with pytest.raises(openai.BadRequestError, match="derives cache_salt from your API key"):
         client(keyed_url, "bob-key").chat.completions.create(model=MODEL, messages=CHAT,
                                                              extra_body={"cache_salt": "alice"})
-    for route, body in (("/generate", {"prompt": "Hi"}), ("/health", None), ("/cache", None)):
+    for route, body in (("/generate", {"prompt": "Hi"}), ("/cache", None)):
         got, reply = call(keyed_url, route, body)  # no Authorization header
         assert got == 401 and reply["error"]["type"] == "authentication_error", route
+    assert call(keyed_url, "/health") == (200, {"status": "ok"})  # a liveness probe's answer, nothing more
 
 
 def test_under_keys_a_caller_sees_its_own_counters_blocks_and_requests_only(engine, keyed_url):
@@ -150,11 +151,11 @@ def test_reset_needs_the_admin_key_when_one_is_set(engine, keyed_url):
 
 
 def test_under_keys_without_an_admin_key_nobody_resets(engine):
-    with serve(create_app(engine, model_name=MODEL, salt_by_api_key=True)) as url:
+    with serve(create_app(engine, cache_page_every_s=0, model_name=MODEL, salt_by_api_key=True)) as url:
         got, reply = call(url, "/reset_prefix_cache", {}, headers=ALICE)
         assert got == 403 and "start it with --admin-key" in reply["error"]["message"]
     with pytest.raises(ValueError, match="admin_key is empty"):
-        create_app(engine, admin_key="")
+        create_app(engine, cache_page_every_s=0, admin_key="")
 
 
 # --- what the network may send ------------------------------------------------------------------
@@ -185,7 +186,7 @@ def test_every_post_needs_a_json_content_type(engine, url, content_type):
 def test_the_host_header_must_name_this_server(engine, host, status):
     """DNS rebinding: a page on evil.example whose name now resolves to 127.0.0.1 still says
     `Host: evil.example`. Names the server was not given are refused; addresses cannot be rebound."""
-    with serve(create_app(engine, model_name=MODEL, allowed_hosts=("Class-Server.local",))) as url:
+    with serve(create_app(engine, cache_page_every_s=0, model_name=MODEL, allowed_hosts=("Class-Server.local",))) as url:
         conn = http.client.HTTPConnection(*url.removeprefix("http://").split(":"), timeout=30)
         conn.putrequest("GET", "/health", skip_host=True)
         conn.putheader("Host", host)

@@ -1,0 +1,365 @@
+"""The class server when a class leans on it: clients that hang up while they wait or while
+their prompt comes in, a full queue, long prompts, silent connections, too many connections,
+an engine loop that fails, tenants who look at each other, and Ctrl+C with requests running.
+Real servers on 127.0.0.1 around a batching Engine over conftest's tiny random model.
+
+No sleeps decide anything: a forward hook holds the engine loop inside a step where a test
+needs it, and the tests poll for what they wait for, with a deadline.
+"""
+
+import concurrent.futures
+import contextlib
+import http.client
+import json
+import re
+import socket
+import threading
+import time
+
+import pytest
+
+from batch_engine import EngineLoop
+from engine import Engine
+from helpers import MODEL, SYSTEM, EmbeddingCounter, call, call_with_headers, raw_request, serve, wait_until_idle
+from server import ServerState, create_app, drain, serve_in_background
+
+ALICE, BOB, ADMIN = ({"Authorization": f"Bearer {key}"} for key in ("alice-key", "bob-key", "s3cret"))
+
+
+def batching_engine(tiny_model, tokenizer, **kwargs) -> Engine:
+    return Engine(model=tiny_model, tokenizer=tokenizer, block_size=4, num_blocks=128, batching=True, **kwargs)
+
+
+def post_head(path: str, body: bytes) -> list[str]:
+    return [f"POST {path} HTTP/1.1", "Host: 127.0.0.1", "Content-Type: application/json", f"Content-Length: {len(body)}"]
+
+
+def until(ready, timeout: float = 30.0, what: str = "the condition"):
+    """Poll ready() until it returns something true; that value."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = ready()
+        if value:
+            return value
+        time.sleep(0.01)
+    raise AssertionError(f"{what} did not hold within {timeout} s")
+
+
+@contextlib.contextmanager
+def held(engine: Engine):
+    """The engine loop held inside the forward pass of an opener request (1 token) until the
+    block ends: what is sent meanwhile waits in the queue."""
+    inside, release = threading.Event(), threading.Event()
+
+    def pause(module, args):
+        inside.set()
+        release.wait(60)
+
+    hook = engine.model.register_forward_pre_hook(pause)
+    opener = threading.Thread(target=engine.generate, args=([1, 2, 3],), kwargs={"max_tokens": 1})
+    opener.start()
+    try:
+        assert inside.wait(30)
+        hook.remove()  # later passes run freely
+        yield
+    finally:
+        hook.remove()
+        release.set()
+        opener.join(60)
+
+
+def read_reply(sock: socket.socket) -> tuple[int, dict, bytes]:
+    """(status, headers, body) of the one HTTP reply on `sock` (the server closes after it)."""
+    data = b""
+    while chunk := sock.recv(65536):
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    lines = head.decode().split("\r\n")
+    headers = dict(line.split(": ", 1) for line in lines[1:])
+    return int(lines[0].split()[1]), headers, body
+
+
+def health_reply(url: str) -> tuple[int, dict, bytes] | None:
+    """A raw GET /health's reply once the server refuses it with a 503; None before."""
+    try:
+        reply = read_reply(raw_request(url, ["GET /health HTTP/1.1", "Host: 127.0.0.1"]))
+    except ConnectionError:
+        return None
+    return reply if reply[0] == 503 else None
+
+
+# --- 1. a client that leaves is noticed before anything is spent on it ---------------------------
+
+
+def test_clients_that_hang_up_while_they_wait_are_dropped_before_their_prefill(tiny_model, tokenizer):
+    engine = batching_engine(tiny_model, tokenizer)
+    counter = EmbeddingCounter(engine.model)
+    with serve(create_app(engine, model_name=MODEL)) as url:
+        with held(engine):
+            for i in range(6):  # each sends a long prompt and hangs up at once
+                body = json.dumps({"prompt": SYSTEM * 4 + f"Question {i}?", "max_tokens": 64}).encode()
+                raw_request(url, post_head("/generate", body), body).close()
+            until(lambda: len(engine.snapshot().waiting) == 6, what="six requests in the queue")
+        wait_until_idle(engine)
+    counter.handle.remove()
+    assert counter.count == 3  # the opener's prompt, and nothing of the six
+    assert engine.allocator.stats.requests == 1  # none of them took a block
+    assert engine.snapshot().num_steps == 1
+
+
+@pytest.mark.parametrize("after_body", [b"", b"x"], ids=["closed", "one-byte-then-closed"])
+def test_a_client_that_leaves_during_a_chunked_prefill_stops_it_between_chunks(tiny_model, tokenizer, after_body):
+    # A byte after the body cannot be a next request (every reply closes its connection): it
+    # is read and thrown away, and the close behind it is seen.
+    engine = batching_engine(tiny_model, tokenizer, max_num_seqs=4, max_num_batched_tokens=16)
+    counter = EmbeddingCounter(engine.model)
+    inside, release, passes = threading.Event(), threading.Event(), []
+
+    def pause(module, args):  # hold the second chunk's forward pass
+        passes.append(1)
+        if len(passes) == 2:
+            inside.set()
+            release.wait(60)
+
+    body = json.dumps({"prompt": list(range(100, 200)), "max_tokens": 4}).encode()  # 100 tokens: 7 chunks
+    with serve(create_app(engine, model_name=MODEL)) as url:
+        hook = engine.model.register_forward_pre_hook(pause)
+        try:
+            sock = raw_request(url, post_head("/generate", body), body + after_body)
+            assert inside.wait(30)
+            sock.close()
+            release.set()
+            wait_until_idle(engine)
+        finally:
+            release.set()
+            hook.remove()
+    counter.handle.remove()
+    assert counter.count == 32 and engine.snapshot().num_steps == 2  # two chunks of 16, then dropped
+
+
+# --- 2. limits a teacher sets -------------------------------------------------------------------
+
+
+def test_a_full_queue_answers_503_with_retry_after(tiny_model, tokenizer):
+    engine = batching_engine(tiny_model, tokenizer, max_num_seqs=1, max_num_batched_tokens=64)
+    with serve(create_app(engine, model_name=MODEL, max_waiting=2)) as url:
+        with concurrent.futures.ThreadPoolExecutor(2) as pool, held(engine):
+            queued = [pool.submit(call, url, "/generate", {"prompt": f"Hi {i}", "max_tokens": 2}) for i in range(2)]
+            until(lambda: len(engine.snapshot().waiting) == 2, what="two requests in the queue")
+            status, reply, headers = call_with_headers(url, "/generate", {"prompt": "One more", "max_tokens": 2})
+            assert status == 503 and headers["Retry-After"] == "2"
+            assert "--max-waiting-requests" in reply["error"]["message"]
+        assert [f.result()[0] for f in queued] == [200, 200]  # the queued ones were served
+    wait_until_idle(engine)
+
+
+def test_the_no_batching_503_says_when_to_retry(tiny_model, tokenizer):
+    engine = Engine(model=tiny_model, tokenizer=tokenizer, block_size=4, num_blocks=8)
+    held_request = engine.stream(list(range(100, 124)), max_tokens=4)  # 24 tokens: 6 of the 8 blocks
+    next(held_request)
+    try:
+        with serve(create_app(engine, model_name=MODEL)) as url:
+            status, reply, headers = call_with_headers(url, "/generate", {"prompt": list(range(300, 312)), "max_tokens": 4})
+    finally:
+        held_request.close()
+    assert status == 503 and headers["Retry-After"] == "2" and "KV pool is full" in reply["error"]["message"]
+
+
+def test_a_prompt_over_the_limit_is_refused_before_it_runs(engine):
+    with serve(create_app(engine, model_name=MODEL, max_prompt_tokens=8)) as url:
+        status, reply = call(url, "/generate", {"prompt": SYSTEM, "max_tokens": 2})
+        steps = engine.snapshot().num_steps
+        assert status == 400 and "--max-prompt-tokens" in reply["error"]["message"]
+        assert f"is {len(engine.tokenize(SYSTEM))} tokens, over this server's limit of 8" in reply["error"]["message"]
+        assert call(url, "/generate", {"prompt": "Hi", "max_tokens": 2})[0] == 200
+        assert engine.snapshot().num_steps > steps
+
+
+def test_a_half_sent_body_times_out_and_a_silent_connection_is_closed(engine):
+    with serve(create_app(engine, model_name=MODEL), read_timeout=0.5, idle_timeout=0.5) as url:
+        body = json.dumps({"prompt": "Hi", "max_tokens": 2}).encode()
+        requests_before = engine.allocator.stats.requests
+        sock = raw_request(url, post_head("/generate", body), body[:5])  # and the rest never comes
+        status, headers, reply = read_reply(sock)
+        assert status == 408 and "stopped arriving before its Content-Length" in json.loads(reply)["error"]["message"]
+        assert engine.allocator.stats.requests == requests_before  # nothing reached the engine
+
+        host, port = url.removeprefix("http://").split(":")
+        silent = socket.create_connection((host, int(port)), timeout=30)  # connects, sends nothing
+        assert silent.recv(1) == b""  # closed by the server after its idle timeout
+        assert call(url, "/health")[0] == 200
+
+
+def test_connections_over_the_cap_get_a_503_at_once(engine):
+    with serve(create_app(engine, model_name=MODEL), max_connections=2, idle_timeout=30) as url:
+        host, port = url.removeprefix("http://").split(":")
+        idle = [socket.create_connection((host, int(port)), timeout=30) for _ in range(2)]
+        status, headers, reply = until(lambda: health_reply(url), what="both connections taken")
+        assert status == 503 and headers["Retry-After"] == "2" and "--max-connections" in json.loads(reply)["error"]["message"]
+        for connection in idle:
+            connection.close()
+        until(lambda: call(url, "/health")[0] == 200, what="a free connection slot")
+
+
+# --- 3. a supervised engine loop ----------------------------------------------------------------
+
+
+def fail_once(monkeypatch, loop: EngineLoop, error: BaseException) -> None:
+    """The loop's next admission (outside any step) raises `error`, once."""
+    add = loop.scheduler.add
+    raised = []
+
+    def add_or_fail(request):
+        if not raised:
+            raised.append(1)
+            raise error
+        add(request)
+
+    monkeypatch.setattr(loop.scheduler, "add", add_or_fail)
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the thread that dies
+@pytest.mark.parametrize("error", [RuntimeError("a bug outside the step"), SystemExit()],
+                         ids=["exception", "dead-thread"])
+def test_a_failure_outside_a_step_fails_its_request_and_the_loop_restarts(tiny_model, tokenizer, monkeypatch, error):
+    engine = batching_engine(tiny_model, tokenizer)
+    engine.generate("Hello", max_tokens=1)  # the loop's thread runs
+    fail_once(monkeypatch, engine.loop, error)
+    with serve(create_app(engine, model_name=MODEL)) as url:
+        status, reply = call(url, "/generate", {"prompt": "Hi", "max_tokens": 2})
+        assert status == 500 and "internal error" in reply["error"]["message"]  # the server's fault, said so
+        assert call(url, "/generate", {"prompt": "Hi", "max_tokens": 2})[0] == 200  # and then it serves again
+        assert call(url, "/health")[1]["restarts"] == 1
+    wait_until_idle(engine)
+
+
+def test_a_loop_that_cannot_be_restarted_makes_health_503_and_refuses_at_once(tiny_model, tokenizer, monkeypatch):
+    engine = batching_engine(tiny_model, tokenizer)
+    fail_once(monkeypatch, engine.loop, RuntimeError("a bug outside the step"))
+    monkeypatch.setattr(engine.allocator, "check_invariants", lambda: 1 / 0)  # and the pool cannot be checked
+    with serve(create_app(engine, model_name=MODEL)) as url:
+        status, reply = call(url, "/generate", {"prompt": "Hi", "max_tokens": 2})
+        assert status == 503 and "could not be restarted" in reply["error"]["message"]
+        status, health = call(url, "/health")
+        assert status == 503 and health["status"] == "error" and "ZeroDivisionError" in health["message"]
+        status, reply, headers = call_with_headers(url, "/generate", {"prompt": "Hi", "max_tokens": 2}, timeout=5)
+        assert status == 503 and headers["Retry-After"] == "2"
+
+
+def test_a_request_waits_no_longer_than_its_deadline(tiny_model, tokenizer):
+    engine = batching_engine(tiny_model, tokenizer, max_num_seqs=1, max_num_batched_tokens=64)
+    with serve(create_app(engine, model_name=MODEL, request_timeout=0.2)) as url:
+        with held(engine):  # the opener holds the only seat past the deadline
+            status, reply, headers = call_with_headers(url, "/generate", {"prompt": "Hi", "max_tokens": 2})
+        assert status == 503 and "did not finish within 0.2 s" in reply["error"]["message"]
+        assert headers["Retry-After"] == "2"
+    wait_until_idle(engine)
+
+
+# --- 4. tenants see only their own ---------------------------------------------------------------
+
+
+@pytest.fixture
+def keys_file(tmp_path):
+    path = tmp_path / "keys.txt"
+    path.write_text("# the class of 2026\nalice-key\n\nbob-key\n")
+    return path
+
+
+def test_with_a_key_list_an_unknown_key_gets_401_everywhere_and_probes_still_work(engine, keys_file):
+    from server_requests import read_api_keys
+
+    app = create_app(engine, model_name=MODEL, salt_by_api_key=True, admin_key="s3cret",
+                     api_keys=read_api_keys(str(keys_file)))
+    stranger = {"Authorization": "Bearer made-up"}
+    with serve(app) as url:
+        for path, body in (("/generate", {"prompt": "Hi", "max_tokens": 1}), ("/cache", None), ("/health", None),
+                           ("/v1/models", None), ("/v1/completions", {"prompt": "Hi", "max_tokens": 1})):
+            status, reply = call(url, path, body, headers=stranger)
+            assert status == 401 and "not on this server's list" in reply["error"]["message"], path
+            assert call(url, path, body)[0] == (200 if path == "/health" else 401), path  # no key at all
+        assert call(url, "/health") == (200, {"status": "ok"})  # liveness for a probe, nothing more
+        assert call(url, "/generate", {"prompt": "Hi", "max_tokens": 1}, headers=ALICE)[0] == 200
+        assert call(url, "/cache", headers=ADMIN)[0] == 200  # the admin key is always on the list
+
+
+def test_a_tenant_sees_no_other_tenants_step_or_block_state_and_the_admin_sees_all(engine):
+    with serve(create_app(engine, cache_page_every_s=0, model_name=MODEL, salt_by_api_key=True,
+                          admin_key="s3cret")) as url:
+        call(url, "/generate", {"prompt": SYSTEM + "Bob asks.", "max_tokens": 1}, headers=BOB)
+        alice, admin = call(url, "/health", headers=ALICE)[1], call(url, "/health", headers=ADMIN)[1]
+        assert "last_step" not in alice and admin["last_step"]["prefill_tokens"] > 0
+        assert alice["blocks_in_use"] == admin["blocks_in_use"]  # a count is everyone's
+        assert admin["counted"] == "all requests" and admin["requests"] == engine.allocator.stats.requests
+
+        seen_by_alice, seen_by_admin = call(url, "/cache", headers=ALICE)[1], call(url, "/cache", headers=ADMIN)[1]
+        bobs = [b["block_id"] for b in seen_by_admin["blocks"] if b["text"] and "Bob" in b["text"]]
+        assert bobs
+        for block_id in bobs:  # neither its ref count nor its state, nor its place in the free queue
+            assert seen_by_alice["blocks"][block_id] == {"block_id": block_id, "opaque": True, "block_hash": None,
+                                                         "num_tokens": None, "text": None}
+            assert block_id not in seen_by_alice["free_queue"] and block_id in seen_by_admin["free_queue"]
+        assert "Bob" not in json.dumps(seen_by_alice)
+    wait_until_idle(engine)
+
+
+def test_response_ids_are_random_not_a_count_of_everyones_requests(url):
+    host, port = url.removeprefix("http://").split(":")
+    ids = []
+    for _ in range(2):
+        conn = http.client.HTTPConnection(host, int(port), timeout=30)
+        conn.request("POST", "/v1/completions", json.dumps({"prompt": "Hi", "max_tokens": 1}),
+                     {"Content-Type": "application/json"})
+        ids.append(json.loads(conn.getresponse().read())["id"])
+        conn.close()
+    assert all(re.fullmatch(r"cmpl-[0-9a-f]{32}", i) for i in ids) and ids[0] != ids[1]
+
+
+def test_cache_is_rendered_once_however_many_poll(engine, monkeypatch):
+    renders = []
+    snapshot = ServerState.snapshot
+    monkeypatch.setattr(ServerState, "snapshot", lambda self, viewer: renders.append(1) or snapshot(self, viewer))
+    with serve(create_app(engine, model_name=MODEL, cache_page_every_s=3600)) as url:
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            pages = list(pool.map(lambda _: call(url, "/cache"), range(32)))
+    assert len(renders) == 1 and all(page == pages[0] for page in pages)
+
+
+# --- 5. a clean shutdown -------------------------------------------------------------------------
+
+
+def test_shutdown_ends_streams_with_a_last_event_and_done_and_waiting_requests_with_503(tiny_model, tokenizer):
+    engine = batching_engine(tiny_model, tokenizer, max_num_seqs=1, max_num_batched_tokens=64)
+    url, server = serve_in_background(create_app(engine, model_name=MODEL))
+    host, port = url.removeprefix("http://").split(":")
+    inside, release, passes = threading.Event(), threading.Event(), []
+
+    def pause(module, args):  # the stream's third step waits here
+        passes.append(1)
+        if len(passes) == 3:
+            inside.set()
+            release.wait(60)
+
+    hook = engine.model.register_forward_pre_hook(pause)
+    try:
+        conn = http.client.HTTPConnection(host, int(port), timeout=30)
+        conn.request("POST", "/v1/completions", json.dumps({"prompt": "Tell me a story", "max_tokens": 200, "stream": True}),
+                     {"Content-Type": "application/json"})
+        stream = conn.getresponse()
+        assert inside.wait(30)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            waiting = pool.submit(call_with_headers, url, "/generate", {"prompt": "Hi", "max_tokens": 2})
+            until(lambda: len(engine.snapshot().waiting) == 1, what="a request in the queue")
+            stopping = threading.Thread(target=drain, args=(server, engine, 0.0))  # what Ctrl+C starts
+            stopping.start()
+            status, reply, headers = waiting.result(30)
+            assert status == 503 and "shutting down" in reply["error"]["message"] and headers["Retry-After"] == "2"
+            release.set()  # the held step ends; the stream is cut between two steps
+            events = [line for line in stream.read().decode().split("\n\n") if line]
+            stopping.join(30)
+    finally:
+        release.set()
+        hook.remove()
+    assert not stopping.is_alive()
+    assert events[-1] == "data: [DONE]" and json.loads(events[-2][6:])["choices"][0]["finish_reason"] == "abort"
+    assert engine.allocator.block_tables == {} and engine.loop.live == {}
