@@ -161,11 +161,16 @@ class BatchRunner:
                     scheduler.finish(request)
         end = time.perf_counter()
         for request in finished:
-            state, reply = request.payload, request.payload.reply
-            reply.total_ms = (end - state.arrival) * 1e3
-            reply.wait_ms = (state.admitted_at - state.arrival) * 1e3
-            reply.num_preemptions = request.num_preemptions
+            self.close_reply(request, end)
         return finished
+
+    @staticmethod
+    def close_reply(request: Request, end: float) -> None:
+        """A finished request's reply gets its times and preemptions."""
+        state, reply = request.payload, request.payload.reply
+        reply.total_ms = (end - state.arrival) * 1e3
+        reply.wait_ms = (state.admitted_at - state.arrival) * 1e3
+        reply.num_preemptions = request.num_preemptions
 
     def _add_token(self, request: Request, token: int) -> bool:
         """Add the request's sampled token to it and to its reply; whether that finished it."""
@@ -464,9 +469,11 @@ class EngineLoop:
                 running = list(self.scheduler.running)
                 for request in running:
                     self.scheduler.finish(request)
+        end = time.perf_counter()
         for request in running:
             state = request.payload
             text = state.builder.abort()
+            self.runner.close_reply(request, end)
             self._forget(request)
             state.events.put(StreamEvent(request.output_ids[-1] if request.output_ids else -1, text, "abort", state.reply))
         self.stop()

@@ -13,7 +13,7 @@ import importlib
 
 import prefix_caching
 
-BENCHMARKS = ("allocator", "ttft", "throughput", "chunked_prefill", "attention", "busy", "server_load")
+BENCHMARKS = ("allocator", "ttft", "throughput", "chunked_prefill", "attention", "busy", "server_load", "server_abuse")
 
 
 def main(argv: list[str] | None = None) -> None:

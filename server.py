@@ -6,6 +6,7 @@ and a page that shows the KV block pool live while the requests come in.
     python server.py --num-blocks 64        # a small pool: watch blocks get evicted, requests wait
     python server.py --no-batching          # one request at a time, as stage 7's engine runs it
     python server.py --salt-by-api-key --admin-key SECRET   # a cache per API key; only SECRET resets
+    python server.py --salt-by-api-key --api-keys class.txt # ... and only the keys listed there
 
     curl -s localhost:5000/generate -H 'Content-Type: application/json' \\
          -d '{"messages": [{"role": "user", "content": "Hi!"}], "max_tokens": 16}'
@@ -14,7 +15,8 @@ Routes:
     POST /generate               {"prompt": str} or {"messages": [...]}, max_tokens, temperature,
                                  top_p, seed, stop, cache_salt -> text, prompt_tokens, cached_tokens, ...
     GET  /health                 status, model, the cache figures (hit rate, blocks in use, ...)
-                                 and the scheduler's (running, waiting, preemptions, the last step)
+                                 and the scheduler's (running, waiting, preemptions, the last step);
+                                 where keys are in use, without one: {"status": "ok"} only
     GET  /cache                  /health plus the pool: every block, the free queue, block tables,
                                  the waiting queue
     POST /reset_prefix_cache     forget every cached block (refused while requests run)
@@ -35,12 +37,15 @@ on its kind:
                             the pool has no room for is refused with a 503.
 
 Every error is a JSON object {"error": {"message", "type"}} with a 4xx status (5xx when the
-server is at fault).
-docs/server.md says what a tenant can see, and where this server differs from vLLM's.
+server is at fault, or busy: a 503 says when to try again). A class leaning on it meets limits
+(queue length, prompt length, timeouts, connections), each a flag with a default for a laptop;
+a client that hangs up costs nothing more, and Ctrl+C lets running requests finish.
+docs/server.md lists the limits, says what a tenant can see, and where this server differs
+from vLLM's.
 
 server_requests.py reads and checks what a client sends (the body, who is asking, the
 generation request); this file runs it: read it first. Here: running a request (1), what a
-caller may see (2), the routes (3), create_app (4), main (5).
+caller may see (2), the routes (3), create_app (4), serving it: connections, Ctrl+C, main (5).
 """
 
 from __future__ import annotations
@@ -724,6 +729,12 @@ class ClassServer(ThreadedWSGIServer):
         # ("terminate called without an active exception"): a tensor freed there gives up the
         # GIL and cannot take it back. So the server's threads are waited for, not killed.
         self.daemon_threads = False
+
+    def log(self, type: str, message: str, *args) -> None:
+        # After a read timeout (the client has its 408), werkzeug still reads what is left of
+        # the body, on a socket object that refuses every read once one timed out: not news.
+        if "cannot read from timed out object" not in message:
+            super().log(type, message, *args)
 
     def serve_forever(self, poll_interval: float = 0.5) -> None:
         """socketserver's loop, without werkzeug's ending (which swallows Ctrl+C and then waits

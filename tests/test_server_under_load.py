@@ -363,3 +363,18 @@ def test_shutdown_ends_streams_with_a_last_event_and_done_and_waiting_requests_w
     assert not stopping.is_alive()
     assert events[-1] == "data: [DONE]" and json.loads(events[-2][6:])["choices"][0]["finish_reason"] == "abort"
     assert engine.allocator.block_tables == {} and engine.loop.live == {}
+
+
+# --- the benchmark -------------------------------------------------------------------------------
+
+
+def test_the_abuse_benchmark_times_honest_clients_alone_and_beside_abusive_ones(tiny_model_dir, tmp_path):
+    from benchmarks import server_abuse
+
+    out = server_abuse.main(["--model", str(tiny_model_dir), "--honest", "2", "--abusive", "3", "--seconds", "2",
+                             "--max-tokens", "4", "--json", str(tmp_path / "abuse.json")])
+    assert out["alone"]["gaps"] > 0 and out["beside"]["gaps"] > 0 and out["ratio"] > 0
+    assert out["alone"]["abuse"] == {"hang-up": 0, "half-body": 0, "poll": 0, "refused": 0}
+    assert all(out["beside"]["abuse"][kind] >= 1 for kind in ("hang-up", "half-body", "poll"))
+    assert out["beside"]["abusive_requests_admitted"] == 0  # every hung-up prompt dropped before its prefill
+    assert json.loads((tmp_path / "abuse.json").read_text())["ratio"] == out["ratio"]
