@@ -16,6 +16,8 @@ from server import create_app
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lessons"))  # the lessons' helper modules
 from models import tiny_llama  # noqa: E402  (what a stage's --tiny runs is what the tests check)
 
+pytest_plugins = ["pytester"]  # test_grading.py runs the exercise tests against wrong solutions
+
 
 @pytest.fixture(scope="session")
 def tokenizer():

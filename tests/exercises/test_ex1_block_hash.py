@@ -1,14 +1,17 @@
 """Exercise 1: the chained block hash (exercises/block_hash.py). Needs no other exercise."""
 
+import builtins
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from grading import exercise, module_name
 
 impl = exercise("block_hash")
+GRADED = ["hash_block_tokens", "compute_block_hashes"]  # what exercise 1 writes
 BLOCK = [1, 2, 3, 4]
 
 
@@ -75,6 +78,29 @@ def test_the_encoding_is_unambiguous():
                   "[1, 23] and [12, 3] hash alike: separate the token ids in your encoding")
     assert_differ(impl.hash_block_tokens(None, [1], ("a", "b")), impl.hash_block_tokens(None, [1], ("ab",)),
                   "extra keys ('a', 'b') and ('ab',) hash alike: separate the keys in your encoding")
+
+
+def test_extra_keys_keep_their_order_and_their_bounds():
+    def h(*keys):
+        return impl.hash_block_tokens(None, [1], keys)
+
+    assert_differ(h("a", "b"), h("b", "a"),
+                  "extra keys ('a', 'b') and ('b', 'a') hash alike: keep the keys in their order (a tuple, not a set)")
+    assert_differ(h("a,b"), h("a", "b"),
+                  "extra keys ('a,b',) and ('a', 'b') hash alike: a separator that can occur inside a key separates "
+                  "nothing. Encode the keys so none can be read two ways (json.dumps, or each key's length before it)")
+
+
+def test_python_hash_is_never_used(monkeypatch):
+    def forbidden(obj):
+        pytest.fail("hashing called Python's hash(): it squeezes the token ids into 64 bits, so two blocks can "
+                    "share a name, and for text it changes from one process to the next. Hash an unambiguous "
+                    "encoding of the parent, the token ids and the keys with SHA256", pytrace=False)
+
+    with monkeypatch.context() as patched:  # only around the calls: pytest itself hashes
+        patched.setattr(builtins, "hash", forbidden)
+        impl.hash_block_tokens(None, BLOCK, ("lora-1",))
+        impl.compute_block_hashes(list(range(8)), 4, cache_salt="tenant-a", extra_keys=("lora-1",))
 
 
 def test_hashes_are_the_same_in_every_process():
@@ -147,3 +173,13 @@ def test_a_cache_salt_joins_the_extra_keys_of_block_0_and_does_not_replace_them(
                   "Block 0's keys are extra_keys + (cache_salt,)")
     unsalted = impl.compute_block_hashes(tokens, 4, extra_keys=("lora-1",))
     assert_differ(lora_1[0], unsalted[0], "with extra keys, the salt must still change block 0's hash")
+
+
+def test_a_salt_is_never_mistaken_for_an_extra_key_of_the_same_text():
+    tokens = list(range(8))
+    salted = impl.compute_block_hashes(tokens, 4, cache_salt="lora-1")
+    keyed = impl.compute_block_hashes(tokens, 4, extra_keys=("lora-1",))
+    assert_differ(salted[0], keyed[0],
+                  "cache_salt 'lora-1' and extra key 'lora-1' give block 0 the same hash: a tenant named after an "
+                  "adapter would share its blocks. Tag the salt: block 0's keys are "
+                  "extra_keys + (('cache_salt', cache_salt),)")

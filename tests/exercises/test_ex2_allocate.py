@@ -11,6 +11,7 @@ from grading import exercise
 from prefix_caching import OutOfBlocksError
 
 impl = exercise("allocator")
+GRADED = ["PrefixCachingAllocator.allocate_with_prefix"]  # what exercise 2 writes
 
 
 def pool(num_blocks=10, block_size=4):
@@ -152,6 +153,21 @@ def test_the_room_check_counts_the_hits_that_sit_in_the_free_queue():
     assert_refused(alloc, "c", list(range(8)) + list(range(70, 76)),
                    "it needs 2 new blocks plus its 2 hits that are free (ref_cnt 0), 4 blocks of the free queue, "
                    "and only 3 are free")
+
+
+def test_hits_in_use_take_no_free_block():
+    alloc = pool(4)
+    alloc.allocate_with_prefix("a", list(range(12)))  # blocks 0 1 2, all full and cached; 1 block free
+    try:
+        got = alloc.allocate_with_prefix("b", list(range(8)) + [70, 71, 72])  # hits 0 and 1, 1 new block
+    except OutOfBlocksError:
+        pytest.fail("b was refused, but it fits: its 11 tokens need 3 blocks, its hits 0 and 1 are a's (in use, "
+                    "ref_cnt 1, not in the free queue) and only its third block is new, and 1 block is free. The "
+                    "room check counts the new blocks and the hits whose ref_cnt is 0, not every hit", pytrace=False)
+    assert tuple(got) == (8, 3) and alloc.block_tables["b"] == [0, 1, 3], (
+        f"b hits blocks 0 and 1 and takes block 3: expected (8, 3) and [0, 1, 3], got {tuple(got)} and "
+        f"{alloc.block_tables['b']}"
+    )
 
 
 def test_a_hit_on_a_free_block_takes_it_out_of_the_middle_of_the_queue():

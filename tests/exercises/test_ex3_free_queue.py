@@ -8,6 +8,7 @@ from grading import exercise
 from prefix_caching import KVCacheBlock
 
 impl = exercise("free_queue")
+GRADED = [f"FreeKVCacheBlockQueue.{name}" for name in ("append", "appendleft", "remove", "popleft")]
 
 
 def make(n: int):
@@ -139,12 +140,12 @@ class CountingBlock(KVCacheBlock):
     __hash__ = KVCacheBlock.__hash__  # defining __eq__ would otherwise make blocks unhashable
 
 
-@pytest.mark.parametrize("operation", ["remove", "popleft", "append"])
+@pytest.mark.parametrize("operation", ["remove", "popleft", "append", "appendleft"])
 def test_operations_read_a_handful_of_links_however_long_the_queue(operation):
     blocks = [CountingBlock(i) for i in range(10_000)]
     queue = impl.FreeKVCacheBlockQueue(blocks)
     middle = blocks[5_000]
-    if operation == "append":
+    if operation in ("append", "appendleft"):
         queue.remove(middle)
     CountingBlock.reads = CountingBlock.comparisons = 0
     if operation == "remove":
@@ -152,7 +153,7 @@ def test_operations_read_a_handful_of_links_however_long_the_queue(operation):
     elif operation == "popleft":
         queue.popleft()
     else:
-        queue.append(middle)
+        getattr(queue, operation)(middle)
     assert CountingBlock.reads <= 12, (
         f"{operation} read {CountingBlock.reads} links in a queue of 10,000 blocks: it should only touch "
         "the block and its neighbours, never walk the queue"

@@ -8,6 +8,7 @@ from grading import exercise
 
 impl = exercise("allocator")
 free_queue_impl = exercise("free_queue")
+GRADED = ["PrefixCachingAllocator.free"]  # what exercise 4 writes
 
 
 @pytest.fixture(autouse=True)
@@ -96,3 +97,8 @@ def test_finish_line_the_design_docs_worked_example_block_for_block():
     expect("Time 6, request 2's block table", alloc.block_tables["request 2"], [0, 1, 2, 7, 8, 9, 4, 3])
     expect("Time 6, the free queue", alloc.free_queue.block_ids(), [6, 5])
     assert alloc.blocks[3].block_hash is None, "block 3 was evicted and now holds request 2's partial last block"
+    # After the doc: request 2 leaves. Its block table is not sorted, and free walks it backwards.
+    alloc.free("request 2")
+    expect("request 2 left (its table [0, 1, 2, 7, 8, 9, 4, 3] joins the tail from its end: 3 4 9 8 7 2 1 0); "
+           "free walks the block table backwards, it does not sort the block ids", alloc.free_queue.block_ids(),
+           [6, 5, 3, 4, 9, 8, 7, 2, 1, 0])

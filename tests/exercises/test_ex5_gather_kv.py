@@ -17,6 +17,7 @@ from kv_pool import PagedKVPool
 from helpers import hf_greedy
 
 impl = exercise("gather_kv")
+GRADED = ["PagedKVPool.tokens_of", "PagedKVPool.gather"]  # what exercise 5 writes
 
 SHAPE = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 3}
 CONFIG = LlamaConfig(num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, hidden_size=6)
@@ -74,15 +75,21 @@ def test_token_p_comes_from_block_ids_p_div_block_size_at_slot_p_mod_block_size(
 
 class TensorOperations(TorchFunctionMode):
     """Inside `with TensorOperations() as ops:`, every torch function and tensor method called
-    (indexing included) is counted in ops.names."""
+    (indexing included) is counted in ops.names, and the device of each tensor one of them
+    made is in ops.devices (operation name -> devices)."""
 
     def __init__(self):
         super().__init__()
         self.names = Counter()
+        self.devices: dict[str, set[str]] = {}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        self.names[getattr(func, "__name__", str(func))] += 1
-        return func(*args, **(kwargs or {}))
+        name = getattr(func, "__name__", str(func))
+        self.names[name] += 1
+        result = func(*args, **(kwargs or {}))
+        if isinstance(result, torch.Tensor):
+            self.devices.setdefault(name, set()).add(result.device.type)
+        return result
 
 
 def test_a_longer_prefix_takes_no_more_tensor_operations():
@@ -98,6 +105,20 @@ def test_a_longer_prefix_takes_no_more_tensor_operations():
         f"gathering 48 tokens ran {long.total()} tensor operations, gathering 4 ran {short.total()} (more: {extra}): "
         "the work grows with the prefix, so a Python loop runs over its tokens or blocks, and a real prefix has "
         "thousands. Pick every block at once (index_select, or indexing with a tensor of block ids), then reshape"
+    )
+
+
+def test_every_tensor_is_made_on_the_pools_device():
+    # A pool on the "meta" device holds no data, so any tensor the gather makes elsewhere shows
+    # (on a GPU, an index built on the CPU costs a copy to the GPU every gather, or fails).
+    pool = impl.PagedKVPool(**SHAPE, num_blocks=6, block_size=BLOCK_SIZE, device="meta")
+    with TensorOperations() as ops:
+        pool.gather([3, 1], CONFIG)
+    elsewhere = {name: devices - {"meta"} for name, devices in ops.devices.items() if devices - {"meta"}}
+    assert not elsewhere, (
+        f"with the pool on the meta device, the gather made tensors on {elsewhere}: build the index on the pool's "
+        "device (torch.tensor(block_ids, device=self.device)), or `python prefix_caching.py --device cuda` "
+        "copies it there on every gather"
     )
 
 

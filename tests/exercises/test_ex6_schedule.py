@@ -12,6 +12,7 @@ from prefix_caching import OutOfBlocksError, PrefixCachingAllocator
 from scheduler import RUNNING, WAITING, Request
 
 impl = exercise("scheduler")
+GRADED = ["Scheduler.schedule", "Scheduler._preempt"]  # what exercise 6 writes
 
 
 def scheduler(num_blocks: int, **options):
@@ -39,6 +40,10 @@ def step(s, token: int = 7) -> tuple[list[tuple[str, int, int]], list[str]]:
     computed, and one that reached the end of its tokens samples `token` (a chunk part-way
     through a prompt samples nothing). Returns (the plan, who was preempted)."""
     plan = s.schedule()
+    if plan.num_tokens > s.max_num_batched_tokens:
+        pytest.fail(f"the step plans {plan.num_tokens} tokens against a budget of {s.max_num_batched_tokens}: "
+                    f"{[(r.request.request_id, r.start, r.end) for r in plan.scheduled]}. Every token a request "
+                    "computes comes out of the budget, a resumed request's sampled tokens too", pytrace=False)
     for scheduled in plan.scheduled:
         scheduled.request.num_computed_tokens = scheduled.end
         if scheduled.samples:
@@ -182,6 +187,49 @@ def test_a_request_that_does_not_fit_waits_even_when_its_hits_are_free_blocks():
                     "blocks alone misses that; allocate_with_prefix does not, and refuses: catch its "
                     "OutOfBlocksError and let c wait")
     assert plan == [("x", 11, 12)] and ids(s.waiting) == ["c"], f"c does not fit and waits: got {plan}, {state(s)}"
+
+
+def test_no_block_is_findable_before_the_step_that_computes_it():
+    s = scheduler(10, max_num_seqs=4, max_num_batched_tokens=4)
+    add(s, long=list(range(12)))
+    step(s)  # tokens 0-3: block 0 only
+    found = s.allocator.peek(list(range(12)) + [99])
+    assert found == 4, (
+        f"after a step that computed tokens 0-3 of long, another request would find {found} of them in the pool: "
+        "blocks whose K/V nobody has written yet are cached. Allocate only the tokens this step computes "
+        "(token_ids[:hit + that many]); allocating the whole prompt and freeing it again leaves its blocks cached"
+    )
+
+
+def test_a_salted_request_finds_nothing_of_another_tenant():
+    s = scheduler(10, max_num_seqs=4, max_num_batched_tokens=13)
+    add(s, a=list(range(9)))  # no salt: blocks 0 and 1 cached, block 2 partial
+    step(s)
+    s.add(Request("b", list(range(12)), cache_salt="tenant-b"))  # a's first 8 tokens, and 4 more
+    plan, _ = step(s)
+    assert plan == [("a", 9, 10), ("b", 0, 12)], (
+        f"b sends a's first 8 tokens under its own cache_salt: it finds nothing and computes all 12 tokens, got "
+        f"{plan}. peek(token_ids, cache_salt): without the salt, the hit is another tenant's"
+    )
+    shared = set(s.allocator.block_tables["a"]) & set(s.allocator.block_tables["b"])
+    assert not shared, (
+        f"b (cache_salt 'tenant-b') holds a's blocks {sorted(shared)}: pass the request's cache_salt to "
+        "allocate_with_prefix, or one tenant reads another's K/V and learns its prompt from cached_tokens"
+    )
+    assert request(s, "b").num_cached_tokens == 0, "b's client must be told 0 cached tokens"
+
+
+def test_a_resumed_request_pays_for_its_sampled_tokens_too():
+    s = scheduler(10, max_num_seqs=4, max_num_batched_tokens=12)
+    # back from a preemption with nothing left in the pool: 4 prompt tokens and 6 it had sampled
+    s.add(Request("r", [1, 2, 3, 4], output_ids=[5, 6, 7, 8, 9, 10], num_preemptions=1, admitted=True))
+    add(s, c=[20, 21, 22])
+    plan, _ = step(s)
+    assert plan == [("r", 0, 10), ("c", 0, 2)], (
+        f"r recomputes its 10 tokens (prompt and sampled ones), so c gets the 2 left of the budget of 12, got "
+        f"{plan}. A request costs len(token_ids) - hit, and token_ids holds what it sampled before it was "
+        "preempted"
+    )
 
 
 # --- the token budget ------------------------------------------------------------------------
