@@ -8,7 +8,7 @@ Finish line:
     EXERCISE_IMPL=starter python -m pytest tests/exercises/test_ex1_block_hash.py
 is green: your hashes are deterministic in every process, chained to their parent, change
 with any token (of a real vocabulary: ids up to 262,143) or extra key, exist only for full
-blocks, and add the cache_salt to block 0's extra keys, in block 0 only.
+blocks, and add the cache_salt to block 0's extra keys, tagged, in block 0 only.
 """
 
 import hashlib
@@ -24,12 +24,14 @@ def hash_block_tokens(parent_hash: BlockHash | None, token_ids: Sequence[int], e
     """SHA256 of (parent hash, token ids, extra keys) -> 32 bytes.
 
     `parent_hash` None means "first block": use NONE_HASH instead.
-    Extra keys are strings (a LoRA name, a cache_salt).
+    Extra keys are strings (a LoRA name) and, in block 0 of a salted prompt, the pair
+    ("cache_salt", salt) (see compute_block_hashes).
 
     Turn the three parts into bytes such that no two different inputs give the same bytes:
-    [1, 23] and [12, 3] must differ, and so must extra keys ("a", "b") and ("ab",). A token
-    id is not a byte: real vocabularies have 50,000 to 260,000 ids.
-    Never use Python's hash(): it changes from one process to the next.
+    [1, 23] and [12, 3] must differ, and so must extra keys ("a", "b"), ("ab",), ("a,b",)
+    and ("b", "a"). A token id is not a byte: real vocabularies have 50,000 to 260,000 ids.
+    Never use Python's hash(): it changes from one process to the next for text, and squeezes
+    the token ids into 64 bits.
 
     >>> len(hash_block_tokens(None, [1, 2, 3, 4]))
     32
@@ -44,8 +46,11 @@ def compute_block_hashes(
     """Chained hashes of every *full* block of `token_ids`; a partial tail gets none.
 
     Block i's parent is block i-1's hash (None for block 0). Every block gets `extra_keys`;
-    block 0 alone gets extra_keys + (cache_salt,) when a salt is given: every later hash
-    is chained to block 0, so one salted block separates whole prompts.
+    block 0 alone gets extra_keys + (("cache_salt", cache_salt),) when a salt is given:
+    every later hash is chained to block 0, so one salted block separates whole prompts. The
+    tag keeps a salt from hashing like an extra key of the same text (a tenant called
+    "lora-1" must not share blocks with the adapter "lora-1"); prefix_caching.py's
+    block_extra_keys does the same.
 
     >>> len(compute_block_hashes(list(range(10)), block_size=4))   # 2 full blocks, 2 tokens left over
     2

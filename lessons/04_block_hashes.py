@@ -10,8 +10,9 @@ on a full block gets a name the moment it fills.
 New in this stage (marked # NEW): hash_block_tokens, compute_block_hashes, extra keys and
 cache_salt.
 
-Read: prefix_caching.py, section 1: hash_block_tokens and block_extra_keys (printed when the
-      stage starts).
+Read: prefix_caching.py, section 1: block_extra_keys (printed when the stage starts). The
+      stage prints exercise 1's hash_block_tokens from exercises/block_hash.py in place of
+      the reference's: write it first, then read the reference.
 
 Run:  python lessons/04_block_hashes.py
 """
@@ -34,7 +35,7 @@ from prefix_caching import (
     hash_block_tokens,
     short_hash,
 )
-from reading import show_code
+from reading import show_code, show_exercise
 from walkthrough import render_block_table
 from words import Words
 
@@ -54,7 +55,8 @@ def unchained(block: list[int]) -> str:
 
 def main() -> None:
     console = Console()
-    show_code(console, hash_block_tokens, block_extra_keys)
+    show_exercise(console, 1, "exercises/block_hash.py", "hash_block_tokens", hash_block_tokens)
+    show_code(console, block_extra_keys)
     vocab = Words()
     prompt = vocab.encode(TEXT)
 

@@ -14,8 +14,10 @@ a request runs like this:
 
 New in this stage (marked # NEW): the gather and write between the allocator and the model.
 
-Read: kv_pool.py (PagedKVPool.gather and .write) and one_request.py (run_request), printed
-      when the stage starts; engine.py's Engine checks a request and hands it to run_request.
+Read: kv_pool.py (PagedKVPool.write) and one_request.py (run_request), printed when the stage
+      starts; engine.py's Engine checks a request and hands it to run_request. The gather is
+      exercise 5: the stage prints PagedKVPool.gather and .tokens_of from exercises/gather_kv.py
+      in place of kv_pool.py's; write them first, then read the reference.
 
 Run:  python lessons/07_real_model.py            (SmolLM2-135M on a 2-core CPU: 25-90 s)
       python lessons/07_real_model.py --tiny     (a random 2-layer model: a few seconds)
@@ -38,7 +40,7 @@ from kv_pool import PagedKVPool
 from one_request import run_request
 from outputs import Generation
 from benchmarks.measure import Runs, TokenCounter, conclusion, how_much_faster
-from reading import show_code
+from reading import show_code, show_exercise
 
 SYSTEM = {"role": "system", "content": DEMO_SYSTEM_PROMPT}
 MAX_TOKENS = 24
@@ -149,7 +151,9 @@ def show_one_gather(console: Console, engine: Engine, prompt_ids: list[int]) -> 
 def main(argv: list[str] | None = None) -> None:
     args = models.parse_args("Stage 7: prefix caching on a real model, cold vs warm", argv, engine=True)
     console = Console()
-    show_code(console, PagedKVPool.gather, PagedKVPool.write, run_request)
+    for name in ("gather", "tokens_of"):
+        show_exercise(console, 5, "exercises/gather_kv.py", f"PagedKVPool.{name}", getattr(PagedKVPool, name))
+    show_code(console, PagedKVPool.write, run_request)
     engine = models.make_engine(args)
     console.print(models.describe(engine.model, args))
     console.print(str(engine.kv))

@@ -36,9 +36,10 @@ the decodes, and scene 2b the same steps with chunking off, where it waits to ru
 New in this stage (marked # NEW): a BatchRunner driven one step at a time, its plan, the
 scheduler's queues, and Engine.generate_batch.
 
-Read: scheduler.py: Scheduler.schedule and ._preempt; batch_attention.py: pool_attention,
-      shared_prefix_attention, build_step; batch_engine.py: BatchRunner.step (printed when the
-      stage starts).
+Read: batch_attention.py: pool_attention, shared_prefix_attention, build_step;
+      batch_engine.py: BatchRunner.step (printed when the stage starts). The scheduler's
+      schedule and _preempt are exercise 6: the stage prints them from exercises/scheduler.py
+      in place of scheduler.py's; write them first, then read the reference.
 
 Run:  python lessons/08_many_requests.py            (SmolLM2-135M on a 2-core CPU: 40-120 s)
       python lessons/08_many_requests.py --tiny     (a random 2-layer model: 10-30 s)
@@ -63,7 +64,7 @@ from demo import DEMO_SYSTEM_PROMPT
 from engine import Engine
 from sampling import SamplingParams
 from benchmarks.measure import Runs, TokenCounter, busy_note, how_much_faster
-from reading import show_code
+from reading import show_code, show_exercise
 from scheduler import Scheduler
 
 USERS = ["alice", "bob", "carol", "dave"]
@@ -357,8 +358,9 @@ def throughput(console: Console, engine: Engine, step_times: list[Runs]) -> None
 def main(argv: list[str] | None = None) -> None:
     args = models.parse_args("Stage 8: many requests at once, one forward pass per step", argv, engine=True)
     console = Console()
-    show_code(console, Scheduler.schedule, Scheduler._preempt, pool_attention, shared_prefix_attention, build_step,
-              BatchRunner.step)
+    for name in ("schedule", "_preempt"):
+        show_exercise(console, 6, "exercises/scheduler.py", f"Scheduler.{name}", getattr(Scheduler, name))
+    show_code(console, pool_attention, shared_prefix_attention, build_step, BatchRunner.step)
     engine = models.make_engine(args)
     console.print(models.describe(engine.model, args))
     engine.warm_up()

@@ -6,10 +6,15 @@ The code a stage teaches, printed before the stage runs it: file, line, name and
 prints "Read: prefix_caching.py:512  PrefixCachingAllocator.touch  (section 3. The
 allocator)" and the method's source with its line numbers, so what a stage explains is on
 screen next to the state it draws, and easy to find in the file afterwards.
+
+Code an exercise asks for is held back: show_exercise prints the exercise's starter instead
+(its signature, its rule and the TODO, or the student's code once written) and says where the
+reference is, to read once the exercise's tests pass.
 """
 
 from __future__ import annotations
 
+import ast
 import inspect
 import re
 from pathlib import Path
@@ -47,3 +52,36 @@ def show_code(console: Console, *objects) -> None:
         lines, start = inspect.getsourcelines(obj)
         console.print(f"[bold]Read: {where(obj)}[/]")
         console.print(Syntax("".join(lines), "python", line_numbers=True, start_line=start, word_wrap=True))
+
+
+def show_exercise(console: Console, number: int, path: str, qualname: str, reference) -> None:
+    """Print `qualname` ("function" or "Class.method") as the starter file `path` has it,
+    where a stage would print `reference`: the student writes it in exercise `number` first.
+
+    The starter is read as text, not imported: a half-written exercise never stops a stage.
+    """
+    file = Path(__file__).resolve().parents[1] / path
+    text = file.read_text()
+    try:
+        node = definition(ast.parse(text), qualname)
+    except SyntaxError as err:
+        console.print(f"[bold]Exercise {number}: {path} does not parse yet ({err.msg}, line {err.lineno})[/]")
+        return
+    lines = text.splitlines(keepends=True)[node.lineno - 1 : node.end_lineno]
+    console.print(f"[bold]Exercise {number}: {path}:{node.lineno}  {qualname}[/]  (you write this)")
+    console.print(Syntax("".join(lines), "python", line_numbers=True, start_line=node.lineno, word_wrap=True))
+    console.print(f"The reference, {where(reference)}, is not printed: read it once exercise {number}'s "
+                  f"tests pass (exercises/README.md).")
+
+
+def definition(tree: ast.Module, qualname: str) -> ast.FunctionDef:
+    """The def of "function" or "Class.method" in a parsed module.
+
+    >>> definition(ast.parse("class A:\\n    def f(self): pass"), "A.f").name
+    'f'
+    """
+    scope = tree
+    for name in qualname.split("."):
+        scope = next(node for node in scope.body if isinstance(node, (ast.ClassDef, ast.FunctionDef))
+                     and node.name == name)
+    return scope

@@ -10,9 +10,11 @@
    or called by name; the starter files as shipped pass the check (their TODOs are theirs).
 """
 
+import configparser
 import importlib
 import inspect
 import json
+import re
 import sys
 import textwrap
 import types
@@ -242,3 +244,23 @@ def test_starter_mode_fails_every_test_of_a_file_whose_code_is_not_the_students(
     assert ("the graded code must be your own: Scheduler.schedule calls super(): the reference's method does the "
             "work; Scheduler._preempt calls super()") in result.stdout.str()
 
+
+
+# --- the score is visible ------------------------------------------------------------------
+
+
+def quiet_flags(command: str) -> int:
+    """How many -q a pytest command line adds (-q, -qq, --quiet)."""
+    return sum(word.count("q") if re.fullmatch(r"-q+", word) else word == "--quiet" for word in command.split())
+
+
+def test_every_documented_grading_command_prints_the_count():
+    ini = configparser.ConfigParser()
+    ini.read(ROOT / "pytest.ini")
+    already = quiet_flags(ini["pytest"]["addopts"])  # pytest.ini's own -q
+    docs = [ROOT / "README.md", ROOT / "lessons" / "README.md", *(ROOT / "exercises").glob("*"),
+            *(ROOT / "notebooks").glob("*.ipynb")]
+    commands = [(doc.name, line) for doc in docs for line in re.findall(r"pytest tests/exercises[^`\n\"]*", doc.read_text())]
+    assert len(commands) >= 10, commands  # the exercises' README and starter files name a dozen
+    hidden = [(name, command) for name, command in commands if already + quiet_flags(command) > 1]
+    assert not hidden, f"with pytest.ini's -q these print no pass/fail count (-qq): {hidden}"

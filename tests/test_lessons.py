@@ -34,7 +34,8 @@ EXPECTED_OUTPUT = {
     "02_kv_cache.py": ["The same 8 tokens with and without the cache", "the cache ends at 46 = 39 + 8 - 1 tokens",
                        "the model embedded 46 tokens with the cache (the prompt once, then 1 a step) and 340 without",
                        "0.5 KiB per token"],
-    "07_real_model.py": ["The system turn is 444 tokens with the chat template: 27 full blocks of 16 and 12 tokens over",
+    "07_real_model.py": ["Exercise 5: exercises/gather_kv.py", "read it once exercise 5's tests pass",
+                         "The system turn is 444 tokens with the chat template: 27 full blocks of 16 and 12 tokens over",
                          "so all 5 demo prompts agree on their first 447 tokens",
                          "The block of tokens 432-447 ends with the question's first token",
                          "│ 447 │ 27 x 16 = 432 │", "│ 448 │ 28 x 16 = 448 │",
@@ -43,7 +44,8 @@ EXPECTED_OUTPUT = {
                          "its layer-0 key in the cache equals the pool's: True",
                          "exactness ok: logits allclose to a full forward",
                          "exactness ok: the same 24 tokens as model.generate"],
-    "08_many_requests.py": ["peek found [0, 0, 0, 0] cached tokens for the four prompts",
+    "08_many_requests.py": ["Exercise 6: exercises/scheduler.py", "read it once exercise 6's tests pass",
+                            "peek found [0, 0, 0, 0] cached tokens for the four prompts",
                             "bob, carol and dave each found 448 tokens in the pool: the blocks alice was computing "
                             "in that very step", "shared blocks 0-27: ref count 4 (alice, bob, carol, dave)",
                             "erin's prompt came in 2 chunks, in steps 2-3, each beside the four decodes",
@@ -64,7 +66,8 @@ EXPECTED_OUTPUT = {
                       "derives cache_salt from your API key"],
     "03_paged_blocks.py": ["a contiguous allocator would refuse it", "num_cached_tokens = 0",
                            "each request's last block first: r0's [0, 1, 2] went in as [2, 1, 0]"],
-    "04_block_hashes.py": ["differs only in word 6 of 12 ('rain' for 'leaves', in block 1) hits 4 tokens",
+    "04_block_hashes.py": ["Exercise 1: exercises/block_hash.py", "read it once exercise 1's tests pass",
+                           "differs only in word 6 of 12 ('rain' for 'leaves', in block 1) hits 4 tokens",
                            "hits 0 tokens. Tenant a does the same: 12", "== salted[1] is True",
                            "'A gentle breeze stirred' at the start of a prompt is always 05dc53be"],
     "05_ref_counts.py": ["Blocks in use: 12 shared vs 24", "erin hits 16 tokens", "hits 12, not 16"],
@@ -75,7 +78,10 @@ EXPECTED_OUTPUT = {
 }
 # ... and must never print.
 FORBIDDEN_OUTPUT = {"06_free_queue_lru.py": ["differs from the doc"],
-                    "04_block_hashes.py": ["100-200 ns per token for SHA256."]}  # an old figure, quoted as current
+                    "04_block_hashes.py": ["100-200 ns per token for SHA256.",  # an old figure, quoted as current
+                                           "_encode(parent, array("],  # exercise 1's answer, held back
+                    "07_real_model.py": ["DynamicCache([(kv[layer, 0], kv[layer, 1])"],  # exercise 5's
+                    "08_many_requests.py": ["victim = self.running.pop()"]}  # exercise 6's
 
 
 def run_stage(path: Path) -> str:
