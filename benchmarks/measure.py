@@ -9,7 +9,11 @@ each measurement a few times and keeps the median (Runs), and applies one rule t
 whether the machine was busy:
 
     the slowest run of one measurement took BUSY (1.5) times the fastest or more,
-    and NOISE_MS (20 ms) more.
+    and NOISE_MS (20 ms) more;
+
+or, for a measurement timed once (no spread to judge), other programs kept
+ThreadChooser.OTHERS (0.75) cores or more busy while it ran (cpu_threads.py reads it from
+/proc/stat, as a batched step does to pick its threads).
 
 On a quiet machine repeated runs agree within a few percent; a spread that wide means
 something else had the cores while they ran. (A gap of a few ms between runs of a short step
@@ -27,6 +31,8 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass
+
+from cpu_threads import ThreadChooser
 
 BUSY = 1.5  # slowest / fastest run of one measurement at or above this, ...
 NOISE_MS = 20.0  # ... and at least this many ms apart: the machine was busy
@@ -82,20 +88,29 @@ def how_much_faster(fast: Runs, slow: Runs) -> str:
     return f"{ratio:.1f}x faster" if ratio else "not faster on this run"
 
 
-def busy_note(*runs: Runs) -> str:
-    """A sentence saying the machine was busy, or '' when the runs of every measurement agreed.
+def busy_note(*runs: Runs, others: dict[str, float | None] | None = None) -> str:
+    """A sentence saying the machine was busy, or '' when the runs of every measurement agreed
+    and no other program kept the cores busy. others: for measurements timed once, how many
+    cores other programs used meanwhile (cpu_threads.cores_used_by_others; None: unknown).
 
-    >>> busy_note(Runs([100, 104, 98]))
+    >>> busy_note(Runs([100, 104, 98]), others={"(a)": 0.1, "(c)": None})
     ''
     >>> busy_note(Runs([100, 104, 98]), Runs([1579, 5317]))
     'The machine was busy: the runs of one measurement differed by up to 3.4x (slowest / fastest), so take the times as rough.'
+    >>> busy_note(Runs([100, 104, 98]), others={"(a)": 1.83, "(c)": 0.2})
+    'The machine was busy: other programs kept 1.8 cores busy during (a), so take the times as rough.'
     """
+    reasons = []
     disturbed = [r.spread for r in runs if r.disturbed]
-    if not disturbed:
+    if disturbed:
+        reasons.append(f"the runs of one measurement differed by up to {max(disturbed):.1f}x (slowest / fastest)")
+    loaded = [f"{cores:.1f} cores busy during {name}" for name, cores in (others or {}).items()
+              if cores is not None and cores >= ThreadChooser.OTHERS]
+    if loaded:
+        reasons.append("other programs kept " + ", ".join(loaded))
+    if not reasons:
         return ""
-    widest = max(disturbed)
-    return (f"The machine was busy: the runs of one measurement differed by up to {widest:.1f}x "
-            f"(slowest / fastest), so take the times as rough.")
+    return f"The machine was busy: {' and '.join(reasons)}, so take the times as rough."
 
 
 def conclusion(claim: str, fast: Runs, slow: Runs, *others: Runs) -> str:

@@ -64,6 +64,7 @@ from demo import DEMO_SYSTEM_PROMPT
 from engine import Engine
 from sampling import SamplingParams
 from benchmarks.measure import Runs, TokenCounter, busy_note, how_much_faster
+from cpu_threads import cores_used_by_others, cpu_sample
 from reading import show_code, show_exercise
 from scheduler import Scheduler
 
@@ -307,28 +308,37 @@ def preemption(console: Console, engine: Engine, prompts: dict[str, list[int]], 
     same = sum(r.token_ids == b.token_ids for r, b in zip(replies, big_pool))
     total = sum(tokens + 1 for *_, tokens, _, _ in resumes)  # what they had computed, and the token sampled last
     redone = sum(recomputed for *_, recomputed in resumes)
+    lost = sum(tokens // block_size * block_size - hit for *_, tokens, hit, _ in resumes)  # blocks taken meanwhile
+    partial = sum(tokens % block_size for *_, tokens, _, _ in resumes)  # a partial last block is never cached
+    if redone != lost + partial + len(resumes):
+        raise SystemExit(f"recomputed {redone} tokens, not {lost} lost + {partial} partial + {len(resumes)} sampled")
     n = runner.scheduler.num_preemptions
     console.print(
         f"{n} preemption{'s' if n != 1 else ''}, no request refused. Coming back, the preempted requests "
-        f"recomputed {redone:,} of their {total:,} tokens; the rest they found in the pool, because a "
-        f"preempted request's full blocks stay cached (only blocks the others took while it waited are lost). "
-        f"The replies are the same tokens as in the big pool of scenes 1-2: {same} of {len(replies)}. The pool "
+        f"recomputed {redone:,} of their {total:,} tokens: {lost:,} in blocks the others took while they waited, "
+        f"{partial:,} in a partial last block (never cached), and {len(resumes)} the token each had sampled in "
+        f"its last step before it was preempted. A sampled token's K/V is computed in the step after it is "
+        f"sampled, and for a preempted request that step never came. The rest they found in the pool: a "
+        f"preempted request's full blocks stay cached. The replies are the same tokens as in the big pool of scenes 1-2: {same} of {len(replies)}. The pool "
         f"is whole again: {small.allocator.num_free_blocks} of {small.allocator.num_blocks} blocks free."
     )
 
 
 def throughput(console: Console, engine: Engine, step_times: list[Runs]) -> None:
-    """Scene 4: one after another, batched without caching, batched with it. step_times: repeated
-    steps of scene 2, whose spread says whether the machine was busy."""
+    """Scene 4: one after another, batched without caching, batched with it, each timed once.
+    Whether the machine was busy: the spread of step_times (repeated steps of scene 2), and
+    how many cores other programs kept busy during each of the three (from /proc/stat)."""
     off = Engine(model=engine.model, tokenizer=engine.tokenizer, block_size=engine.allocator.block_size,
                  num_blocks=engine.allocator.num_blocks, enable_caching=False)
     prompts = [engine.tokenize(q) for q in questions(THROUGHPUT_REQUESTS)]
     ways = [("(a) one after another", engine, False), ("(b) batched, caching off", off, True),
             ("(c) batched, caching on", engine, True)]
-    rows, counts, reference = [], [], None
+    rows, counts, others, reference = [], [], {}, None
     for name, which, batched in ways:
+        before = cpu_sample()  # timed once: what other programs did meanwhile says if the time holds
         with TokenCounter(engine.model.get_input_embeddings()) as c:
             seconds, outputs, ttfts = run_ours(which, prompts, MAX_TOKENS, batched)  # NEW: generate_batch
+        others[name.split()[0]] = cores_used_by_others(before, cpu_sample())
         reference = reference or outputs
         rows.append(summary(name, seconds, outputs, ttfts, reference))
         counts.append(c)
@@ -351,7 +361,7 @@ def throughput(console: Console, engine: Engine, step_times: list[Runs]) -> None
         f"{c.tokens:,} with it against {b.tokens:,} without ({b.tokens / c.tokens:.1f}x), because the system "
         f"prompt was computed once. (a) caches too, so it embeds as few tokens as (c), but one request at a "
         f"time: {a.passes} passes. Then time, measured once each in this run: (c) against (a), "
-        f"{how_much_faster(tc, ta)}; against (b), {how_much_faster(tc, tb)}. {busy_note(*step_times)}".strip()
+        f"{how_much_faster(tc, ta)}; against (b), {how_much_faster(tc, tb)}. {busy_note(*step_times, others=others)}".strip()
     )
 
 

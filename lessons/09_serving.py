@@ -1,10 +1,13 @@
 """
 Stage 9: serving. Cached tokens over HTTP, tenants, and the timing side channel.
 
-server.py puts the Engine of stage 7 behind HTTP: /generate for curl, and OpenAI's
+server.py puts the Engine behind HTTP: /generate for curl, and OpenAI's
 /v1/chat/completions and /v1/completions, whose replies report the prefix cache where
-OpenAI does, in usage.prompt_tokens_details.cached_tokens. This stage starts that server
-inside the process, on a free port of 127.0.0.1, and talks to it with plain HTTP.
+OpenAI does, in usage.prompt_tokens_details.cached_tokens. `python server.py` runs the
+Engine with batching=True, stage 8's engine loop: every client's request joins the same
+steps (--no-batching serves stage 7's one request at a time instead). This stage starts that
+server inside the process, on the same batching engine and a free port of 127.0.0.1, and
+talks to it with plain HTTP.
 
 A cache shared by everyone leaks. A request that finds its prefix in the pool is answered
 sooner (and says cached_tokens > 0), so anyone can test whether *somebody else* has sent a
@@ -14,6 +17,10 @@ can derive it from each API key (python server.py --salt-by-api-key), which a cl
 cannot forget or forge.
 
 New in this stage (marked # NEW): create_app, requests over HTTP, per-key salts.
+
+Read: server.py: generate and chat_completions, the routes of /generate and
+      /v1/chat/completions; server_requests.py: take_cache_salt and tenant_of, where a
+      request's cache_salt comes from (printed when the stage starts).
 
 Run:  python lessons/09_serving.py            (SmolLM2-135M on a 2-core CPU: 20-80 s)
       python lessons/09_serving.py --tiny     (a random 2-layer model: a few seconds)
@@ -36,8 +43,9 @@ from rich.table import Table
 
 import models
 from demo import DEMO_QUESTIONS, DEMO_SYSTEM_PROMPT
-from server import create_app, serve_in_background
-from server_requests import JSON_HEADER
+from reading import show_code
+from server import chat_completions, create_app, generate, serve_in_background
+from server_requests import JSON_HEADER, take_cache_salt, tenant_of
 
 # The victim's secret is who sends the letter; the rest is the company's template, which
 # everybody there (the attacker included) knows.
@@ -133,7 +141,8 @@ def main(argv: list[str] | None = None) -> None:
     logging.getLogger("werkzeug").setLevel(logging.WARNING)  # no access log line per request
     logging.getLogger("server").setLevel(logging.ERROR)  # nor the server's own: the lesson prints what matters
     console = Console()
-    engine = models.make_engine(args)
+    show_code(console, generate, chat_completions, take_cache_salt, tenant_of)
+    engine = models.make_engine(args, batching=True)  # as python server.py runs it
     console.print(models.describe(engine.model, args))
     engine.warm_up()
     # NEW: two apps over one engine, each served from a thread of this process on a free port

@@ -40,7 +40,7 @@ def tiny_llama(tokenizer):
 
 def add_arguments(parser: argparse.ArgumentParser, engine: bool = False) -> None:
     """--model, --device, --dtype and --tiny; with engine=True also the KV pool's
-    --block-size and --num-blocks (prefix_caching.add_model_arguments)."""
+    --block-size and --num-blocks (engine.add_model_arguments)."""
     if engine:
         add_model_arguments(parser)
     else:
@@ -75,14 +75,15 @@ def load(args: argparse.Namespace):
 TINY_NUM_BLOCKS = 1024  # the default 0.5 GiB budget would give the tiny model 65,536 of its small blocks
 
 
-def make_engine(args: argparse.Namespace) -> Engine:
+def make_engine(args: argparse.Namespace, batching: bool = False) -> Engine:
     """An Engine over the model the flags name, its pool sized by --block-size and --num-blocks
-    (or --kv-memory-gb)."""
+    (or --kv-memory-gb); batching=True runs its requests in stage 8's engine loop, as
+    `python server.py` does."""
     model, tokenizer = load(args)
     pool = pool_arguments(args)
     if args.tiny and pool["num_blocks"] is None and pool["kv_memory_gb"] is None:
         pool["num_blocks"] = TINY_NUM_BLOCKS
-    return Engine(model=model, tokenizer=tokenizer, **pool)
+    return Engine(model=model, tokenizer=tokenizer, batching=batching, **pool)
 
 
 def describe(model, args: argparse.Namespace) -> str:
