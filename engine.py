@@ -24,7 +24,8 @@ hands the request to one of the two engines. Nothing under it imports it.
 
 References: vLLM v1 (vllm/v1/engine/llm_engine.py and core.py: an EngineCore composing a
 Scheduler and a model executor, with an output processor beside it); nano-vllm
-(nanovllm/engine/llm_engine.py: LLMEngine composes Scheduler and ModelRunner).
+(nanovllm/engine/llm_engine.py at commit 0700c1b: LLMEngine composes Scheduler and
+ModelRunner, and its step is schedule, run, postprocess).
 """
 
 from __future__ import annotations
@@ -85,8 +86,8 @@ class Engine:
     the caller's thread, gathering the cached prefix into a DynamicCache (what stage 7
     teaches). batching=True: stream, generate and generate_batch submit to one engine loop
     (batch_engine.py) that runs every caller's requests in the same forward passes, each
-    layer's attention taking every request's K/V from the pool by its block table; a busy
-    pool makes requests wait instead of refusing them. generate_batch batches either way.
+    layer's attention copying every request's context out of the pool by its block table
+    (batch_engine.py says how much); a busy pool makes requests wait instead of refusing them. generate_batch batches either way.
 
     Two locks. engine.lock is held for every step (a request's allocation and prefill
     together, or one decoded token); hold it yourself to read the pool between two steps.

@@ -41,7 +41,8 @@ References:
     vLLM v1 design doc, "Automatic Prefix Caching"
         https://docs.vllm.ai/en/latest/design/prefix_caching.html
     vLLM source: vllm/v1/core/block_pool.py, kv_cache_utils.py, kv_cache_manager.py
-    nano-vllm: nanovllm/engine/block_manager.py (https://github.com/GeeeekExplorer/nano-vllm)
+    nano-vllm: nanovllm/engine/block_manager.py, read at commit 06005bd
+        (https://github.com/GeeeekExplorer/nano-vllm)
     SGLang RadixAttention: python/sglang/srt/mem_cache/radix_cache.py
 
 Run:

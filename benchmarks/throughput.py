@@ -13,7 +13,9 @@ run four ways on the same model and token ids, one after another in one process:
                      like ours: pages of our block size, as many, the same step budget
 
 For each: requests/s, output tokens/s, TTFT p50/p95 (every request arrives at time 0, so a
-TTFT includes the wait for admission), and whether its tokens equal (a)'s. Then (c)'s floor:
+TTFT includes the wait for admission), the tokens the model embedded (every token a forward
+pass computed, prompts and decodes, counted by a hook: the same on every machine), and
+whether its tokens equal (a)'s. Then (c)'s floor:
 the same forward passes, of the same numbers of tokens, run plainly with nothing in a pool to
 attend to: the time no attention or bookkeeping could beat, and (c)'s time over it.
 """
@@ -30,6 +32,7 @@ from transformers import ContinuousBatchingConfig, GenerationConfig
 
 from benchmarks import save_json
 from benchmarks.engines import open_engine
+from benchmarks.measure import TokenCounter
 from demo import DEMO_SYSTEM_PROMPT
 from engine import Engine, add_model_arguments
 from model_loader import DEFAULT_MODEL
@@ -163,31 +166,38 @@ def main(argv: list[str] | None = None) -> dict:
         prompts = [engine.tokenize(q) for q in questions(n)]
         shared = min(len(p) for p in prompts)
         rows = []
-        seconds, outputs, ttfts = run_ours(engine, prompts, args.max_tokens, batched=False)
+        with TokenCounter(engine.model.get_input_embeddings()) as embedded:
+            seconds, outputs, ttfts = run_ours(engine, prompts, args.max_tokens, batched=False)
         reference = outputs
-        rows.append(summary("(a) sequential", seconds, outputs, ttfts, reference))
-        rows.append(summary("(b) batched, caching off", *run_ours(off, prompts, args.max_tokens, batched=True), reference))
+        rows.append(summary("(a) sequential", seconds, outputs, ttfts, reference) | {"tokens_embedded": embedded.tokens})
+        with TokenCounter(engine.model.get_input_embeddings()) as embedded:
+            run = run_ours(off, prompts, args.max_tokens, batched=True)
+        rows.append(summary("(b) batched, caching off", *run, reference) | {"tokens_embedded": embedded.tokens})
         sizes = []  # the tokens of each of (c)'s forward passes
         hook = engine.model.register_forward_pre_hook(
             lambda module, args, kwargs: sizes.append(kwargs["input_ids"].shape[1]), with_kwargs=True)
-        rows.append(summary("(c) batched, caching on", *run_ours(engine, prompts, args.max_tokens, batched=True), reference))
+        run = run_ours(engine, prompts, args.max_tokens, batched=True)
         hook.remove()
+        rows.append(summary("(c) batched, caching on", *run, reference) | {"tokens_embedded": sum(sizes)})
         floor = floor_seconds(engine, sizes)
         if not args.skip_transformers:
             hf_model = type(engine.model).from_pretrained(engine.model.name_or_path, dtype=engine.dtype).to(engine.device)
-            rows.append(summary("(d) transformers generate_batch", *run_transformers(
-                hf_model, prompts, args.max_tokens, engine.stop_token_ids, engine), reference))
+            with TokenCounter(hf_model.get_input_embeddings()) as embedded:
+                run = run_transformers(hf_model, prompts, args.max_tokens, engine.stop_token_ids, engine)
+            rows.append(summary("(d) transformers generate_batch", *run, reference) | {"tokens_embedded": embedded.tokens})
             del hf_model
         results["runs"].append({"requests": n, "prompt_tokens_min": shared, "rows": rows,
                                 "floor_seconds": round(floor, 3), "forward_passes": len(sizes)})
 
         table = Table(title=f"{n} requests behind one system prompt (prompts of {shared}+ tokens)")
         table.add_column("way", no_wrap=True)
-        for column in ("seconds", "requests/s", "tokens/s", "TTFT p50 ms", "TTFT p95 ms", "same tokens as (a)"):
+        for column in ("seconds", "requests/s", "tokens/s", "TTFT p50 ms", "TTFT p95 ms", "tokens embedded",
+                       "same tokens as (a)"):
             table.add_column(column, justify="right")
         for r in rows:
             table.add_row(r["name"], f"{r['seconds']:.2f}", f"{r['requests_per_s']:.2f}", f"{r['output_tokens_per_s']:.1f}",
-                          f"{r['ttft_p50_ms']:,.0f}", f"{r['ttft_p95_ms']:,.0f}", f"{r['same_tokens_as_a']} of {n}")
+                          f"{r['ttft_p50_ms']:,.0f}", f"{r['ttft_p95_ms']:,.0f}", f"{r['tokens_embedded']:,}",
+                          f"{r['same_tokens_as_a']} of {n}")
         console.print(table)
         by_name = {r["name"][:3]: r for r in rows}
         ratios = [f"(c)/(a) {by_name['(c)']['requests_per_s'] / by_name['(a)']['requests_per_s']:.1f}x",

@@ -144,7 +144,8 @@ def main() -> None:
                   "already says", "32 zero bytes")
     console.print(table)
     console.print("vLLM: hash_block_tokens and init_none_hash in vllm/v1/core/kv_cache_utils.py; the "
-                  "--prefix-caching-hash-algo choices in vllm/config/cache.py.")
+                  "--prefix-caching-hash-algo choices in vllm/config/cache.py. nano-vllm: BlockManager.compute_hash "
+                  "in nanovllm/engine/block_manager.py (at commit 06005bd).")
 
 
 if __name__ == "__main__":

@@ -21,8 +21,10 @@ more than over one (the weights are read once either way). Two files do it:
                      (group_rows: at most 4 for the decodes, 4 for the prompts' chunks, the
                      padding within 25 %), so one long context does not pad every short one,
                      and decodes sharing a system prompt's blocks read them once
-                     (shared_prefix_attention, scene 2c). vLLM's paged-attention kernels read
-                     the blocks where they lie.
+                     (shared_prefix_attention). Scene 2c counts the slots and MiB a decode
+                     step copies. vLLM's kernels copy nothing: flash_attn_varlen_func gets the
+                     paged cache and the block table and reads the blocks where they lie
+                     (vllm/v1/attention/backends/flash_attn.py).
     batch_engine.py  the step: schedule, one forward pass, one sampled token per request
                      (BatchRunner.step).
 
@@ -237,7 +239,8 @@ def what_a_step_reads(console: Console, engine: Engine, prompts: dict[str, list[
         f"short requests would read {one_group - cascade.slots_needed:,} slots they do not have; grouped by "
         f"length they read their own {grouped.slots_read - max(s.end for s in plan.scheduled):,} and erin hers; "
         f"and the four share the system prompt's blocks, so with cascade attention those are read once, not four "
-        f"times. (vLLM's paged-attention kernels read the blocks where they lie, with no copy at all.)"
+        f"times. (vLLM's kernels copy nothing: flash_attn_varlen_func gets the paged cache and the block table "
+        f"and reads the blocks where they lie, in vllm/v1/attention/backends/flash_attn.py.)"
     )
     runner.run(requests)
 

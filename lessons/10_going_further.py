@@ -57,7 +57,8 @@ VLLM_TODAY = [
     ("a hit trusts the hash",
      "find_longest_cache_hit takes the block its hash names without looking at the tokens: with SHA256 a "
      "collision is not expected in practice. Here a hit also compares the stored token ids (nano-vllm does the "
-     "same), and a request whose hash matched other tokens caches none of its later blocks.",
+     "same: BlockManager.can_allocate in nanovllm/engine/block_manager.py, at commit 06005bd), and a request "
+     "whose hash matched other tokens caches none of its later blocks.",
      "vllm/v1/core/single_type_kv_cache_manager.py"),
     ("a full pool waits",
      "The scheduler admits a request only when its blocks fit and preempts a running one when a decode step "
@@ -104,7 +105,8 @@ def main() -> None:
     console.print("The system prompt served 20 requests, but LRU only knows *when* a block was last used, not "
                   "how often. Once the burst needs more blocks than the rest of the free queue holds, it eats "
                   "the prompt from its end (freed in reverse, the last block goes first) down to nothing. A "
-                  "frequency-aware policy (LFU, ARC) or a pinned prefix would keep it; vLLM keeps plain LRU.")
+                  "frequency-aware policy (LFU, ARC) or a pinned prefix would keep it; vLLM keeps plain LRU "
+                  "(FreeKVCacheBlockQueue in vllm/v1/core/kv_cache_utils.py).")
 
     console.print(Rule("3. A radix tree (SGLang's RadixAttention) beside the hash table"))
     vocab, tree = Words(), RadixTree()  # NEW
@@ -124,8 +126,8 @@ def main() -> None:
     console.print(table)
     console.print("Same workloads, a pool big enough that nothing is evicted. Rounded down to whole blocks the two "
                   "agree on every request: the chained hash and the tree store the same prefixes. The tree also "
-                  "reuses the partly shared block at the end of each prefix (token granularity, SGLang's "
-                  "default page size of 1); vLLM cannot, since a block's K/V is one unit of memory. The "
+                  "reuses the partly shared block at the end of each prefix (token granularity, as SGLang's "
+                  "RadixCache has it with a page size of 1: python/sglang/srt/mem_cache/radix_cache.py); vLLM cannot, since a block's K/V is one unit of memory. The "
                   "price: a tree walk and node splits instead of one dict probe per block.")
 
     console.print(Rule("4. What current vLLM does differently (checked in its source)"))

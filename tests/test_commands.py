@@ -132,6 +132,12 @@ def test_the_throughput_benchmark_checks_every_way_gives_the_same_tokens(tiny_mo
     rows = results["runs"][0]["rows"]
     assert [r["name"][:3] for r in rows] == ["(a)", "(b)", "(c)", "(d)"]
     assert all(r["same_tokens_as_a"] == r["requests"] == 4 for r in rows)
+    embedded = {r["name"][:3]: r["tokens_embedded"] for r in rows}
+    # Four requests behind one system prompt, admitted in one step. Here the three behind the first hit
+    # the blocks it computes in that step, so (c) computes as little as one after another with caching
+    # (a). transformers registers a block only after the forward pass that computes it: in (d) each
+    # of the four computes the system prompt, as with caching off (b).
+    assert embedded["(c)"] == embedded["(a)"] < embedded["(d)"] == embedded["(b)"], embedded
     assert (tmp_path / "t.png").stat().st_size > 0
 
 

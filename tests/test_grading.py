@@ -80,7 +80,14 @@ class Wrong:
     select: str = ""  # a -k expression: only these tests (exercise 5's others run a model)
 
 
-SCHEDULE, FREE = scheduler.Scheduler.schedule, prefix_caching.PrefixCachingAllocator.free
+FREE = prefix_caching.PrefixCachingAllocator.free
+
+
+def schedule_with(old: str, new: str):
+    """The patches of a Scheduler.schedule with one mistake (see with_mistake)."""
+    return lambda: [(scheduler.Scheduler, "schedule", with_mistake(scheduler.Scheduler.schedule, old, new))]
+
+
 WRONG = {
     "ex1: extra keys joined with ','": Wrong("test_ex1_block_hash.py", lambda: [
         (prefix_caching, "_encode_extra", lambda keys: ",".join(map(str, keys)).encode())],
@@ -110,27 +117,22 @@ WRONG = {
         (kv_pool.PagedKVPool, "tokens_of", with_mistake(
             kv_pool.PagedKVPool.tokens_of, "dtype=torch.long, device=self.device", "dtype=torch.long"))],
         "build the index on the pool's device", select="device"),
-    "ex6: allocate_with_prefix without the salt": Wrong("test_ex6_schedule.py", lambda: [
-        (scheduler.Scheduler, "schedule", with_mistake(
-            SCHEDULE, "tokens[: num_cached + num_new], request.cache_salt)", "tokens[: num_cached + num_new])"))],
+    "ex6: allocate_with_prefix without the salt": Wrong("test_ex6_schedule.py", schedule_with(
+        "tokens[: num_cached + num_new], request.cache_salt)", "tokens[: num_cached + num_new])"),
         "pass the request's cache_salt to allocate_with_prefix"),
-    "ex6: peek without the salt": Wrong("test_ex6_schedule.py", lambda: [
-        (scheduler.Scheduler, "schedule", with_mistake(
-            SCHEDULE, "alloc.peek(tokens, request.cache_salt)", "alloc.peek(tokens)"))],
+    "ex6: peek without the salt": Wrong("test_ex6_schedule.py", schedule_with(
+        "alloc.peek(tokens, request.cache_salt)", "alloc.peek(tokens)"),
         "without the salt, the hit is another tenant's"),
-    "ex6: a resumed request charged for its prompt only": Wrong("test_ex6_schedule.py", lambda: [
-        (scheduler.Scheduler, "schedule", with_mistake(
-            SCHEDULE, "budget -= num_new", "budget -= min(num_new, len(request.prompt_ids) - num_cached)"))],
+    "ex6: a resumed request charged for its prompt only": Wrong("test_ex6_schedule.py", schedule_with(
+        "budget -= num_new", "budget -= min(num_new, len(request.prompt_ids) - num_cached)"),
         "a resumed request's sampled tokens too"),
-    "ex6: allocate the whole prompt, then free what is over the budget": Wrong("test_ex6_schedule.py", lambda: [
-        (scheduler.Scheduler, "schedule", with_mistake(
-            SCHEDULE,
-            "alloc.allocate_with_prefix(request.request_id, tokens[: num_cached + num_new], request.cache_salt)",
-            "alloc.allocate_with_prefix(request.request_id, tokens, request.cache_salt)\n"
-            "            if num_cached + num_new < len(tokens):\n"
-            "                alloc.free(request.request_id)\n"
-            "                alloc.allocate_with_prefix(request.request_id, tokens[: num_cached + num_new],"
-            " request.cache_salt)"))],
+    "ex6: allocate the whole prompt, then free what is over the budget": Wrong("test_ex6_schedule.py", schedule_with(
+        "alloc.allocate_with_prefix(request.request_id, tokens[: num_cached + num_new], request.cache_salt)",
+        "alloc.allocate_with_prefix(request.request_id, tokens, request.cache_salt)\n"
+        "            if num_cached + num_new < len(tokens):\n"
+        "                alloc.free(request.request_id)\n"
+        "                alloc.allocate_with_prefix(request.request_id, tokens[: num_cached + num_new],"
+        " request.cache_salt)"),
         "blocks whose K/V nobody has written yet are cached"),
 }
 
