@@ -13,9 +13,11 @@ from the reference (exercise 2 runs on prefix_caching's free queue), so exercise
 done, and graded, one at a time in order.
 
 Each test file names what its exercise writes in GRADED, and in starter mode every one of its
-tests fails unless that code is the student's own (`not_your_own`, run by conftest.py): a
+tests fails unless that code is the student's own (conftest.py runs the two checks below): a
 method deleted from the starter (so the reference's inherited one runs), one that calls
-super() or the reference by name, or a function imported from the reference earns nothing.
+super() or the reference, or a function imported from the reference earns nothing.
+not_your_own reads the starter's code; refuse_the_reference makes the reference's graded
+functions fail while a test runs, whatever route reaches them.
 """
 
 import dis
