@@ -87,7 +87,8 @@ class Engine:
     teaches). batching=True: stream, generate and generate_batch submit to one engine loop
     (batch_engine.py) that runs every caller's requests in the same forward passes, each
     layer's attention copying every request's context out of the pool by its block table
-    (batch_engine.py says how much); a busy pool makes requests wait instead of refusing them. generate_batch batches either way.
+    (batch_engine.py says how much); a busy pool makes requests wait instead of refusing them.
+    generate_batch batches either way.
 
     Two locks. engine.lock is held for every step (a request's allocation and prefill
     together, or one decoded token); hold it yourself to read the pool between two steps.

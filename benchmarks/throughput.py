@@ -169,7 +169,8 @@ def main(argv: list[str] | None = None) -> dict:
         with TokenCounter(engine.model.get_input_embeddings()) as embedded:
             seconds, outputs, ttfts = run_ours(engine, prompts, args.max_tokens, batched=False)
         reference = outputs
-        rows.append(summary("(a) sequential", seconds, outputs, ttfts, reference) | {"tokens_embedded": embedded.tokens})
+        rows.append(summary("(a) sequential", seconds, outputs, ttfts, reference)
+                    | {"tokens_embedded": embedded.tokens})
         with TokenCounter(engine.model.get_input_embeddings()) as embedded:
             run = run_ours(off, prompts, args.max_tokens, batched=True)
         rows.append(summary("(b) batched, caching off", *run, reference) | {"tokens_embedded": embedded.tokens})
@@ -184,7 +185,8 @@ def main(argv: list[str] | None = None) -> dict:
             hf_model = type(engine.model).from_pretrained(engine.model.name_or_path, dtype=engine.dtype).to(engine.device)
             with TokenCounter(hf_model.get_input_embeddings()) as embedded:
                 run = run_transformers(hf_model, prompts, args.max_tokens, engine.stop_token_ids, engine)
-            rows.append(summary("(d) transformers generate_batch", *run, reference) | {"tokens_embedded": embedded.tokens})
+            rows.append(summary("(d) transformers generate_batch", *run, reference)
+                        | {"tokens_embedded": embedded.tokens})
             del hf_model
         results["runs"].append({"requests": n, "prompt_tokens_min": shared, "rows": rows,
                                 "floor_seconds": round(floor, 3), "forward_passes": len(sizes)})

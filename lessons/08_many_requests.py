@@ -322,8 +322,9 @@ def preemption(console: Console, engine: Engine, prompts: dict[str, list[int]], 
         f"{partial:,} in a partial last block (never cached), and {len(resumes)} the token each had sampled in "
         f"its last step before it was preempted. A sampled token's K/V is computed in the step after it is "
         f"sampled, and for a preempted request that step never came. The rest they found in the pool: a "
-        f"preempted request's full blocks stay cached. The replies are the same tokens as in the big pool of scenes 1-2: {same} of {len(replies)}. The pool "
-        f"is whole again: {small.allocator.num_free_blocks} of {small.allocator.num_blocks} blocks free."
+        f"preempted request's full blocks stay cached. The replies are the same tokens as in the big pool of "
+        f"scenes 1-2: {same} of {len(replies)}. The pool is whole again: {small.allocator.num_free_blocks} of "
+        f"{small.allocator.num_blocks} blocks free."
     )
 
 
@@ -364,7 +365,8 @@ def throughput(console: Console, engine: Engine, step_times: list[Runs]) -> None
         f"{c.tokens:,} with it against {b.tokens:,} without ({b.tokens / c.tokens:.1f}x), because the system "
         f"prompt was computed once. (a) caches too, so it embeds as few tokens as (c), but one request at a "
         f"time: {a.passes} passes. Then time, measured once each in this run: (c) against (a), "
-        f"{how_much_faster(tc, ta)}; against (b), {how_much_faster(tc, tb)}. {busy_note(*step_times, others=others)}".strip()
+        f"{how_much_faster(tc, ta)}; against (b), {how_much_faster(tc, tb)}. "
+        f"{busy_note(*step_times, others=others)}".strip()
     )
 
 

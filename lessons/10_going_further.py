@@ -127,7 +127,8 @@ def main() -> None:
     console.print("Same workloads, a pool big enough that nothing is evicted. Rounded down to whole blocks the two "
                   "agree on every request: the chained hash and the tree store the same prefixes. The tree also "
                   "reuses the partly shared block at the end of each prefix (token granularity, as SGLang's "
-                  "RadixCache has it with a page size of 1: python/sglang/srt/mem_cache/radix_cache.py); vLLM cannot, since a block's K/V is one unit of memory. The "
+                  "RadixCache has it with a page size of 1: python/sglang/srt/mem_cache/radix_cache.py); "
+                  "vLLM cannot, since a block's K/V is one unit of memory. The "
                   "price: a tree walk and node splits instead of one dict probe per block.")
 
     console.print(Rule("4. What current vLLM does differently (checked in its source)"))

@@ -111,7 +111,8 @@ WRONG = {
         (prefix_caching.FreeKVCacheBlockQueue, "appendleft", appendleft_from_the_tail)],
         "appendleft read"),
     "ex4: free in descending block id order": Wrong("test_ex4_free.py", lambda: [
-        (prefix_caching.PrefixCachingAllocator, "free", with_mistake(FREE, "reversed(table)", "sorted(table, reverse=True)"))],
+        (prefix_caching.PrefixCachingAllocator, "free",
+         with_mistake(FREE, "reversed(table)", "sorted(table, reverse=True)"))],
         "it does not sort the block ids"),
     "ex5: the index made on the CPU": Wrong("test_ex5_gather_kv.py", lambda: [
         (kv_pool.PagedKVPool, "tokens_of", with_mistake(
@@ -262,7 +263,8 @@ def test_every_documented_grading_command_prints_the_count():
     already = quiet_flags(ini["pytest"]["addopts"])  # pytest.ini's own -q
     docs = [ROOT / "README.md", ROOT / "lessons" / "README.md", *(ROOT / "exercises").glob("*"),
             *(ROOT / "notebooks").glob("*.ipynb")]
-    commands = [(doc.name, line) for doc in docs for line in re.findall(r"pytest tests/exercises[^`\n\"]*", doc.read_text())]
+    commands = [(doc.name, line) for doc in docs
+                for line in re.findall(r"pytest tests/exercises[^`\n\"]*", doc.read_text())]
     assert len(commands) >= 10, commands  # the exercises' README and starter files name a dozen
     hidden = [(name, command) for name, command in commands if already + quiet_flags(command) > 1]
     assert not hidden, f"with pytest.ini's -q these print no pass/fail count (-qq): {hidden}"
