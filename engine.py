@@ -71,6 +71,57 @@ def check_request(max_tokens, temperature, top_p, seed, cache_salt, stop):
     return params, cache_salt, stop
 
 
+def check_prompt(prompt, vocab_size: int | None = None) -> str:
+    """Refuse a prompt no tokenizer should see (ValueError); its kind: "text", "messages" or "ids".
+
+    >>> check_prompt("Hi"), check_prompt([{"role": "user", "content": "Hi"}]), check_prompt([1, 2])
+    ('text', 'messages', 'ids')
+    """
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ValueError("the prompt is empty: give some text, messages or token ids")
+        check_text(prompt, "the prompt")
+        return "text"
+    if not isinstance(prompt, (list, tuple)) or not prompt:
+        raise ValueError(f"prompt must be a non-empty str, list of messages or list of token ids, got {prompt!r:.80}")
+    if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        bad = [t for t in prompt if t < 0 or (vocab_size is not None and t >= vocab_size)]
+        if bad:
+            bound = "be >= 0" if vocab_size is None else f"be in [0, {vocab_size}) for this model"
+            raise ValueError(f"token ids must {bound}; got {bad[:5]}")
+        return "ids"
+    for message in prompt:
+        if not (isinstance(message, dict) and isinstance(message.get("role"), str) and isinstance(message.get("content"), str)):
+            raise ValueError(f'each chat message must be a dict {{"role": str, "content": str}}, got {message!r:.80}')
+        if message["role"] not in CHAT_ROLES:
+            raise ValueError(f"unknown chat role {message['role']!r:.40}; a message's role is one of {', '.join(CHAT_ROLES)}")
+        check_text(message["content"], "a message's content")
+    return "messages"
+
+
+def tokenize_prompts(tokenizer, prompts: Sequence, vocab_size: int | None = None) -> list[list[int]]:
+    """Token ids of each prompt (see check_prompt for the kinds), every one checked first.
+
+    Texts are encoded as they are; messages go through the chat template with the
+    assistant's turn opened. Both in one batch call each: the tokenizer's Rust code then
+    works through thousands of prompts at a time (a workload log) instead of one by one.
+    """
+    kinds = [check_prompt(prompt, vocab_size) for prompt in prompts]
+    if "messages" in kinds and not tokenizer.chat_template:
+        raise ValueError("this tokenizer has no chat template: pass the prompt as a str instead of messages")
+    ids: list[list[int] | None] = [list(p) if kind == "ids" else None for p, kind in zip(prompts, kinds)]
+    texts = [i for i, kind in enumerate(kinds) if kind == "text"]
+    if texts:
+        for i, encoded in zip(texts, tokenizer([prompts[i] for i in texts])["input_ids"]):
+            ids[i] = encoded
+    chats = [i for i, kind in enumerate(kinds) if kind == "messages"]
+    if chats:
+        rendered = tokenizer.apply_chat_template([list(prompts[i]) for i in chats], add_generation_prompt=True, return_dict=False)
+        for i, encoded in zip(chats, rendered):
+            ids[i] = list(encoded)
+    return ids
+
+
 class Engine:
     """A Hugging Face causal LM served with automatic prefix caching.
 
@@ -172,31 +223,8 @@ class Engine:
         """Token ids of a prompt: a str (tokenized as is), a list of chat messages
         ({"role", "content"}: the chat template with the assistant's turn opened), or a list
         of token ids (used as they are)."""
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("the prompt is empty: give some text, messages or token ids")
-            return self.tokenizer.encode(check_text(prompt, "the prompt"))
-        if not isinstance(prompt, (list, tuple)) or not prompt:
-            raise ValueError(
-                f"prompt must be a non-empty str, list of messages or list of token ids, got {prompt!r:.80}"
-            )
-        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            vocab_size = self.model.get_input_embeddings().num_embeddings
-            bad = [t for t in prompt if not 0 <= t < vocab_size]
-            if bad:
-                raise ValueError(f"token ids must be in [0, {vocab_size}) for this model; got {bad[:5]}")
-            return list(prompt)
-        for message in prompt:
-            if not (isinstance(message, dict) and isinstance(message.get("role"), str) and isinstance(message.get("content"), str)):
-                raise ValueError(
-                    f'each chat message must be a dict {{"role": str, "content": str}}, got {message!r:.80}'
-                )
-            if message["role"] not in CHAT_ROLES:
-                raise ValueError(f"unknown chat role {message['role']!r:.40}; a message's role is one of {', '.join(CHAT_ROLES)}")
-            check_text(message["content"], "a message's content")
-        if not self.tokenizer.chat_template:
-            raise ValueError("this tokenizer has no chat template: pass the prompt as a str instead of messages")
-        return list(self.tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, return_dict=False))
+        (ids,) = tokenize_prompts(self.tokenizer, [prompt], self.model.get_input_embeddings().num_embeddings)
+        return ids
 
     def _check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
         """Refuse early a request that could never run to max_tokens, however empty the pool."""

@@ -1,7 +1,8 @@
 """
 Loading a model: the offline default (SmolLM2-135M-Instruct) or any Hugging Face model.
 
-The engine (engine.py) calls load_model; nothing here knows about prefix caching.
+The engine (engine.py) calls load_model, the workload analyzer load_tokenizer (a log needs
+no weights); nothing here knows about prefix caching.
 """
 
 from __future__ import annotations
@@ -144,20 +145,34 @@ def resolve_dtype(dtype, device):
     return getattr(torch, name)
 
 
+def _load_error(model_name_or_path, err) -> OSError:
+    return OSError(
+        f"could not load the model {model_name_or_path!r}: {err}\n"
+        f"Without network, only local paths and models already in the Hugging Face cache load "
+        f"(set HF_HUB_OFFLINE=1 to fail at once instead of retrying). Leave the model out "
+        f"(Engine(), or no --model) to use the offline default, {DEFAULT_MODEL}."
+    )
+
+
+def load_tokenizer(model_name_or_path: str | None = None):
+    """The tokenizer alone (no weights): what reading a request log needs. None: the default's."""
+    source = default_model_dir() if model_name_or_path is None else model_name_or_path
+    try:
+        with _hf_progress_bars_off():
+            return AutoTokenizer.from_pretrained(source)
+    except (OSError, ValueError) as err:
+        raise _load_error(model_name_or_path, err) from err
+
+
 def load_model(model_name_or_path: str | None = None, *, device=None, dtype=None):
     """(model, tokenizer) in eval mode on `device` in `dtype`; None loads the offline default."""
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
     source = default_model_dir() if model_name_or_path is None else model_name_or_path
+    tokenizer = load_tokenizer(model_name_or_path)
     try:
         with _hf_progress_bars_off():
-            tokenizer = AutoTokenizer.from_pretrained(source)
             model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
     except (OSError, ValueError) as err:
-        raise OSError(
-            f"could not load the model {model_name_or_path!r}: {err}\n"
-            f"Without network, only local paths and models already in the Hugging Face cache load "
-            f"(set HF_HUB_OFFLINE=1 to fail at once instead of retrying). Leave the model out "
-            f"(Engine(), or no --model) to use the offline default, {DEFAULT_MODEL}."
-        ) from err
+        raise _load_error(model_name_or_path, err) from err
     return model.to(device).eval(), tokenizer
