@@ -33,6 +33,9 @@ imports only files above it in this list):
     engine.py         Engine: the model, the allocator and the pool, every argument checked,
                       and the request handed to one_request.py or batch_engine.py
     demo.py           one long system prompt, several questions, measured
+    request_logs.py   a request log read into prompts; example logs shaped like real workloads
+    workload_analyzer.py  a log replayed through this allocator: hit rate vs pool size,
+                      the working set, the prefixes behind the hits, warnings
     server_requests.py  what a client sends, read and checked
     server.py         the class server: /generate and OpenAI's routes over one Engine
     cli.py            the command line of `python prefix_caching.py`, running the modes above
@@ -48,6 +51,7 @@ References:
 Run:
     python prefix_caching.py --walkthrough      # the documented example, block for block
     python prefix_caching.py --demo             # a real model, MISS then HITs (--no-cache to compare)
+    python prefix_caching.py --analyze LOG      # your own traffic replayed: hit rate vs pool size
     python prefix_caching.py --bench allocator  # hashing cost, miss overhead, throughput
     python prefix_caching.py --bench ttft       # time to first token, cold vs warm
     python prefix_caching.py --bench throughput # many requests: one by one, batched, batched + cache
@@ -55,6 +59,7 @@ Run:
     python prefix_caching.py --bench attention  # what a decode step reads: mixed contexts, shared prefixes
     python prefix_caching.py --bench busy       # throughput beside busy programs it starts and stops
     python prefix_caching.py --bench server_load  # requests/s of the server, 1 client vs a class
+    python prefix_caching.py --bench analyzer   # how long --analyze takes on 10,000 and 100,000 requests
 """
 
 from __future__ import annotations
@@ -357,6 +362,8 @@ class _Request:
 
 
 def _check_tokens(token_ids, what: str) -> list[int]:
+    if isinstance(token_ids, array) and token_ids.typecode in "BHILQ":
+        return token_ids.tolist()  # unsigned ints by construction: nothing to check per token
     if isinstance(token_ids, (str, bytes)) or not isinstance(token_ids, Sequence):
         raise TypeError(f"{what} must be a list of int token ids, got {type(token_ids).__name__}")
     token_ids = list(token_ids)
