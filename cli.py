@@ -1,5 +1,5 @@
 """
-The command line of `python prefix_caching.py`: --walkthrough, --demo, --bench NAME.
+The command line of `python prefix_caching.py`: --walkthrough, --demo, --analyze LOG, --bench NAME.
 
 prefix_caching.py is the allocator, at the bottom of the course; the modes are built on it
 (walkthrough.py, demo.py, benchmarks/), so the dispatch that imports them lives here, above
@@ -13,7 +13,8 @@ import importlib
 
 import prefix_caching
 
-BENCHMARKS = ("allocator", "ttft", "throughput", "chunked_prefill", "attention", "busy", "server_load", "server_abuse")
+BENCHMARKS = ("allocator", "ttft", "throughput", "chunked_prefill", "attention", "busy", "server_load", "server_abuse",
+              "analyzer")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -24,11 +25,17 @@ def main(argv: list[str] | None = None) -> None:
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--walkthrough", action="store_true", help="replay the vLLM design doc's worked example")
     mode.add_argument("--demo", action="store_true", help="a real model answering questions behind one long system prompt")
+    mode.add_argument("--analyze", metavar="LOG", help="replay a request log through the allocator: hit rate vs pool size, "
+                      "the working set, hot prefixes, warnings (the flags after it are the analyzer's)")
     mode.add_argument("--bench", choices=BENCHMARKS, help="run a benchmark; the flags after it are the benchmark's")
     args, rest = parser.parse_known_args(argv)
-    if args.help and (args.demo or args.bench):
+    if args.help and (args.demo or args.bench or args.analyze):
         rest.append("--help")  # the mode's own parser lists its flags
-    if args.bench:
+    if args.analyze:
+        import workload_analyzer
+
+        workload_analyzer.main([args.analyze, *rest])
+    elif args.bench:
         importlib.import_module(f"benchmarks.{args.bench}").main(rest)
     elif args.demo:
         import demo  # the modes import torch and the model: only the one asked for is loaded
@@ -41,7 +48,7 @@ def main(argv: list[str] | None = None) -> None:
     elif args.help:
         parser.print_help()
     elif rest or not args.walkthrough:
-        parser.error(f"unrecognized arguments: {' '.join(rest)}" if rest else "choose --walkthrough, --demo or --bench NAME")
+        parser.error(f"unrecognized arguments: {' '.join(rest)}" if rest else "choose --walkthrough, --demo, --analyze LOG or --bench NAME")
     else:
         from walkthrough import walkthrough
 

@@ -67,7 +67,7 @@ def test_help_after_a_mode_lists_that_modes_flags(mode):
 
 def test_no_mode_is_a_usage_error():
     result = subprocess.run([sys.executable, "prefix_caching.py"], capture_output=True, text=True, timeout=60)
-    assert result.returncode == 2 and "--walkthrough, --demo or --bench" in result.stderr
+    assert result.returncode == 2 and "--walkthrough, --demo, --analyze LOG or --bench" in result.stderr
 
 
 def test_allocator_benchmark_runs_and_reports_every_figure(tmp_path):

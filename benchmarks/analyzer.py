@@ -1,0 +1,72 @@
+"""How long does the workload analyzer take on a big log? One command.
+
+    python prefix_caching.py --bench analyzer                   # 10,000 and 100,000 requests
+    python prefix_caching.py --bench analyzer --sizes 10000     # only the first
+    python prefix_caching.py --bench analyzer --quick           # 1,000: a check that it runs
+
+For each size it writes a log of chat requests (OpenAI bodies: one of 20 system prompts of
+about 300 tokens, the popular ones more often, then a question of 50 to 350 tokens: about 500
+prompt tokens a request) to a temporary file, and times `python prefix_caching.py --analyze`
+on it from reading the file to the last line of its report, tokenizing with the default
+model's tokenizer included. The log is made before the clock starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import platform
+import tempfile
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+import workload_analyzer
+from benchmarks import save_json
+from engine import positive_int
+from request_logs import Writer, chat, write_log
+
+NUM_SYSTEM_PROMPTS = 20
+
+
+def chat_log(num_requests: int, seed: int = 0) -> list[dict]:
+    """Chat requests of about 500 tokens behind 20 system prompts of Zipf-like popularity."""
+    w = Writer(seed)
+    systems = [f"You are assistant number {i} of our company. " + w.words(290) for i in range(NUM_SYSTEM_PROMPTS)]
+    popularity = [1 / (rank + 1) for rank in range(NUM_SYSTEM_PROMPTS)]
+    return [chat(w.rng.choices(systems, popularity)[0], w.sentence(50, 350)) for _ in range(num_requests)]
+
+
+def time_analysis(num_requests: int, folder: Path) -> dict:
+    path = folder / f"chat_{num_requests}.jsonl"
+    write_log(path, chat_log(num_requests))
+    start = time.perf_counter()
+    summary = workload_analyzer.main([str(path)], console=Console(file=io.StringIO(), width=120))  # the report is not measured
+    seconds = time.perf_counter() - start
+    return {"requests": num_requests, "prompt_tokens": summary.prompt_tokens, "seconds": round(seconds, 1),
+            "reading_and_tokenizing_s": round(summary.tokenize_seconds, 1), "working_set_blocks": summary.working_set,
+            "log_mib": round(path.stat().st_size / 2**20, 1)}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="prefix_caching.py --bench analyzer", description=__doc__.split("\n")[0])
+    parser.add_argument("--sizes", type=positive_int, nargs="+", default=[10_000, 100_000], help="requests in each log")
+    parser.add_argument("--quick", action="store_true", help="one log of 1,000 requests")
+    parser.add_argument("--json", default=None, help="also write the results to this JSON file")
+    args = parser.parse_args(argv)
+    sizes = [1_000] if args.quick else args.sizes
+    console = Console()
+    console.print(f"{platform.machine()}, {platform.python_version()}; the default model's tokenizer")
+    table = Table("requests", "prompt tokens", "log", "reading + tokenizing", "whole analysis", "working set",
+                  title="python prefix_caching.py --analyze LOG, timed")
+    results = []
+    with tempfile.TemporaryDirectory() as folder:
+        for n in sizes:
+            r = time_analysis(n, Path(folder))
+            results.append(r)
+            table.add_row(f"{n:,}", f"{r['prompt_tokens']:,}", f"{r['log_mib']} MiB", f"{r['reading_and_tokenizing_s']} s",
+                          f"{r['seconds']} s", f"{r['working_set_blocks']:,} blocks")
+    console.print(table)
+    save_json(args.json, results, console)

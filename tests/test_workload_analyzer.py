@@ -1,0 +1,171 @@
+"""The workload analyzer and the logs it reads: the replay counts what the engine counts,
+the curve's last pool never evicts, the warnings fire on what they describe, and a bad log
+gets an error that names the line."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from request_logs import LogError, Writer, interleave, read_log, write_log
+from workload_analyzer import footprint, hit_rate_curve, prefix_tree, replay, tokenize_log, variable_starts
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def small_traffic(seed: int = 0) -> list[dict]:
+    """Chat requests behind two short system prompts, a follow-up turn, a tenant with a salt
+    and a few unique prompts: sharing, eviction and salts on a pool of a few dozen blocks."""
+    w = Writer(seed)
+    systems = ["You are a tutor. " + w.words(18), "You answer in one line. " + w.words(10)]
+    records = []
+    for i in range(24):
+        system = systems[i % 3 == 0]
+        question = w.sentence(2, 9)
+        record = {"messages": [{"role": "system", "content": system}, {"role": "user", "content": question}]}
+        if i % 5 == 4:  # the next turn of the same chat: the history comes back
+            record["messages"] += [{"role": "assistant", "content": w.words(6)}, {"role": "user", "content": "Why?"}]
+        if i % 7 == 6:
+            record["cache_salt"] = "tenant-b"
+        records.append(record)
+        if i % 4 == 3:
+            records.append({"prompt": w.words(w.rng.randint(10, 40))})
+    return records
+
+
+@pytest.fixture
+def log(tmp_path):
+    path = tmp_path / "traffic.jsonl"
+    write_log(path, small_traffic())
+    return path
+
+
+@pytest.mark.parametrize("like_engine", [True, False])
+def test_the_replay_counts_the_cached_tokens_the_engine_reports(make_engine, tokenizer, log, like_engine):
+    requests = read_log(log)
+    prompts = tokenize_log(requests, tokenizer)
+    salts = [r.cache_salt for r in requests]
+    num_blocks = 40
+    replayed = replay(prompts, salts, num_blocks, block_size=4, like_engine=like_engine)
+    # vLLM's order: one block of the pool is the null block, hashless freed blocks go first.
+    engine = make_engine(num_blocks=num_blocks if like_engine else num_blocks - 1, free_uncached_first=not like_engine)
+    served = [engine.generate(r.prompt, max_tokens=1, cache_salt=r.cache_salt).cached_tokens for r in requests]
+    assert replayed.cached.tolist() == served
+    assert replayed.evictions > 0 and replayed.cached_tokens > 0  # the pool is tight, and shared blocks are hit
+
+
+def test_replies_add_blocks_a_log_does_not_have(make_engine, tokenizer, log):
+    """With replies the engine decodes into blocks the replay never sees: on a tight pool
+    they evict what the replay keeps, so its counts are those of max_tokens=1."""
+    requests = read_log(log)
+    replayed = replay(tokenize_log(requests, tokenizer), [r.cache_salt for r in requests], 40, 4, like_engine=True)
+    engine = make_engine(num_blocks=40)
+    served = [engine.generate(r.prompt, max_tokens=24, cache_salt=r.cache_salt).cached_tokens for r in requests]
+    assert replayed.cached.tolist() != served
+
+
+def test_the_curves_last_pool_never_evicts_and_saves_the_most(tokenizer, log):
+    requests = read_log(log)
+    prompts, salts = tokenize_log(requests, tokenizer), [r.cache_salt for r in requests]
+    prints = footprint(prompts, salts, block_size=4)
+    curve = hit_rate_curve(prompts, salts, block_size=4)
+    last = curve.replays[-1]
+    assert last.num_blocks == prints.never_evicting_pool and last.evictions == 0
+    assert replay(prompts, salts, 10 * last.num_blocks, 4).cached == last.cached  # nothing more to find
+    assert curve.replays[0].cached_tokens < last.cached_tokens
+    at_working_set = curve.at(curve.working_set)
+    assert at_working_set.cached_tokens >= 0.95 * last.cached_tokens
+    assert all(r.cached_tokens < 0.95 * last.cached_tokens for r in curve.replays if r.num_blocks < curve.working_set)
+
+
+def test_a_timestamp_early_in_a_shared_system_prompt_is_found(tokenizer, tmp_path):
+    from request_logs import chatbot_with_timestamp
+
+    path = tmp_path / "stamped.jsonl"
+    write_log(path, chatbot_with_timestamp(n=20))
+    (found,) = variable_starts(read_log(path), tokenizer)
+    assert found.requests == found.distinct == 20
+    assert "09:00:00" in found.examples[0] and "09:00:01" in found.examples[1]
+    assert found.tokens_after > 450  # the 500-word prompt after it, computed again every time
+
+
+def test_prompts_that_differ_after_a_shared_start_are_not_a_warning(tmp_path):
+    path = tmp_path / "rag.jsonl"
+    from request_logs import rag
+
+    write_log(path, rag(n=20, num_documents=2))
+    assert variable_starts(read_log(path), tokenizer=None) == []
+
+
+def test_lru_evicting_a_hot_prefix_in_a_burst_is_recorded(tokenizer):
+    w = Writer(1)
+    system = w.words(60)
+    chats = [system + " " + w.sentence(3, 6) for _ in range(12)]
+    burst = [w.words(70) for _ in range(6)]
+    prompts = [tokenizer.encode(p) for p in chats[:10] + burst + chats[10:]]
+    tight = replay(prompts, [None] * len(prompts), 40, 4, like_engine=True, watch=True)
+    (miss,) = tight.hot_misses
+    assert miss.request == 16 and miss.hits_before == 9 and miss.since_last_hit == 6
+    roomy = replay(prompts, [None] * len(prompts), 400, 4, like_engine=True, watch=True)
+    assert roomy.hot_misses == []
+
+
+def test_the_prefix_tree_shows_the_shared_system_prompt(tokenizer, log):
+    from rich.console import Console
+
+    requests = read_log(log)
+    result = replay(tokenize_log(requests, tokenizer), [r.cache_salt for r in requests], 400, 4, watch=True)
+    console = Console(record=True, width=200)
+    console.print(prefix_tree(result, tokenizer.decode))
+    text = console.export_text()
+    # Both system prompts start "<|im_start|>system\nYou" (one block), then part ways.
+    root_hits = max(b.hits for b in result.prefix_blocks.values() if b.parent is None)
+    assert f"hit by {root_hits:,}: <|im_start|>system\\nYou\n" in text
+    assert ": are a tutor." in text.replace(":  are", ": are") and "answer in one line." in text
+
+
+def test_sharegpt_conversations_give_one_request_per_user_turn_and_interleave(tmp_path):
+    path = tmp_path / "chats.json"
+    conversation = [{"from": "system", "value": "Be brief."}, {"from": "human", "value": "Hi"},
+                    {"from": "gpt", "value": "Hello!"}, {"from": "human", "value": "Bye"}]
+    path.write_text(json.dumps([{"conversations": conversation}, {"conversations": conversation[:2]}]))
+    requests = read_log(path)
+    assert [len(r.prompt) for r in requests] == [2, 4, 2]
+    assert requests[1].prompt[2] == {"role": "assistant", "content": "Hello!"}
+    assert [r.where for r in interleave(requests, 2)] == ["chats.json, record 1, turn 2", "chats.json, record 2, turn 2",
+                                                          "chats.json, record 1, turn 4"]
+
+
+@pytest.mark.parametrize("line, message", [
+    ("{not json", "line 2: not valid JSON"),
+    ('{"model": "m"}', "line 2: no 'messages', 'prompt' or 'conversations'"),
+    ('{"messages": [{"role": "tool", "content": "x"}]}', "line 2: unknown chat role 'tool'"),
+    ('{"prompt": "Hi", "cache_salt": "a/b"}', "line 2: cache_salt must not contain '/'"),
+    ('{"conversations": [{"from": "gpt", "value": "Hi"}]}', "line 2: the conversation has no human turn"),
+    ('{"body": {"prompt": ""}}', "line 2: the prompt is empty"),
+])
+def test_a_bad_record_is_refused_with_its_line(tmp_path, line, message):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"prompt": "fine"}\n' + line + "\n")
+    with pytest.raises(LogError, match=message.replace("(", r"\(")):
+        read_log(path)
+
+
+def test_the_command_reports_the_curve_and_writes_the_plot(tmp_path):
+    plot = tmp_path / "curve.png"
+    result = subprocess.run(
+        [sys.executable, "prefix_caching.py", "--analyze", "lessons/data/chatbot_with_timestamp.jsonl.xz",
+         "--plot", str(plot)], capture_output=True, text=True, timeout=300, cwd=ROOT, env={**os.environ, "COLUMNS": "250"},
+    )
+    assert result.returncode == 0, result.stderr
+    assert "Working set:" in result.stdout and "150 prompts start alike but for numbers" in result.stdout
+    assert plot.stat().st_size > 10_000
+
+
+def test_the_command_refuses_a_missing_log_without_a_traceback(tmp_path):
+    result = subprocess.run([sys.executable, "prefix_caching.py", "--analyze", str(tmp_path / "none.jsonl")],
+                            capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert result.returncode == 2 and "no such file" in result.stderr and "Traceback" not in result.stderr

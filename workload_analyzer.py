@@ -1,0 +1,535 @@
+"""
+The workload analyzer: how much would prefix caching save on your own traffic, and how big
+must the pool be? It reads a request log, tokenizes it with the model's tokenizer and
+replays it through this course's allocator, offline, on a CPU.
+
+    python prefix_caching.py --analyze LOG [--model M] [--block-size 16] [--num-blocks N] [--plot FILE.png]
+
+Read request_logs.py (what a log holds) and prefix_caching.py (the allocator it replays
+through) first. In this file:
+
+    1. tokenize        every prompt with the model's tokenizer, thousands in one call
+    2. replay          one request after another through PrefixCachingAllocator: the tokens
+                       each one found cached, on a pool of a given size
+    3. the curve       hit rate and prefill saved from the smallest pool to one that never
+                       evicts; the working set, where the curve flattens
+    4. what to act on  the prefixes behind the hits (a tree), the block size, warnings
+    5. the command
+
+What the replay is, and is not. It sends the log's requests one after another, each freed
+before the next, with max_tokens=1: the engine of this course, given the same requests in the
+same order and a pool of the same size, reports the same cached tokens for every request
+(tests/test_workload_analyzer.py checks it). A server differs in two ways. It also caches the
+blocks a reply fills while it decodes, so a later turn that sends the reply back can hit more
+than the replay counts; and it holds many running requests' blocks at once, which leaves less
+of a small pool for the cache. By default the pool is replayed as vLLM v1 runs one:
+num_blocks counts vLLM's num_gpu_blocks, one of which is the null block BlockPool sets aside
+at start-up (vllm/v1/core/block_pool.py), and freed blocks without a hash go to the head of the
+free queue (free_uncached_first=True). --like-engine replays this course's Engine instead:
+every block usable, those blocks to the tail (the design doc's order, Engine's default).
+A file of ShareGPT conversations lists each one's turns back to back; --conversations-at-once
+N replays N of them taking turns, as users chatting at the same time.
+
+Reference: the long vLLM article (README, Sources) sizes a cache by its working set: the
+unique prefixes times their blocks, plus 20 % headroom for LRU churn. Here the replay
+measures it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+import time
+from array import array
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+from rich.tree import Tree
+
+from engine import positive_int, tokenize_prompts
+from model_loader import DEFAULT_MODEL, load_tokenizer
+from prefix_caching import PrefixCachingAllocator, compute_block_hashes
+from request_logs import LoggedRequest, LogError, interleave, read_log
+
+# -----------------------------------------------------------------------------
+# 1. Tokenize
+#
+# One batch call per few thousand prompts: the tokenizer's Rust code is then about 1.2M tokens/s
+# on one core of a 2-core VM, where one call per prompt spends most of its time in Python.
+# Token ids are kept as 4-byte arrays: 100,000 prompts of 500 tokens as Python lists of ints
+# would take about 2 GB, as arrays 200 MB.
+
+TOKENIZE_BATCH = 2000
+
+
+def tokenize_log(requests: list[LoggedRequest], tokenizer) -> list[array]:
+    """The token ids of every logged prompt, as Engine.tokenize makes them."""
+    ids = []
+    for start in range(0, len(requests), TOKENIZE_BATCH):
+        batch = [r.prompt for r in requests[start : start + TOKENIZE_BATCH]]
+        ids.extend(array("I", prompt_ids) for prompt_ids in tokenize_prompts(tokenizer, batch))
+    return ids
+
+
+# -----------------------------------------------------------------------------
+# 2. Replay
+#
+# The allocator is the one the engine uses: allocate_with_prefix (lookup, touch, take,
+# cache), then free, request after request. One request id serves them all, since each is
+# freed before the next. With watch=True the replay also records which cached blocks were
+# hit (for the tree of section 4) and every time a block many requests had hit was missed
+# because LRU had evicted it.
+
+NULL_BLOCKS = 1  # vLLM's BlockPool keeps block 0 aside as the null block: never cached, never freed
+HOT = 5  # a block hit by this many requests is a hot prefix: its eviction is worth a warning
+
+
+@dataclass
+class PrefixBlock:
+    """A cached block some request hit: where it sits in the chain, and how often it served."""
+
+    parent: bytes | None  # the block hash before it in the prompt (None: the first block)
+    token_ids: list[int]  # its tokens, to show the prefix as text
+    hits: int = 0  # requests that found it cached
+    last_hit: int = 0  # the index of the last of them
+
+
+@dataclass
+class HotMiss:
+    """A request that missed a hot block LRU had evicted."""
+
+    request: int  # its index in the log
+    hits_before: int  # requests that had hit the block before
+    since_last_hit: int  # requests between the last hit and this miss (the burst that evicted it)
+    tokens: int  # prompt tokens it computed again that were cached before (the hot blocks from there on)
+
+
+@dataclass
+class Replay:
+    num_blocks: int  # the pool, as given (with vLLM's null block in it, unless like_engine)
+    block_size: int
+    cached: array  # num_cached_tokens of each request, in log order
+    prompt_tokens: int
+    evictions: int
+    prefix_blocks: dict[bytes, PrefixBlock] = field(default_factory=dict)  # watch=True only
+    hot_misses: list[HotMiss] = field(default_factory=list)  # watch=True only
+
+    @property
+    def cached_tokens(self) -> int:
+        return sum(self.cached)
+
+    @property
+    def hit_rate(self) -> float:
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+def usable_blocks(num_blocks: int, like_engine: bool) -> int:
+    return num_blocks if like_engine else num_blocks - NULL_BLOCKS
+
+
+def smallest_pool(prompts: list[array], block_size: int, like_engine: bool = False) -> int:
+    """The fewest blocks that hold the longest prompt (and vLLM's null block)."""
+    longest = max(-(-len(p) // block_size) for p in prompts)
+    return longest if like_engine else longest + NULL_BLOCKS
+
+
+def replay(prompts: list[array], salts: list[str | None], num_blocks: int, block_size: int,
+           *, like_engine: bool = False, watch: bool = False) -> Replay:
+    """Send the prompts one after another through a fresh allocator of `num_blocks` blocks.
+
+    >>> shared = list(range(40))                               # 2 full blocks of 16 and 8 over
+    >>> prompts = [shared + [100], shared + [200], list(range(50, 90))]
+    >>> replay(prompts, [None] * 3, num_blocks=8, block_size=16).cached.tolist()
+    [0, 32, 0]
+    """
+    if num_blocks < smallest_pool(prompts, block_size, like_engine):
+        raise ValueError(f"a pool of {num_blocks} blocks cannot hold the longest prompt; "
+                         f"give at least {smallest_pool(prompts, block_size, like_engine)}")
+    # xxhash: the same hits as SHA256 (a hit compares the tokens too), in less time.
+    alloc = PrefixCachingAllocator(usable_blocks(num_blocks, like_engine), block_size, hash_algo="xxhash",
+                                   free_uncached_first=not like_engine)
+    cached = array("I")
+    result = Replay(num_blocks, block_size, cached, sum(map(len, prompts)), 0)
+    for i, (prompt, salt) in enumerate(zip(prompts, salts)):
+        cached.append(alloc.allocate_with_prefix("replay", prompt, salt).num_cached_tokens)
+        if watch:
+            watch_request(alloc, i, cached[-1] // block_size, result)
+        alloc.free("replay")
+    result.evictions = alloc.stats.evictions
+    return result
+
+
+def watch_request(alloc: PrefixCachingAllocator, index: int, num_hits: int, result: Replay) -> None:
+    """Count the hits on each cached block of the running request, and note a hot miss."""
+    table = alloc.block_tables["replay"]
+    hashes = [alloc.block_hash(block_id) for block_id in table]  # hit blocks, then the ones it just cached
+    for i in range(num_hits):
+        block = result.prefix_blocks.get(hashes[i])
+        if block is None:
+            parent = hashes[i - 1] if i else None
+            block = result.prefix_blocks[hashes[i]] = PrefixBlock(parent, list(alloc.blocks[table[i]].token_ids))
+        block.hits += 1
+        block.last_hit = index
+    # The last block of a prompt that is all cached prefix is computed again on purpose (a
+    # request computes at least one token): not a miss.
+    could_hit = (alloc.num_tokens("replay") - 1) // alloc.block_size
+    first_miss = result.prefix_blocks.get(hashes[num_hits]) if num_hits < could_hit else None
+    if first_miss is not None and first_miss.hits >= HOT:  # it was cached, hit often, and is gone
+        lost = 0
+        while num_hits + lost < len(hashes) and hashes[num_hits + lost] in result.prefix_blocks:
+            lost += 1
+        result.hot_misses.append(HotMiss(index, first_miss.hits, index - first_miss.last_hit - 1, lost * alloc.block_size))
+
+
+# -----------------------------------------------------------------------------
+# 3. The curve and the working set
+#
+# A pool that never evicts gives the most a log can save: every full block is found by every
+# later request that starts with it. It needs no more blocks than the log's distinct full
+# blocks plus the longest prompt, which one pass of hashing counts (no allocator needed).
+# The curve replays the log at CURVE_POINTS pool sizes from the smallest that holds the
+# longest prompt up to that one, each about the same factor above the last; the working set
+# is the smallest pool that saves at least FLAT (95 %) of what the never-evicting pool saves,
+# narrowed between two sizes of the curve by replaying at their geometric mean a few times.
+
+FLAT = 0.95
+CURVE_POINTS = 7
+NARROWING_STEPS = 3  # each halves the factor between two sizes: 3 leave an eighth of it
+
+
+@dataclass
+class Footprint:
+    distinct_blocks: int  # full blocks with different hashes in the whole log
+    shared_blocks: int  # of those, blocks some later request starts with (the article's "unique prefixes x blocks")
+    never_evicting_pool: int  # blocks of a pool in which the replay never evicts a cached block
+
+
+def footprint(prompts: list[array], salts: list[str | None], block_size: int, like_engine: bool = False) -> Footprint:
+    """Count the log's distinct and shared full blocks by hashing every prompt once."""
+    seen: set[bytes] = set()
+    shared: set[bytes] = set()
+    for prompt, salt in zip(prompts, salts):
+        hashes = compute_block_hashes(prompt, block_size, salt, algo="xxhash")
+        for block_hash in hashes[: (len(prompt) - 1) // block_size]:
+            if block_hash not in seen:
+                break
+            shared.add(block_hash)
+        seen.update(hashes)
+    pool = len(seen) + smallest_pool(prompts, block_size, like_engine)
+    return Footprint(len(seen), len(shared), pool)
+
+
+def pool_sizes(smallest: int, largest: int, points: int = CURVE_POINTS) -> list[int]:
+    """`points` sizes from `smallest` to `largest`, each about the same factor above the last.
+
+    >>> pool_sizes(33, 300, points=4)
+    [33, 69, 144, 300]
+    """
+    if largest <= smallest:
+        return [smallest]
+    factor = (largest / smallest) ** (1 / (points - 1))
+    sizes = sorted({round(smallest * factor**i) for i in range(points)} | {largest})
+    return sizes
+
+
+@dataclass
+class Curve:
+    replays: list[Replay]  # by pool size, the last one never evicting
+    working_set: int  # blocks: the smallest pool saving FLAT of the most
+    footprint: Footprint
+
+    def at(self, num_blocks: int) -> Replay | None:
+        return next((r for r in self.replays if r.num_blocks == num_blocks), None)
+
+
+def hit_rate_curve(prompts, salts, block_size: int, like_engine: bool = False) -> Curve:
+    """Replay the log at every pool size of the curve; find the working set."""
+    prints = footprint(prompts, salts, block_size, like_engine)
+    sizes = pool_sizes(smallest_pool(prompts, block_size, like_engine), prints.never_evicting_pool)
+    replays = []
+    for num_blocks in sizes:
+        replays.append(replay(prompts, salts, num_blocks, block_size, like_engine=like_engine))
+    enough = FLAT * replays[-1].cached_tokens
+    first = next(i for i, r in enumerate(replays) if r.cached_tokens >= enough)
+    low, high = (sizes[first - 1], sizes[first]) if first else (sizes[0], sizes[0])
+    for _ in range(NARROWING_STEPS):  # the answer lies in (low, high]; halve the factor between them
+        middle = round(math.sqrt(low * high))
+        if not low < middle < high:
+            break
+        replays.append(replay(prompts, salts, middle, block_size, like_engine=like_engine))
+        low, high = (low, middle) if replays[-1].cached_tokens >= enough else (middle, high)
+    replays.sort(key=lambda r: r.num_blocks)
+    return Curve(replays, high, prints)
+
+
+# -----------------------------------------------------------------------------
+# 4. What to act on: the prefixes behind the hits, the block size, warnings
+
+
+def prefix_tree(result: Replay, decode, top: int = 3, depth: int = 4) -> Tree:
+    """The hit blocks as a tree of prefixes: runs of blocks hit by the same requests become one
+    node, labelled with their text; at each level the `top` that saved the most tokens."""
+    children: dict[bytes | None, list[bytes]] = {}
+    for block_hash, block in result.prefix_blocks.items():
+        children.setdefault(block.parent, []).append(block_hash)
+    saved: dict[bytes, int] = {}
+
+    def total(block_hash: bytes) -> int:  # tokens its subtree saved, iteratively (chains are long)
+        order, todo = [], [block_hash]
+        while todo:
+            node = todo.pop()
+            order.append(node)
+            todo.extend(children.get(node, []))
+        for node in reversed(order):
+            saved[node] = result.prefix_blocks[node].hits * result.block_size + sum(saved[c] for c in children.get(node, []))
+        return saved[block_hash]
+
+    roots = children.get(None, [])
+    for root in roots:
+        total(root)
+    tree = Tree(f"[bold]prefixes that were hit[/] (pool of {result.num_blocks:,} blocks of {result.block_size}; "
+                f"tokens saved by a prefix and all that follows it; requests that hit it)")
+
+    def add(parent_node: Tree, heads: list[bytes], level: int) -> None:
+        heads = sorted(heads, key=lambda h: -saved[h])
+        for head in heads[:top]:
+            run = [head]  # follow the chain while every block was hit by the same requests
+            while len(children.get(run[-1], [])) == 1:
+                (child,) = children[run[-1]]
+                if result.prefix_blocks[child].hits != result.prefix_blocks[head].hits:
+                    break
+                run.append(child)
+            tokens = [t for h in run for t in result.prefix_blocks[h].token_ids]
+            text = decode(tokens).replace("\n", "\\n")
+            text = text if len(text) <= 72 else f"{text[:40]} ... {text[-28:]}"
+            node = parent_node.add(f"{len(run)} block{'s' * (len(run) > 1)}, {saved[head]:,} tokens saved, hit by "
+                                   f"{result.prefix_blocks[head].hits:,}: [cyan]{text}[/]")
+            if level + 1 < depth:
+                add(node, children.get(run[-1], []), level + 1)
+        if len(heads) > top:
+            rest = sum(saved[h] for h in heads[top:])
+            parent_node.add(f"[dim]{len(heads) - top:,} more, {rest:,} tokens saved between them[/]")
+
+    add(tree, roots, 0)
+    return tree
+
+
+def block_size_effect(prompts, salts, studied: Replay, like_engine: bool = False) -> list[Replay]:
+    """The studied replay beside the same log on pools of the same memory (num_blocks x
+    block_size tokens) cut into blocks of 8 to 64 tokens: smaller blocks reuse more of a
+    prefix's partly shared last block; bigger ones mean fewer, larger units to look up and
+    evict."""
+    replays = [studied]
+    for size in (8, 16, 32, 64):
+        blocks = studied.num_blocks * studied.block_size // size
+        if size != studied.block_size and blocks >= smallest_pool(prompts, size, like_engine):
+            replays.append(replay(prompts, salts, blocks, size, like_engine=like_engine))
+    return sorted(replays, key=lambda r: r.block_size)
+
+
+VARIABLE = re.compile(r"[0-9A-Fa-f:._-]*\d[0-9A-Fa-f:._-]*")  # a run of digits: a time, a date, an id
+HEAD_CHARS = 2000  # how much of a prompt's start is grouped by
+MIN_GROUP = 5
+
+
+@dataclass
+class VariableStart:
+    """Prompts that agree but for numbers early on: sharing stops at the first difference."""
+
+    requests: int  # how many prompts start this way
+    distinct: int  # in how many different spellings
+    position: int  # the character where the first two examples differ
+    examples: tuple[str, str]  # the text around that character, in two of them
+    tokens_after: int  # tokens of the shared start after that character, computed again each time
+
+
+def first_text(prompt) -> str:
+    """The start of a prompt as text: the first message's content, or the text itself."""
+    if isinstance(prompt, str):
+        return prompt
+    return prompt[0]["content"] if prompt and isinstance(prompt[0], dict) else ""
+
+
+def variable_starts(requests: list[LoggedRequest], tokenizer) -> list[VariableStart]:
+    """Groups of prompts whose starts are equal once every number is blanked out, but not as
+    written: a timestamp or a request id early in a shared system prompt.
+
+    >>> same = "You are a helpful assistant for our shop, answer briefly. " * 4
+    >>> logged = [LoggedRequest(f"Time 09:00:{i:02d}. " + same + f"Q{i}", None, "") for i in range(6)]
+    >>> found = variable_starts(logged, tokenizer=None)
+    >>> found[0].requests, found[0].position, found[0].examples[0][:16], found[0].tokens_after
+    (6, 12, 'Time 09:00:00. Y', 41)
+    """
+    groups: dict[str, dict[str, str]] = {}  # blanked start -> {start as written: the whole text}
+    sizes: dict[str, int] = {}
+    for request in requests:
+        text = first_text(request.prompt)
+        if text:
+            blanked = VARIABLE.sub("#", text[:HEAD_CHARS])
+            groups.setdefault(blanked, {}).setdefault(text[:HEAD_CHARS], text)
+            sizes[blanked] = sizes.get(blanked, 0) + 1
+    found = []
+    for blanked, spellings in groups.items():
+        if sizes[blanked] < max(MIN_GROUP, len(requests) // 100) or len(spellings) < max(2, sizes[blanked] // 2):
+            continue
+        a, b = (spellings[start] for start in sorted(spellings)[:2])
+        position = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+        # The text both share after the first difference, read with every number blanked out.
+        blank_a, blank_b = VARIABLE.sub("#", a), VARIABLE.sub("#", b)
+        common = next((i for i, (x, y) in enumerate(zip(blank_a, blank_b)) if x != y), min(len(blank_a), len(blank_b)))
+        after = blank_a[len(VARIABLE.sub("#", a[:position])) : common]
+        tokens_after = len(tokenizer.encode(after, add_special_tokens=False)) if tokenizer else len(after.split())
+        found.append(VariableStart(sizes[blanked], len(spellings), position,
+                                   (a[max(0, position - 14):position + 24], b[max(0, position - 14):position + 24]), tokens_after))
+    return sorted(found, key=lambda v: -v.requests * v.tokens_after)
+
+
+def warnings(requests, tokenizer, curve: Curve, studied: Replay) -> list[str]:
+    """What a user can change, worded from what the replay found."""
+    notes = []
+    for v in variable_starts(requests, tokenizer)[:3]:
+        notes.append(
+            f"{v.requests:,} prompts start alike but for numbers ({v.distinct:,} spellings): at character {v.position} "
+            f"one says {v.examples[0]!r}, another {v.examples[1]!r}. Blocks are named by every token before them, so "
+            f"sharing stops at the block holding it and the ~{v.tokens_after:,} tokens after it are computed again "
+            f"each time. Move the time or id to the end of the prompt, after the shared text.")
+    if studied.hot_misses:
+        worst = max(studied.hot_misses, key=lambda m: m.hits_before)
+        tokens = sum(m.tokens for m in studied.hot_misses)
+        notes.append(
+            f"LRU evicted hot prefixes {len(studied.hot_misses):,} times at {studied.num_blocks:,} blocks, "
+            f"{tokens:,} prompt tokens computed again. Worst: request {worst.request:,} recomputed {worst.tokens:,} "
+            f"tokens that {worst.hits_before:,} requests had hit, after {worst.since_last_hit:,} requests without "
+            f"them (a burst of other traffic). LRU counts when a block was last used, not how often; "
+            + (f"a pool of {curve.working_set:,} blocks (the working set) keeps them."
+               if studied.num_blocks < curve.working_set else "a bigger pool keeps them longer."))
+    if any(isinstance(r.prompt, list) and any(m.get("role") == "assistant" for m in r.prompt if isinstance(m, dict))
+           for r in requests):
+        notes.append("The log sends replies back (assistant turns): a server also caches the blocks a reply fills "
+                     "while it decodes, so a later turn can hit more than this replay, which caches prompts only.")
+    return notes
+
+
+# -----------------------------------------------------------------------------
+# 5. The command
+
+
+def plot_curve(curve: Curve, path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")  # a file, never a window
+    import matplotlib.pyplot as plt
+
+    sizes = [r.num_blocks for r in curve.replays]
+    block_size = curve.replays[0].block_size
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(sizes, [100 * r.hit_rate for r in curve.replays], marker="o", label="hit rate (% of prompt tokens)")
+    ax.axvline(curve.working_set, color="grey", ls="--", lw=1, label=f"working set: {curve.working_set:,} blocks")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel(f"cache size: num_blocks (blocks of {block_size} tokens)")
+    ax.set_ylabel("prefix cache hit rate (% of prompt tokens)")
+    ax.set_ylim(-3, 100)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="prefix_caching.py --analyze", description="Replay a request log through the allocator: hit rate and "
+        "prefill saved vs pool size, the working set, the prefixes behind the hits, warnings.")
+    parser.add_argument("log", type=Path, help="JSONL (or a JSON array, plain, .gz or .xz) of OpenAI request bodies "
+                        "(messages or prompt) or ShareGPT conversations")
+    parser.add_argument("--model", default=None, help=f"whose tokenizer and chat template (default: {DEFAULT_MODEL}, offline)")
+    parser.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block (default: 16, vLLM's)")
+    parser.add_argument("--num-blocks", type=positive_int, default=None,
+                        help="your deployment's pool (vLLM logs its KV cache size in tokens at start-up: divide by the "
+                        "block size); default: the working set")
+    parser.add_argument("--like-engine", action="store_true",
+                        help="replay this course's Engine: no null block, blockless-hash freed blocks to the tail")
+    parser.add_argument("--conversations-at-once", type=positive_int, default=1, metavar="N",
+                        help="replay N conversations of the log at a time, taking turns (default 1: each one's turns "
+                        "back to back, as the file lists them)")
+    parser.add_argument("--plot", type=Path, default=None, help="write the hit rate curve to this PNG file")
+    parser.add_argument("--top", type=positive_int, default=3, help="prefixes shown at each level of the tree (default 3)")
+    return parser
+
+
+@dataclass
+class Summary:
+    """What one run of the command found and how long it took (the benchmark reads it)."""
+
+    requests: int
+    prompt_tokens: int
+    working_set: int
+    tokenize_seconds: float  # reading the log and tokenizing it
+    seconds: float  # the whole run
+
+
+def main(argv: list[str] | None = None, console: Console | None = None) -> Summary:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    console = console or Console()
+    start = time.perf_counter()
+    try:
+        requests = interleave(read_log(args.log), args.conversations_at_once)
+    except LogError as err:
+        parser.error(str(err))
+    tokenizer = load_tokenizer(args.model)
+    prompts = tokenize_log(requests, tokenizer)
+    salts = [r.cache_salt for r in requests]
+    tokenized = time.perf_counter()
+    total = sum(map(len, prompts))
+    console.print(f"{args.log}: {len(requests):,} requests, {total:,} prompt tokens "
+                  f"({total / len(requests):,.0f} a request), read and tokenized in {tokenized - start:.1f} s")
+    smallest = smallest_pool(prompts, args.block_size, args.like_engine)
+    if args.num_blocks is not None and args.num_blocks < smallest:
+        parser.error(f"--num-blocks {args.num_blocks} cannot hold the longest prompt; give at least {smallest}")
+
+    with console.status(f"replaying {len(requests):,} requests at {CURVE_POINTS + NARROWING_STEPS} pool sizes"):
+        curve = hit_rate_curve(prompts, salts, args.block_size, args.like_engine)
+    most = curve.replays[-1]
+    table = Table("num_blocks", "tokens", "hit rate", "prefill tokens saved", "evictions",
+                  title=f"the log replayed at each pool size ({'this course' if args.like_engine else 'vLLM'}'s free order)")
+    for r in curve.replays:
+        mark = " [bold](working set)[/]" if r.num_blocks == curve.working_set else ""
+        table.add_row(f"{r.num_blocks:,}{mark}", f"{r.num_blocks * r.block_size:,}", f"{r.hit_rate:.1%}",
+                      f"{r.cached_tokens:,}", f"{r.evictions:,}")
+    console.print(table)
+    rule = math.ceil(curve.footprint.shared_blocks * 1.2)
+    console.print(
+        f"Working set: {curve.working_set:,} blocks ({curve.working_set * args.block_size:,} tokens) save "
+        f"{FLAT:.0%} of what a pool that never evicts saves ({most.hit_rate:.1%} hit rate, {most.cached_tokens:,} "
+        f"tokens, at {most.num_blocks:,} blocks). The article's rule, shared blocks x 1.2, gives "
+        f"{curve.footprint.shared_blocks:,} x 1.2 = {rule:,} blocks ({curve.footprint.distinct_blocks:,} distinct "
+        f"full blocks in the log).")
+
+    studied_size = args.num_blocks or curve.working_set
+    studied = replay(prompts, salts, studied_size, args.block_size, like_engine=args.like_engine, watch=True)
+    console.print(f"\nAt {studied_size:,} blocks{' (--num-blocks)' if args.num_blocks else ''}: hit rate "
+                  f"{studied.hit_rate:.1%}, {studied.cached_tokens:,} of {studied.prompt_tokens:,} prompt tokens "
+                  f"not computed again, {studied.evictions:,} evictions.")
+    console.print(prefix_tree(studied, tokenizer.decode, top=args.top))
+
+    table = Table("block size", "num_blocks", "hit rate", "prefill tokens saved",
+                  title=f"the same memory ({studied_size * args.block_size:,} tokens) in other block sizes",
+                  caption="a size is left out when its pool cannot hold the longest prompt")
+    for r in block_size_effect(prompts, salts, studied, args.like_engine):
+        table.add_row(str(r.block_size), f"{r.num_blocks:,}", f"{r.hit_rate:.1%}", f"{r.cached_tokens:,}")
+    console.print(table)
+
+    notes = warnings(requests, tokenizer, curve, studied)
+    for note in notes:
+        console.print(f"[yellow]warning:[/] {note}")
+    if args.plot:
+        plot_curve(curve, args.plot, f"{args.log.name}: hit rate vs cache size ({len(requests):,} requests)")
+        console.print(f"wrote {args.plot}")
+    seconds = time.perf_counter() - start
+    console.print(f"{len(requests):,} requests analysed in {seconds:.1f} s ({tokenized - start:.1f} s reading and tokenizing).")
+    return Summary(len(requests), total, curve.working_set, tokenized - start, seconds)
