@@ -250,34 +250,33 @@ def multi_turn(n: int = 40, seed: int = 0) -> list[dict]:
     return conversations
 
 
-def rag(n: int = 60, num_documents: int = 30, seed: int = 0) -> list[dict]:
-    """256 shared instruction tokens, then one retrieved document of about 2K tokens (a few
-    documents are retrieved often: popularity falls as 1 / rank) and a question."""
+def rag(n: int = 50, num_documents: int = 80, seed: int = 0) -> list[dict]:
+    """256 shared instruction tokens, then one retrieved document of about 2K tokens and a
+    question. Each request retrieves any of `num_documents` alike: the fewer there are, the
+    more often one comes back (the article does not say how many; 80 is ours)."""
     w = Writer(seed)
     instruction = "Answer from the document below only. " + w.words(250)
     documents = [w.words(w.rng.randint(1500, 2500)) for _ in range(num_documents)]
-    popularity = [1 / (rank + 1) for rank in range(num_documents)]
     requests = []
     for _ in range(n):
-        (document,) = w.rng.choices(documents, popularity)
+        document = w.rng.choice(documents)
         requests.append({"model": "any", "prompt": f"{instruction}\nDocument: {document}\nQuestion: {w.sentence(8, 30)}\nAnswer:"})
     return requests
 
 
-def code_completion(n: int = 80, num_files: int = 20, seed: int = 0) -> list[dict]:
+def code_completion(n: int = 60, num_files: int = 50, seed: int = 0) -> list[dict]:
     """A file's text up to the cursor (500 to 4,000 tokens): requests on the same file share
-    the part before the earlier cursor."""
+    the part before the earlier cursor (the number of files is ours)."""
     w = Writer(seed)
     files = []
     for number in range(num_files):
         lines = [f"def {w.rng.choice(WORDS)}_{i}(x):\n    return {w.words(w.rng.randint(4, 12)).replace(' ', '_')}(x)\n"
                  for i in range(w.rng.randint(40, 260))]
         files.append((f"src/module_{number}.py", lines))
-    popularity = [1 / (rank + 1) for rank in range(num_files)]
     requests = []
     for _ in range(n):
-        ((path, lines),) = w.rng.choices(files, popularity)
-        cursor = w.rng.randint(len(lines) // 3, len(lines))
+        path, lines = w.rng.choice(files)
+        cursor = w.rng.randint(len(lines) // 10, len(lines))
         requests.append({"model": "any", "prompt": f"# {path}\n" + "".join(lines[:cursor]), "max_tokens": 32})
     return requests
 

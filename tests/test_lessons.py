@@ -76,7 +76,15 @@ EXPECTED_OUTPUT = {
     "06_free_queue_lru.py": ["matches the design doc",
                              "free_uncached_first=False: request 2's blocks [0, 1, 2, 7, 8, 9, 4, 3], evictions 1",
                              "free_uncached_first=True : request 2's blocks [0, 1, 2, 6, 4, 7, 8, 9], evictions 0"],
-    "10_going_further.py": ["free in reverse: the same"],
+    "10_going_further.py": ["free in reverse: the same",
+                            "│ chatbot │ 300 │ 164,203 │ 93% │ 37 blocks │ 92-97% │",
+                            "│ multi_turn │ 154 │ 140,726 │ 65% │ 394 blocks │ 80-95% │",
+                            "│ rag │ 50 │ 117,289 │ 38% │ 2,717 blocks │ 25-40% │",
+                            "│ code_completion │ 60 │ 126,357 │ 28% │ 3,862 blocks │ 15-35% │",
+                            "│ batch_summaries │ 80 │ 51,685 │ 10% │ 62 blocks │ 8-15% │",
+                            "│ random_prompts │ 80 │ 28,119 │ 0% │ 39 blocks │ 0-2% │",
+                            "150 prompts start alike but for numbers, first at character 32",
+                            "about 512 tokens are computed again per request"],
 }
 # ... and must never print.
 FORBIDDEN_OUTPUT = {"06_free_queue_lru.py": ["differs from the doc"],

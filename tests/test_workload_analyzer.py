@@ -169,3 +169,12 @@ def test_the_command_refuses_a_missing_log_without_a_traceback(tmp_path):
     result = subprocess.run([sys.executable, "prefix_caching.py", "--analyze", str(tmp_path / "none.jsonl")],
                             capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert result.returncode == 2 and "no such file" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_the_example_logs_are_what_the_command_writes(tmp_path):
+    from request_logs import EXAMPLE_LOGS, main
+
+    main(["--out", str(tmp_path)])
+    for name in EXAMPLE_LOGS:
+        assert (tmp_path / name).read_bytes() == (ROOT / "lessons" / "data" / name).read_bytes(), name
+    assert sum((ROOT / "lessons" / "data" / name).stat().st_size for name in EXAMPLE_LOGS) < 500_000  # small in git
