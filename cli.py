@@ -14,7 +14,7 @@ import importlib
 import prefix_caching
 
 BENCHMARKS = ("allocator", "ttft", "throughput", "chunked_prefill", "attention", "busy", "server_load", "server_abuse",
-              "analyzer")
+              "cache_probe", "analyzer")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,44 +1,48 @@
-"""How many requests per second does the server answer when a class hits it at once?
+"""How many requests per second does a server answer when a class hits it at once?
 
     python prefix_caching.py --bench server_load                  # 1 client, then 16, on the default model
     python prefix_caching.py --bench server_load --no-batching    # the same on stage 7's engine
     python prefix_caching.py --bench server_load --clients 1 4 16 --requests 64 --json out.json
-    python prefix_caching.py --bench server_load --url http://127.0.0.1:5000   # a server already running
+    python prefix_caching.py --bench server_load --url http://HOST:8000 --api-key KEY   # any OpenAI-compatible server
 
-Without --url it starts the server in this process on a free port of 127.0.0.1 (the default
-model and pool unless --model / --num-blocks say otherwise), batching as python server.py does.
-Every request is a chat with the same system prompt and its own short question, max_tokens 16,
-greedy: the traffic of a class trying the lesson's curl command. Two measurements:
+Without --url it starts a server of this course in this process on a free port of 127.0.0.1
+(the default model and pool unless --model / --num-blocks say otherwise), batching as python
+server.py does. With --url every request goes to that server, wherever it runs: this course's,
+vLLM, SGLang. It speaks only the OpenAI API: streamed /v1/chat/completions with
+stream_options.include_usage, timed at the client. Every request is a chat with the same
+system prompt and its own short question, max_tokens 16, greedy: the traffic of a class
+trying the lesson's curl command. Two measurements:
 
-    load    for each number of concurrent clients (--clients): the cache is reset, one request
-            primes the system prompt, then the clients send --requests requests between them,
-            each as soon as its last answer came back: requests/s, and the ratio of the most
-            clients to the fewest
+    load    for each number of concurrent clients (--clients): the cache emptied (POST
+            /reset_prefix_cache where the server has one; otherwise the system prompt opens
+            with a fresh first line, so nothing of it is cached), one request primes the system
+            prompt, then the clients send --requests requests between them, each as soon as
+            its last answer came back: requests/s, and the ratio of the most clients to the
+            fewest
     class   --class-size students send one question each at the same moment: how long until
             the last of them has its answer
 
-The batching engine puts every running request in the same forward pass, so more clients
-mean more requests per second until a step is as large as the machine computes in the time of
-a small one; with --no-batching the engine runs one request's step at a time, and more clients
-only share the same steps, each waiting longer. Traffic stays on the loopback interface; each
-level stops after --time-limit s.
+Cached tokens come from usage.prompt_tokens_details.cached_tokens; a server that leaves it out
+(vLLM without --enable-prompt-tokens-details) gets "not reported", never a zero. The batching
+engine puts every running request in the same forward pass, so more clients mean more requests
+per second until a step is as large as the machine computes in the time of a small one; with
+--no-batching the engine runs one request's step at a time, and more clients only share the
+same steps, each waiting longer. Each level stops after --time-limit s.
 """
 
 from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import json
 import logging
 import os
 import platform
 import statistics
 import threading
 import time
-import urllib.request
-from urllib.parse import urlparse
 
 from benchmarks import save_json
+from benchmarks.openai_api import NOT_REPORTED, OpenAIServer, Reply, fresh_line
 from engine import add_model_arguments, pool_arguments, positive_int
 
 SYSTEM_PROMPT = (
@@ -51,34 +55,35 @@ QUESTIONS = [
     "Why chain a block's hash to its parent?", "What is the free queue for?", "What is a ref count?",
     "When is a cached block evicted?", "What does cache_salt protect against?",
 ]
-LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 
 
-def post(url: str, body: dict) -> dict:
-    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=600) as response:
-        return json.loads(response.read())
-
-
-def ask(url: str, i: int, max_tokens: int) -> dict:
-    messages = [{"role": "system", "content": SYSTEM_PROMPT},
+def ask(server: OpenAIServer, system: str, i: int, max_tokens: int) -> Reply:
+    messages = [{"role": "system", "content": system},
                 {"role": "user", "content": f"{QUESTIONS[i % len(QUESTIONS)]} (question {i})"}]
-    return post(url + "/generate", {"messages": messages, "max_tokens": max_tokens})
+    return server.chat(messages, max_tokens)
 
 
-def prime(url: str, max_tokens: int) -> None:
-    """An empty cache, then the system prompt in it, as the first student of the class would leave it."""
-    post(url + "/reset_prefix_cache", {})
-    ask(url, -1, max_tokens)
+def prime(server: OpenAIServer, max_tokens: int) -> str:
+    """An empty cache, then the system prompt in it, as the first student of the class would
+    leave it; the system prompt to use. Without a reset, a fresh first line makes it new."""
+    system = SYSTEM_PROMPT if server.reset_prefix_cache() else f"{fresh_line()}\n{SYSTEM_PROMPT}"
+    ask(server, system, -1, max_tokens)
+    return system
 
 
-def load(url: str, clients: int, requests: int, max_tokens: int, time_limit: float) -> dict:
+def mean_cached(replies: list[Reply]) -> float | None:
+    """The mean cached tokens, or None when the server does not report them."""
+    values = [r.cached_tokens for r in replies]
+    return None if None in values else round(statistics.mean(values), 1)
+
+
+def load(server: OpenAIServer, clients: int, requests: int, max_tokens: int, time_limit: float) -> dict:
     """`requests` requests from `clients` threads at once; the figures of the replies."""
-    prime(url, max_tokens)
+    system = prime(server, max_tokens)
     deadline = time.perf_counter() + time_limit
     numbers = iter(range(requests))
     lock = threading.Lock()
-    replies: list[dict] = []
+    replies: list[Reply] = []
 
     def client() -> None:
         while time.perf_counter() < deadline:
@@ -86,7 +91,7 @@ def load(url: str, clients: int, requests: int, max_tokens: int, time_limit: flo
                 i = next(numbers, None)
             if i is None:
                 return
-            reply = ask(url, i, max_tokens)
+            reply = ask(server, system, i, max_tokens)
             with lock:
                 replies.append(reply)
 
@@ -100,24 +105,24 @@ def load(url: str, clients: int, requests: int, max_tokens: int, time_limit: flo
         "requests": len(replies),
         "seconds": round(seconds, 2),
         "requests_per_s": round(len(replies) / seconds, 2),
-        "completion_tokens_per_s": round(sum(r["completion_tokens"] for r in replies) / seconds, 1),
-        "prompt_tokens": round(statistics.mean(r["prompt_tokens"] for r in replies), 1),
-        "cached_tokens": round(statistics.mean(r["cached_tokens"] for r in replies), 1),
-        "ttft_ms_median": round(statistics.median(r["ttft_ms"] for r in replies), 1),
-        "latency_ms_median": round(statistics.median(r["total_ms"] for r in replies), 1),
+        "completion_tokens_per_s": round(sum(r.completion_tokens or 0 for r in replies) / seconds, 1),
+        "prompt_tokens": round(statistics.mean(r.prompt_tokens or 0 for r in replies), 1),
+        "cached_tokens": mean_cached(replies),
+        "ttft_ms_median": round(statistics.median(r.ttft_ms for r in replies), 1),
+        "latency_ms_median": round(statistics.median(r.total_ms for r in replies), 1),
     }
 
 
-def one_class(url: str, students: int, max_tokens: int) -> dict:
+def one_class(server: OpenAIServer, students: int, max_tokens: int) -> dict:
     """`students` questions sent at the same moment, one each: when the first and the last
     answer came back, in ms from that moment."""
-    prime(url, max_tokens)
+    system = prime(server, max_tokens)
     ready = threading.Barrier(students + 1)
     answered_at: list[float] = []
 
     def student(i: int) -> None:
         ready.wait()
-        ask(url, i, max_tokens)
+        ask(server, system, i, max_tokens)
         answered_at.append(time.perf_counter())
 
     with concurrent.futures.ThreadPoolExecutor(students) as pool:
@@ -144,7 +149,10 @@ def start_server(args: argparse.Namespace):
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(prog="prefix_caching.py --bench server_load", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--url", help="a running server on this machine (default: start one in this process)")
+    parser.add_argument("--url", help="an OpenAI-compatible server, on this machine or any other: every request of the "
+                        "benchmark is sent there (default: start a server of this course in this process)")
+    parser.add_argument("--served-model", help="the model field of each request (default: the first of /v1/models)")
+    parser.add_argument("--api-key", help="sent as Authorization: Bearer KEY")
     parser.add_argument("--clients", type=positive_int, nargs="+", default=[1, 16], help="concurrent clients, one run each")
     parser.add_argument("--requests", type=positive_int, default=32, help="requests per run")
     parser.add_argument("--class-size", type=positive_int, default=16, help="students who ask at the same moment")
@@ -156,48 +164,49 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     add_model_arguments(parser)  # the server this starts: --model, --num-blocks, ...
     args = parser.parse_args(argv)
-    if args.url and urlparse(args.url).hostname not in LOOPBACK:
-        parser.error(f"--url must be on this machine (127.0.0.1 or localhost), got {args.url}")
     own_server = [flag for flag, given in (("--no-caching", args.no_caching), ("--no-batching", args.no_batching),
                                            ("--model", args.model), ("--num-blocks", args.num_blocks)) if given]
     if args.url and own_server:
-        parser.error(f"{own_server[0]} is for the server this starts: leave out --url")
+        parser.error(f"{own_server[0]} is for the server this starts: leave out --url (name a served model with --served-model)")
     if args.quick:
         args.clients, args.requests, args.max_tokens, args.class_size = [1, 4], 8, 4, 4
     from rich.console import Console
     from rich.table import Table
 
     console = Console()
-    server = None
-    url = args.url.rstrip("/") if args.url else None
+    own = None
+    url = args.url
     if url is None:
         console.print(f"starting the server, batching {'off' if args.no_batching else 'on'}, "
                       f"prefix caching {'off' if args.no_caching else 'on'}…")
-        url, server = start_server(args)
-    health = json.loads(urllib.request.urlopen(url + "/health", timeout=30).read())
-    console.print(f"[bold]server load[/] on {platform.machine()}, {os.cpu_count()} CPU cores, "
-                  f"model {health['model']}, {health['num_blocks']} blocks of {health['block_size']}, "
-                  f"{'batching' if health.get('batching') else 'no batching'}, max_tokens {args.max_tokens}")
+        url, own = start_server(args)
+    server = OpenAIServer(url, args.served_model, args.api_key)
+    console.print(f"[bold]server load[/] of {server.url} from {platform.machine()}, {os.cpu_count()} CPU cores, "
+                  f"model {server.model}, max_tokens {args.max_tokens}")
 
-    runs = [load(url, n, args.requests, args.max_tokens, args.time_limit) for n in args.clients]
-    burst = one_class(url, args.class_size, args.max_tokens)
-    if server is not None:
-        server.shutdown()
+    runs = [load(server, n, args.requests, args.max_tokens, args.time_limit) for n in args.clients]
+    burst = one_class(server, args.class_size, args.max_tokens)
+    if own is not None:
+        own.shutdown()
 
-    table = Table(title="chat requests sharing a system prompt, greedy (medians of TTFT and latency)")
+    table = Table(title="chat requests sharing a system prompt, greedy (medians of TTFT and latency, at the client)")
     for column in ("clients", "requests", "req/s", "tokens/s", "prompt", "cached", "TTFT ms", "latency ms"):
         table.add_column(column, justify="right")
     for r in runs:
         table.add_row(*map(str, (r["clients"], r["requests"], r["requests_per_s"], r["completion_tokens_per_s"],
-                                 r["prompt_tokens"], r["cached_tokens"], r["ttft_ms_median"], r["latency_ms_median"])))
+                                 r["prompt_tokens"], "not reported" if r["cached_tokens"] is None else r["cached_tokens"],
+                                 r["ttft_ms_median"], r["latency_ms_median"])))
     console.print(table)
+    if runs[0]["cached_tokens"] is None:
+        console.print(NOT_REPORTED)
     fewest, most = runs[0], runs[-1]
     ratio = round(most["requests_per_s"] / fewest["requests_per_s"], 2)
     console.print(f"requests/s, {most['clients']} clients / {fewest['clients']}: {ratio}x")
     console.print(f"a class of {burst['students']} asking at once: the first answer after "
                   f"{burst['first_answer_ms']:,.0f} ms, the last after {burst['last_answer_ms']:,.0f} ms")
-    results = {"machine": platform.platform(), "cpu_cores": os.cpu_count(), "model": health["model"],
-               "batching": health.get("batching", False), "caching": not args.no_caching, "runs": runs,
+    results = {"machine": platform.platform(), "cpu_cores": os.cpu_count(), "url": server.url, "model": server.model,
+               "batching": None if args.url else not args.no_batching, "caching": None if args.url else not args.no_caching,
+               "runs": runs,
                "requests_per_s_ratio": ratio, "class": burst}
     save_json(args.json, results, console)
     return results

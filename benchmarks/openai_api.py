@@ -1,0 +1,126 @@
+"""A client of the OpenAI API that measures what a prefix cache does: time to first token at
+the client, and the cached tokens a server reports, or the fact that it reports none.
+
+The benchmarks that talk to a server (server_load, cache_probe) use only this: the routes
+every OpenAI-compatible server has (/v1/chat/completions, /v1/completions, /v1/models),
+streamed, with stream_options.include_usage so the last chunk carries the usage. The same
+command then measures this course's server, vLLM, SGLang or any other. Where OpenAI puts
+the prefix cache, usage.prompt_tokens_details.cached_tokens, is optional: vLLM fills it only
+when started with --enable-prompt-tokens-details. A reply without it gives cached_tokens None,
+never 0, so a table can say "not reported" instead of a zero that would read as a miss.
+
+    server = OpenAIServer("http://127.0.0.1:5000")
+    reply = server.chat([{"role": "user", "content": "Hi"}], max_tokens=1)
+    reply.ttft_ms, reply.prompt_tokens, reply.cached_tokens
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+
+
+NOT_REPORTED = ("[yellow]This server does not report cached tokens[/] (usage.prompt_tokens_details.cached_tokens; "
+                "vLLM sends it when started with --enable-prompt-tokens-details).")
+
+
+@dataclass
+class Reply:
+    prompt_tokens: int | None  # None: the server sent no usage
+    cached_tokens: int | None  # None: the server does not report the prefix cache
+    completion_tokens: int | None
+    ttft_ms: float  # from sending the request to the first chunk holding text, at the client
+    total_ms: float  # to the end of the stream
+    text: str
+
+
+class APIFailure(RuntimeError):
+    """The server answered with an error status, or not at all; the message says which."""
+
+
+def fresh_line(rng: random.Random | None = None) -> str:
+    """A first line no earlier request began with: a prompt starting with it finds nothing
+    cached, on any server, without resetting anything.
+
+    >>> fresh_line(random.Random(0))
+    'Request 629f6fbed82c07cd.'
+    """
+    rng = rng or random.Random()
+    return f"Request {rng.getrandbits(64):016x}."
+
+
+class OpenAIServer:
+    """One OpenAI-compatible server: its URL, the model to ask for, the API key to send."""
+
+    def __init__(self, url: str, model: str | None = None, api_key: str | None = None, timeout: float = 600) -> None:
+        self.url = url.rstrip("/")
+        self.api_key = api_key
+        self.timeout = timeout
+        self.model = model or self.first_model()
+
+    def open(self, path: str, body: dict | None = None):
+        headers = {"Content-Type": "application/json"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(self.url + path, data=data, headers=headers)
+        try:
+            return urllib.request.urlopen(request, timeout=self.timeout)
+        except urllib.error.HTTPError as err:
+            raise APIFailure(f"{'POST' if data else 'GET'} {self.url + path}: {err.code} {err.read()[:300]!r}") from None
+        except urllib.error.URLError as err:
+            raise APIFailure(f"{self.url + path}: no answer ({err.reason})") from None
+
+    def first_model(self) -> str:
+        """The first model GET /v1/models lists: what a server serving one model serves."""
+        with self.open("/v1/models") as response:
+            models = json.load(response).get("data") or []
+        if not models:
+            raise APIFailure(f"{self.url}/v1/models lists no model; name one with --served-model")
+        return models[0]["id"]
+
+    def chat(self, messages: list[dict], max_tokens: int, **fields) -> Reply:
+        return self.stream("/v1/chat/completions", {"messages": messages, "max_tokens": max_tokens, **fields})
+
+    def complete(self, prompt: str, max_tokens: int, **fields) -> Reply:
+        return self.stream("/v1/completions", {"prompt": prompt, "max_tokens": max_tokens, **fields})
+
+    def stream(self, path: str, body: dict) -> Reply:
+        """POST a streamed request, greedy; time its first text and read the usage at the end."""
+        body = {"model": self.model, "temperature": 0, **body, "stream": True,
+                "stream_options": {"include_usage": True}}
+        start = time.perf_counter()
+        first = None
+        text, usage = [], None
+        with self.open(path, body) as response:
+            for raw in response:
+                line = raw.decode().strip()
+                if not line.startswith("data:") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[5:])
+                if "error" in chunk:
+                    raise APIFailure(f"{path}: the stream failed: {chunk['error']}")
+                for choice in chunk.get("choices") or []:
+                    piece = choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+                    if piece and first is None:
+                        first = time.perf_counter()
+                    text.append(piece)
+                usage = chunk.get("usage") or usage
+        end = time.perf_counter()
+        first = end if first is None else first  # a reply of no text: its first token came with the end
+        usage = usage or {}
+        details = usage.get("prompt_tokens_details") or {}
+        return Reply(usage.get("prompt_tokens"), details.get("cached_tokens"), usage.get("completion_tokens"),
+                     (first - start) * 1e3, (end - start) * 1e3, "".join(text))
+
+    def reset_prefix_cache(self) -> bool:
+        """POST /reset_prefix_cache, where the server has it (vLLM: only in dev mode); whether it worked."""
+        try:
+            with self.open("/reset_prefix_cache", {}):
+                return True
+        except APIFailure:
+            return False
