@@ -317,13 +317,16 @@ def prefix_tree(result: Replay, decode, top: int = 3, depth: int = 4) -> Tree:
     return tree
 
 
+BLOCK_SIZES = (8, 16, 32)  # vLLM's CacheConfig: on CUDA, block sizes up to 32 (vllm/config/cache.py)
+
+
 def block_size_effect(prompts, salts, studied: Replay, like_engine: bool = False) -> list[Replay]:
     """The studied replay beside the same log on pools of the same memory (num_blocks x
-    block_size tokens) cut into blocks of 8 to 64 tokens: smaller blocks reuse more of a
+    block_size tokens) cut into the other BLOCK_SIZES: smaller blocks reuse more of a
     prefix's partly shared last block; bigger ones mean fewer, larger units to look up and
     evict."""
     replays = [studied]
-    for size in (8, 16, 32, 64):
+    for size in BLOCK_SIZES:
         blocks = studied.num_blocks * studied.block_size // size
         if size != studied.block_size and blocks >= smallest_pool(prompts, size, like_engine):
             replays.append(replay(prompts, salts, blocks, size, like_engine=like_engine))
