@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import platform
 import random
 import statistics
@@ -35,8 +34,8 @@ from rich.console import Console
 from rich.table import Table
 
 from benchmarks import save_json
-from benchmarks.openai_api import NOT_REPORTED, OpenAIServer, Reply, fresh_line
-from engine import add_model_arguments, pool_arguments, positive_int
+from benchmarks.openai_api import NOT_REPORTED, OpenAIServer, Reply, add_server_arguments, fresh_line, open_server
+from engine import positive_int
 from request_logs import Writer
 
 COMPARE_TOLERANCE = 0.25  # OpenAI's streamed route and /generate: medians within 25 % of each other
@@ -108,40 +107,19 @@ def compare_generate(server: OpenAIServer, prefix: str, repeats: int, rng: rando
     return result
 
 
-def start_server(args: argparse.Namespace):
-    """A server of this course in a daemon thread on a free loopback port; (url, server)."""
-    from engine import Engine
-    from server import create_app, serve_in_background
-
-    logging.getLogger("werkzeug").setLevel(logging.WARNING)
-    engine = Engine(args.model, device=args.device, dtype=args.dtype, **pool_arguments(args), batching=True)
-    engine.warm_up()
-    return serve_in_background(create_app(engine))
-
-
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(prog="prefix_caching.py --bench cache_probe", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--url", help="an OpenAI-compatible server, on this machine or any other: every request of the "
-                        "probe is sent there (default: start a server of this course in this process)")
-    parser.add_argument("--served-model", help="the model field of each request (default: the first of /v1/models)")
-    parser.add_argument("--api-key", help="sent as Authorization: Bearer KEY")
     parser.add_argument("--prefix-words", type=positive_int, default=400, help="words of the shared prefix (default 400)")
     parser.add_argument("--repeats", type=positive_int, default=5, help="cold/warm pairs (default 5)")
     parser.add_argument("--compare-generate", action="store_true", help="also through /generate (this course's server)")
     parser.add_argument("--seed", type=int, default=None, help="the fresh first lines (default: new every run)")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
-    add_model_arguments(parser)  # the server this starts without --url
+    add_server_arguments(parser)
     args = parser.parse_args(argv)
-    if args.url and (args.model or args.num_blocks):
-        parser.error("--model and --num-blocks are for the server this starts: with --url, name the served model "
-                     "with --served-model")
     console = Console()
-    server_thread = None
-    url = args.url
-    if url is None:
+    if args.url is None:
         console.print("starting a server of this course (batching, prefix caching on)…")
-        url, server_thread = start_server(args)
-    server = OpenAIServer(url, args.served_model, args.api_key)
+    server, server_thread = open_server(parser, args, {}, batching=True)
     rng = random.Random(args.seed)
     w = Writer(0)
     prefix, letter = w.words(args.prefix_words), "Please make this letter warm but firm.\n" + w.words(120)

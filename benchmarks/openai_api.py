@@ -16,12 +16,16 @@ never 0, so a table can say "not reported" instead of a zero that would read as 
 
 from __future__ import annotations
 
+import argparse
 import json
+import logging
 import random
 import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
+
+from engine import Engine, add_model_arguments, pool_arguments
 
 
 NOT_REPORTED = ("[yellow]This server does not report cached tokens[/] (usage.prompt_tokens_details.cached_tokens; "
@@ -124,3 +128,33 @@ class OpenAIServer:
                 return True
         except APIFailure:
             return False
+
+
+# -----------------------------------------------------------------------------
+# The flags of a benchmark that measures a server: the server to measure, or the one to start
+
+
+def add_server_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--url", help="an OpenAI-compatible server, on this machine or any other: every request of the "
+                        "benchmark is sent there (default: start a server of this course in this process)")
+    parser.add_argument("--served-model", help="the model field of each request (default: the first of /v1/models)")
+    parser.add_argument("--api-key", help="sent as Authorization: Bearer KEY")
+    add_model_arguments(parser)  # the server it starts without --url
+
+
+def open_server(parser: argparse.ArgumentParser, args: argparse.Namespace, own_flags: dict[str, bool],
+                **engine_options):
+    """(OpenAIServer, the server this process started or None). With --url, a flag that only
+    the server it would start takes (own_flags: {flag: given}) is a usage error."""
+    given = [flag for flag, on in {"--model": args.model, "--num-blocks": args.num_blocks, **own_flags}.items() if on]
+    if args.url and given:
+        parser.error(f"{given[0]} is for the server this starts: leave out --url (name a served model with --served-model)")
+    started, url = None, args.url
+    if url is None:
+        from server import create_app, serve_in_background
+
+        logging.getLogger("werkzeug").setLevel(logging.WARNING)  # no line per request on the screen
+        engine = Engine(args.model, device=args.device, dtype=args.dtype, **pool_arguments(args), **engine_options)
+        engine.warm_up()
+        url, started = serve_in_background(create_app(engine))
+    return OpenAIServer(url, args.served_model, args.api_key), started

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import logging
 import os
 import platform
 import statistics
@@ -42,8 +41,8 @@ import threading
 import time
 
 from benchmarks import save_json
-from benchmarks.openai_api import NOT_REPORTED, OpenAIServer, Reply, fresh_line
-from engine import add_model_arguments, pool_arguments, positive_int
+from benchmarks.openai_api import NOT_REPORTED, OpenAIServer, Reply, add_server_arguments, fresh_line, open_server
+from engine import positive_int
 
 SYSTEM_PROMPT = (
     "You are a patient teaching assistant in a course about large language model serving. "
@@ -135,24 +134,8 @@ def one_class(server: OpenAIServer, students: int, max_tokens: int) -> dict:
             "last_answer_ms": round((max(answered_at) - start) * 1e3, 1)}
 
 
-def start_server(args: argparse.Namespace):
-    """The model served in a daemon thread on a free loopback port; (url, server)."""
-    from engine import Engine
-    from server import create_app, serve_in_background
-
-    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # no line per request on the screen
-    engine = Engine(args.model, device=args.device, dtype=args.dtype, **pool_arguments(args),
-                    enable_caching=not args.no_caching, batching=not args.no_batching)
-    engine.warm_up()
-    return serve_in_background(create_app(engine))
-
-
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(prog="prefix_caching.py --bench server_load", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--url", help="an OpenAI-compatible server, on this machine or any other: every request of the "
-                        "benchmark is sent there (default: start a server of this course in this process)")
-    parser.add_argument("--served-model", help="the model field of each request (default: the first of /v1/models)")
-    parser.add_argument("--api-key", help="sent as Authorization: Bearer KEY")
     parser.add_argument("--clients", type=positive_int, nargs="+", default=[1, 16], help="concurrent clients, one run each")
     parser.add_argument("--requests", type=positive_int, default=32, help="requests per run")
     parser.add_argument("--class-size", type=positive_int, default=16, help="students who ask at the same moment")
@@ -162,25 +145,19 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--no-caching", action="store_true", help="the same load with prefix caching off")
     parser.add_argument("--quick", action="store_true", help="1 and 4 clients, 8 requests of 4 tokens (for tests)")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
-    add_model_arguments(parser)  # the server this starts: --model, --num-blocks, ...
+    add_server_arguments(parser)
     args = parser.parse_args(argv)
-    own_server = [flag for flag, given in (("--no-caching", args.no_caching), ("--no-batching", args.no_batching),
-                                           ("--model", args.model), ("--num-blocks", args.num_blocks)) if given]
-    if args.url and own_server:
-        parser.error(f"{own_server[0]} is for the server this starts: leave out --url (name a served model with --served-model)")
     if args.quick:
         args.clients, args.requests, args.max_tokens, args.class_size = [1, 4], 8, 4, 4
     from rich.console import Console
     from rich.table import Table
 
     console = Console()
-    own = None
-    url = args.url
-    if url is None:
+    if args.url is None:
         console.print(f"starting the server, batching {'off' if args.no_batching else 'on'}, "
                       f"prefix caching {'off' if args.no_caching else 'on'}…")
-        url, own = start_server(args)
-    server = OpenAIServer(url, args.served_model, args.api_key)
+    server, own = open_server(parser, args, {"--no-caching": args.no_caching, "--no-batching": args.no_batching},
+                              enable_caching=not args.no_caching, batching=not args.no_batching)
     console.print(f"[bold]server load[/] of {server.url} from {platform.machine()}, {os.cpu_count()} CPU cores, "
                   f"model {server.model}, max_tokens {args.max_tokens}")
 
