@@ -7,10 +7,13 @@ Sections 1 to 4 run the real PrefixCachingAllocator on simulated workloads
 (lessons/workloads.py) and a tiny radix tree (lessons/radix_tree.py). Section 5 runs the
 workload analyzer (workload_analyzer.py) on request logs shaped like the article's workloads,
 as text in lessons/data/ (written by `python request_logs.py`), tokenized by SmolLM2's
-tokenizer. It is seeded: every run prints the same hit rates.
+tokenizer. It is seeded: every run prints the same hit rates. Section 6 starts a second
+server of this course (SmolLM2, batching) and measures it only through its URL and the OpenAI
+API, as it would a remote deployment (benchmarks/cache_probe.py), then says how to point the
+same commands at a real vLLM.
 
 New in this stage (marked # NEW): workloads.replay, lru_burst, RadixTree, radix_vs_hash,
-and the analyzer's read_log, tokenize_log, hit_rate_curve, variable_starts.
+the analyzer's read_log, tokenize_log, hit_rate_curve, variable_starts, and cache_probe.
 
 Read: lessons/radix_tree.py: RadixTree.match_prefix and .insert (printed when the stage
       starts).
@@ -18,6 +21,7 @@ Read: lessons/radix_tree.py: RadixTree.match_prefix and .insert (printed when th
 Run:  python lessons/10_going_further.py
 """
 
+import logging
 import sys
 from pathlib import Path
 
@@ -28,9 +32,12 @@ from rich.padding import Padding
 from rich.rule import Rule
 from rich.table import Table
 
+from benchmarks import cache_probe
+from engine import Engine
 from figures import POOL_SIZES
 from model_loader import load_tokenizer
 from request_logs import EXAMPLE_LOGS, interleave, read_log
+from server import create_app, serve_in_background
 from radix_tree import RadixTree
 from reading import show_code
 from words import Words
@@ -86,6 +93,18 @@ VLLM_TODAY = [
      "SingleTypeKVCacheManager.free passes reversed(req_blocks) to free_blocks, as here.",
      "vllm/v1/core/single_type_kv_cache_manager.py"),
 ]
+
+VLLM_HOWTO = """The same commands against any OpenAI-compatible server (every request goes to the URL you give):
+  python server.py --port 5001                                   # this course's server, in a terminal of its own
+  python prefix_caching.py --bench cache_probe --url http://127.0.0.1:5001
+  python prefix_caching.py --bench server_load --url http://127.0.0.1:5001 --clients 1 16
+A real vLLM: prefix caching is on by default in v1 (CacheConfig.enable_prefix_caching, vllm/config/cache.py);
+usage carries cached_tokens only when the server is started with --enable-prompt-tokens-details:
+  vllm serve MODEL --enable-prompt-tokens-details
+  python prefix_caching.py --bench cache_probe --url http://GPU-HOST:8000 --api-key KEY
+POST /reset_prefix_cache exists there only with VLLM_SERVER_DEV_MODE=1 (vllm/entrypoints/serve/cache/api_router.py,
+attach_router); without it both benchmarks open each cold prompt with a fresh first line instead. Predict a pool
+before you buy it: python prefix_caching.py --analyze your_requests.jsonl --model MODEL --num-blocks N."""
 
 
 def main() -> None:
@@ -174,6 +193,16 @@ def main() -> None:
     console.print("Run it on your own traffic: python prefix_caching.py --analyze requests.jsonl --plot curve.png "
                   "(--model for your model's tokenizer, --num-blocks for your pool: vLLM prints its KV cache size in "
                   "tokens at start-up; divide by the block size).")
+
+    console.print(Rule("6. A deployment measured from outside: the OpenAI API only"))
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # no access log line per request
+    engine = Engine(batching=True)  # SmolLM2-135M-Instruct, as python server.py serves it
+    engine.warm_up()
+    url, server = serve_in_background(create_app(engine))  # NEW: from here on, only its URL is used
+    console.print(f"A second server of this course listens on {url}; the probe knows nothing else about it.")
+    cache_probe.main(["--url", url, "--repeats", "3", "--seed", "0"])  # NEW
+    server.shutdown()
+    console.print(VLLM_HOWTO, soft_wrap=True, highlight=False, markup=False)
 
 
 if __name__ == "__main__":

@@ -84,7 +84,10 @@ EXPECTED_OUTPUT = {
                             "│ batch_summaries │ 80 │ 51,685 │ 10% │ 62 blocks │ 8-15% │",
                             "│ random_prompts │ 80 │ 28,119 │ 0% │ 39 blocks │ 0-2% │",
                             "150 prompts start alike but for numbers, first at character 32",
-                            "about 512 tokens are computed again per request"],
+                            "about 512 tokens are computed again per request",
+                            "the probe knows nothing else about it", "cold (a fresh first line) vs warm",
+                            "the side channel: tenant A sent the letter from Dana Whitfield",
+                            "exists there only with VLLM_SERVER_DEV_MODE=1"],
 }
 # ... and must never print.
 FORBIDDEN_OUTPUT = {"06_free_queue_lru.py": ["differs from the doc"],
