@@ -17,9 +17,9 @@ through) first. In this file:
     5. the command
 
 What the replay is, and is not. It sends the log's requests one after another, each freed
-before the next, with max_tokens=1: the engine of this course, given the same requests in the
-same order and a pool of the same size, reports the same cached tokens for every request
-(tests/test_workload_analyzer.py checks it). A server differs in two ways. It also caches the
+before the next, and decodes nothing: the engine of this course, given the same requests in
+the same order with max_tokens=1 and a pool of the same size, reports the same cached tokens
+for every request (tests/test_workload_analyzer.py checks it). A server differs in two ways. It also caches the
 blocks a reply fills while it decodes, so a later turn that sends the reply back can hit more
 than the replay counts; and it holds many running requests' blocks at once, which leaves less
 of a small pool for the cache. By default the pool is replayed as vLLM v1 runs one:
@@ -455,7 +455,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="your deployment's pool (vLLM logs its KV cache size in tokens at start-up: divide by the "
                         "block size); default: the working set")
     parser.add_argument("--like-engine", action="store_true",
-                        help="replay this course's Engine: no null block, blockless-hash freed blocks to the tail")
+                        help="replay this course's Engine: no null block, hashless freed blocks to the tail")
     parser.add_argument("--conversations-at-once", type=positive_int, default=1, metavar="N",
                         help="replay N conversations of the log at a time, taking turns (default 1: each one's turns "
                         "back to back, as the file lists them)")
@@ -484,7 +484,10 @@ def main(argv: list[str] | None = None, console: Console | None = None) -> Summa
         requests = interleave(read_log(args.log), args.conversations_at_once)
     except LogError as err:
         parser.error(str(err))
-    tokenizer = load_tokenizer(args.model)
+    try:
+        tokenizer = load_tokenizer(args.model)
+    except OSError as err:
+        parser.error(str(err))
     prompts = tokenize_log(requests, tokenizer)
     salts = [r.cache_salt for r in requests]
     tokenized = time.perf_counter()

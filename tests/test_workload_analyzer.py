@@ -165,10 +165,15 @@ def test_the_command_reports_the_curve_and_writes_the_plot(tmp_path):
     assert plot.stat().st_size > 10_000
 
 
-def test_the_command_refuses_a_missing_log_without_a_traceback(tmp_path):
-    result = subprocess.run([sys.executable, "prefix_caching.py", "--analyze", str(tmp_path / "none.jsonl")],
-                            capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert result.returncode == 2 and "no such file" in result.stderr and "Traceback" not in result.stderr
+@pytest.mark.parametrize("args, message", [
+    (["none.jsonl"], "no such file"),
+    (["lessons/data/chatbot.jsonl.xz", "--model", "no/such-model"], "could not load the model 'no/such-model'"),
+    (["lessons/data/chatbot.jsonl.xz", "--num-blocks", "3"], "--num-blocks 3 cannot hold the longest prompt"),
+])
+def test_the_command_refuses_what_it_cannot_use_without_a_traceback(args, message):
+    result = subprocess.run([sys.executable, "prefix_caching.py", "--analyze", *args], capture_output=True, text=True,
+                            timeout=120, cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr
 
 
 def test_the_example_logs_are_what_the_command_writes(tmp_path):
