@@ -368,11 +368,15 @@ def variable_starts(requests: list[LoggedRequest], tokenizer) -> list[VariableSt
     """
     groups: dict[str, dict[str, str]] = {}  # blanked start -> {start as written: the whole text}
     sizes: dict[str, int] = {}
+    blanked_of: dict[str, str] = {}  # most logs repeat a few starts: blank each one once
     for request in requests:
         text = first_text(request.prompt)
         if text:
-            blanked = VARIABLE.sub("#", text[:HEAD_CHARS])
-            groups.setdefault(blanked, {}).setdefault(text[:HEAD_CHARS], text)
+            start = text[:HEAD_CHARS]
+            blanked = blanked_of.get(start)
+            if blanked is None:
+                blanked = blanked_of[start] = VARIABLE.sub("#", start)
+            groups.setdefault(blanked, {}).setdefault(start, text)
             sizes[blanked] = sizes.get(blanked, 0) + 1
     found = []
     for blanked, spellings in groups.items():
