@@ -3,6 +3,7 @@
     python prefix_caching.py --bench analyzer                   # 10,000 and 100,000 requests
     python prefix_caching.py --bench analyzer --sizes 10000     # only the first
     python prefix_caching.py --bench analyzer --quick           # 1,000: a check that it runs
+    python prefix_caching.py --bench analyzer --sizes 10000 --logs /tmp/logs   # keep the log to analyse it again
 
 For each size it writes a log of chat requests (OpenAI bodies: one of 20 system prompts of
 about 300 tokens, the popular ones more often, then a question of 50 to 350 tokens: about 500
@@ -50,10 +51,11 @@ def time_analysis(num_requests: int, folder: Path) -> dict:
             "log_mib": round(path.stat().st_size / 2**20, 1)}
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(prog="prefix_caching.py --bench analyzer", description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", type=positive_int, nargs="+", default=[10_000, 100_000], help="requests in each log")
     parser.add_argument("--quick", action="store_true", help="one log of 1,000 requests")
+    parser.add_argument("--logs", type=Path, default=None, help="keep the logs in this folder (default: a temporary one)")
     parser.add_argument("--json", default=None, help="also write the results to this JSON file")
     args = parser.parse_args(argv)
     sizes = [1_000] if args.quick else args.sizes
@@ -63,10 +65,13 @@ def main(argv: list[str] | None = None) -> None:
                   title="python prefix_caching.py --analyze LOG, timed")
     results = []
     with tempfile.TemporaryDirectory() as folder:
+        if args.logs:
+            args.logs.mkdir(parents=True, exist_ok=True)
         for n in sizes:
-            r = time_analysis(n, Path(folder))
+            r = time_analysis(n, args.logs or Path(folder))
             results.append(r)
             table.add_row(f"{n:,}", f"{r['prompt_tokens']:,}", f"{r['log_mib']} MiB", f"{r['reading_and_tokenizing_s']} s",
                           f"{r['seconds']} s", f"{r['working_set_blocks']:,} blocks")
     console.print(table)
     save_json(args.json, results, console)
+    return results

@@ -183,3 +183,14 @@ def test_the_example_logs_are_what_the_command_writes(tmp_path):
     for name in EXAMPLE_LOGS:
         assert (tmp_path / name).read_bytes() == (ROOT / "lessons" / "data" / name).read_bytes(), name
     assert sum((ROOT / "lessons" / "data" / name).stat().st_size for name in EXAMPLE_LOGS) < 500_000  # small in git
+
+
+def test_the_analyzer_benchmark_times_a_log_it_keeps(tmp_path):
+    from benchmarks import analyzer
+
+    results = analyzer.main(["--quick", "--logs", str(tmp_path), "--json", str(tmp_path / "out.json")])
+    (run,) = json.loads((tmp_path / "out.json").read_text())
+    assert run["requests"] == 1_000 and 400_000 < run["prompt_tokens"] < 600_000  # about 500 tokens a request
+    assert run["seconds"] >= run["reading_and_tokenizing_s"] > 0 and run["working_set_blocks"] > 0
+    assert len(read_log(tmp_path / "chat_1000.jsonl")) == 1_000
+    assert results == [run]
