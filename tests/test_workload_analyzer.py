@@ -1,6 +1,6 @@
 """The workload analyzer and the logs it reads: the replay counts what the engine counts,
-the curve's last pool never evicts, the warnings fire on what they describe, and a bad log
-gets an error that names the line."""
+the curve's last pool (room for the whole log) never evicts in vLLM's order, the warnings
+fire on what they describe, and a bad log gets an error that names the line."""
 
 import json
 import os
@@ -67,13 +67,13 @@ def test_replies_add_blocks_a_log_does_not_have(make_engine, tokenizer, log):
     assert replayed.cached.tolist() != served
 
 
-def test_the_curves_last_pool_never_evicts_and_saves_the_most(tokenizer, log):
+def test_the_curves_last_pool_holds_the_whole_log_never_evicts_and_saves_the_most(tokenizer, log):
     requests = read_log(log)
     prompts, salts = tokenize_log(requests, tokenizer), [r.cache_salt for r in requests]
     prints = footprint(prompts, salts, block_size=4)
     curve = hit_rate_curve(prompts, salts, block_size=4)
     last = curve.replays[-1]
-    assert last.num_blocks == prints.never_evicting_pool and last.evictions == 0
+    assert last.num_blocks == prints.whole_log_pool and last.evictions == 0
     assert replay(prompts, salts, 10 * last.num_blocks, 4).cached == last.cached  # nothing more to find
     assert curve.replays[0].cached_tokens < last.cached_tokens
     at_working_set = curve.at(curve.working_set)
