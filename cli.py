@@ -25,8 +25,9 @@ def main(argv: list[str] | None = None) -> None:
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--walkthrough", action="store_true", help="replay the vLLM design doc's worked example")
     mode.add_argument("--demo", action="store_true", help="a real model answering questions behind one long system prompt")
-    mode.add_argument("--analyze", metavar="LOG", help="replay a request log through the allocator: hit rate vs pool size, "
-                      "the working set, hot prefixes, warnings (the flags after it are the analyzer's)")
+    mode.add_argument("--analyze", metavar="LOG",
+                      help="replay a request log through the allocator: hit rate vs pool size, the working set, "
+                      "hot prefixes, warnings (the flags after it are the analyzer's)")
     mode.add_argument("--bench", choices=BENCHMARKS, help="run a benchmark; the flags after it are the benchmark's")
     args, rest = parser.parse_known_args(argv)
     if args.help and (args.demo or args.bench or args.analyze):
@@ -48,7 +49,8 @@ def main(argv: list[str] | None = None) -> None:
     elif args.help:
         parser.print_help()
     elif rest or not args.walkthrough:
-        parser.error(f"unrecognized arguments: {' '.join(rest)}" if rest else "choose --walkthrough, --demo, --analyze LOG or --bench NAME")
+        parser.error(f"unrecognized arguments: {' '.join(rest)}" if rest
+                     else "choose --walkthrough, --demo, --analyze LOG or --bench NAME")
     else:
         from walkthrough import walkthrough
 

@@ -91,10 +91,12 @@ def check_prompt(prompt, vocab_size: int | None = None) -> str:
             raise ValueError(f"token ids must {bound}; got {bad[:5]}")
         return "ids"
     for message in prompt:
-        if not (isinstance(message, dict) and isinstance(message.get("role"), str) and isinstance(message.get("content"), str)):
+        if not (isinstance(message, dict) and isinstance(message.get("role"), str)
+                and isinstance(message.get("content"), str)):
             raise ValueError(f'each chat message must be a dict {{"role": str, "content": str}}, got {message!r:.80}')
         if message["role"] not in CHAT_ROLES:
-            raise ValueError(f"unknown chat role {message['role']!r:.40}; a message's role is one of {', '.join(CHAT_ROLES)}")
+            raise ValueError(f"unknown chat role {message['role']!r:.40}; "
+                             f"a message's role is one of {', '.join(CHAT_ROLES)}")
         check_text(message["content"], "a message's content")
     return "messages"
 
@@ -116,7 +118,8 @@ def tokenize_prompts(tokenizer, prompts: Sequence, vocab_size: int | None = None
             ids[i] = encoded
     chats = [i for i, kind in enumerate(kinds) if kind == "messages"]
     if chats:
-        rendered = tokenizer.apply_chat_template([list(prompts[i]) for i in chats], add_generation_prompt=True, return_dict=False)
+        rendered = tokenizer.apply_chat_template([list(prompts[i]) for i in chats], add_generation_prompt=True,
+                                                 return_dict=False)
         for i, encoded in zip(chats, rendered):
             ids[i] = list(encoded)
     return ids

@@ -74,12 +74,14 @@ def read_log(path: str | Path) -> list[LoggedRequest]:
         with open_log(path) as f:
             text = f.read()
     except (OSError, EOFError, UnicodeDecodeError, lzma.LZMAError) as err:
-        raise LogError(f"{path}: cannot read it as text ({err}); give JSONL, optionally compressed as .gz or .xz") from None
+        raise LogError(f"{path}: cannot read it as text ({err}); "
+                       f"give JSONL, optionally compressed as .gz or .xz") from None
     if text.lstrip().startswith("["):  # one JSON array (how ShareGPT files are often shared)
         records = enumerate(parse_json(text, f"{path}"), start=1)
         unit = "record"
     else:
-        records = ((n, parse_json(line, f"{path}, line {n}")) for n, line in enumerate(text.splitlines(), 1) if line.strip())
+        records = ((n, parse_json(line, f"{path}, line {n}"))
+                   for n, line in enumerate(text.splitlines(), 1) if line.strip())
         unit = "line"
     requests = []
     for number, record in records:
@@ -260,7 +262,8 @@ def rag(n: int = 50, num_documents: int = 80, seed: int = 0) -> list[dict]:
     requests = []
     for _ in range(n):
         document = w.rng.choice(documents)
-        requests.append({"model": "any", "prompt": f"{instruction}\nDocument: {document}\nQuestion: {w.sentence(8, 30)}\nAnswer:"})
+        prompt = f"{instruction}\nDocument: {document}\nQuestion: {w.sentence(8, 30)}\nAnswer:"
+        requests.append({"model": "any", "prompt": prompt})
     return requests
 
 
@@ -285,7 +288,8 @@ def batch_summaries(n: int = 80, seed: int = 0) -> list[dict]:
     """A 64-token instruction, then a document nobody else sends (300 to 900 tokens)."""
     w = Writer(seed)
     instruction = "Summarise the report below in three sentences for a busy reader. " + w.words(52)
-    return [{"model": "any", "prompt": f"{instruction}\nReport: {w.words(w.rng.randint(300, 900))}\nSummary:"} for _ in range(n)]
+    return [{"model": "any", "prompt": f"{instruction}\nReport: {w.words(w.rng.randint(300, 900))}\nSummary:"}
+            for _ in range(n)]
 
 
 def random_prompts(n: int = 80, seed: int = 0) -> list[dict]:

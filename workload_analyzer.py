@@ -182,7 +182,8 @@ def watch_request(alloc: PrefixCachingAllocator, index: int, num_hits: int, resu
         lost = 0
         while num_hits + lost < len(hashes) and hashes[num_hits + lost] in result.prefix_blocks:
             lost += 1
-        result.hot_misses.append(HotMiss(index, first_miss.hits, index - first_miss.last_hit - 1, lost * alloc.block_size))
+        since = index - first_miss.last_hit - 1
+        result.hot_misses.append(HotMiss(index, first_miss.hits, since, lost * alloc.block_size))
 
 
 # -----------------------------------------------------------------------------
@@ -287,7 +288,8 @@ def prefix_tree(result: Replay, decode, top: int = 3, depth: int = 4) -> Tree:
             order.append(node)
             todo.extend(children.get(node, []))
         for node in reversed(order):
-            saved[node] = result.prefix_blocks[node].hits * result.block_size + sum(saved[c] for c in children.get(node, []))
+            below = sum(saved[child] for child in children.get(node, []))
+            saved[node] = result.prefix_blocks[node].hits * result.block_size + below
         return saved[block_hash]
 
     roots = children.get(None, [])
@@ -393,7 +395,8 @@ def variable_starts(requests: list[LoggedRequest], tokenizer) -> list[VariableSt
         after = blank_a[len(VARIABLE.sub("#", a[:position])) : common]
         tokens_after = len(tokenizer.encode(after, add_special_tokens=False)) if tokenizer else len(after.split())
         found.append(VariableStart(sizes[blanked], len(spellings), position,
-                                   (a[max(0, position - 14):position + 24], b[max(0, position - 14):position + 24]), tokens_after))
+                                   (a[max(0, position - 14):position + 24], b[max(0, position - 14):position + 24]),
+                                   tokens_after))
     return sorted(found, key=lambda v: -v.requests * v.tokens_after)
 
 
@@ -456,7 +459,8 @@ def build_parser() -> argparse.ArgumentParser:
         "prefill saved vs pool size, the working set, the prefixes behind the hits, warnings.")
     parser.add_argument("log", type=Path, help="JSONL (or a JSON array, plain, .gz or .xz) of OpenAI request bodies "
                         "(messages or prompt) or ShareGPT conversations")
-    parser.add_argument("--model", default=None, help=f"whose tokenizer and chat template (default: {DEFAULT_MODEL}, offline)")
+    parser.add_argument("--model", default=None,
+                        help=f"whose tokenizer and chat template (default: {DEFAULT_MODEL}, offline)")
     parser.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block (default: 16, vLLM's)")
     parser.add_argument("--num-blocks", type=positive_int, default=None,
                         help="your deployment's pool (vLLM logs its KV cache size in tokens at start-up: divide by the "
@@ -467,7 +471,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="replay N conversations of the log at a time, taking turns (default 1: each one's turns "
                         "back to back, as the file lists them)")
     parser.add_argument("--plot", type=Path, default=None, help="write the hit rate curve to this PNG file")
-    parser.add_argument("--top", type=positive_int, default=3, help="prefixes shown at each level of the tree (default 3)")
+    parser.add_argument("--top", type=positive_int, default=3,
+                        help="prefixes shown at each level of the tree (default 3)")
     return parser
 
 
@@ -509,7 +514,8 @@ def main(argv: list[str] | None = None, console: Console | None = None) -> Summa
         curve = hit_rate_curve(prompts, salts, args.block_size, args.like_engine)
     most = curve.replays[-1]
     table = Table("num_blocks", "tokens", "hit rate", "prefill tokens saved", "evictions",
-                  title=f"the log replayed at each pool size ({'this course' if args.like_engine else 'vLLM'}'s free order)")
+                  title=f"the log replayed at each pool size "
+                        f"({'this course' if args.like_engine else 'vLLM'}'s free order)")
     for r in curve.replays:
         mark = " [bold](working set)[/]" if r.num_blocks == curve.working_set else ""
         table.add_row(f"{r.num_blocks:,}{mark}", f"{r.num_blocks * r.block_size:,}", f"{r.hit_rate:.1%}",
@@ -519,7 +525,8 @@ def main(argv: list[str] | None = None, console: Console | None = None) -> Summa
     console.print(
         f"Working set: {curve.working_set:,} blocks ({curve.working_set * args.block_size:,} tokens) save "
         f"{FLAT:.0%} of what a pool with room for the whole log saves ({most.hit_rate:.1%} hit rate, "
-        f"{most.cached_tokens:,} tokens, at {most.num_blocks:,} blocks). The article's rule, shared blocks x 1.2, gives "
+        f"{most.cached_tokens:,} tokens, at {most.num_blocks:,} blocks). "
+        f"The article's rule, shared blocks x 1.2, gives "
         f"{curve.footprint.shared_blocks:,} x 1.2 = {rule:,} blocks ({curve.footprint.distinct_blocks:,} distinct "
         f"full blocks in the log).")
 
@@ -544,5 +551,6 @@ def main(argv: list[str] | None = None, console: Console | None = None) -> Summa
         plot_curve(curve, args.plot, f"{args.log.name}: hit rate vs cache size ({len(requests):,} requests)")
         console.print(f"wrote {args.plot}")
     seconds = time.perf_counter() - start
-    console.print(f"{len(requests):,} requests analysed in {seconds:.1f} s ({tokenized - start:.1f} s reading and tokenizing).")
+    console.print(f"{len(requests):,} requests analysed in {seconds:.1f} s "
+                  f"({tokenized - start:.1f} s reading and tokenizing).")
     return Summary(len(requests), total, curve.working_set, tokenized - start, seconds)

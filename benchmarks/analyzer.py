@@ -44,7 +44,8 @@ def time_analysis(num_requests: int, folder: Path) -> dict:
     path = folder / f"chat_{num_requests}.jsonl"
     write_log(path, chat_log(num_requests))
     start = time.perf_counter()
-    summary = workload_analyzer.main([str(path)], console=Console(file=io.StringIO(), width=120))  # the report is not measured
+    report = Console(file=io.StringIO(), width=120)  # the report is not what is measured
+    summary = workload_analyzer.main([str(path)], console=report)
     seconds = time.perf_counter() - start
     return {"requests": num_requests, "prompt_tokens": summary.prompt_tokens, "seconds": round(seconds, 1),
             "reading_and_tokenizing_s": round(summary.tokenize_seconds, 1), "working_set_blocks": summary.working_set,
@@ -55,7 +56,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(prog="prefix_caching.py --bench analyzer", description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", type=positive_int, nargs="+", default=[10_000, 100_000], help="requests in each log")
     parser.add_argument("--quick", action="store_true", help="one log of 1,000 requests")
-    parser.add_argument("--logs", type=Path, default=None, help="keep the logs in this folder (default: a temporary one)")
+    parser.add_argument("--logs", type=Path, default=None,
+                        help="keep the logs in this folder (default: a temporary one)")
     parser.add_argument("--json", default=None, help="also write the results to this JSON file")
     args = parser.parse_args(argv)
     sizes = [1_000] if args.quick else args.sizes
@@ -70,8 +72,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
         for n in sizes:
             r = time_analysis(n, args.logs or Path(folder))
             results.append(r)
-            table.add_row(f"{n:,}", f"{r['prompt_tokens']:,}", f"{r['log_mib']} MiB", f"{r['reading_and_tokenizing_s']} s",
-                          f"{r['seconds']} s", f"{r['working_set_blocks']:,} blocks")
+            table.add_row(f"{n:,}", f"{r['prompt_tokens']:,}", f"{r['log_mib']} MiB",
+                          f"{r['reading_and_tokenizing_s']} s", f"{r['seconds']} s",
+                          f"{r['working_set_blocks']:,} blocks")
     console.print(table)
     save_json(args.json, results, console)
     return results

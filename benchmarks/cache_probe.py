@@ -109,7 +109,8 @@ def compare_generate(server: OpenAIServer, prefix: str, repeats: int, rng: rando
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(prog="prefix_caching.py --bench cache_probe", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--prefix-words", type=positive_int, default=400, help="words of the shared prefix (default 400)")
+    parser.add_argument("--prefix-words", type=positive_int, default=400,
+                        help="words of the shared prefix (default 400)")
     parser.add_argument("--repeats", type=positive_int, default=5, help="cold/warm pairs (default 5)")
     parser.add_argument("--compare-generate", action="store_true", help="also through /generate (this course's server)")
     parser.add_argument("--seed", type=int, default=None, help="the fresh first lines (default: new every run)")
@@ -152,9 +153,11 @@ def main(argv: list[str] | None = None) -> dict:
     for salted, label in ((False, "no salt"), (True, "a salt per tenant")):
         right = probes[salted][VICTIM]
         wrong = statistics.median(r.ttft_ms for n, r in probes[salted].items() if n != VICTIM)
-        console.print(f"{label}: the right guess took {right.ttft_ms:,.0f} ms, the wrong ones {wrong:,.0f} ms (median): "
+        console.print(f"{label}: the right guess took {right.ttft_ms:,.0f} ms, "
+                      f"the wrong ones {wrong:,.0f} ms (median): "
                       f"{right.ttft_ms / wrong:.2f} of their time")
-    results["side_channel"] = {("salted" if s else "open"): {n: r.__dict__ for n, r in p.items()} for s, p in probes.items()}
+    results["side_channel"] = {("salted" if salted else "open"): {name: r.__dict__ for name, r in replies.items()}
+                               for salted, replies in probes.items()}
 
     if args.compare_generate:
         comparison = compare_generate(server, prefix, args.repeats, rng)

@@ -75,7 +75,8 @@ class OpenAIServer:
         try:
             return urllib.request.urlopen(request, timeout=self.timeout)
         except urllib.error.HTTPError as err:
-            raise APIFailure(f"{'POST' if data else 'GET'} {self.url + path}: {err.code} {err.read()[:300]!r}") from None
+            method = "POST" if data else "GET"
+            raise APIFailure(f"{method} {self.url + path}: {err.code} {err.read()[:300]!r}") from None
         except urllib.error.URLError as err:
             raise APIFailure(f"{self.url + path}: no answer ({err.reason})") from None
 
@@ -148,7 +149,8 @@ def open_server(parser: argparse.ArgumentParser, args: argparse.Namespace, own_f
     the server it would start takes (own_flags: {flag: given}) is a usage error."""
     given = [flag for flag, on in {"--model": args.model, "--num-blocks": args.num_blocks, **own_flags}.items() if on]
     if args.url and given:
-        parser.error(f"{given[0]} is for the server this starts: leave out --url (name a served model with --served-model)")
+        parser.error(f"{given[0]} is for the server this starts: leave out --url "
+                     f"(name a served model with --served-model)")
     started, url = None, args.url
     if url is None:
         from server import create_app, serve_in_background

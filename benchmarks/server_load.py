@@ -171,7 +171,8 @@ def main(argv: list[str] | None = None) -> dict:
         table.add_column(column, justify="right")
     for r in runs:
         table.add_row(*map(str, (r["clients"], r["requests"], r["requests_per_s"], r["completion_tokens_per_s"],
-                                 r["prompt_tokens"], "not reported" if r["cached_tokens"] is None else r["cached_tokens"],
+                                 r["prompt_tokens"],
+                                 "not reported" if r["cached_tokens"] is None else r["cached_tokens"],
                                  r["ttft_ms_median"], r["latency_ms_median"])))
     console.print(table)
     if runs[0]["cached_tokens"] is None:
@@ -182,7 +183,8 @@ def main(argv: list[str] | None = None) -> dict:
     console.print(f"a class of {burst['students']} asking at once: the first answer after "
                   f"{burst['first_answer_ms']:,.0f} ms, the last after {burst['last_answer_ms']:,.0f} ms")
     results = {"machine": platform.platform(), "cpu_cores": os.cpu_count(), "url": server.url, "model": server.model,
-               "batching": None if args.url else not args.no_batching, "caching": None if args.url else not args.no_caching,
+               "batching": None if args.url else not args.no_batching,
+               "caching": None if args.url else not args.no_caching,
                "runs": runs,
                "requests_per_s_ratio": ratio, "class": burst}
     save_json(args.json, results, console)

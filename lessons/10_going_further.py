@@ -166,7 +166,8 @@ def main() -> None:
     console.print(Rule("5. Your own traffic: the workload analyzer on logs shaped like the article's workloads"))
     tokenizer = load_tokenizer()
     table = Table("log (lessons/data)", "requests", "prompt tokens", "hit rate, a pool for the whole log",
-                  "working set", "the article", title="python prefix_caching.py --analyze LOG, blocks of 16, vLLM's pool")
+                  "working set", "the article",
+                  title="python prefix_caching.py --analyze LOG, blocks of 16, vLLM's pool")
     for name, (_, article) in EXAMPLE_LOGS.items():
         requests = interleave(read_log(LOGS / name), CONVERSATIONS_AT_ONCE)  # NEW
         prompts = tokenize_log(requests, tokenizer)  # NEW

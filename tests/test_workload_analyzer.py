@@ -135,8 +135,8 @@ def test_sharegpt_conversations_give_one_request_per_user_turn_and_interleave(tm
     requests = read_log(path)
     assert [len(r.prompt) for r in requests] == [2, 4, 2]
     assert requests[1].prompt[2] == {"role": "assistant", "content": "Hello!"}
-    assert [r.where for r in interleave(requests, 2)] == ["chats.json, record 1, turn 2", "chats.json, record 2, turn 2",
-                                                          "chats.json, record 1, turn 4"]
+    assert [r.where for r in interleave(requests, 2)] == [
+        "chats.json, record 1, turn 2", "chats.json, record 2, turn 2", "chats.json, record 1, turn 4"]
 
 
 @pytest.mark.parametrize("line, message", [
@@ -158,7 +158,8 @@ def test_the_command_reports_the_curve_and_writes_the_plot(tmp_path):
     plot = tmp_path / "curve.png"
     result = subprocess.run(
         [sys.executable, "prefix_caching.py", "--analyze", "lessons/data/chatbot_with_timestamp.jsonl.xz",
-         "--plot", str(plot)], capture_output=True, text=True, timeout=300, cwd=ROOT, env={**os.environ, "COLUMNS": "250"},
+         "--plot", str(plot)],
+        capture_output=True, text=True, timeout=300, cwd=ROOT, env={**os.environ, "COLUMNS": "250"},
     )
     assert result.returncode == 0, result.stderr
     assert "Working set:" in result.stdout and "150 prompts start alike but for numbers" in result.stdout
