@@ -364,10 +364,10 @@ class EngineLoop:
         for good) when the pool cannot be put right."""
         scheduler, alloc = self.scheduler, self.engine.allocator
         try:
-            with self.engine.allocator_lock, self._wake:
-                queued = {id(request) for request in self._inbox}
-                lost = [request for request in self.live.values() if id(request) not in queued]
             with self.engine.allocator_lock:
+                with self._wake:
+                    queued = {id(request) for request in self._inbox}
+                    lost = [request for request in self.live.values() if id(request) not in queued]
                 for request in lost:
                     if request.status != FINISHED and (request in scheduler.running or request in scheduler.waiting):
                         scheduler.finish(request)
@@ -479,7 +479,8 @@ class EngineLoop:
             text = state.builder.abort()
             self.runner.close_reply(request, end)
             self._forget(request)
-            state.events.put(StreamEvent(request.output_ids[-1] if request.output_ids else -1, text, "abort", state.reply))
+            last_token = request.output_ids[-1] if request.output_ids else -1  # -1: cut before its first token
+            state.events.put(StreamEvent(last_token, text, "abort", state.reply))
         self.stop()
 
     def _end_waiting(self) -> bool:
