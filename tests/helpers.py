@@ -141,3 +141,36 @@ def paused(engine, timeout: float = 30.0):
     finally:
         hook.remove()
         release.set()
+
+
+@contextlib.contextmanager
+def held_in_step(engine, step: int = 1):
+    """The `step`-th forward pass from now waits inside the model until release.set() or the
+    block ends; yields (inside, release): inside is set once it waits there."""
+    inside, release, passes = threading.Event(), threading.Event(), []
+
+    def pause(module, args):
+        passes.append(1)
+        if len(passes) == step:
+            inside.set()
+            release.wait(60)
+
+    hook = engine.model.register_forward_pre_hook(pause)
+    try:
+        yield inside, release
+    finally:
+        release.set()
+        hook.remove()
+
+
+@contextlib.contextmanager
+def queued_together(engine):
+    """Requests sent inside the block wait in the queue, and the next step admits them all at
+    once: until the block ends, the loop is held inside the step of an opener request (one
+    token, so it is gone by then)."""
+    opener = threading.Thread(target=engine.generate, args=([1, 2, 3],), kwargs={"max_tokens": 1})
+    with held_in_step(engine) as (inside, _):
+        opener.start()
+        assert inside.wait(30)
+        yield
+    opener.join(60)

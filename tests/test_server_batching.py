@@ -9,7 +9,6 @@ the step after takes them all at once.
 """
 
 import concurrent.futures
-import contextlib
 import http.client
 import json
 import logging
@@ -22,7 +21,9 @@ import pytest
 
 from batch_engine import EngineLoop
 from engine import Engine
-from helpers import MODEL, SYSTEM, call, client, raw_request, serve, wait_for_log, wait_until_idle
+from helpers import (
+    MODEL, SYSTEM, call, client, held_in_step, queued_together, raw_request, serve, wait_for_log, wait_until_idle,
+)
 from server import create_app
 
 ALICE, BOB = {"Authorization": "Bearer alice-key"}, {"Authorization": "Bearer bob-key"}
@@ -61,39 +62,6 @@ def health_when(url: str, ready, headers=None, timeout: float = 30.0) -> dict:
             return health
         assert time.monotonic() < deadline, f"/health never got there: {health}"
         time.sleep(0.02)
-
-
-@contextlib.contextmanager
-def held_in_step(engine: Engine, step: int = 1):
-    """The `step`-th forward pass from now waits inside the model until release.set() or the
-    block ends; yields (inside, release): inside is set once it waits there."""
-    inside, release, passes = threading.Event(), threading.Event(), []
-
-    def pause(module, args):
-        passes.append(1)
-        if len(passes) == step:
-            inside.set()
-            release.wait(60)
-
-    hook = engine.model.register_forward_pre_hook(pause)
-    try:
-        yield inside, release
-    finally:
-        release.set()
-        hook.remove()
-
-
-@contextlib.contextmanager
-def queued_together(engine: Engine):
-    """Requests sent inside the block wait in the queue, and the next step admits them all at
-    once: until the block ends, the loop is held inside the step of an opener request (one
-    token, so it is gone by then)."""
-    opener = threading.Thread(target=engine.generate, args=([1, 2, 3],), kwargs={"max_tokens": 1})
-    with held_in_step(engine) as (inside, _):
-        opener.start()
-        assert inside.wait(30)
-        yield
-    opener.join(60)
 
 
 # --- many clients, one forward pass per step --------------------------------------------------------

@@ -8,7 +8,6 @@ needs it, and the tests poll for what they wait for, with a deadline.
 """
 
 import concurrent.futures
-import contextlib
 import http.client
 import json
 import re
@@ -20,7 +19,10 @@ import pytest
 
 from batch_engine import EngineLoop
 from engine import Engine
-from helpers import MODEL, SYSTEM, EmbeddingCounter, call, call_with_headers, raw_request, serve, wait_until_idle
+from helpers import (
+    MODEL, SYSTEM, EmbeddingCounter, call, call_with_headers, held_in_step, queued_together, raw_request, serve,
+    wait_until_idle,
+)
 from server import ServerState, create_app, drain, serve_in_background
 
 ALICE, BOB, ADMIN = ({"Authorization": f"Bearer {key}"} for key in ("alice-key", "bob-key", "s3cret"))
@@ -43,29 +45,6 @@ def until(ready, timeout: float = 30.0, what: str = "the condition"):
             return value
         time.sleep(0.01)
     raise AssertionError(f"{what} did not hold within {timeout} s")
-
-
-@contextlib.contextmanager
-def held(engine: Engine):
-    """The engine loop held inside the forward pass of an opener request (1 token) until the
-    block ends: what is sent meanwhile waits in the queue."""
-    inside, release = threading.Event(), threading.Event()
-
-    def pause(module, args):
-        inside.set()
-        release.wait(60)
-
-    hook = engine.model.register_forward_pre_hook(pause)
-    opener = threading.Thread(target=engine.generate, args=([1, 2, 3],), kwargs={"max_tokens": 1})
-    opener.start()
-    try:
-        assert inside.wait(30)
-        hook.remove()  # later passes run freely
-        yield
-    finally:
-        hook.remove()
-        release.set()
-        opener.join(60)
 
 
 def read_reply(sock: socket.socket) -> tuple[int, dict, bytes]:
@@ -95,7 +74,7 @@ def test_clients_that_hang_up_while_they_wait_are_dropped_before_their_prefill(t
     engine = batching_engine(tiny_model, tokenizer)
     counter = EmbeddingCounter(engine.model)
     with serve(create_app(engine, model_name=MODEL)) as url:
-        with held(engine):
+        with queued_together(engine):
             for i in range(6):  # each sends a long prompt and hangs up at once
                 body = json.dumps({"prompt": SYSTEM * 4 + f"Question {i}?", "max_tokens": 64}).encode()
                 raw_request(url, post_head("/generate", body), body).close()
@@ -113,26 +92,14 @@ def test_a_client_that_leaves_during_a_chunked_prefill_stops_it_between_chunks(t
     # is read and thrown away, and the close behind it is seen.
     engine = batching_engine(tiny_model, tokenizer, max_num_seqs=4, max_num_batched_tokens=16)
     counter = EmbeddingCounter(engine.model)
-    inside, release, passes = threading.Event(), threading.Event(), []
-
-    def pause(module, args):  # hold the second chunk's forward pass
-        passes.append(1)
-        if len(passes) == 2:
-            inside.set()
-            release.wait(60)
-
     body = json.dumps({"prompt": list(range(100, 200)), "max_tokens": 4}).encode()  # 100 tokens: 7 chunks
     with serve(create_app(engine, model_name=MODEL)) as url:
-        hook = engine.model.register_forward_pre_hook(pause)
-        try:
+        with held_in_step(engine, step=2) as (inside, release):  # the second chunk's forward pass
             sock = raw_request(url, post_head("/generate", body), body + after_body)
             assert inside.wait(30)
             sock.close()
             release.set()
             wait_until_idle(engine)
-        finally:
-            release.set()
-            hook.remove()
     counter.handle.remove()
     assert counter.count == 32 and engine.snapshot().num_steps == 2  # two chunks of 16, then dropped
 
@@ -143,7 +110,7 @@ def test_a_client_that_leaves_during_a_chunked_prefill_stops_it_between_chunks(t
 def test_a_full_queue_answers_503_with_retry_after(tiny_model, tokenizer):
     engine = batching_engine(tiny_model, tokenizer, max_num_seqs=1, max_num_batched_tokens=64)
     with serve(create_app(engine, model_name=MODEL, max_waiting=2)) as url:
-        with concurrent.futures.ThreadPoolExecutor(2) as pool, held(engine):
+        with concurrent.futures.ThreadPoolExecutor(2) as pool, queued_together(engine):
             queued = [pool.submit(call, url, "/generate", {"prompt": f"Hi {i}", "max_tokens": 2}) for i in range(2)]
             until(lambda: len(engine.snapshot().waiting) == 2, what="two requests in the queue")
             status, reply, headers = call_with_headers(url, "/generate", {"prompt": "One more", "max_tokens": 2})
@@ -249,7 +216,7 @@ def test_a_loop_that_cannot_be_restarted_makes_health_503_and_refuses_at_once(ti
 def test_a_request_waits_no_longer_than_its_deadline(tiny_model, tokenizer):
     engine = batching_engine(tiny_model, tokenizer, max_num_seqs=1, max_num_batched_tokens=64)
     with serve(create_app(engine, model_name=MODEL, request_timeout=0.2)) as url:
-        with held(engine):  # the opener holds the only seat past the deadline
+        with queued_together(engine):  # the opener holds the only seat past the deadline
             status, reply, headers = call_with_headers(url, "/generate", {"prompt": "Hi", "max_tokens": 2})
         assert status == 503 and "did not finish within 0.2 s" in reply["error"]["message"]
         assert headers["Retry-After"] == "2"
@@ -332,16 +299,7 @@ def test_shutdown_ends_streams_with_a_last_event_and_done_and_waiting_requests_w
     engine = batching_engine(tiny_model, tokenizer, max_num_seqs=1, max_num_batched_tokens=64)
     url, server = serve_in_background(create_app(engine, model_name=MODEL))
     host, port = url.removeprefix("http://").split(":")
-    inside, release, passes = threading.Event(), threading.Event(), []
-
-    def pause(module, args):  # the stream's third step waits here
-        passes.append(1)
-        if len(passes) == 3:
-            inside.set()
-            release.wait(60)
-
-    hook = engine.model.register_forward_pre_hook(pause)
-    try:
+    with held_in_step(engine, step=3) as (inside, release):  # the stream's third step waits there
         conn = http.client.HTTPConnection(host, int(port), timeout=30)
         conn.request("POST", "/v1/completions", json.dumps({"prompt": "Tell me a story", "max_tokens": 200, "stream": True}),
                      {"Content-Type": "application/json"})
@@ -357,9 +315,6 @@ def test_shutdown_ends_streams_with_a_last_event_and_done_and_waiting_requests_w
             release.set()  # the held step ends; the stream is cut between two steps
             events = [line for line in stream.read().decode().split("\n\n") if line]
             stopping.join(30)
-    finally:
-        release.set()
-        hook.remove()
     assert not stopping.is_alive()
     assert events[-1] == "data: [DONE]" and json.loads(events[-2][6:])["choices"][0]["finish_reason"] == "abort"
     assert engine.allocator.block_tables == {} and engine.loop.live == {}
