@@ -153,10 +153,17 @@ def open_server(parser: argparse.ArgumentParser, args: argparse.Namespace, own_f
                      f"(name a served model with --served-model)")
     started, url = None, args.url
     if url is None:
-        from server import create_app, serve_in_background
-
-        logging.getLogger("werkzeug").setLevel(logging.WARNING)  # no line per request on the screen
-        engine = Engine(args.model, device=args.device, dtype=args.dtype, **pool_arguments(args), **engine_options)
-        engine.warm_up()
-        url, started = serve_in_background(create_app(engine))
+        url, started, _ = start_server(args, **engine_options)
     return OpenAIServer(url, args.served_model, args.api_key), started
+
+
+def start_server(args: argparse.Namespace, **engine_options):
+    """A server of this course in this process, on a free loopback port, over the model and
+    pool of add_model_arguments' flags: (url, the server, its engine)."""
+    from server import create_app, serve_in_background
+
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # no line per request on the screen
+    engine = Engine(args.model, device=args.device, dtype=args.dtype, **pool_arguments(args), **engine_options)
+    engine.warm_up()
+    url, server = serve_in_background(create_app(engine))
+    return url, server, engine

@@ -33,7 +33,8 @@ import threading
 import time
 
 from benchmarks import save_json
-from engine import add_model_arguments, pool_arguments, positive_int
+from benchmarks.openai_api import start_server
+from engine import add_model_arguments, positive_int
 
 SYSTEM_PROMPT = (
     "You are a patient teaching assistant in a course about large language model serving. "
@@ -132,16 +133,11 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     from rich.console import Console
 
-    from engine import Engine
-    from server import create_app, serve_in_background
-
     console = Console()
     console.print("starting the server…")
+    url, server, engine = start_server(args, batching=True)
     logging.getLogger("werkzeug").setLevel(logging.ERROR)
     logging.getLogger("server").setLevel(logging.ERROR)  # one warning per abusive request otherwise
-    engine = Engine(args.model, device=args.device, dtype=args.dtype, **pool_arguments(args), batching=True)
-    engine.warm_up()
-    url, server = serve_in_background(create_app(engine))
     host, port = "127.0.0.1", int(url.rsplit(":", 1)[1])
     console.print(f"[bold]server under abuse[/] on {platform.machine()}, {os.cpu_count()} CPU cores, "
                   f"{engine.device.type}, {args.honest} honest clients streaming {args.max_tokens} tokens, "
