@@ -21,7 +21,6 @@ How many threads a step runs with on a CPU is cpu_threads.py's to choose.
 from __future__ import annotations
 
 import atexit
-import contextlib
 import logging
 import queue
 import threading
@@ -33,7 +32,7 @@ from typing import Callable
 import torch
 
 from batch_attention import StepInputs, build_step, use_pool_attention
-from cpu_threads import ThreadChooser
+from cpu_threads import ThreadChooser, one_pass
 from outputs import Generation, ReplyBuilder, StreamEvent
 from prefix_caching import OutOfBlocksError
 from sampling import SamplingParams, sample_batch
@@ -147,8 +146,7 @@ class BatchRunner:
                     s.request.payload.reply.cached_tokens = s.request.num_cached_tokens
             prefill = self.last_step.num_prefill_tokens > 0
             kind = (prefill, plan.num_tokens.bit_length())  # steps about as big are timed together
-            threads = contextlib.nullcontext() if self.threads is None else self.threads.running(kind, not prefill)
-            with threads, torch.inference_mode():
+            with one_pass(self.threads, engine.device, kind, may_probe=not prefill), torch.inference_mode():
                 logits = engine.model(
                     input_ids=inputs.input_ids, position_ids=inputs.positions, use_cache=False,
                     logits_to_keep=inputs.last_token, pool_step=inputs,

@@ -1,11 +1,15 @@
 """
-How many threads a batched step runs with on a CPU, chosen by measuring the machine.
+How many threads each forward pass runs with on a CPU, chosen by measuring the machine.
 
-Read batch_engine.py's BatchRunner.step, which asks ThreadChooser before each forward pass.
+Every forward pass the course runs on a CPU goes through one_pass below: stage 7's
+one-request engine (one_request.py, which the demo runs), stage 8's batched step
+(batch_engine.py), the lessons' own loops and the benchmarks' floors. Peers (transformers'
+generate, llama.cpp) are not wrapped: they keep their own thread counts.
 
     cpu_sample / cores_used_by_others   how many cores other programs kept busy (/proc/stat)
     ThreadChooser                        torch's own thread count, or one when others are busy;
                                          ThreadChooser.running wraps one forward pass
+    one_pass                             the wrap for one forward pass on any device
 """
 
 from __future__ import annotations
@@ -80,6 +84,7 @@ class ThreadChooser:
         self.next_probe = 0
         self.interval = self.FIRST_PROBE
         self.last_end = 0.0  # when the latest step ended (time.perf_counter)
+        self.passes: dict[int, int] = {}  # thread count -> forward passes run with it
 
     @contextlib.contextmanager
     def running(self, kind, may_probe: bool = True):
@@ -97,6 +102,7 @@ class ThreadChooser:
             yield
         finally:
             torch.set_num_threads(most)
+        self.passes[threads] = self.passes.get(threads, 0) + 1
         self.record(kind, threads, time.perf_counter() - started, cores_used_by_others(sample, cpu_sample()))
 
     def choose(self, kind, most: int, may_probe: bool = True) -> int:
@@ -136,3 +142,14 @@ class ThreadChooser:
         elif threads > 1 and busy:
             self.threads = 1  # other programs took some of the cores
             self.next_probe = self.steps + self.interval
+
+
+def one_pass(chooser: ThreadChooser | None, device, kind, may_probe: bool = True):
+    """The context one forward pass runs in: on a CPU, the chooser's thread count for a pass
+    of this kind (put back after); on a GPU, or with no chooser, nothing changes (there the
+    CPU only launches kernels). kind: steps of the same kind are timed against each other,
+    e.g. ("decode", 1) or ("prefill", tokens.bit_length()). may_probe: False for passes too
+    costly to try all the cores on while other programs may be busy (a long prefill)."""
+    if chooser is None or torch.device(device).type != "cpu":
+        return contextlib.nullcontext()
+    return chooser.running(kind, may_probe)

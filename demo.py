@@ -13,6 +13,7 @@ import time
 from rich.console import Console
 from rich.table import Table
 
+from cpu_threads import ThreadChooser, cores_used_by_others, cpu_sample
 from engine import Engine, Generation, pool_arguments
 from model_loader import DEFAULT_MODEL
 from walkthrough import render_free_queue, render_stats
@@ -86,7 +87,7 @@ def run_demo(args: argparse.Namespace) -> list[Generation]:
     engine.warm_up()
 
     replies: list[Generation] = []
-    started = time.perf_counter()
+    started, machine = time.perf_counter(), cpu_sample()
     for i, question in enumerate(DEMO_QUESTIONS, 1):
         reply = engine.generate([system, {"role": "user", "content": question}], max_tokens=DEMO_MAX_TOKENS)
         replies.append(reply)
@@ -111,5 +112,30 @@ def run_demo(args: argparse.Namespace) -> list[Generation]:
         f"{cached / prompt_tokens:.0%}: {cached:,} of {prompt_tokens:,} prompt tokens came from the pool, "
         f"so the model prefilled {prompt_tokens - cached:,} tokens instead of {prompt_tokens:,}."
     )
+    others = cores_used_by_others(machine, cpu_sample())
+    if engine.device.type == "cpu":
+        console.print(machine_note(engine.threads, others))
     console.print(render_free_queue(engine.allocator, max_blocks=12), render_stats(engine.allocator))
     return replies
+
+
+def machine_note(threads: ThreadChooser | None, others: float | None) -> str:
+    """What the machine was doing while the demo ran, so a slow run explains itself: how many
+    cores other programs kept busy (read from /proc/stat, on Linux) and the thread counts the
+    forward passes ran with (cpu_threads.py picks one thread while others are busy).
+
+    >>> chooser = ThreadChooser(); chooser.passes = {1: 230, 2: 10}
+    >>> machine_note(chooser, others=1.7)
+    'The machine was busy: other programs kept 1.7 cores busy while the demo ran, so its times are slower than on a quiet machine. Forward passes: 230 with 1 thread, 10 with 2 threads.'
+    """
+    if others is None:
+        sentence = "How busy the machine was is not known here (no /proc/stat)."
+    elif others >= ThreadChooser.OTHERS:
+        sentence = (f"The machine was busy: other programs kept {others:.1f} cores busy while the demo ran, so its "
+                    f"times are slower than on a quiet machine.")
+    else:
+        sentence = f"The machine was quiet: other programs kept {others:.1f} cores busy while the demo ran."
+    if threads is not None and threads.passes:
+        counts = ", ".join(f"{n} with {t} thread{'s' if t > 1 else ''}" for t, n in sorted(threads.passes.items()))
+        sentence += f" Forward passes: {counts}."
+    return sentence

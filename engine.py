@@ -7,11 +7,11 @@ Read prefix_caching.py (the allocator) first. Under this file, each with one rol
     kv_pool.py        PagedKVPool: the K/V memory the allocator's block ids point into
     sampling.py       SamplingParams and sample
     outputs.py        Generation, StreamEvent, and ReplyBuilder: the one finisher of reply text
+    cpu_threads.py    how many threads each forward pass runs with on a CPU
     one_request.py    stage 7: one request at a time, its cached prefix gathered into
                       past_key_values (Engine(batching=False), the default here)
     scheduler.py      stage 8: which requests run in the next step (pure Python)
     batch_attention.py  stage 8: one forward pass's attention for every request, on the pool
-    cpu_threads.py    how many threads a batched step runs with on a CPU
     batch_engine.py   stage 8: one forward pass per step for every running request, and the
                       engine loop that runs it for callers in many threads (batching=True)
 
@@ -212,8 +212,8 @@ class Engine:
         self.scheduler_options = {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
                                   "enable_chunked_prefill": enable_chunked_prefill}
         self.cascade_attention = cascade_attention  # batched decodes sharing a prefix read it once
-        # Batched steps on a CPU pick their thread count by measuring (cpu_threads.ThreadChooser);
-        # what it learns serves every batch of this engine. choose_threads=False keeps torch's.
+        # Every forward pass on a CPU picks its thread count by measuring (cpu_threads.ThreadChooser):
+        # one request's, and each batched step's. choose_threads=False keeps torch's.
         self.threads = ThreadChooser() if choose_threads else None
         batch_options = {"cascade_attention": cascade_attention, "threads": self.threads,
                          "choose_threads": choose_threads, **self.scheduler_options}

@@ -29,6 +29,7 @@ from typing import Iterator
 
 import torch
 
+from cpu_threads import ThreadChooser, one_pass
 from outputs import Generation, ReplyBuilder, StreamEvent
 from prefix_caching import OutOfBlocksError
 from sampling import SamplingParams, sample
@@ -49,11 +50,14 @@ class _Stopwatch:
         return elapsed
 
 
-def forward(model, token_ids: list[int], past_key_values):
+def forward(model, token_ids: list[int], past_key_values, threads: ThreadChooser | None = None):
     """Logits of the last position. past_key_values grows in place by len(token_ids)
-    tokens; position ids continue after what it already holds."""
+    tokens; position ids continue after what it already holds. threads: on a CPU, the pass
+    runs with the thread count it picks (cpu_threads.py), as every batched step does."""
     input_ids = torch.tensor([token_ids], device=model.device)
-    output = model(input_ids=input_ids, past_key_values=past_key_values, use_cache=True, logits_to_keep=1)
+    kind = ("one request", len(token_ids) > 1, len(token_ids).bit_length())  # passes about as big are compared
+    with one_pass(threads, model.device, kind, may_probe=len(token_ids) == 1):
+        output = model(input_ids=input_ids, past_key_values=past_key_values, use_cache=True, logits_to_keep=1)
     return output.logits[0, -1]
 
 
@@ -62,8 +66,9 @@ def run_request(engine, request_id: str, prompt_ids: list[int], params: Sampling
     """Yield a StreamEvent per generated token of one request, run in the caller's thread.
 
     engine: what it runs on (engine.Engine): its model, tokenizer, stop_token_ids, allocator,
-    kv (the PagedKVPool), and its two locks: lock, held for every step (a prefill, or one
-    decoded token), and allocator_lock, held around the allocator's bookkeeping only.
+    kv (the PagedKVPool), threads (the ThreadChooser every CPU pass of the engine uses, or
+    None), and its two locks: lock, held for every step (a prefill, or one decoded token),
+    and allocator_lock, held around the allocator's bookkeeping only.
     """
     alloc, kv, model = engine.allocator, engine.kv, engine.model
     block_size = alloc.block_size
@@ -89,7 +94,7 @@ def run_request(engine, request_id: str, prompt_ids: list[int], params: Sampling
             reply.prefill.lookup_ms = clock.lap()
             past_key_values = kv.gather(table[: num_cached // block_size], model.config)
             reply.prefill.gather_ms = clock.lap()
-            logits = forward(model, prompt_ids[num_cached:], past_key_values)
+            logits = forward(model, prompt_ids[num_cached:], past_key_values, engine.threads)
             reply.prefill.forward_ms = clock.lap()
             kv.write(past_key_values, table, num_cached, len(prompt_ids))
             num_computed = len(prompt_ids)
@@ -107,7 +112,7 @@ def run_request(engine, request_id: str, prompt_ids: list[int], params: Sampling
                 with engine.allocator_lock:
                     alloc.append_token(request_id, token)  # its K/V is computed right below
                     table = list(alloc.block_tables[request_id])
-                logits = forward(model, [token], past_key_values)
+                logits = forward(model, [token], past_key_values, engine.threads)
                 kv.write(past_key_values, table, num_computed, num_computed + 1)
                 num_computed += 1
                 token = sample(logits, params, generator)

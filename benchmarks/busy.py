@@ -1,24 +1,35 @@
-"""Throughput on a busy machine: the batch engine, and transformers', beside other programs.
+"""Speed on a busy machine: the demo, one request, the batch engine, and transformers', beside
+other programs.
 
     python prefix_caching.py --bench busy [--programs 2] [--requests 16] [--json out.json]
 
-A student's laptop runs a browser and Jupyter beside the course. This runs --bench
-throughput's ways (c), this engine batched with caching, and (d), transformers' own
-continuous batching, first on a quiet machine and then beside --programs busy programs that
-it starts itself (each a Python process spinning on one core) and stops when it is done,
-even if it fails. The same requests, greedy, both times.
+A student's laptop runs a browser and Jupyter beside the course. This runs each of these
+first on a quiet machine and then beside --programs busy programs that it starts itself (each
+a Python process spinning on one core) and stops when it is done, even if it fails:
 
-Reported: each way's seconds quiet and busy, busy over quiet, and (c) against (d) in each.
-(d) runs at transformers' own thread count: the batch engine sets torch's thread count for
-each of its forward passes only (cpu_threads.ThreadChooser) and puts it back after.
+    demo     `python prefix_caching.py --demo`, the whole command, in a process of its own
+    one      one request of --one-tokens new tokens on stage 7's one-request engine (cold pool,
+             the median of three)
+    (c)      --bench throughput's (c): --requests requests batched with caching
+    (d)      --bench throughput's (d): transformers' own continuous batching
+
+The same requests, greedy, both times. Reported: each one's seconds quiet and busy, busy over
+quiet (the target: at most 2.5x for the demo and the one request), and (c) against (d) in
+each. (d) runs at transformers' own thread count: the engine sets torch's thread count for
+each of its forward passes only (cpu_threads.one_pass) and puts it back after.
+--fixed-threads adds the engine with torch's thread count kept for every pass
+(Engine(choose_threads=False)) beside the busy programs: what the choice saves.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import statistics
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import torch
 from rich.table import Table
@@ -51,55 +62,97 @@ def run_ways(engine: Engine, hf_model, prompts, max_tokens: int) -> tuple[dict, 
     return {"c": summary("(c)", *c, None), "d": summary("(d)", *d, None)}, [c[1], d[1]]
 
 
+def run_one(engine: Engine, prompt: list[int], max_tokens: int) -> tuple[float, list[int]]:
+    """One request on the one-request engine from a cold pool, three times: the median seconds,
+    and its tokens."""
+    seconds, tokens = [], None
+    for _ in range(3):
+        engine.allocator.reset_prefix_cache()
+        start = time.perf_counter()
+        reply = engine.generate(prompt, max_tokens=max_tokens)
+        seconds.append(time.perf_counter() - start)
+        tokens = reply.token_ids
+    return statistics.median(seconds), tokens
+
+
+def run_demo(args) -> float:
+    """`python prefix_caching.py --demo` with this benchmark's model flags: its seconds, start to end."""
+    command = [sys.executable, str(Path(__file__).resolve().parents[1] / "prefix_caching.py"), "--demo"]
+    for flag in ("model", "device", "dtype", "num_blocks", "kv_memory_gb"):
+        if getattr(args, flag) is not None:
+            command += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+    command += ["--block-size", str(args.block_size)]
+    start = time.perf_counter()
+    subprocess.run(command, check=True, capture_output=True)
+    return time.perf_counter() - start
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(prog="prefix_caching.py --bench busy", description=__doc__.split("\n\n")[0])
     add_model_arguments(parser)
     parser.add_argument("--programs", type=int, default=2, help="busy programs to start beside the runs (default 2)")
     parser.add_argument("--requests", type=positive_int, default=16)
     parser.add_argument("--max-tokens", type=positive_int, default=32)
+    parser.add_argument("--one-tokens", type=positive_int, default=16, help="new tokens of the one request (default 16)")
     parser.add_argument("--fixed-threads", action="store_true",
-                        help="also run (c) beside the programs with torch's thread count kept for every step "
-                             "(Engine(choose_threads=False)): what the engine's choice saves")
+                        help="also run the one request and (c) beside the programs with torch's thread count kept for "
+                             "every pass (Engine(choose_threads=False)): what the engine's choice saves")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     parser.add_argument("--quick", action="store_true", help="4 requests of 4 tokens, 1 busy program (for tests)")
     args = parser.parse_args(argv)
     if args.quick:
-        args.requests, args.max_tokens, args.programs = 4, 4, 1
+        args.requests, args.max_tokens, args.one_tokens, args.programs = 4, 4, 4, 1
 
     console, engine, device = open_engine(args)
     hf_model = type(engine.model).from_pretrained(engine.model.name_or_path, dtype=engine.dtype).to(engine.device)
-    console.print(f"[bold]Throughput on a busy machine[/]: {args.model or DEFAULT_MODEL} on {engine.device} ({device}, "
-                  f"torch's {torch.get_num_threads()} threads); {args.requests} requests behind one system prompt, "
-                  f"{args.max_tokens} new tokens each; quiet, then beside {args.programs} busy programs")
+    console.print(f"[bold]Speed on a busy machine[/]: {args.model or DEFAULT_MODEL} on {engine.device} ({device}, "
+                  f"torch's {torch.get_num_threads()} threads); the demo, one request of {args.one_tokens} new tokens, "
+                  f"and {args.requests} requests behind one system prompt, {args.max_tokens} new tokens each; quiet, "
+                  f"then beside {args.programs} busy programs")
     engine.warm_up()
     engine.generate_batch(["warm up"] * 2, max_tokens=2)  # the batched path's first pass, untimed
     prompts = [engine.tokenize(q) for q in questions(args.requests)]
-    quiet, quiet_tokens = run_ways(engine, hf_model, prompts, args.max_tokens)
+    fixed = Engine(model=engine.model, tokenizer=engine.tokenizer, block_size=args.block_size,
+                   num_blocks=engine.allocator.num_blocks, choose_threads=False) if args.fixed_threads else None
+
+    def measure(busy_now: bool) -> tuple[dict, list]:
+        ways, tokens = run_ways(engine, hf_model, prompts, args.max_tokens)
+        ways["demo"] = {"seconds": round(run_demo(args), 3)}
+        seconds, one_tokens = run_one(engine, prompts[0], args.one_tokens)
+        ways["one"] = {"seconds": round(seconds, 3)}
+        if busy_now and fixed is not None:  # the same engine keeping torch's count for every pass
+            ways["one fixed"] = {"seconds": round(run_one(fixed, prompts[0], args.one_tokens)[0], 3)}
+            ways["c fixed"] = summary("(c)", *run_ours(fixed, prompts, args.max_tokens, batched=True), None)
+        return ways, tokens + [one_tokens]
+
+    quiet, quiet_tokens = measure(False)
     with busy_programs(args.programs):
-        busy, busy_tokens = run_ways(engine, hf_model, prompts, args.max_tokens)
-        if args.fixed_threads:  # the same engine keeping torch's count for every step
-            fixed = Engine(model=engine.model, tokenizer=engine.tokenizer, block_size=args.block_size,
-                           num_blocks=engine.allocator.num_blocks, choose_threads=False)
-            busy["c fixed"] = summary("(c)", *run_ours(fixed, prompts, args.max_tokens, batched=True), None)
+        busy, busy_tokens = measure(True)
     same = quiet_tokens == busy_tokens and quiet_tokens[0] == quiet_tokens[1]
 
-    table = Table(title=f"{args.requests} requests: quiet, and beside {args.programs} busy programs")
+    table = Table(title=f"quiet, and beside {args.programs} busy programs")
     for column in ("way", "quiet", "busy", "busy / quiet"):
         table.add_column(column, justify="left" if column == "way" else "right")
-    for key, name in (("c", "(c) this engine, batched with caching"), ("d", "(d) transformers generate_batch")):
-        table.add_row(name, f"{quiet[key]['seconds']:.2f} s", f"{busy[key]['seconds']:.2f} s",
-                      f"{busy[key]['seconds'] / quiet[key]['seconds']:.1f}x")
-    if "c fixed" in busy:
-        table.add_row("(c) with torch's thread count kept", "", f"{busy['c fixed']['seconds']:.2f} s",
-                      f"{busy['c fixed']['seconds'] / quiet['c']['seconds']:.1f}x")
+    rows = [("demo", "python prefix_caching.py --demo", "demo"),
+            ("one", f"one request, {args.one_tokens} new tokens (one-request engine)", "one"),
+            ("one fixed", "  the same with torch's thread count kept", "one"),
+            ("c", f"(c) {args.requests} requests, this engine batched with caching", "c"),
+            ("c fixed", "  the same with torch's thread count kept", "c"),
+            ("d", f"(d) {args.requests} requests, transformers generate_batch", "d")]
+    for key, name, base in rows:
+        if key in busy:
+            quiet_s = f"{quiet[key]['seconds']:.2f} s" if key in quiet else ""
+            table.add_row(name, quiet_s, f"{busy[key]['seconds']:.2f} s",
+                          f"{busy[key]['seconds'] / quiet[base]['seconds']:.1f}x")
     console.print(table)
     ratio_quiet = quiet["d"]["seconds"] / quiet["c"]["seconds"]
     ratio_busy = busy["d"]["seconds"] / busy["c"]["seconds"]
     console.print(f"(c) against (d): {ratio_quiet:.1f}x quiet, {ratio_busy:.1f}x busy. The thread count the engine "
                   f"ended with: {engine.threads.threads} (torch's own: {torch.get_num_threads()}). Measured in this "
-                  f"run on {device}. Every request got the same tokens both ways, quiet and busy: {same}.")
+                  f"run on {device}. Every request got the same tokens quiet and busy, and (c) the same as (d): {same}.")
     results = {"machine": device, "threads": torch.get_num_threads(), "programs": args.programs,
-               "quiet": quiet, "busy": busy, "c_over_d_quiet": ratio_quiet, "c_over_d_busy": ratio_busy}
+               "quiet": quiet, "busy": busy, "c_over_d_quiet": ratio_quiet, "c_over_d_busy": ratio_busy,
+               "same_tokens": same}
     save_json(args.json, results, console)
     return results
 

@@ -33,6 +33,7 @@ from transformers import ContinuousBatchingConfig, GenerationConfig
 from benchmarks import save_json
 from benchmarks.engines import open_engine
 from benchmarks.measure import TokenCounter
+from cpu_threads import one_pass
 from demo import DEMO_SYSTEM_PROMPT
 from engine import Engine, add_model_arguments
 from model_loader import DEFAULT_MODEL
@@ -91,8 +92,9 @@ def floor_seconds(engine: Engine, sizes: list[int]) -> float:
     """Plain forward passes of these numbers of tokens, one after another: no pool, no cache."""
     start = time.perf_counter()
     with torch.inference_mode():
-        for n in sizes:
-            engine.model(input_ids=torch.zeros(1, n, dtype=torch.long, device=engine.device), logits_to_keep=1)
+        for n in sizes:  # with the thread count the engine's own passes get (cpu_threads.one_pass)
+            with one_pass(engine.threads, engine.device, ("floor", n > 1, n.bit_length()), may_probe=n == 1):
+                engine.model(input_ids=torch.zeros(1, n, dtype=torch.long, device=engine.device), logits_to_keep=1)
     return time.perf_counter() - start
 
 

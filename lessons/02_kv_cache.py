@@ -36,6 +36,7 @@ from rich.table import Table
 from transformers import DynamicCache
 
 import models
+from cpu_threads import one_pass
 from kv_pool import PagedKVPool
 from benchmarks.measure import Runs, TokenCounter, busy_note, conclusion, how_much_faster
 from reading import show_code
@@ -55,8 +56,9 @@ def generate_with_cache(model, prompt_ids: list[int], max_tokens: int) -> tuple[
     with torch.inference_mode():
         for _ in range(max_tokens):
             start = time.perf_counter()
-            logits = model(torch.tensor([new_ids], device=model.device), past_key_values=cache,  # NEW
-                           use_cache=True, logits_to_keep=1).logits
+            with one_pass(models.THREADS, model.device, ("cached", len(new_ids).bit_length())):
+                logits = model(torch.tensor([new_ids], device=model.device), past_key_values=cache,  # NEW
+                               use_cache=True, logits_to_keep=1).logits
             tokens.append(int(logits[0, -1].argmax()))
             step_ms.append((time.perf_counter() - start) * 1e3)
             new_ids = tokens[-1:]  # NEW: from now on, only the token just picked

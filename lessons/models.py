@@ -18,6 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find prefix_caching.py from anywhere
 
+from cpu_threads import ThreadChooser
 from engine import Engine, add_model_arguments, pool_arguments
 from model_loader import DEFAULT_MODEL, DTYPES, default_model_dir, load_model, resolve_device, resolve_dtype
 
@@ -71,6 +72,11 @@ def load(args: argparse.Namespace):
     device = resolve_device(args.device)
     return tiny_llama(tokenizer).to(device, resolve_dtype(args.dtype, device)), tokenizer
 
+
+# The thread count of every forward pass a stage runs itself (stages 1 and 2), chosen as the
+# engine chooses it (cpu_threads.py): a timing on a busy laptop is then the engine's, not
+# torch's threads waiting for a core another program took.
+THREADS = ThreadChooser()
 
 TINY_NUM_BLOCKS = 1024  # the default 0.5 GiB budget would give the tiny model 65,536 of its small blocks
 

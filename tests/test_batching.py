@@ -291,6 +291,20 @@ def test_batches_are_exact_with_the_thread_count_the_engine_chooses(make_engine,
         assert reply.token_ids == hf_greedy(engine.model, prompt, 8)
 
 
+@pytest.mark.parametrize("others", [0.0, 2.0])
+def test_one_request_at_a_time_is_exact_with_the_thread_count_the_engine_chooses(make_engine, monkeypatch, others):
+    """Stage 7's engine (the demo's) asks the same chooser for every prefill and decode pass."""
+    monkeypatch.setattr(cpu_threads, "cores_used_by_others", lambda before, after: others)
+    monkeypatch.setattr(cpu_threads.ThreadChooser, "SLOWER", float("inf"))
+    default = torch.get_num_threads()
+    engine = make_engine()  # batching=False: one_request.run_request
+    for prompt in MIXED:
+        assert engine.generate(prompt, max_tokens=8).token_ids == hf_greedy(engine.model, prompt, 8)
+    assert engine.threads.threads == (1 if others and default > 1 else default)
+    assert sum(engine.threads.passes.values()) == 8 * len(MIXED)  # a prefill and 7 decodes each
+    assert torch.get_num_threads() == default
+
+
 def test_the_chooser_goes_back_to_all_the_cores_when_the_machine_is_quiet_again():
     chooser = cpu_threads.ThreadChooser()
     assert chooser.choose("decode", most=2) == 2

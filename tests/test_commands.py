@@ -176,4 +176,5 @@ def test_the_busy_benchmark_starts_and_stops_its_busy_programs(tiny_model_dir, t
     results = busy.main(["--model", str(tiny_model_dir), "--num-blocks", "256", "--quick", "--fixed-threads",
                          "--json", str(tmp_path / "b.json")])
     assert len(started) == 1 and all(p.poll() is not None for p in started)  # stopped after
-    assert set(results["busy"]) == {"c", "d", "c fixed"} and results["quiet"]["c"]["requests"] == 4
+    assert set(results["busy"]) == {"c", "d", "c fixed", "one", "one fixed", "demo"}
+    assert set(results["quiet"]) == {"c", "d", "one", "demo"} and results["quiet"]["c"]["requests"] == 4
