@@ -37,6 +37,7 @@ from outputs import Generation, ReplyBuilder, StreamEvent
 from prefix_caching import OutOfBlocksError
 from sampling import SamplingParams, sample_batch
 from scheduler import FINISHED, Request, Scheduler, StepPlan
+from step_budget import StepBudget
 
 
 # -----------------------------------------------------------------------------
@@ -89,17 +90,20 @@ class BatchRunner:
     """
 
     def __init__(self, engine, *, cascade_attention: bool = True, threads: ThreadChooser | None = None,
-                 choose_threads: bool = True, **scheduler_options) -> None:
+                 choose_threads: bool = True, step_budget: StepBudget | None = None, **scheduler_options) -> None:
         """cascade_attention: decodes that share their first blocks attend over them once
         (shared_prefix_attention). threads: the ThreadChooser to use (one that has measured
         already, as the Engine's), or None for a new one; choose_threads=False keeps torch's
-        own thread count for every step. scheduler_options: Scheduler's max_num_seqs,
+        own thread count for every step. step_budget: picks each step's token budget from a
+        target step time (step_budget.py), up to max_num_batched_tokens; None: the budget is
+        max_num_batched_tokens every step. scheduler_options: Scheduler's max_num_seqs,
         max_num_batched_tokens and enable_chunked_prefill."""
         self.engine = engine
         self.cascade_attention = cascade_attention
         # On a GPU the CPU only launches kernels: nothing to choose there.
         cpu = engine.device.type == "cpu"
         self.threads = (threads or ThreadChooser()) if cpu and choose_threads else None
+        self.step_budget = step_budget
         use_pool_attention(engine.model)
         self.scheduler = Scheduler(engine.allocator, **scheduler_options)
         self.last_plan: StepPlan | None = None  # the latest step's plan; None while one is being made
@@ -131,11 +135,15 @@ class BatchRunner:
         self.last_plan = None
         with engine.lock:
             with engine.allocator_lock:
-                plan = self.last_plan = scheduler.schedule()
+                budget = None
+                if self.step_budget is not None:
+                    budget = self.step_budget.tokens(scheduler.running, scheduler.waiting, self._thread_count(chosen=False))
+                plan = self.last_plan = scheduler.schedule(budget)
                 block_tables = {s.request.request_id: list(engine.allocator.block_tables[s.request.request_id])
                                 for s in plan.scheduled}
             if not plan.scheduled:
                 return []
+            started = time.perf_counter()
             inputs = build_step(plan, engine.kv, block_tables, engine.device, self.cascade_attention)
             self.num_steps += 1
             self.last_step = StepFigures.of(plan, inputs)
@@ -157,6 +165,8 @@ class BatchRunner:
             # they were, for the caller to fail together.
             sampling = [s.request for s in plan.scheduled if s.samples]
             tokens = sample_batch(logits, [r.payload.params for r in sampling], [r.payload.generator for r in sampling])
+            if self.step_budget is not None:  # sampling waited for the device: the step is done
+                self.step_budget.record(self._thread_count(chosen=True), plan, time.perf_counter() - started)
             finished = [request for request, token in zip(sampling, tokens) if self._add_token(request, token)]
             with engine.allocator_lock:
                 for request in finished:
@@ -165,6 +175,15 @@ class BatchRunner:
         for request in finished:
             self.close_reply(request, end)
         return finished
+
+    def _thread_count(self, chosen: bool):
+        """What step costs are learned under: None on a GPU; on a CPU the thread count the
+        next step will likely run with (chosen=False), or the one the latest ran with."""
+        if self.engine.device.type != "cpu":
+            return None
+        if self.threads is None:
+            return torch.get_num_threads()
+        return self.threads.used if chosen else (self.threads.threads or torch.get_num_threads())
 
     @staticmethod
     def close_reply(request: Request, end: float) -> None:
@@ -238,6 +257,7 @@ class LoopSnapshot:
     last_step: StepFigures | None
     num_restarts: int  # failures outside a step the loop recovered from
     failure: str | None  # why the loop stopped for good (it refuses every request), or None
+    step_budget: dict | None = None  # the target step time and the costs learned (StepBudget.describe)
 
 
 class EngineLoop:
@@ -524,4 +544,5 @@ class EngineLoop:
                 last_step=self.runner.last_step,
                 num_restarts=self.num_restarts,
                 failure=None if self.failure is None else repr(self.failure),
+                step_budget=None if self.runner.step_budget is None else self.runner.step_budget.describe(),
             )

@@ -85,6 +85,7 @@ class ThreadChooser:
         self.interval = self.FIRST_PROBE
         self.last_end = 0.0  # when the latest step ended (time.perf_counter)
         self.passes: dict[int, int] = {}  # thread count -> forward passes run with it
+        self.used: int | None = None
 
     @contextlib.contextmanager
     def running(self, kind, may_probe: bool = True):
@@ -103,6 +104,7 @@ class ThreadChooser:
         finally:
             torch.set_num_threads(most)
         self.passes[threads] = self.passes.get(threads, 0) + 1
+        self.used = threads  # the count the latest pass ran with
         self.record(kind, threads, time.perf_counter() - started, cores_used_by_others(sample, cpu_sample()))
 
     def choose(self, kind, most: int, may_probe: bool = True) -> int:

@@ -48,6 +48,7 @@ from outputs import Generation, StreamEvent, check_stop
 from prefix_caching import PrefixCachingAllocator, check_cache_salt, check_text
 from sampling import SamplingParams
 from scheduler import FINISHED, check_step_size
+from step_budget import DEFAULT_TARGET_STEP_MS, ModelShape, StepBudget
 
 # -----------------------------------------------------------------------------
 # 1. The Engine
@@ -144,6 +145,12 @@ class Engine:
     (batch_engine.py says how much); a busy pool makes requests wait instead of refusing them.
     generate_batch batches either way.
 
+    A batched step's token budget: by default as many tokens as fit in target_step_ms (400 ms
+    unless given; step_budget.py learns what a step costs on this machine), at most 2,048, so
+    a long prompt arriving is prefilled in chunks that keep every stream moving.
+    max_num_batched_tokens=N makes it N every step instead (vLLM's meaning), the same plans on
+    every machine: the lessons and tests pass one.
+
     Two locks. engine.lock is held for every step (a request's allocation and prefill
     together, or one decoded token); hold it yourself to read the pool between two steps.
     engine.allocator_lock is held only around the allocator's bookkeeping, microseconds at a
@@ -165,7 +172,8 @@ class Engine:
         free_uncached_first: bool = False,
         batching: bool = False,
         max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
-        max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
+        max_num_batched_tokens: int | None = None,
+        target_step_ms: float | None = None,
         enable_chunked_prefill: bool = True,
         cascade_attention: bool = True,
         choose_threads: bool = True,
@@ -208,15 +216,28 @@ class Engine:
         self.lock = threading.RLock()
         self.allocator_lock = threading.RLock()
         self.batching = batching
+        # The token budget of a batched step: a fixed max_num_batched_tokens (vLLM's meaning), or,
+        # when none is given, as many tokens as fit in target_step_ms (step_budget.py), up to
+        # DEFAULT_MAX_NUM_BATCHED_TOKENS.
+        if max_num_batched_tokens is not None and target_step_ms is not None:
+            raise ValueError("give max_num_batched_tokens (the same budget every step) or target_step_ms (a budget "
+                             "from a step time), not both")
+        if target_step_ms is not None and not (isinstance(target_step_ms, (int, float)) and 0 < target_step_ms < math.inf):
+            raise ValueError(f"target_step_ms must be a number of milliseconds above 0, got {target_step_ms!r:.40}")
+        if max_num_batched_tokens is None:
+            max_num_batched_tokens, target_step_ms = DEFAULT_MAX_NUM_BATCHED_TOKENS, target_step_ms or DEFAULT_TARGET_STEP_MS
         check_step_size(max_num_seqs, max_num_batched_tokens)
         self.scheduler_options = {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
                                   "enable_chunked_prefill": enable_chunked_prefill}
+        self.target_step_ms = target_step_ms  # None: the budget is max_num_batched_tokens every step
+        self.step_budget = None if target_step_ms is None else StepBudget(
+            ModelShape.of(model), target_step_ms, max_num_batched_tokens)
         self.cascade_attention = cascade_attention  # batched decodes sharing a prefix read it once
         # Every forward pass on a CPU picks its thread count by measuring (cpu_threads.ThreadChooser):
         # one request's, and each batched step's. choose_threads=False keeps torch's.
         self.threads = ThreadChooser() if choose_threads else None
         batch_options = {"cascade_attention": cascade_attention, "threads": self.threads,
-                         "choose_threads": choose_threads, **self.scheduler_options}
+                         "choose_threads": choose_threads, "step_budget": self.step_budget, **self.scheduler_options}
         # batching=True: the engine's one scheduler, in a thread started by the first request.
         self.loop = EngineLoop(self, **batch_options) if batching else None
 
@@ -275,7 +296,8 @@ class Engine:
         given = {name: value for name, value in [("max_num_seqs", max_num_seqs),
                                                  ("max_num_batched_tokens", max_num_batched_tokens)] if value is not None}
         for name, value in given.items():
-            if self.batching and value != self.scheduler_options[name]:
+            fixed = name != "max_num_batched_tokens" or self.target_step_ms is None
+            if self.batching and (value != self.scheduler_options[name] or not fixed):
                 raise ValueError(
                     f"{name}={value!r:.40}: this engine batches every caller's requests in one loop, with "
                     f"{name}={self.scheduler_options[name]} (set it when making the Engine); leave it out"
@@ -290,8 +312,9 @@ class Engine:
         request_ids = [f"batch-{next(self._request_counter)}" for _ in all_ids]
         if self.batching:
             return self._run_in_loop(request_ids, all_ids, params, cache_salt, stop)
+        step_budget = None if "max_num_batched_tokens" in given else self.step_budget  # given: a fixed budget
         runner = BatchRunner(self, cascade_attention=self.cascade_attention, threads=self.threads,
-                             choose_threads=self.threads is not None, **options)
+                             choose_threads=self.threads is not None, step_budget=step_budget, **options)
         requests = [runner.add(rid, ids, params, cache_salt, stop) for rid, ids in zip(request_ids, all_ids)]
         try:
             return runner.run(requests)

@@ -146,11 +146,13 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> StepPlan:
+    def schedule(self, budget: int | None = None) -> StepPlan:
+        """The next step's plan. budget: the tokens this step may compute, at most
+        max_num_batched_tokens (the default); step_budget.py picks one from a target step time."""
         alloc = self.allocator
         scheduled: list[ScheduledRequest] = []
         preempted: list[Request] = []
-        budget = self.max_num_batched_tokens
+        budget = self.max_num_batched_tokens if budget is None else min(budget, self.max_num_batched_tokens)
 
         # 1. Running requests: a decode takes 1 token, a prompt still prefilling its next chunk.
         i = 0

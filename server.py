@@ -69,8 +69,9 @@ from werkzeug.exceptions import ClientDisconnected, HTTPException
 from werkzeug.serving import ThreadedWSGIServer, WSGIRequestHandler
 
 from engine import (
-    DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, ClientGoneError, Engine, EngineStoppedError, Generation,
-    QueueFullError, StreamEvent, add_model_arguments, pool_arguments, positive_float, positive_int,
+    DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, DEFAULT_TARGET_STEP_MS, ClientGoneError, Engine,
+    EngineStoppedError, Generation, QueueFullError, StreamEvent, add_model_arguments, pool_arguments, positive_float,
+    positive_int,
 )
 from model_loader import DEFAULT_MODEL
 from prefix_caching import KVCacheBlock, OutOfBlocksError, short_hash
@@ -352,10 +353,14 @@ class ServerState:
                 "steps": loop.num_steps,
                 "restarts": loop.num_restarts,  # failures outside a step the engine loop recovered from
                 **engine.scheduler_options,  # max_num_seqs, max_num_batched_tokens, enable_chunked_prefill
+                "target_step_ms": engine.target_step_ms,  # None: max_num_batched_tokens every step
             }
+            if loop.step_budget is not None:  # what a step costs on this machine, learned (step_budget.py)
+                pool["step_costs"] = loop.step_budget["learned"]
             if not viewer.keyed:  # its token counts tell a prompt's length and whether it hit
                 pool["last_step"] = None if last is None else {
                     "requests": last.num_requests, "tokens": last.num_tokens, "prefill_tokens": last.num_prefill_tokens,
+                    "budget": None if loop.step_budget is None else loop.step_budget["last_budget"],
                 }
         if viewer.keyed:
             with self.tenants_lock:
@@ -826,9 +831,15 @@ def main(argv: list[str] | None = None) -> None:
     batching = parser.add_argument_group("batching (the engine loop of batch_engine.py; vLLM's flags of the same names)")
     batching.add_argument("--max-num-seqs", type=positive_int, default=None,
                           help=f"requests running in one step at most (default: {DEFAULT_MAX_NUM_SEQS})")
-    batching.add_argument("--max-num-batched-tokens", type=positive_int, default=None,
-                          help=f"tokens one step computes at most, at least --max-num-seqs; a longer prompt is "
-                               f"prefilled in chunks (default: {DEFAULT_MAX_NUM_BATCHED_TOKENS})")
+    budget = batching.add_mutually_exclusive_group()
+    budget.add_argument("--target-step-ms", type=positive_float, default=None,
+                        help=f"each step computes as many tokens as fit in this many milliseconds, learned from the "
+                             f"steps run, up to {DEFAULT_MAX_NUM_BATCHED_TOKENS}: a long prompt is prefilled in chunks "
+                             f"that keep every stream moving (default: {DEFAULT_TARGET_STEP_MS:g}; step_budget.py)")
+    budget.add_argument("--max-num-batched-tokens", type=positive_int, default=None,
+                        help="tokens every step computes at most, at least --max-num-seqs, instead of a target step "
+                             "time (vLLM's flag: the same budget on every machine); a longer prompt is prefilled in "
+                             "chunks")
     batching.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
                           help="split a prompt longer than the step's budget across steps (default: on); "
                                "--no-enable-chunked-prefill prefills it whole, in a step of its own")
@@ -871,7 +882,7 @@ def main(argv: list[str] | None = None) -> None:
     except (OSError, UnicodeDecodeError, ValueError) as err:
         parser.error(f"--api-keys: {err}")
     scheduler_options = {name: value for name, value in vars(args).items()
-                         if name in ("max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill")
+                         if name in ("max_num_seqs", "max_num_batched_tokens", "target_step_ms", "enable_chunked_prefill")
                          and value is not None}
     if args.no_batching and scheduler_options:
         flag = "--" + next(iter(scheduler_options)).replace("_", "-")
@@ -908,8 +919,10 @@ def main(argv: list[str] | None = None) -> None:
     if engine.batching:
         options = engine.scheduler_options
         chunks = "a longer prompt in chunks" if options["enable_chunked_prefill"] else "a longer prompt alone"
-        console.print(f"batching: up to {options['max_num_seqs']} requests and {options['max_num_batched_tokens']} "
-                      f"tokens a step, {chunks}; a full pool makes requests wait")
+        budget = (f"as many tokens as fit in {engine.target_step_ms:g} ms (at most {options['max_num_batched_tokens']})"
+                  if engine.target_step_ms else f"{options['max_num_batched_tokens']} tokens")
+        console.print(f"batching: up to {options['max_num_seqs']} requests and {budget} a step, {chunks}; "
+                      f"a full pool makes requests wait")
     else:
         console.print("no batching: one request's step at a time; a full pool answers 503")
     console.print(f"[bold green]serving {app.extensions['server'].settings.model_name} on {url}[/]   (Ctrl+C stops)")

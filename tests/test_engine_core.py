@@ -97,9 +97,9 @@ def test_generate_batch_beside_other_callers_joins_their_queue_in_arrival_order(
         added.append(request.request_id)
         real_add(request)
 
-    def schedule():
+    def schedule(budget=None):
         waiting = {r.request_id for r in scheduler.waiting if not r.admitted}
-        plan = real_schedule()
+        plan = real_schedule(budget)
         admitted.extend(s.request.request_id for s in plan.scheduled if s.request.request_id in waiting)
         if not plan.scheduled and not plan.preempted:
             empty_steps.append(1)

@@ -1,0 +1,195 @@
+"""
+Each step's token budget, picked from a target step time (stage 8).
+
+Read scheduler.py first: Scheduler.schedule(budget) hands out `budget` tokens a step, decodes
+first, then chunks of prompts. vLLM's budget is a fixed number, max_num_batched_tokens
+(2,048 by default here as there), sized for a GPU. On a laptop's CPU a 2,048-token step takes
+seconds, and every stream waits for it: four students' replies freeze while a fifth
+student's long prompt is prefilled. So here the budget comes from a time instead, the idea
+of Sarathi-Serve's stall-free batching (Agrawal et al., "Taming Throughput-Latency Tradeoff
+in LLM Inference with Sarathi-Serve", OSDI 2024: pick the chunk size from a latency target):
+
+    step_flops    what a step computes, counted from its plan: each token through the
+                  weights, and each key its token attends to
+    StepCosts     what a step costs on this machine, learned from the steps run:
+                  seconds = fixed + per_flop x flops, one fit per thread count
+                  (cpu_threads.py runs a step with one thread while others keep the cores busy)
+    StepBudget    before each step: the decodes' predicted time, then as many prompt tokens
+                  as fit in the rest of the target, and never fewer than fit in as long as
+                  the decodes take (so a long prompt is slowed by the streams at most ~2x)
+
+With max_num_batched_tokens given, the budget is that number every step (vLLM's meaning):
+lessons, exercises and tests pass one, so their plans are the same on every machine.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+
+from scheduler import Request, StepPlan
+
+DEFAULT_TARGET_STEP_MS = 400.0  # about 2.5 decode steps of four chat streams on a 2-core laptop CPU
+FIRST_CHUNK = 64  # prompt tokens in a step before any step has been timed
+MIN_CHUNK = 16  # prompt tokens a step gives a prompt at least: it always moves on
+
+
+# -----------------------------------------------------------------------------
+# 1. What a step computes, counted
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The sizes step_flops needs, from a Hugging Face model (ModelShape.of)."""
+
+    body_params: int  # parameters each token goes through (all but the embedding table)
+    layers: int
+    heads: int
+    head_dim: int
+
+    @classmethod
+    def of(cls, model) -> ModelShape:
+        config = model.config.get_text_config()
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        total = sum(p.numel() for p in model.parameters())
+        return cls(total - model.get_input_embeddings().weight.numel(), config.num_hidden_layers, heads, head_dim)
+
+
+def keys_attended(start: int, end: int) -> int:
+    """Query-key pairs of tokens start..end-1 of one request: token p attends to keys 0..p.
+
+    >>> keys_attended(0, 4), keys_attended(9, 10)   # 1 + 2 + 3 + 4; a decode at position 9
+    (10, 10)
+    """
+    return (end * (end + 1) - start * (start + 1)) // 2
+
+
+def chunk_flops(shape: ModelShape, start: int, end: int) -> float:
+    """Tokens start..end-1 of one request: each through the weights (a multiply and an add per
+    parameter), and per key it attends to, q.k and the weighted v in every head of every layer."""
+    return 2.0 * shape.body_params * (end - start) + 4.0 * shape.layers * shape.heads * shape.head_dim * keys_attended(start, end)
+
+
+def step_flops(shape: ModelShape, plan: StepPlan) -> float:
+    return sum(chunk_flops(shape, s.start, s.end) for s in plan.scheduled)
+
+
+# -----------------------------------------------------------------------------
+# 2. What a step costs on this machine
+
+
+class StepCosts:
+    """seconds = fixed + per_flop x flops, fitted by least squares to the last WINDOW steps
+    timed with the same thread count. `fixed` is what every step pays whatever its size (on a
+    CPU mostly reading the weights once); per_flop is the machine's speed.
+
+    >>> costs = StepCosts()
+    >>> costs.record(2, 1e9, 0.06); costs.record(2, 1e10, 0.15)   # two steps, 10x apart in work
+    >>> round(costs.predict(2, 5e9), 3), costs.fit(2)              # fixed 50 ms, 10 ms per GFLOP
+    (0.1, (0.05, 1e-11))
+    """
+
+    WINDOW = 32
+
+    def __init__(self) -> None:
+        self.steps: dict[object, deque] = {}  # thread count (None on a GPU) -> (flops, seconds) of recent steps
+
+    def record(self, threads, flops: float, seconds: float) -> None:
+        self.steps.setdefault(threads, deque(maxlen=self.WINDOW)).append((flops, seconds))
+
+    def known(self, threads) -> bool:
+        return bool(self.steps.get(threads))
+
+    def fit(self, threads) -> tuple[float, float]:
+        """(fixed seconds, seconds per flop). While every recent step did about the same work
+        (decodes only), there is no telling the two apart: all of it is counted per flop,
+        which overestimates a prompt's cost (a smaller chunk, never a longer stall)."""
+        points = self.steps[threads]
+        n = len(points)
+        mean_x = sum(x for x, _ in points) / n
+        mean_y = sum(y for _, y in points) / n
+        var_x = sum((x - mean_x) ** 2 for x, _ in points)
+        if var_x <= (0.1 * mean_x) ** 2 * n:  # less than 10% spread in work
+            return 0.0, mean_y / mean_x
+        slope = sum((x - mean_x) * (y - mean_y) for x, y in points) / var_x
+        if slope <= 0:  # noise (a busy moment) swamped the work: fall back as above
+            return 0.0, mean_y / mean_x
+        fixed = max(0.0, mean_y - slope * mean_x)
+        return round(fixed, 9), slope
+
+    def predict(self, threads, flops: float) -> float:
+        fixed, per_flop = self.fit(threads)
+        return fixed + per_flop * flops
+
+
+# -----------------------------------------------------------------------------
+# 3. The budget of the next step
+
+
+class StepBudget:
+    """Before each step, the token budget that keeps it near target_ms.
+
+    The running requests that decode take a token each; their step would take `decode_s`
+    (predicted). The prompt at the head of the line (a running request still prefilling, or
+    else the first waiting one) gets as many tokens as fit in max(target - decode_s, decode_s):
+    within the target when the decodes leave room, and otherwise as long as the decodes take,
+    so the prompt still gets half of each step. Never more than max_num_batched_tokens, never
+    fewer than MIN_CHUNK prompt tokens.
+    """
+
+    def __init__(self, shape: ModelShape, target_ms: float, max_num_batched_tokens: int) -> None:
+        self.shape, self.target_ms, self.cap = shape, target_ms, max_num_batched_tokens
+        self.costs = StepCosts()
+        self.last: int | None = None  # the latest budget handed out
+
+    def tokens(self, running: list[Request], waiting, threads) -> int:
+        """The budget for a step whose scheduler holds `running` and `waiting`; threads: the
+        count the step will likely run with (the key its costs are learned under)."""
+        decodes = [r for r in running if not r.num_prefill_left]
+        prefilling = [r for r in running if r.num_prefill_left]
+        if not (prefilling or waiting):
+            self.last = self.cap
+            return self.cap
+        head = prefilling[0] if prefilling else waiting[0]
+        start = head.num_computed_tokens  # a waiting request's hit is not looked up here: 0, or where it was
+        if not self.costs.known(threads):
+            chunk = FIRST_CHUNK
+        else:
+            fixed, per_flop = self.costs.fit(threads)
+            decode_s = fixed + per_flop * sum(chunk_flops(self.shape, r.num_computed_tokens, r.num_computed_tokens + 1)
+                                              for r in decodes)
+            allowance = max(self.target_ms / 1e3 - decode_s, decode_s)
+            chunk = self.chunk_within(start, allowance / per_flop)
+        self.last = min(self.cap, len(decodes) + max(MIN_CHUNK, chunk))
+        return self.last
+
+    def chunk_within(self, start: int, flops: float) -> int:
+        """The most tokens from `start` on whose chunk_flops fit in `flops` (a quadratic in n:
+        each token costs its pass through the weights plus the keys before it).
+
+        >>> budget = StepBudget(ModelShape(body_params=100, layers=1, heads=1, head_dim=1), 400, 2048)
+        >>> n = budget.chunk_within(0, 2_000.0); n, chunk_flops(budget.shape, 0, n) <= 2_000
+        (9, True)
+        """
+        a = 2.0 * self.shape.layers * self.shape.heads * self.shape.head_dim  # per n^2 (half of 4 L H d)
+        b = 2.0 * self.shape.body_params + a * (2 * start + 1)
+        n = int((-b + math.sqrt(b * b + 4 * a * flops)) / (2 * a)) if a else int(flops / b)
+        while n > 0 and chunk_flops(self.shape, start, start + n) > flops:  # rounding
+            n -= 1
+        return n
+
+    def record(self, threads, plan: StepPlan, seconds: float) -> None:
+        self.costs.record(threads, step_flops(self.shape, plan), seconds)
+
+    def describe(self) -> dict:
+        """The target and what has been learned, for /health."""
+        learned = {}
+        for threads in self.costs.steps:
+            fixed, per_flop = self.costs.fit(threads)
+            name = "gpu" if threads is None else f"{threads} thread{'s' if threads > 1 else ''}"
+            learned[name] = {"fixed_ms": round(fixed * 1e3, 1), "ms_per_gflop": round(per_flop * 1e12, 2),
+                             "ms_per_prompt_token": round(per_flop * 2 * self.shape.body_params * 1e3, 2),
+                             "steps": len(self.costs.steps[threads])}
+        return {"target_step_ms": self.target_ms, "last_budget": self.last, "learned": learned}

@@ -1,0 +1,196 @@
+"""Each step's token budget from a target step time (step_budget.py): the costs it learns, the
+budgets it picks, the hard cap never passed, and exact replies whatever chunks it picks."""
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from batch_engine import BatchRunner
+from engine import DEFAULT_MAX_NUM_BATCHED_TOKENS, Engine
+from helpers import call, hf_greedy, serve
+from prefix_caching import PrefixCachingAllocator
+from sampling import SamplingParams
+from scheduler import Request, Scheduler
+from server import create_app
+from step_budget import (DEFAULT_TARGET_STEP_MS, FIRST_CHUNK, MIN_CHUNK, ModelShape, StepBudget, StepCosts,
+                         chunk_flops, keys_attended)
+
+SMOL = ModelShape(body_params=106_000_000, layers=30, heads=9, head_dim=64)  # SmolLM2-135M's sizes
+
+
+def test_the_model_shape_is_read_from_the_model(tiny_model):
+    shape = ModelShape.of(tiny_model)
+    assert (shape.layers, shape.heads, shape.head_dim) == (2, 4, 16)
+    embedding = tiny_model.get_input_embeddings().weight.numel()
+    assert shape.body_params == sum(p.numel() for p in tiny_model.parameters()) - embedding
+
+
+def test_a_chunk_costs_its_tokens_and_the_keys_they_attend_to():
+    assert keys_attended(0, 3) + keys_attended(3, 5) == keys_attended(0, 5) == 15
+    # The same 100 tokens cost more late in a long prompt: each attends to every key before it.
+    assert chunk_flops(SMOL, 3_900, 4_000) > 1.9 * chunk_flops(SMOL, 0, 100)
+
+
+def test_costs_are_fitted_per_thread_count():
+    costs = StepCosts()
+    for flops in (1e9, 4e9, 2e10, 1e9):
+        costs.record(2, flops, 0.040 + flops * 5e-12)  # 40 ms a step, 5 ms a GFLOP with two threads
+        costs.record(1, flops, 0.030 + flops * 9e-12)  # one thread: slower per GFLOP
+    assert costs.fit(2) == pytest.approx((0.040, 5e-12))
+    assert costs.fit(1) == pytest.approx((0.030, 9e-12))
+    assert not costs.known(None)  # a GPU's steps would be learned apart
+
+
+def test_steps_of_one_size_are_all_counted_per_flop():
+    costs = StepCosts()
+    for _ in range(5):
+        costs.record(2, 3e9, 0.12)  # decodes only: the fixed part cannot be told apart
+    assert costs.fit(2) == (0.0, pytest.approx(0.12 / 3e9))
+
+
+def decoding(request_id: str, context: int) -> Request:
+    request = Request(request_id, list(range(context)))
+    request.output_ids, request.num_computed_tokens = [7], context  # its next step is one decode
+    return request
+
+
+def learned(fixed_s: float, per_flop: float, threads=2) -> StepBudget:
+    budget = StepBudget(SMOL, DEFAULT_TARGET_STEP_MS, DEFAULT_MAX_NUM_BATCHED_TOKENS)
+    for flops in (1e9, 1e10, 1e11):
+        budget.costs.record(threads, flops, fixed_s + per_flop * flops)
+    return budget
+
+
+def predicted(budget: StepBudget, decodes: list[Request], prompt_start: int, chunk: int) -> float:
+    fixed, per_flop = budget.costs.fit(2)
+    flops: float = sum(chunk_flops(SMOL, r.num_computed_tokens, r.num_computed_tokens + 1) for r in decodes)
+    return fixed + per_flop * (flops + chunk_flops(SMOL, prompt_start, prompt_start + chunk))
+
+
+def test_before_any_step_is_timed_a_prompt_gets_a_first_chunk():
+    budget = StepBudget(SMOL, 400, 2048)
+    assert budget.tokens([], [Request("long", [1] * 4000)], threads=2) == FIRST_CHUNK
+
+
+def test_with_nothing_to_prefill_the_budget_is_the_cap():
+    assert learned(0.05, 5e-12).tokens([decoding("a", 100)], [], threads=2) == DEFAULT_MAX_NUM_BATCHED_TOKENS
+
+
+def test_the_prompt_fills_what_the_decodes_leave_of_the_target():
+    budget = learned(0.05, 5e-12)
+    decodes = [decoding(f"s{i}", 300) for i in range(4)]
+    tokens = budget.tokens(decodes, [Request("long", [1] * 4000)], threads=2)
+    chunk = tokens - len(decodes)
+    assert predicted(budget, decodes, 0, chunk) <= DEFAULT_TARGET_STEP_MS / 1e3 < predicted(budget, decodes, 0, chunk + 1)
+
+
+def test_late_in_a_long_prompt_chunks_are_smaller():
+    budget = learned(0.05, 5e-12)
+    early = budget.tokens([], [Request("long", [1] * 4000)], threads=2)
+    half_done = Request("long", [1] * 4000)
+    half_done.num_computed_tokens = 3000  # running, 1,000 tokens of its prompt left
+    assert budget.tokens([half_done], [], threads=2) < early
+
+
+def test_when_the_decodes_take_most_of_the_target_the_prompt_still_gets_as_long():
+    budget = learned(0.05, 2e-11)  # 20 ms a GFLOP: about a 2-core laptop's
+    decodes = [decoding(f"s{i}", 1000) for i in range(64)]
+    decode_s = predicted(budget, decodes, 0, 0)
+    assert decode_s > DEFAULT_TARGET_STEP_MS / 1e3 / 2
+    chunk = budget.tokens(decodes, [Request("long", [1] * 4000)], threads=2) - len(decodes)
+    prompt_s = predicted(budget, decodes, 0, chunk) - decode_s
+    assert prompt_s <= decode_s < predicted(budget, decodes, 0, chunk + 1) - decode_s
+
+
+def test_the_budget_never_passes_the_cap_and_always_moves_a_prompt():
+    fast = learned(0.001, 1e-15)  # a GPU-like machine: everything fits in the target
+    assert fast.tokens([], [Request("long", [1] * 4000)], threads=2) == DEFAULT_MAX_NUM_BATCHED_TOKENS
+    slow = learned(0.5, 1e-9)  # every step is over the target already
+    assert slow.tokens([], [Request("long", [1] * 4000)], threads=2) == MIN_CHUNK
+
+
+def test_a_plan_is_the_same_given_the_same_budget():
+    def plan(budget):
+        scheduler = Scheduler(PrefixCachingAllocator(64, 4), max_num_seqs=8, max_num_batched_tokens=64)
+        for i in range(3):
+            scheduler.add(Request(f"r{i}", list(range(100 * i, 100 * i + 30))))  # nothing shared
+        return [(s.request.request_id, s.start, s.end) for s in scheduler.schedule(budget).scheduled]
+
+    assert plan(40) == plan(40) == [("r0", 0, 30), ("r1", 0, 10)]
+    assert plan(None) == plan(64) and plan(1000) == plan(64)  # a budget above the cap is the cap
+
+
+# --- the engine, with budgets chosen step by step ----------------------------------------------
+
+
+class Scripted:
+    """A StepBudget stand-in that hands out the budgets of a script, one per step."""
+
+    def __init__(self, budgets):
+        self.budgets, self.steps, self.handed = list(budgets), 0, []
+
+    def tokens(self, running, waiting, threads):
+        budget = self.budgets[self.steps % len(self.budgets)]
+        self.steps += 1
+        self.handed.append(budget)
+        return budget
+
+    def record(self, threads, plan, seconds):
+        assert plan.num_tokens <= self.handed[-1]
+
+
+SHARED = list(range(100, 140))
+PROMPTS = [SHARED + [7, 8, 9], SHARED[:20] + list(range(300, 330)), SHARED + list(range(400, 410)), [5, 6, 7]]
+_expected = {}
+
+
+def expected(model, prompt):
+    key = tuple(prompt)
+    if key not in _expected:
+        _expected[key] = hf_greedy(model, prompt, 6)
+    return _expected[key]
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(budgets=st.lists(st.integers(1, 60), min_size=1, max_size=6), cascade=st.booleans())
+def test_replies_are_exact_whatever_budget_each_step_gets(tiny_model, tokenizer, budgets, cascade):
+    engine = Engine(model=tiny_model, tokenizer=tokenizer, block_size=4, num_blocks=64)
+    script = Scripted(budgets)
+    runner = BatchRunner(engine, cascade_attention=cascade, choose_threads=False, step_budget=script,
+                         max_num_seqs=4, max_num_batched_tokens=64)
+    requests = [runner.add(f"r{i}", p, SamplingParams(max_tokens=6), None) for i, p in enumerate(PROMPTS)]
+    replies = runner.run(requests)
+    assert [r.token_ids for r in replies] == [expected(tiny_model, p) for p in PROMPTS]
+    assert not engine.allocator.block_tables
+
+
+def test_the_engine_learns_its_costs_and_keeps_within_the_cap(make_engine):
+    engine = make_engine(num_blocks=256)
+    assert engine.target_step_ms == DEFAULT_TARGET_STEP_MS and engine.scheduler_options["max_num_batched_tokens"] == 2048
+    prompts = [list(range(1, 300)), list(range(1, 20)) + [5] * 30]
+    replies = engine.generate_batch(prompts, max_tokens=5)
+    assert [r.token_ids for r in replies] == [hf_greedy(engine.model, p, 5) for p in prompts]
+    assert engine.step_budget.costs.steps  # every step was timed
+    assert FIRST_CHUNK <= engine.step_budget.last <= 2048
+
+
+def test_a_fixed_budget_or_a_target_not_both(make_engine):
+    assert make_engine(max_num_batched_tokens=64).step_budget is None
+    assert make_engine(target_step_ms=100).step_budget.target_ms == 100
+    with pytest.raises(ValueError, match="not both"):
+        make_engine(max_num_batched_tokens=64, target_step_ms=100)
+    with pytest.raises(ValueError, match="target_step_ms"):
+        make_engine(target_step_ms=-1)
+
+
+def test_health_shows_the_target_and_what_a_step_costs(tiny_model, tokenizer):
+    engine = Engine(model=tiny_model, tokenizer=tokenizer, block_size=4, num_blocks=64, batching=True)
+    with serve(create_app(engine, cache_page_every_s=0)) as url:
+        status, reply = call(url, "/v1/completions", {"prompt": "Hello there", "max_tokens": 3})
+        assert status == 200
+        health = call(url, "/health")[1]
+    engine.loop.stop()
+    assert health["target_step_ms"] == DEFAULT_TARGET_STEP_MS and health["max_num_batched_tokens"] == 2048
+    (costs,) = health["step_costs"].values()
+    assert costs["steps"] >= 1 and costs["ms_per_prompt_token"] > 0
+    assert health["last_step"]["budget"] >= 1
