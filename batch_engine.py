@@ -137,7 +137,7 @@ class BatchRunner:
             with engine.allocator_lock:
                 budget = None
                 if self.step_budget is not None:
-                    budget = self.step_budget.tokens(scheduler.running, scheduler.waiting, self._thread_count(chosen=False))
+                    budget = self.step_budget.tokens(scheduler.running, scheduler.waiting, self.thread_count(chosen=False))
                 plan = self.last_plan = scheduler.schedule(budget)
                 block_tables = {s.request.request_id: list(engine.allocator.block_tables[s.request.request_id])
                                 for s in plan.scheduled}
@@ -166,7 +166,7 @@ class BatchRunner:
             sampling = [s.request for s in plan.scheduled if s.samples]
             tokens = sample_batch(logits, [r.payload.params for r in sampling], [r.payload.generator for r in sampling])
             if self.step_budget is not None:  # sampling waited for the device: the step is done
-                self.step_budget.record(self._thread_count(chosen=True), plan, time.perf_counter() - started)
+                self.step_budget.record(self.thread_count(chosen=True), plan, time.perf_counter() - started)
             finished = [request for request, token in zip(sampling, tokens) if self._add_token(request, token)]
             with engine.allocator_lock:
                 for request in finished:
@@ -176,7 +176,7 @@ class BatchRunner:
             self.close_reply(request, end)
         return finished
 
-    def _thread_count(self, chosen: bool):
+    def thread_count(self, chosen: bool):
         """What step costs are learned under: None on a GPU; on a CPU the thread count the
         next step will likely run with (chosen=False), or the one the latest ran with."""
         if self.engine.device.type != "cpu":

@@ -15,8 +15,9 @@ in LLM Inference with Sarathi-Serve", OSDI 2024: pick the chunk size from a late
                   seconds = fixed + per_flop x flops, one fit per thread count
                   (cpu_threads.py runs a step with one thread while others keep the cores busy)
     StepBudget    before each step: the decodes' predicted time, then as many prompt tokens
-                  as fit in the rest of the target, and never fewer than fit in as long as
-                  the decodes take (so a long prompt is slowed by the streams at most ~2x)
+                  as keep the step within the target and within STALL times the decodes'
+                  step (what a stream waits for its next token), never fewer than fit in as
+                  long as the decodes take (so the prompt still gets half of each step)
 
 With max_num_batched_tokens given, the budget is that number every step (vLLM's meaning):
 lessons, exercises and tests pass one, so their plans are the same on every machine.
@@ -30,7 +31,8 @@ from dataclasses import dataclass
 
 from scheduler import Request, StepPlan
 
-DEFAULT_TARGET_STEP_MS = 400.0  # about 2.5 decode steps of four chat streams on a 2-core laptop CPU
+DEFAULT_TARGET_STEP_MS = 400.0  # a step never longer than this (on a 2-core laptop, ~100 prompt tokens)
+STALL = 2.5  # a step carrying a prompt's chunk: at most this many times the streams' own step
 FIRST_CHUNK = 64  # prompt tokens in a step before any step has been timed
 MIN_CHUNK = 16  # prompt tokens a step gives a prompt at least: it always moves on
 
@@ -92,9 +94,11 @@ class StepCosts:
     """
 
     WINDOW = 32
+    SPREAD = 0.25  # the steps' work must vary this much (std / mean) to tell fixed from per_flop
 
     def __init__(self) -> None:
         self.steps: dict[object, deque] = {}  # thread count (None on a GPU) -> (flops, seconds) of recent steps
+        self.last_fit: dict[object, tuple[float, float]] = {}  # the latest fit that could tell them apart
 
     def record(self, threads, flops: float, seconds: float) -> None:
         self.steps.setdefault(threads, deque(maxlen=self.WINDOW)).append((flops, seconds))
@@ -103,21 +107,22 @@ class StepCosts:
         return bool(self.steps.get(threads))
 
     def fit(self, threads) -> tuple[float, float]:
-        """(fixed seconds, seconds per flop). While every recent step did about the same work
-        (decodes only), there is no telling the two apart: all of it is counted per flop,
-        which overestimates a prompt's cost (a smaller chunk, never a longer stall)."""
+        """(fixed seconds, seconds per flop). While the recent steps did about the same work
+        (decodes only, or a long prompt's equal chunks), the two cannot be told apart: then
+        `fixed` is kept from the latest fit that could, and per_flop is what the recent steps
+        leave beyond it. Before any such fit, all of the time is counted per flop, which
+        overestimates a prompt's cost (a smaller chunk, never a longer stall)."""
         points = self.steps[threads]
         n = len(points)
         mean_x = sum(x for x, _ in points) / n
         mean_y = sum(y for _, y in points) / n
         var_x = sum((x - mean_x) ** 2 for x, _ in points)
-        if var_x <= (0.1 * mean_x) ** 2 * n:  # less than 10% spread in work
-            return 0.0, mean_y / mean_x
-        slope = sum((x - mean_x) * (y - mean_y) for x, y in points) / var_x
-        if slope <= 0:  # noise (a busy moment) swamped the work: fall back as above
-            return 0.0, mean_y / mean_x
-        fixed = max(0.0, mean_y - slope * mean_x)
-        return round(fixed, 9), slope
+        slope = sum((x - mean_x) * (y - mean_y) for x, y in points) / var_x if var_x else 0.0
+        if var_x < (self.SPREAD * mean_x) ** 2 * n or slope <= 0:  # too alike, or noise swamped the work
+            fixed = min(self.last_fit.get(threads, (0.0, 0.0))[0], mean_y / 2)
+            return fixed, (mean_y - fixed) / mean_x
+        fit = self.last_fit[threads] = (round(max(0.0, mean_y - slope * mean_x), 9), slope)
+        return fit
 
     def predict(self, threads, flops: float) -> float:
         fixed, per_flop = self.fit(threads)
@@ -131,12 +136,24 @@ class StepCosts:
 class StepBudget:
     """Before each step, the token budget that keeps it near target_ms.
 
-    The running requests that decode take a token each; their step would take `decode_s`
-    (predicted). The prompt at the head of the line (a running request still prefilling, or
-    else the first waiting one) gets as many tokens as fit in max(target - decode_s, decode_s):
-    within the target when the decodes leave room, and otherwise as long as the decodes take,
-    so the prompt still gets half of each step. Never more than max_num_batched_tokens, never
-    fewer than MIN_CHUNK prompt tokens.
+    The running requests that decode take a token each; a step of theirs alone would take
+    `decode_s` (predicted): the gap a stream sees between two tokens. The prompt at the head
+    of the line (a running request still prefilling, or else the first waiting one) gets the
+    tokens that fit in
+
+        target - fixed                                   with no decodes running
+        max(decode_s, min(target - decode_s, (STALL - 1) x decode_s))   beside decodes
+
+    so a stream's gap grows at most STALL times (and never past the target, if that is
+    tighter), while the prompt still gets at least half of each step: beside the streams it
+    comes in at most about twice as late as alone. Never more than max_num_batched_tokens,
+    never fewer than MIN_CHUNK prompt tokens.
+
+    >>> budget = StepBudget(ModelShape(body_params=10**8, layers=30, heads=9, head_dim=64), 400, 2048)
+    >>> for flops in (1e9, 1e11):   # two steps timed: 20 ms fixed, 20 ms a GFLOP
+    ...     budget.costs.record(2, flops, 0.020 + flops * 2e-11)
+    >>> budget.tokens([], [Request("long", [1] * 4000)], threads=2)   # alone: 380 ms of prompt, ~4 ms a token
+    93
     """
 
     def __init__(self, shape: ModelShape, target_ms: float, max_num_batched_tokens: int) -> None:
@@ -158,10 +175,14 @@ class StepBudget:
             chunk = FIRST_CHUNK
         else:
             fixed, per_flop = self.costs.fit(threads)
-            decode_s = fixed + per_flop * sum(chunk_flops(self.shape, r.num_computed_tokens, r.num_computed_tokens + 1)
-                                              for r in decodes)
-            allowance = max(self.target_ms / 1e3 - decode_s, decode_s)
-            chunk = self.chunk_within(start, allowance / per_flop)
+            target = self.target_ms / 1e3
+            if decodes:
+                decode_s = fixed + per_flop * sum(chunk_flops(self.shape, r.num_computed_tokens, r.num_computed_tokens + 1)
+                                                  for r in decodes)
+                allowance = max(decode_s, min(target - decode_s, (STALL - 1) * decode_s))
+            else:
+                allowance = target - fixed
+            chunk = self.chunk_within(start, max(0.0, allowance) / per_flop)
         self.last = min(self.cap, len(decodes) + max(MIN_CHUNK, chunk))
         return self.last
 

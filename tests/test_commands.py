@@ -15,7 +15,7 @@ import pytest
 from rich.console import Console
 
 import walkthrough
-from benchmarks import attention, busy, chunked_prefill, throughput, ttft
+from benchmarks import attention, busy, chunked_prefill, stalls, step_profile, throughput, ttft
 from benchmarks.allocator import free_order_hit_rates
 from demo import run_demo
 from engine import add_model_arguments, pool_arguments
@@ -159,6 +159,24 @@ def test_the_attention_benchmark_counts_what_a_step_reads(tiny_model_dir, tmp_pa
     assert mixed["slots_read"] <= 1.25 * mixed["slots_needed"] and short["slots_read"] <= 1.25 * short["slots_needed"]
     on, off = results["shared"]["3 on"], results["shared"]["3 off"]
     assert on["slots_needed"] == off["slots_needed"] and on["slots_read"] < off["slots_read"]
+
+
+@pytest.mark.parametrize("http", [False, True], ids=["in-process", "http"])
+def test_the_stalls_benchmark_measures_both_budgets_beside_streams(tiny_model_dir, tmp_path, http):
+    argv = ["--model", str(tiny_model_dir), "--num-blocks", "512", "--quick", "--json", str(tmp_path / "s.json")]
+    results = stalls.main(argv + (["--http"] if http else []))
+    assert set(results["ways"]) == {"target", "fixed"} and results["http"] == http
+    for way in results["ways"].values():
+        assert way["gap_longest_during_ms"] > 0 and way["ttft_s"] > 0 and way["ttft_alone_s"] > 0
+
+
+def test_the_step_profile_splits_a_step_into_parts(tiny_model_dir, tmp_path):
+    results = step_profile.main(["--model", str(tiny_model_dir), "--num-blocks", "512", "--requests", "4",
+                                 "--steps", "2", "--json", str(tmp_path / "p.json")])
+    (row,) = results["rows"]
+    assert set(row["shares"]) == {"linear", "attention", "model", "engine"}
+    assert all(share >= 0 for share in row["shares"].values()) and 0.9 < sum(row["shares"].values()) < 1.1
+    assert row["shares"]["linear"] > 0 and row["shares"]["attention"] > 0
 
 
 def test_the_busy_benchmark_starts_and_stops_its_busy_programs(tiny_model_dir, tmp_path, monkeypatch):

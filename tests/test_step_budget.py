@@ -2,6 +2,7 @@
 budgets it picks, the hard cap never passed, and exact replies whatever chunks it picks."""
 
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -12,7 +13,7 @@ from prefix_caching import PrefixCachingAllocator
 from sampling import SamplingParams
 from scheduler import Request, Scheduler
 from server import create_app
-from step_budget import (DEFAULT_TARGET_STEP_MS, FIRST_CHUNK, MIN_CHUNK, ModelShape, StepBudget, StepCosts,
+from step_budget import (DEFAULT_TARGET_STEP_MS, FIRST_CHUNK, MIN_CHUNK, STALL, ModelShape, StepBudget, StepCosts,
                          chunk_flops, keys_attended)
 
 SMOL = ModelShape(body_params=106_000_000, layers=30, heads=9, head_dim=64)  # SmolLM2-135M's sizes
@@ -48,6 +49,16 @@ def test_steps_of_one_size_are_all_counted_per_flop():
     assert costs.fit(2) == (0.0, pytest.approx(0.12 / 3e9))
 
 
+def test_the_fixed_part_is_kept_while_the_steps_are_too_alike_to_tell_it_apart():
+    costs = StepCosts()
+    for flops in (1e9, 1e10, 2e10):
+        costs.record(2, flops, 0.040 + flops * 5e-12)
+    assert costs.fit(2) == pytest.approx((0.040, 5e-12))
+    for _ in range(StepCosts.WINDOW):  # a long prompt's equal chunks fill the window, each a little slower
+        costs.record(2, 1.2e10, 0.040 + 1.2e10 * 6e-12)
+    assert costs.fit(2) == pytest.approx((0.040, 6e-12))  # the fixed part kept, the rest per flop
+
+
 def decoding(request_id: str, context: int) -> Request:
     request = Request(request_id, list(range(context)))
     request.output_ids, request.num_computed_tokens = [7], context  # its next step is one decode
@@ -76,12 +87,30 @@ def test_with_nothing_to_prefill_the_budget_is_the_cap():
     assert learned(0.05, 5e-12).tokens([decoding("a", 100)], [], threads=2) == DEFAULT_MAX_NUM_BATCHED_TOKENS
 
 
-def test_the_prompt_fills_what_the_decodes_leave_of_the_target():
-    budget = learned(0.05, 5e-12)
+def test_alone_a_prompt_fills_the_target():
+    budget = learned(0.05, 2e-11)
+    chunk = budget.tokens([], [Request("long", [1] * 4000)], threads=2)
+    target = DEFAULT_TARGET_STEP_MS / 1e3
+    assert predicted(budget, [], 0, chunk) <= target < predicted(budget, [], 0, chunk + 1)
+
+
+def test_beside_decodes_a_step_takes_at_most_stall_times_theirs():
+    budget = learned(0.05, 2e-11)
     decodes = [decoding(f"s{i}", 300) for i in range(4)]
-    tokens = budget.tokens(decodes, [Request("long", [1] * 4000)], threads=2)
-    chunk = tokens - len(decodes)
-    assert predicted(budget, decodes, 0, chunk) <= DEFAULT_TARGET_STEP_MS / 1e3 < predicted(budget, decodes, 0, chunk + 1)
+    decode_s = predicted(budget, decodes, 0, 0)  # about 75 ms: the streams' gap between tokens
+    chunk = budget.tokens(decodes, [Request("long", [1] * 4000)], threads=2) - len(decodes)
+    assert predicted(budget, decodes, 0, chunk) <= STALL * decode_s < predicted(budget, decodes, 0, chunk + 1)
+    assert STALL * decode_s < DEFAULT_TARGET_STEP_MS / 1e3  # here the streams' bound is the tighter one
+
+
+def test_beside_decodes_a_step_stays_within_the_target_when_that_is_tighter():
+    budget = learned(0.05, 2e-11)
+    decodes = [decoding(f"s{i}", 300) for i in range(28)]  # about 180 ms
+    decode_s = predicted(budget, decodes, 0, 0)
+    assert decode_s < DEFAULT_TARGET_STEP_MS / 1e3 / 2 and STALL * decode_s > DEFAULT_TARGET_STEP_MS / 1e3
+    chunk = budget.tokens(decodes, [Request("long", [1] * 4000)], threads=2) - len(decodes)
+    target = DEFAULT_TARGET_STEP_MS / 1e3
+    assert predicted(budget, decodes, 0, chunk) <= target < predicted(budget, decodes, 0, chunk + 1)
 
 
 def test_late_in_a_long_prompt_chunks_are_smaller():
@@ -191,6 +220,7 @@ def test_health_shows_the_target_and_what_a_step_costs(tiny_model, tokenizer):
         health = call(url, "/health")[1]
     engine.loop.stop()
     assert health["target_step_ms"] == DEFAULT_TARGET_STEP_MS and health["max_num_batched_tokens"] == 2048
-    (costs,) = health["step_costs"].values()
-    assert costs["steps"] >= 1 and costs["ms_per_prompt_token"] > 0
+    assert set(health["step_costs"]) <= {"1 thread", "2 threads", f"{torch.get_num_threads()} threads"}
+    for costs in health["step_costs"].values():  # one fit per thread count a step ran with
+        assert costs["steps"] >= 1 and costs["ms_per_prompt_token"] > 0
     assert health["last_step"]["budget"] >= 1

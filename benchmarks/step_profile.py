@@ -1,0 +1,124 @@
+"""Where a decode step's time goes: the linear layers, attention on the pool, the rest of the
+model, and the engine's own Python.
+
+    python prefix_caching.py --bench step_profile [--requests 16 64] [--steps 5] [--json out.json]
+
+N requests behind the demo's system prompt are prefilled, then a few of their decode steps
+run under torch's profiler (torch.profiler, CPU time of each operator). Each operator is
+counted in one part:
+
+    linear     the weights: aten::linear, mm, addmm, matmul outside attention
+    attention  everything inside batch_attention.pool_attention: writing the step's K/V into
+               the pool, copying each group's context out, the softmax, the merge
+    model      every other operator of the forward pass: norms, rotary embeddings, the
+               activation, the embedding, residual adds
+    engine     what the step does around the forward pass in Python: schedule, build_step,
+               sampling, the finisher (BatchRunner.step's wall time minus the forward pass)
+
+The parts are printed as a share of the step, from one run. The profiler's own bookkeeping
+slows each operator a little, so the shares matter more than the milliseconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from rich.table import Table
+from transformers import AttentionInterface
+
+import batch_attention
+from batch_engine import BatchRunner
+from benchmarks import save_json
+from benchmarks.engines import open_engine
+from benchmarks.throughput import questions
+from engine import add_model_arguments, positive_int
+from model_loader import DEFAULT_MODEL
+from sampling import SamplingParams
+
+LINEAR = {"aten::linear", "aten::mm", "aten::addmm", "aten::matmul"}
+ATTENTION = "pool_attention"  # the record_function label the profile wraps batch_attention's function in
+
+
+def profiled_steps(engine, n: int, steps: int) -> dict:
+    """Prefill n requests, then profile `steps` decode steps: milliseconds a step, each part."""
+    runner = BatchRunner(engine, max_num_seqs=n, max_num_batched_tokens=max(2048, n))
+    prompts = [engine.tokenize(q) for q in questions(n)]
+    for i, prompt in enumerate(prompts):
+        runner.add(f"r{i}", prompt, SamplingParams(max_tokens=steps + 8), None)
+    while any(not r.output_ids for r in [*runner.scheduler.running, *runner.scheduler.waiting]):
+        runner.step()
+    runner.step()  # one decode step untimed: the first of a shape sets up buffers
+
+    forward_ms, step_ms = [], []
+    model = engine.model
+
+    def timed_forward(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return real_forward(*args, **kwargs)
+        finally:
+            forward_ms.append((time.perf_counter() - start) * 1e3)
+
+    real_forward, real_attention = model.forward, batch_attention.pool_attention
+    model.forward = timed_forward
+
+    def labelled_attention(*args, **kwargs):
+        with torch.profiler.record_function(ATTENTION):
+            return real_attention(*args, **kwargs)
+
+    AttentionInterface.register(batch_attention.POOL_ATTENTION, labelled_attention)
+    try:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+            for _ in range(steps):
+                start = time.perf_counter()
+                runner.step()
+                step_ms.append((time.perf_counter() - start) * 1e3)
+    finally:
+        model.forward = real_forward
+        AttentionInterface.register(batch_attention.POOL_ATTENTION, real_attention)
+        for request in list(runner.scheduler.running):
+            runner.scheduler.finish(request)
+
+    events = profile.key_averages()
+    attention = sum(e.cpu_time_total for e in events if e.key == ATTENTION) / 1e3
+    # Self times: a linear layer's aten::linear calls addmm, whose time is its own. Attention
+    # multiplies with einsum and SDPA (bmm), none of these.
+    linear = sum(e.self_cpu_time_total for e in events if e.key in LINEAR) / 1e3
+    forward = sum(forward_ms)
+    total = sum(step_ms)
+    parts = {"linear": linear, "attention": attention, "model": max(0.0, forward - linear - attention),
+             "engine": max(0.0, total - forward)}
+    return {"requests": n, "step_ms": statistics.median(step_ms),
+            "shares": {name: ms / total for name, ms in parts.items()}}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(prog="prefix_caching.py --bench step_profile", description=__doc__.split("\n\n")[0])
+    add_model_arguments(parser)
+    parser.add_argument("--requests", type=positive_int, nargs="+", default=[16, 64])
+    parser.add_argument("--steps", type=positive_int, default=5, help="decode steps profiled (default 5)")
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    args = parser.parse_args(argv)
+    console, engine, device = open_engine(args)
+    engine.warm_up()
+    console.print(f"[bold]Where a decode step's time goes[/]: {args.model or DEFAULT_MODEL} on {engine.device} "
+                  f"({device}, {torch.get_num_threads()} threads)")
+    rows = [profiled_steps(engine, n, args.steps) for n in args.requests]
+    table = Table("decodes", "step (median)", "linear layers", "attention", "rest of the model", "engine's Python",
+                  title="a decode step behind one system prompt, under the profiler")
+    for row in rows:
+        shares = row["shares"]
+        table.add_row(str(row["requests"]), f"{row['step_ms']:,.0f} ms",
+                      *(f"{shares[name]:.1%}" for name in ("linear", "attention", "model", "engine")))
+    console.print(table)
+    console.print(f"One run on {device}; the profiler slows each operator a little, so read the shares.")
+    results = {"machine": device, "rows": rows}
+    save_json(args.json, results, console)
+    return results
+
+
+if __name__ == "__main__":
+    main()
