@@ -3,8 +3,8 @@ What a request gives back, and the one place its text is made.
 
     Generation     one reply: its tokens and text, why it finished, and what caching did for it
     StreamEvent    one generated token, as a stream yields it
-    ReplyBuilder   sampled token in, new text and finish reason out: detokenizing, stop
-                   strings, EOS, max_tokens, and the text held back in between
+    ReplyBuilder   sampled token in, new text and finish reason out: detokenizing (a few
+                   tokens at a time), stop strings, EOS, max_tokens, and the text held back
 
 Both engines (one_request.py, batch_engine.py) feed every sampled token through a
 ReplyBuilder and nothing else, so a reply's text cannot depend on which engine ran it. In
@@ -108,16 +108,25 @@ class ReplyBuilder:
 
     With stop=(".!",) and a reply " Yes." then EOS: " Yes" comes out, "." waits (it may be
     the start of ".!"), and at EOS the "." comes out with the last event.
+
+    The text is decoded a few tokens at a time (_decode_next), never the whole reply again,
+    so a token costs the same at the end of a long reply as at its start.
     """
 
     def __init__(self, reply: Generation, tokenizer, stop_token_ids: set[int], stop: tuple[str, ...] = (),
                  max_tokens: int = 64) -> None:
         self.reply, self.tokenizer = reply, tokenizer
         self.stop_token_ids, self.stop, self.max_tokens = stop_token_ids, stop, max_tokens
+        # vLLM's names: reply.token_ids[:read_offset] are decoded into self.text; each new token is
+        # decoded together with those from prefix_offset on, the ones before read_offset as context.
+        self.prefix_offset = self.read_offset = 0
+        self.text = ""  # complete characters decoded so far, some perhaps held back from reply.text
+        self.tail = ""  # the tokens from read_offset on, decoded: "" or ending in half a character
 
     def add(self, token: int) -> tuple[str, str | None]:
         reply = self.reply
         reply.token_ids.append(token)
+        self._decode_next()
         new, hit_stop = self._new_text(final=False)
         if hit_stop or token in self.stop_token_ids:
             reply.finish_reason = "stop"
@@ -133,11 +142,41 @@ class ReplyBuilder:
         self.reply.finish_reason = "abort"
         return self._new_text(final=True)[0]
 
+    def _decode_next(self) -> None:
+        """Decode the newest token: only the tokens from prefix_offset on, and those before
+        read_offset only to see where the new text starts. vLLM's detokenize_incrementally
+        (vllm/transformers_utils/detokenizer_utils.py), which the SlowIncrementalDetokenizer of
+        vllm/v1/engine/detokenizer.py runs; its FastIncrementalDetokenizer does the same inside
+        the tokenizers library (DecodeStream).
+
+        " ok", then 🙂 in two tokens (bytes F0 9F, then 99 82), then " fine" (� is U+FFFD):
+
+            token     window decodes to   prefix_text   new text   offsets after
+            " ok"     " ok"               ""            " ok"      0, 1
+            F0 9F     " ok�"              " ok"         "�"        0, 1   half a character: wait
+            99 82     " ok🙂"             " ok"         "🙂"       1, 3
+            " fine"   "🙂 fine"           "🙂"          " fine"    3, 4
+
+        The window moves on only after a complete character, so it always starts on a
+        character boundary and self.text + self.tail is tokenizer.decode(reply.token_ids),
+        without decoding the reply again. (Tokens that never complete a character widen the
+        window until one does, as in vLLM.) The context is for tokenizers that decode a token
+        differently at the start of a text (SentencePiece drops its leading space); a
+        byte-level tokenizer such as SmolLM2's needs none.
+        """
+        ids = self.reply.token_ids
+        prefix_text = self.tokenizer.decode(ids[self.prefix_offset : self.read_offset], skip_special_tokens=True)
+        window = self.tokenizer.decode(ids[self.prefix_offset :], skip_special_tokens=True)
+        self.tail = window[len(prefix_text) :]
+        if self.tail and not self.tail.endswith("\ufffd"):  # "": a skipped special token; keep the context
+            self.text, self.tail = self.text + self.tail, ""
+            self.prefix_offset, self.read_offset = self.read_offset, len(ids)
+
     def _new_text(self, final: bool) -> tuple[str, bool]:
-        """Decode the reply so far; what it adds to reply.text, and whether it reached a stop
+        """What the text decoded so far adds to reply.text, and whether it reached a stop
         string (reply.text is then cut just before it)."""
         reply, stop = self.reply, self.stop
-        text = self.tokenizer.decode(reply.token_ids, skip_special_tokens=True)
+        text = self.text + self.tail
         found = [i for i in (text.find(s, max(0, len(reply.text) - len(s))) for s in stop) if i >= 0]
         if found:
             end = min(found)
