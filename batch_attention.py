@@ -7,17 +7,30 @@ runs a step with what this file builds.
     1. pool attention    an attention function registered with transformers'
                          AttentionInterface. The model stays an unmodified Hugging Face model;
                          only the function its attention layers call changes. Decodes that
-                         share a prefix's blocks attend over it once (shared_prefix_attention).
-    2. one step          the scheduled tokens of every request packed into one sequence:
+                         share a prefix's blocks may attend over it once (shared_prefix_attention).
+    2. groups            who attends with whom: requests of similar context length (group_rows)
+    3. shared prefixes   where reading a shared prefix once pays, counted (decode_groups)
+    4. one step          the scheduled tokens of every request packed into one sequence:
                          input ids, their positions, the slot each token's K/V goes to, and
-                         who attends with whom over which slots (build_step)
+                         the groups over their slots (build_step)
 
 In every layer, the step's new K/V are written into their slots first; only then does any
 request attend. So a request admitted in the same step as another can hit the blocks the
 other computes in that very step, as in vLLM.
 
+Shared-prefix (cascade) attention is allowed by default (build_step's cascade=True; the
+engine's cascade_attention) and used only where the step's counted work says it pays. vLLM
+weighs it too (use_cascade_attention in vllm/v1/attention/backends/flash_attn.py) but since
+March 2026 leaves it off unless asked (disable_cascade_attn=True in vllm/config/model.py,
+vllm-project/vllm pull request 36318: opt-in, to avoid potential numerical issues). Here it
+stays on: its results are checked against attention without it (tests/test_shared_prefix.py,
+tests/test_batching.py), and on this course's CPU path it makes the decode steps of many
+chats behind one system prompt much faster, while the decision keeps every other step as
+fast as without it (python prefix_caching.py --bench attention measures both).
+
 References: vLLM's attention metadata (slot_mapping, block tables) and its cascade attention
-(vllm/v1/attention/backends/flash_attn.py: cascade_attention, merge_attn_states).
+(vllm/v1/attention/backends/flash_attn.py: cascade_attention, merge_attn_states,
+use_cascade_attention).
 """
 
 from __future__ import annotations
@@ -48,7 +61,8 @@ def pool_attention(module, query, key, value, attention_mask, scaling=None, drop
     Returns (1, T, heads, dim), as transformers' attention functions do.
     """
     if pool_step is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
     step: StepInputs = pool_step
     flat = step.pool.slots(module.layer_idx)  # (2, slots, kv heads, dim)
     # Write first: every new key and value of the step lands in its slot before anyone reads.
@@ -72,14 +86,25 @@ def pool_attention(module, query, key, value, attention_mask, scaling=None, drop
 def attend(queries, keys, values, scale, valid=None):
     """Attention of queries (n, kv heads, g, dim) over keys and values (n, keys, kv heads, dim),
     or (keys, kv heads, dim) shared by all n; valid (n, keys) masks out padding. Returns the
-    output (n, kv heads, g, dim) and the log-sum-exp of each query's scores (n, kv heads, g, 1)."""
-    shared = keys.dim() == 3
-    scores = torch.einsum("nkgd,pkd->nkgp" if shared else "nkgd,npkd->nkgp", queries, keys) * scale
+    output (n, kv heads, g, dim) and the log-sum-exp of each query's scores (n, kv heads, g, 1).
+
+    One batched matmul over the kv heads: permuting the keys head first is a view, not a copy,
+    where they lie head first already (shared_prefix_attention puts them so); otherwise the
+    matmul copies them into that order.
+    """
+    n, kv_heads, g, dim = queries.shape
+    q = queries.transpose(0, 1)  # (kv heads, n, g, dim)
+    if keys.dim() == 3:  # one set of keys for all: a kv head's n x g queries are one matrix
+        q = q.reshape(kv_heads, n * g, dim)
+        k, v = keys.permute(1, 0, 2), values.permute(1, 0, 2)  # (kv heads, keys, dim)
+    else:
+        k, v = keys.permute(2, 0, 1, 3), values.permute(2, 0, 1, 3)  # (kv heads, n, keys, dim)
+    scores = q @ k.transpose(-1, -2) * scale
     if valid is not None:
-        scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+        scores = scores.masked_fill(~valid[None, :, None, :], float("-inf"))
     lse = scores.logsumexp(-1, keepdim=True)
-    out = torch.einsum("nkgp,pkd->nkgd" if shared else "nkgp,npkd->nkgd", (scores - lse).exp(), values)
-    return out, lse
+    out = (scores - lse).exp() @ v
+    return out.view(kv_heads, n, g, dim).transpose(0, 1), lse.view(kv_heads, n, g, 1).transpose(0, 1)
 
 
 def shared_prefix_attention(query, flat, group: AttentionGroup, scaling):
@@ -87,8 +112,8 @@ def shared_prefix_attention(query, flat, group: AttentionGroup, scaling):
     prefix computed once for all their queries, over each one's own part apart, and the two
     merged by their log-sum-exp, as vLLM's cascade attention does (cascade_attention and
     merge_attn_states in vllm/v1/attention/backends/flash_attn.py; there one prefix common to
-    every request of the batch, here one for each family of decodes, decode_groups). The same
-    numbers as one attention over the whole context, up to rounding:
+    every request of the batch, here one for each group that decode_groups finds worth it).
+    The same numbers as one attention over the whole context, up to rounding:
         softmax over [prefix, own] = (e^lse_p * out_p + e^lse_o * out_o) / (e^lse_p + e^lse_o)
 
     query (n, heads, dim), one per decode; returns (n, heads, dim).
@@ -98,7 +123,10 @@ def shared_prefix_attention(query, flat, group: AttentionGroup, scaling):
     q = query.view(n, kv_heads, heads // kv_heads, dim)
     scale = dim ** -0.5 if scaling is None else scaling
     prefix_k, prefix_v = flat[:, group.prefix_slots]  # (prefix, kv heads, dim): read once for all n
-    own_k, own_v = flat[:, group.context_slots]  # (n, own, kv heads, dim)
+    # Each kv head's own keys and values side by side, in one copy of K and V together: attend's
+    # matmuls then read them in place (given them slot first, they would copy K and V apart).
+    own = flat[:, group.context_slots].permute(0, 3, 1, 2, 4).contiguous()  # (K/V, kv heads, n, own, dim)
+    own_k, own_v = own.permute(0, 2, 3, 1, 4)  # views in attend's order: (n, own, kv heads, dim)
     out_p, lse_p = attend(q, prefix_k.to(q.dtype), prefix_v.to(q.dtype), scale)
     out_o, lse_o = attend(q, own_k.to(q.dtype), own_v.to(q.dtype), scale, valid=group.mask[:, 0, 0, :])
     top = torch.maximum(lse_p, lse_o)
@@ -117,7 +145,7 @@ def use_pool_attention(model) -> None:
 
 
 # -----------------------------------------------------------------------------
-# 2. One step's inputs
+# 2. Groups
 #
 # Attention runs in a few groups, each one scaled_dot_product_attention call over its
 # requests' contexts padded to the longest in the group. One group for everyone would make
@@ -125,8 +153,8 @@ def use_pool_attention(model) -> None:
 # every decode read 2,000 slots); one call per request makes many small operations, each
 # with a fixed cost. So the decodes are sorted by context and cut into as few groups as keep
 # the padding within PADDING (25 %) of the work, at most MAX_GROUPS, and so are the prompts'
-# chunks; decodes sharing a prefix's blocks form up to MAX_GROUPS families of their own
-# (decode_groups). At most 3 x MAX_GROUPS groups a layer, whatever the number of requests.
+# chunks; decodes sharing a long prefix's blocks may form up to MAX_GROUPS groups of their own
+# (section 3). At most 3 x MAX_GROUPS groups a layer, whatever the number of requests.
 
 MAX_GROUPS = 4
 PADDING = 1.25
@@ -178,6 +206,148 @@ def group_rows(rows: list[Row], max_groups: int = MAX_GROUPS) -> list[list[Row]]
         groups.append(rows[cut[k][j]:j])
         j, k = cut[k][j], k - 1
     return groups[::-1]
+
+
+@dataclass
+class RowGroup:
+    """Rows that attend together, each over its context padded to the group's longest; with
+    prefix > 0, the first `prefix` tokens of every row's context are held in the same blocks and
+    read once for all (shared_prefix_attention), and only the rest of each row is padded.
+
+    >>> rows = [Row(0, 99, 100, None), Row(1, 109, 110, None)]
+    >>> RowGroup(rows).slots_read, RowGroup(rows, prefix=96).slots_read   # 2 x 110; 96 + 2 x (110 - 96)
+    (220, 124)
+    """
+
+    rows: list[Row]
+    prefix: int = 0
+
+    @property
+    def slots_read(self) -> int:
+        """The pool slots the group reads in each layer, padding included."""
+        return self.prefix + len(self.rows) * (max(r.end for r in self.rows) - self.prefix)
+
+
+# -----------------------------------------------------------------------------
+# 3. Shared prefixes, where they pay
+#
+# Decodes whose block tables start with the same blocks (one system prompt) can attend over
+# them once for all and each over its own part apart (shared_prefix_attention): that saves
+# (decodes - 1) x prefix slots a layer. It is not free. Their own parts are padded to the
+# longest among them (one 2,000-token conversation behind a chat template would make every
+# other member pad to it); they are attended by matmuls that materialize the scores, slower
+# per slot than the one fused scaled_dot_product_attention of a plain group; and the group
+# runs a dozen more small operations. So a step weighs it, as vLLM weighs cascade attention
+# before it uses it (use_cascade_attention in vllm/v1/attention/backends/flash_attn.py: never
+# below 256 shared tokens or 8 requests, then a cost model of its kernels):
+#   - a family: at least CASCADE_MIN_REQUESTS decodes whose tables hold their first
+#     CASCADE_MIN_TOKENS tokens in the same blocks;
+#   - its members by context, the shortest first, as many share the prefix as save the most
+#     against reading their contexts whole, the group's work counted by cascade_cost; the
+#     longer members form a group of their own the same way, or go with the plain groups;
+#   - the step uses these groups only if their cost with the plain groups of the rest is
+#     below the slots group_rows over all its decodes reads. So a step never reads more slots
+#     with cascade on than off.
+# The constants come from timing this file's attention on a 2-core x86_64 CPU with
+# SmolLM2-135M's slots (3 KV heads of 64, fp32): families of 2 to 64 decodes sharing 32 to
+# 1,008 tokens, with own parts of 30 to 1,000 tokens, and python prefix_caching.py --bench
+# attention. 2 or 3 decodes gained little even behind 1,000 shared tokens. Own parts cost
+# about 1.5 times a plain group's slots, and the extra operations what reading about 800
+# slots costs on 2 threads (half that on 1; more for a model with smaller slots).
+# CASCADE_MIN_TOKENS also says which decodes make a family: a chat template's first block or
+# two never does, so a member that shares only those cannot shorten the others' prefix.
+# Shorter prefixes paid too where many decodes shared them, but less.
+
+CASCADE_MIN_REQUESTS = 4
+CASCADE_MIN_TOKENS = 256
+CASCADE_OWN_COST = 1.5
+CASCADE_GROUP_SLOTS = 800
+
+
+def shared_prefix(rows: list[Row], block_size: int) -> int:
+    """Tokens at the start of every row's context held in the same blocks (whole blocks, and
+    never a row's whole context: each keeps at least its own last token).
+
+    >>> rows = [Row(0, 9, 10, None, [4, 5, 6]), Row(1, 10, 11, None, [4, 5, 7])]
+    >>> shared_prefix(rows, block_size=4)   # blocks 4 and 5: tokens 0-7
+    8
+    """
+    if len(rows) < 2:
+        return 0
+    common = 0
+    for ids in zip(*(r.table for r in rows)):
+        if len(set(ids)) > 1:
+            break
+        common += 1
+    return min(common * block_size, (min(r.end for r in rows) - 1) // block_size * block_size)
+
+
+def cascade_cost(group: RowGroup) -> float:
+    """A group's work, in slots read: its slots_read, except that a group sharing its prefix
+    pays CASCADE_OWN_COST for each slot of its own parts and CASCADE_GROUP_SLOTS for its
+    extra operations.
+
+    >>> rows = [Row(i, 479, 480, None) for i in range(16)]   # 16 decodes sharing 448 tokens, 32 of their own
+    >>> RowGroup(rows).slots_read, cascade_cost(RowGroup(rows, prefix=448))   # 16 x 480; 448 + 1.5 x 16 x 32 + 800
+    (7680, 2016.0)
+    """
+    if not group.prefix:
+        return group.slots_read
+    return group.prefix + CASCADE_OWN_COST * (group.slots_read - group.prefix) + CASCADE_GROUP_SLOTS
+
+
+def members_sharing(family: list[Row], prefix: int) -> int:
+    """How many of a family's rows, sorted by context, attend over their shared prefix once:
+    the first m, m the count that saves the most against reading their contexts whole (what
+    no plain grouping beats), the group's work counted by cascade_cost; 0 if none saves.
+
+    >>> family = [Row(i, n - 1, n, None) for i, n in enumerate([470] * 9 + [2000])]   # sharing 448
+    >>> members_sharing(family, prefix=448)   # 9 x 470 against 448 + 1.5 x 9 x 22 + 800; the long one would pad all
+    9
+    """
+    best, count, needed = 0, 0, 0
+    for m, row in enumerate(family, 1):
+        needed += row.end
+        cost = prefix + CASCADE_OWN_COST * m * (row.end - prefix) + CASCADE_GROUP_SLOTS  # row: the longest so far
+        if m >= CASCADE_MIN_REQUESTS and needed - cost > best:
+            best, count = needed - cost, m
+    return count
+
+
+def decode_groups(decodes: list[Row], block_size: int, cascade: bool) -> list[RowGroup]:
+    """The decodes' groups: by context (group_rows); with cascade, groups sharing a prefix where
+    that pays and the rest by context, if that costs less (section 3).
+
+    >>> shared = list(range(16))   # blocks 0-15: the first 256 tokens, block size 16
+    >>> rows = [Row(i, 299, 300, None, shared + [100 + i, 200 + i]) for i in range(16)]   # 16 decodes behind them
+    >>> [(len(g.rows), g.prefix, g.slots_read) for g in decode_groups(rows, 16, cascade=True)]   # 256 + 16 x 44
+    [(16, 256, 960)]
+    >>> [(len(g.rows), g.prefix, g.slots_read) for g in decode_groups(rows[:4], 16, cascade=True)]   # 4 x 300
+    [(4, 0, 1200)]
+    """
+    plain = [RowGroup(g) for g in group_rows(decodes)]
+    if not cascade:
+        return plain
+    blocks = -(-CASCADE_MIN_TOKENS // block_size)  # the blocks that hold the first CASCADE_MIN_TOKENS tokens
+    families: dict[tuple[int, ...], list[Row]] = {}
+    for row in decodes:
+        if row.end > blocks * block_size:  # long enough to share them and keep a last token of its own
+            families.setdefault(tuple(row.table[:blocks]), []).append(row)
+    shared = []
+    for family in families.values():
+        family = sorted(family, key=lambda r: r.end)
+        while m := members_sharing(family, shared_prefix(family, block_size)):
+            shared.append(RowGroup(family[:m], shared_prefix(family[:m], block_size)))
+            family = family[m:]  # the longer ones: maybe a group of their own
+    shared = sorted(shared, key=lambda g: cascade_cost(g) - sum(r.end for r in g.rows))[:MAX_GROUPS]  # most saved first
+    taken = {id(row) for group in shared for row in group.rows}
+    mixed = shared + [RowGroup(g) for g in group_rows([row for row in decodes if id(row) not in taken])]
+    cost = sum(cascade_cost(g) for g in mixed)
+    return mixed if shared and cost < sum(g.slots_read for g in plain) else plain
+
+
+# -----------------------------------------------------------------------------
+# 4. One step's inputs
 
 
 @dataclass
@@ -246,39 +416,6 @@ def group_indices(rows: list[Row]) -> dict[str, torch.Tensor]:
             "token_query": torch.tensor(token_query)}
 
 
-def shared_prefix(rows: list[Row], block_size: int) -> int:
-    """Tokens at the start of every row's context held in the same blocks (whole blocks, and
-    never a row's whole context: each keeps at least its own last token).
-
-    >>> rows = [Row(0, 9, 10, None, [4, 5, 6]), Row(1, 10, 11, None, [4, 5, 7])]
-    >>> shared_prefix(rows, block_size=4)   # blocks 4 and 5: tokens 0-7
-    8
-    """
-    if len(rows) < 2:
-        return 0
-    common = 0
-    for ids in zip(*(r.table for r in rows)):
-        if len(set(ids)) > 1:
-            break
-        common += 1
-    return min(common * block_size, (min(r.end for r in rows) - 1) // block_size * block_size)
-
-
-def decode_groups(decodes: list[Row], cascade: bool) -> list[list[Row]]:
-    """The decodes' groups. With cascade, decodes whose tables start with the same block (a
-    family: one system prompt) form a group of their own, at most MAX_GROUPS families, the
-    largest first: their shared prefix is read once and only their own parts are padded, to
-    the longest own part. The others are grouped by context (group_rows)."""
-    if not cascade:
-        return group_rows(decodes)
-    families: dict[int, list[Row]] = {}
-    for row in decodes:
-        families.setdefault(row.table[0], []).append(row)
-    shared = sorted((f for f in families.values() if len(f) > 1), key=len, reverse=True)[:MAX_GROUPS]
-    taken = {id(row) for family in shared for row in family}
-    return shared + group_rows([row for row in decodes if id(row) not in taken])
-
-
 def to_device(tensors: list[torch.Tensor], device) -> list[torch.Tensor]:
     """Long tensors moved to `device` in one copy (on a GPU, each copy has a fixed cost)."""
     device = torch.device(device)
@@ -289,8 +426,8 @@ def to_device(tensors: list[torch.Tensor], device) -> list[torch.Tensor]:
 
 
 def build_step(plan: StepPlan, pool, block_tables: dict[str, list[int]], device, cascade: bool = True) -> StepInputs:
-    """cascade: decodes grouped together that share their first blocks attend over them once
-    (shared_prefix_attention)."""
+    """cascade: decodes that share a prefix's blocks may attend over them once
+    (shared_prefix_attention), where counted work says it pays (decode_groups); False: never."""
     block_size = pool.block_size
     tokens, positions, slots, last = [], [], [], []
     decodes, prefills = [], []
@@ -303,16 +440,15 @@ def build_step(plan: StepPlan, pool, block_tables: dict[str, list[int]], device,
         slots.append(slot_ids(table, block_size, s.start, s.end))
         if s.samples:  # a chunk that stops part-way through a prompt has no next token to pick
             last.append(len(tokens) - 1)
-    indices, slots_read = [], 0
-    for rows, decoding in [(g, True) for g in decode_groups(decodes, cascade)] + [(g, False) for g in group_rows(prefills)]:
-        prefix = shared_prefix(rows, block_size) if cascade and decoding else 0
-        if prefix:  # the group attends over its shared prefix once, then each over its own part
-            own = [Row(r.first, r.start - prefix, r.end - prefix, r.context_slots[prefix:]) for r in rows]
-            indices.append(group_indices(own) | {"prefix_slots": rows[0].context_slots[:prefix]})
-            slots_read += prefix + len(own) * max(r.end for r in own)
+    row_groups = decode_groups(decodes, block_size, cascade) + [RowGroup(g) for g in group_rows(prefills)]
+    indices = []
+    for group in row_groups:
+        if group.prefix:  # the group attends over its shared prefix once, then each over its own part
+            p = group.prefix
+            own = [Row(r.first, r.start - p, r.end - p, r.context_slots[p:]) for r in group.rows]
+            indices.append(group_indices(own) | {"prefix_slots": group.rows[0].context_slots[:p]})
         else:
-            indices.append(group_indices(rows))
-            slots_read += len(rows) * max(r.end for r in rows)
+            indices.append(group_indices(group.rows))
     cpu = [torch.tensor([tokens]), torch.tensor([positions]), torch.cat(slots), torch.tensor(last, dtype=torch.long)]
     cpu += [t for group in indices for t in group.values()]
     moved = iter(to_device(cpu, device))
@@ -326,4 +462,4 @@ def build_step(plan: StepPlan, pool, block_tables: dict[str, list[int]], device,
         groups.append(AttentionGroup(mask=mask.unsqueeze(1), **parts))
     return StepInputs(pool=pool, input_ids=input_ids, positions=position_ids, slot_mapping=slot_mapping,
                       groups=groups, last_token=last_token, slots_needed=sum(r.end for r in decodes + prefills),
-                      slots_read=slots_read)
+                      slots_read=sum(g.slots_read for g in row_groups))

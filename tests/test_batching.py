@@ -210,6 +210,12 @@ def test_groups_cover_every_request_once_in_a_bounded_number_of_calls(contexts, 
 
 
 # --- shared prefixes read once (cascade attention) ----------------------------------------------
+#
+# A prefix is shared only where that pays (batch_attention.decode_groups: at least
+# CASCADE_MIN_REQUESTS decodes sharing CASCADE_MIN_TOKENS tokens, then counted work);
+# tests/test_shared_prefix.py pins that decision. Here: the whole model, with and without.
+
+SYSTEM = list(range(1000, 1260))  # 260 tokens: a system prompt long enough to share
 
 
 def step_logits(engine, prompts, cascade, max_tokens=5, block_size=4):
@@ -230,7 +236,7 @@ def step_logits(engine, prompts, cascade, max_tokens=5, block_size=4):
 
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 def test_shared_prefix_attention_gives_the_numbers_of_one_attention_over_each_context(tiny_model, tokenizer, block_size):
-    prompts = [SHARED + [40 + i] * (i + 1) for i in range(5)] + [SHARED[:20] + [7, 8], list(range(500, 540))]
+    prompts = [SYSTEM + [40 + i] * (i + 1) for i in range(5)] + [SYSTEM[:20] + [7, 8], list(range(500, 540))]
     calls = []
     real = batch_attention.shared_prefix_attention
 
@@ -245,7 +251,7 @@ def test_shared_prefix_attention_gives_the_numbers_of_one_attention_over_each_co
     finally:
         batch_attention.shared_prefix_attention = real
     (on, on_replies, _), (off, off_replies, _) = runs
-    assert calls, "the decodes sharing SHARED's blocks should attend over them once"
+    assert calls, "the five decodes sharing SYSTEM's blocks should attend over them once"
     # Merging two partial softmaxes rounds differently from one: ~1e-5 apart on logits of ~3.
     assert len(on) == len(off) and all(torch.allclose(a, b, rtol=1e-4, atol=1e-4) for a, b in zip(on, off))
     for prompt, reply in zip(prompts, on_replies):
@@ -254,19 +260,21 @@ def test_shared_prefix_attention_gives_the_numbers_of_one_attention_over_each_co
 
 def test_sixteen_requests_behind_one_prefix_read_it_once(make_engine):
     engine = make_engine(num_blocks=512)
-    prompts = [SHARED + [60 + i, 61 + i] for i in range(16)]  # 32 tokens: 7 full shared blocks of 4, then their own
-    for cascade, expected in ((True, 28 + 16 * (32 + 1 - 28)), (False, 16 * 33)):
+    prompts = [SYSTEM + [60 + i, 61 + i] for i in range(16)]  # 262 tokens: 65 full shared blocks of 4, then their own
+    for cascade, expected in ((True, 260 + 16 * (262 + 1 - 260)), (False, 16 * 263)):
         runner = BatchRunner(engine, cascade_attention=cascade, max_num_seqs=16, max_num_batched_tokens=512)
         requests = [runner.add(f"{cascade}-{i}", p, SamplingParams(max_tokens=3), None) for i, p in enumerate(prompts)]
         runner.step()  # the prompts (and the same-step hits)
-        runner.step()  # sixteen decodes, each with a context of 33
-        assert runner.last_step.num_slots_needed == 16 * 33
-        assert runner.last_step.num_slots_read == expected  # the 28 shared slots once, or sixteen times
+        runner.step()  # sixteen decodes, each with a context of 263
+        assert runner.last_step.num_slots_needed == 16 * 263
+        assert runner.last_step.num_slots_read == expected  # the 260 shared slots once, or sixteen times
         runner.run(requests)
 
 
-def test_a_preempted_request_rejoins_the_shared_prefix_exactly(make_engine):
-    engine = make_engine(num_blocks=16)  # the shared prompt's 7 blocks, and room for a few more
+def test_a_preempted_request_rejoins_the_shared_prefix_exactly(make_engine, monkeypatch):
+    for name, value in {"CASCADE_MIN_REQUESTS": 2, "CASCADE_MIN_TOKENS": 16, "CASCADE_GROUP_SLOTS": 0}.items():
+        monkeypatch.setattr(batch_attention, name, value)  # so that four short prompts share theirs
+    engine = make_engine(num_blocks=16)  # the shared prompt's 4 blocks, and room for a few more
     prompts = [SHARED[:16] + [60 + i] for i in range(4)]
     runner = BatchRunner(engine, max_num_seqs=4, max_num_batched_tokens=64)
     requests = [runner.add(f"r{i}", p, SamplingParams(max_tokens=14), None) for i, p in enumerate(prompts)]

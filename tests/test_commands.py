@@ -157,8 +157,13 @@ def test_the_attention_benchmark_counts_what_a_step_reads(tiny_model_dir, tmp_pa
                               "--json", str(tmp_path / "a.json")])
     short, mixed = results["rows"]["short"], results["rows"]["mixed"]
     assert mixed["slots_read"] <= 1.25 * mixed["slots_needed"] and short["slots_read"] <= 1.25 * short["slots_needed"]
-    on, off = results["shared"]["3 on"], results["shared"]["3 off"]
-    assert on["slots_needed"] == off["slots_needed"] and on["slots_read"] < off["slots_read"]
+    for row in results["cascade"].values():
+        assert row["on"]["slots_needed"] == row["off"]["slots_needed"]
+        assert row["on"]["slots_read"] <= row["off"]["slots_read"]
+    on, off = results["cascade"]["4 sharing 448"]["on"], results["cascade"]["4 sharing 448"]["off"]
+    assert on["slots_read"] < off["slots_read"]
+    chats = results["chats"]
+    assert chats["one conversation"]["slots_needed"] > chats["chats"]["slots_needed"] + 500
 
 
 @pytest.mark.parametrize("http", [False, True], ids=["in-process", "http"])
