@@ -160,6 +160,8 @@ class StepBudget:
         self.shape, self.target_ms, self.cap = shape, target_ms, max_num_batched_tokens
         self.costs = StepCosts()
         self.last: int | None = None  # the latest budget handed out
+        self.predicted: float | None = None  # the latest step's seconds, predicted before it ran (None: nothing known)
+        self.took: float | None = None  # ... and as timed
 
     def tokens(self, running: list[Request], waiting, threads) -> int:
         """The budget for a step whose scheduler holds `running` and `waiting`; threads: the
@@ -201,7 +203,14 @@ class StepBudget:
             n -= 1
         return n
 
+    def predict(self, threads, plan: StepPlan) -> float | None:
+        """Seconds the plan's step should take by what has been learned; None before any step
+        ran with this thread count."""
+        return self.costs.predict(threads, step_flops(self.shape, plan)) if self.costs.known(threads) else None
+
     def record(self, threads, plan: StepPlan, seconds: float) -> None:
+        """A step ran: learn from it, after noting what the costs learned before it predicted."""
+        self.predicted, self.took = self.predict(threads, plan), seconds
         self.costs.record(threads, step_flops(self.shape, plan), seconds)
 
     def describe(self) -> dict:

@@ -69,7 +69,7 @@ from benchmarks.measure import Runs, TokenCounter, busy_note, how_much_faster
 from cpu_threads import cores_used_by_others, cpu_sample
 from reading import show_code, show_exercise
 from scheduler import Scheduler
-from step_budget import DEFAULT_TARGET_STEP_MS, ModelShape, StepBudget, chunk_flops, step_flops
+from step_budget import DEFAULT_TARGET_STEP_MS, STALL, ModelShape, StepBudget, chunk_flops
 
 USERS = ["alice", "bob", "carol", "dave"]
 MAX_TOKENS = 16
@@ -218,42 +218,47 @@ def step_time_budget(console: Console, engine: Engine, prompts: dict[str, list[i
     budget = StepBudget(ModelShape.of(engine.model), TARGET_MS, 2048)  # NEW: a time, and a hard cap
     runner = BatchRunner(engine, step_budget=budget, max_num_batched_tokens=2048)  # NEW
     requests = [runner.add(user, ids, SamplingParams(max_tokens=MAX_TOKENS), None) for user, ids in prompts.items()]
-    for number in (1, 2, 3):  # the four prompts, then two decode steps: what a step costs is learned from them
-        run_step(runner, number)
+    # The four prompts, then decode steps: what a step costs is learned from them.
+    decoding = Runs([run_step(runner, number).ms for number in (1, 2, 3, 4, 5)][1:])
     erin_ids = engine.tokenize(ERIN)
     requests.append(runner.add("erin", erin_ids, SamplingParams(max_tokens=MAX_TOKENS), None))
     table = Table("step", "budget", "decodes", "erin's chunk", "predicted", "took", title_justify="left",
                   title=f"erin's {len(erin_ids):,} tokens beside the four decodes, a target of {TARGET_MS:g} ms a step")
-    number, chunks = 4, []
+    number, chunks, sizes = 6, [], []
     while any(r.request_id == "erin" for r in runner.scheduler.waiting) or any(
             r.request_id == "erin" and r.num_prefill_left for r in runner.scheduler.running):
-        fixed, per_flop = budget.costs.fit(runner.thread_count(chosen=False))  # NEW: what a step costs, learned
         record = run_step(runner, number)
         chunk = next(s for s in record.scheduled if s.request.request_id == "erin")
         chunks.append(record)
-        predicted = fixed + per_flop * step_flops(budget.shape, runner.last_plan)
+        sizes.append(chunk.end - chunk.start)
+        predicted = budget.predicted  # NEW: what the costs learned before the step said it would take
         table.add_row(str(number), f"{budget.last:,}", str(len(record.scheduled) - 1), f"{chunk.start:,}-{chunk.end:,}",
-                      f"{predicted * 1e3:,.0f} ms", f"{record.ms:,.0f} ms")
+                      "-" if predicted is None else f"{predicted * 1e3:,.0f} ms", f"{record.ms:,.0f} ms")
         number += 1
     console.print(table)
     runner.run(requests)
-    fixed, per_flop = budget.costs.fit(runner.thread_count(chosen=False))
+    threads = runner.thread_count(chosen=True)  # the count the latest step ran with: its costs are known
+    fixed, per_flop = budget.costs.fit(threads)
     per_token = per_flop * 2 * budget.shape.body_params
     whole = fixed + per_flop * chunk_flops(budget.shape, 0, len(erin_ids))
     took = Runs([r.ms for r in chunks])
+    shrink = (f" Her chunks shrink as she goes ({sizes[0]} tokens first, {sizes[-2]} before the last): each of her "
+              f"tokens attends to every one before it." if len(sizes) > 2 and sizes[-2] < sizes[0] else "")
     console.print(
         f"What a step costs here, learned from the steps run: {fixed * 1e3:,.0f} ms whatever its size, and "
         f"{per_token * 1e3:,.1f} ms a token through the weights (plus each key it attends to: step_flops counts "
         f"both). With a fixed budget of 2,048 tokens a step, erin's whole prompt would be one step of about "
         f"{whole * 1e3:,.0f} ms by the same costs, and each of the four would wait that long for its next token. With "
-        f"a target of {TARGET_MS:g} ms, each step gives her what the four decodes leave of it: {len(chunks)} chunks, "
-        f"steps of {took} (median), predicted within what the table shows. This is Sarathi-Serve's stall-free "
+        f"a target of {TARGET_MS:g} ms, a step gives her as many tokens as keep it within the target and within "
+        f"{STALL:g} times the four's own step ({decoding} alone, steps 2-5), and never fewer than fit in as long as "
+        f"theirs: {len(chunks)} chunks, steps of {took} (median, {took.median / decoding.median:.1f}x theirs).{shrink} "
+        f"This is Sarathi-Serve's stall-free "
         f"batching (Agrawal et al., OSDI 2024): the chunk is sized from a latency target. vLLM's budget is a fixed "
         f"number of tokens instead, 2,048 for `vllm serve` (8,192 on a GPU with 70 GiB or more: get_batch_defaults "
         f"in vllm/engine/arg_utils.py), sized for a GPU, where 2,048 tokens take milliseconds. "
         f"Engine(batching=True) and python server.py use a target ({DEFAULT_TARGET_STEP_MS:g} ms unless "
         f"--target-step-ms is given); --max-num-batched-tokens N makes the budget N every step, as in vLLM, and the "
-        f"scenes above pass one so their plans are the same on every machine. {busy_note(took)}".strip()
+        f"scenes above pass one so their plans are the same on every machine. {busy_note(decoding, took)}".strip()
     )
 
 
