@@ -6,9 +6,9 @@ the pool into a private DynamicCache), scheduler.py (what runs in the next step)
 batch_attention.py (how one forward pass attends for every request). Here no DynamicCache
 is kept between steps: in every layer, the model's attention copies each request's whole
 context out of the pool through its block table, K and V of every slot it reads, padded to
-the longest context of its group (StepInputs.slots_read counts the slots a layer reads; 16
-decodes behind the demo's system prompt read 880 a layer with cascade attention, 39 MiB a
-step on SmolLM2 in fp32). vLLM's kernels copy nothing: flash_attn_varlen_func gets the paged
+the longest context of its group (StepInputs.slots_read counts the slots a layer reads; the
+README's "Measured" has them for 16 to 64 decodes behind a system prompt). vLLM's kernels copy
+nothing: flash_attn_varlen_func gets the paged
 cache and the block table (vllm/v1/attention/backends/flash_attn.py).
 
     1. the batch runner  schedule, run the step, sample a token per request, finish requests
@@ -91,8 +91,9 @@ class BatchRunner:
 
     def __init__(self, engine, *, cascade_attention: bool = True, threads: ThreadChooser | None = None,
                  choose_threads: bool = True, step_budget: StepBudget | None = None, **scheduler_options) -> None:
-        """cascade_attention: decodes that share their first blocks attend over them once
-        (shared_prefix_attention). threads: the ThreadChooser to use (one that has measured
+        """cascade_attention: decodes that share a long prefix's blocks may attend over them
+        once (shared_prefix_attention), where counted work says it pays (decode_groups);
+        False: never. threads: the ThreadChooser to use (one that has measured
         already, as the Engine's), or None for a new one; choose_threads=False keeps torch's
         own thread count for every step. step_budget: picks each step's token budget from a
         target step time (step_budget.py), up to max_num_batched_tokens; None: the budget is

@@ -232,7 +232,7 @@ class Engine:
         self.target_step_ms = target_step_ms  # None: the budget is max_num_batched_tokens every step
         self.step_budget = None if target_step_ms is None else StepBudget(
             ModelShape.of(model), target_step_ms, max_num_batched_tokens)
-        self.cascade_attention = cascade_attention  # batched decodes sharing a prefix read it once
+        self.cascade_attention = cascade_attention  # decodes sharing a long prefix read it once, where it pays
         # Every forward pass on a CPU picks its thread count by measuring (cpu_threads.ThreadChooser):
         # one request's, and each batched step's. choose_threads=False keeps torch's.
         self.threads = ThreadChooser() if choose_threads else None

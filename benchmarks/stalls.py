@@ -83,6 +83,35 @@ def http_stream(url: str):
 # The scene
 
 
+def watch_steps(engine: Engine) -> list[tuple]:
+    """Every step the engine's loop runs from now on: (start, end, prefill tokens, threads it
+    ran with), appended to the list returned."""
+    runner, steps = engine.loop.runner, []
+    step = runner.step
+
+    def watched():
+        start = time.perf_counter()
+        finished = step()
+        if runner.last_step is not None and runner.last_plan and runner.last_plan.scheduled:
+            threads = runner.threads.used if runner.threads else None
+            steps.append((start, time.perf_counter(), runner.last_step.num_prefill_tokens, threads))
+        return finished
+
+    runner.step = watched
+    return steps
+
+
+def while_prefilling(steps: list[tuple], arrival: float, first: float) -> dict:
+    """The steps that ran while the long prompt was prefilled: how many, their prompt tokens and
+    times, and the thread counts they ran with."""
+    during = [s for s in steps if s[0] >= arrival and s[1] <= first]
+    chunks = [s[2] for s in during if s[2]]
+    times = [(s[1] - s[0]) * 1e3 for s in during]
+    return {"steps": len(during), "chunk_min": min(chunks, default=0), "chunk_max": max(chunks, default=0),
+            "step_median_ms": statistics.median(times) if times else 0.0, "step_max_ms": max(times, default=0.0),
+            "threads": sorted({s[3] for s in during if s[3] is not None})}
+
+
 def run_scene(stream, long_messages, args, salt: str) -> dict:
     """Clients stream; once each has args.warm_tokens, the long prompt arrives; stop once it
     has its first token and the clients have streamed a little past it."""
@@ -110,7 +139,8 @@ def run_scene(stream, long_messages, args, salt: str) -> dict:
     before = gaps_of(client_times, 0, arrival)
     during = [b - a for times in client_times for a, b in zip(times, times[1:]) if b > arrival and a < first]
     return {"gap_median_before_ms": statistics.median(before) * 1e3, "gap_longest_during_ms": max(during) * 1e3,
-            "gap_ratio": max(during) / statistics.median(before), "ttft_s": first - arrival}
+            "gap_ratio": max(during) / statistics.median(before), "ttft_s": first - arrival,
+            "arrival": arrival, "first": first}
 
 
 def gaps_of(client_times, start: float, end: float) -> list[float]:
@@ -151,14 +181,17 @@ def main(argv: list[str] | None = None) -> dict:
     servers = []
     for way, options in ways.items():
         if args.http:
-            url, server, _ = start_server(args, batching=True, **options)
+            url, server, serving = start_server(args, batching=True, **options)
             servers.append(server)
             stream = http_stream(url)
         else:
-            stream = engine_stream(Engine(model=engine.model, tokenizer=engine.tokenizer, block_size=args.block_size,
-                                          num_blocks=engine.allocator.num_blocks, batching=True, **options))
+            serving = Engine(model=engine.model, tokenizer=engine.tokenizer, block_size=args.block_size,
+                             num_blocks=engine.allocator.num_blocks, batching=True, **options)
+            stream = engine_stream(serving)
+        steps = watch_steps(serving)
         stream([SYSTEM, {"role": "user", "content": "Hi"}], 4, None, threading.Event(), [])  # first steps: untimed
         scene = run_scene(stream, long_messages, args, salt=f"{way}-with-streams")
+        scene["prefill"] = while_prefilling(steps, scene.pop("arrival"), scene.pop("first"))
         scene["ttft_alone_s"] = alone(stream, long_messages, salt=f"{way}-alone")
         scene["ttft_ratio"] = scene["ttft_s"] / scene["ttft_alone_s"]
         results["ways"][way] = scene
@@ -173,6 +206,11 @@ def main(argv: list[str] | None = None) -> dict:
             ("streams: longest gap while it prefills",
              lambda r: f"{r['gap_longest_during_ms']:,.0f} ms ({r['gap_ratio']:.1f}x; target 3x)"),
             ("the prompt: first token", lambda r: f"{r['ttft_s']:.1f} s"),
+            ("steps while it prefills", lambda r: f"{r['prefill']['steps']}: chunks of {r['prefill']['chunk_min']:,}-"
+                                                  f"{r['prefill']['chunk_max']:,} tokens"),
+            ("  those steps: median, longest", lambda r: f"{r['prefill']['step_median_ms']:,.0f} ms, "
+                                                         f"{r['prefill']['step_max_ms']:,.0f} ms"),
+            ("  threads they ran with", lambda r: ", ".join(map(str, r["prefill"]["threads"])) or "-"),
             ("the prompt alone: first token", lambda r: f"{r['ttft_alone_s']:.1f} s ({r['ttft_ratio']:.1f}x; target 2x)")]
     for name, show in rows:
         table.add_row(name, *(show(results["ways"][way]) for way in ways))
