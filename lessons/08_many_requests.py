@@ -429,7 +429,9 @@ def main(argv: list[str] | None = None) -> None:
     for name in ("schedule", "_preempt"):
         show_exercise(console, 6, "exercises/scheduler.py", f"Scheduler.{name}", getattr(Scheduler, name))
     show_code(console, pool_attention, shared_prefix_attention, build_step, BatchRunner.step)
-    engine = models.make_engine(args)
+    # A fixed budget for scene 4's generate_batch: its counts (forward passes) are then the same
+    # on every machine. Scene 2d shows the budget a batching engine picks by default instead.
+    engine = models.make_engine(args, max_num_batched_tokens=2048)
     console.print(models.describe(engine.model, args))
     engine.warm_up()
     prompts = {user: engine.tokenize(chat) for user, chat in zip(USERS, questions(len(USERS)))}

@@ -48,7 +48,9 @@ def make_engine(tiny_model, tokenizer):
     engines = []
 
     def make(**kwargs) -> Engine:
-        kwargs = {"block_size": 4, "num_blocks": 64, **kwargs}
+        # A fixed budget unless a test asks for a target step time: plans the same on every machine.
+        fixed = {} if "target_step_ms" in kwargs else {"max_num_batched_tokens": 2048}
+        kwargs = {"block_size": 4, "num_blocks": 64, **fixed, **kwargs}
         engine = Engine(model=tiny_model, tokenizer=tokenizer, **kwargs)
         engines.append(engine)
         return engine
@@ -78,8 +80,11 @@ def smollm(smollm_session):
 @pytest.fixture(scope="module")
 def engine(tiny_model, tokenizer):
     """The server's engine for a test module: batching, as python server.py's default; block
-    size 4 so blocks fill fast, 64 blocks (256 tokens). A module may define its own."""
-    return Engine(model=tiny_model, tokenizer=tokenizer, block_size=4, num_blocks=64, batching=True)
+    size 4 so blocks fill fast, 64 blocks (256 tokens); a fixed budget of 2,048 tokens a step
+    instead of the default target step time, so its steps are the same on every machine
+    (tests/test_step_budget.py tests the target). A module may define its own."""
+    return Engine(model=tiny_model, tokenizer=tokenizer, block_size=4, num_blocks=64, batching=True,
+                  max_num_batched_tokens=2048)
 
 
 @pytest.fixture(scope="module")

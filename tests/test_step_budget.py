@@ -194,7 +194,7 @@ def test_replies_are_exact_whatever_budget_each_step_gets(tiny_model, tokenizer,
 
 
 def test_the_engine_learns_its_costs_and_keeps_within_the_cap(make_engine):
-    engine = make_engine(num_blocks=256)
+    engine = make_engine(num_blocks=256, max_num_batched_tokens=None)  # the engine's default: a target step time
     assert engine.target_step_ms == DEFAULT_TARGET_STEP_MS and engine.scheduler_options["max_num_batched_tokens"] == 2048
     prompts = [list(range(1, 300)), list(range(1, 20)) + [5] * 30]
     replies = engine.generate_batch(prompts, max_tokens=5)
@@ -206,6 +206,7 @@ def test_the_engine_learns_its_costs_and_keeps_within_the_cap(make_engine):
 def test_a_fixed_budget_or_a_target_not_both(make_engine):
     assert make_engine(max_num_batched_tokens=64).step_budget is None
     assert make_engine(target_step_ms=100).step_budget.target_ms == 100
+    assert make_engine(max_num_batched_tokens=None).step_budget.target_ms == DEFAULT_TARGET_STEP_MS
     with pytest.raises(ValueError, match="not both"):
         make_engine(max_num_batched_tokens=64, target_step_ms=100)
     with pytest.raises(ValueError, match="target_step_ms"):
