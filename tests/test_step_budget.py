@@ -3,9 +3,11 @@ budgets it picks, the hard cap never passed, and exact replies whatever chunks i
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+import batch_attention
+import batch_engine
 from batch_engine import BatchRunner
 from engine import DEFAULT_MAX_NUM_BATCHED_TOKENS, Engine
 from helpers import call, hf_greedy, serve
@@ -181,16 +183,35 @@ def expected(model, prompt):
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(budgets=st.lists(st.integers(1, 60), min_size=1, max_size=6), cascade=st.booleans())
-def test_replies_are_exact_whatever_budget_each_step_gets(tiny_model, tokenizer, budgets, cascade):
+@given(budgets=st.lists(st.integers(1, 64), min_size=1, max_size=6), cascade=st.booleans())
+@example(budgets=[64], cascade=True)
+def test_replies_are_exact_whatever_budget_each_step_gets(tiny_model, tokenizer, monkeypatch, budgets, cascade):
+    """Chunks of every size, with the decodes' groups sharing their prefix or not: the thresholds
+    are lowered so that the tiny prompts' 40 shared tokens make a family (batch_attention.py)."""
+    monkeypatch.setattr(batch_attention, "CASCADE_MIN_TOKENS", 8)
+    monkeypatch.setattr(batch_attention, "CASCADE_MIN_REQUESTS", 2)
+    monkeypatch.setattr(batch_attention, "CASCADE_GROUP_SLOTS", 0)
+    monkeypatch.setattr(batch_attention, "CASCADE_OWN_COST", 1.0)
     engine = Engine(model=tiny_model, tokenizer=tokenizer, block_size=4, num_blocks=64)
     script = Scripted(budgets)
     runner = BatchRunner(engine, cascade_attention=cascade, choose_threads=False, step_budget=script,
                          max_num_seqs=4, max_num_batched_tokens=64)
     requests = [runner.add(f"r{i}", p, SamplingParams(max_tokens=6), None) for i, p in enumerate(PROMPTS)]
+    shared = []
+    real_build_step = batch_attention.build_step
+
+    def build_step(*args, **kwargs):
+        inputs = real_build_step(*args, **kwargs)
+        shared.extend(group.prefix_slots is not None for group in inputs.groups)
+        return inputs
+
+    monkeypatch.setattr(batch_engine, "build_step", build_step)
     replies = runner.run(requests)
     assert [r.token_ids for r in replies] == [expected(tiny_model, p) for p in PROMPTS]
     assert not engine.allocator.block_tables
+    assert cascade or not any(shared)
+    if cascade and budgets == [64]:  # all four admitted in two steps, then decoding side by side
+        assert any(shared)  # the shared-prefix path ran
 
 
 def test_the_engine_learns_its_costs_and_keeps_within_the_cap(make_engine):
