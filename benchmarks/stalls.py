@@ -123,8 +123,11 @@ def run_scene(stream, long_messages, args, salt: str) -> dict:
         threads.append(threading.Thread(target=stream, args=(question, args.client_tokens, None, stop, times)))
     for thread in threads:
         thread.start()
-    deadline = time.monotonic() + 600
-    while min(len(t) for t in client_times) < args.warm_tokens and time.monotonic() < deadline:
+    while min(len(t) for t in client_times) < args.warm_tokens:
+        if not all(thread.is_alive() for thread in threads):  # a stream refused or ended early: say so
+            stop.set()
+            raise SystemExit(f"a stream ended before its first {args.warm_tokens} tokens (see above); "
+                             f"--client-tokens must be within the server's --max-tokens-limit")
         time.sleep(0.01)
     arrival = time.perf_counter()
     long_times: list[float] = []
@@ -159,7 +162,8 @@ def main(argv: list[str] | None = None) -> dict:
     add_model_arguments(parser)
     parser.add_argument("--clients", type=positive_int, default=4, help="students streaming when the prompt arrives")
     parser.add_argument("--warm-tokens", type=positive_int, default=12, help="tokens each streams before it arrives")
-    parser.add_argument("--client-tokens", type=positive_int, default=1000, help="max_tokens of each stream")
+    parser.add_argument("--client-tokens", type=positive_int, default=500,
+                        help="max_tokens of each stream (default 500: within the server's --max-tokens-limit)")
     parser.add_argument("--long-tokens", type=positive_int, default=4000, help="the long chat prompt's length")
     parser.add_argument("--http", action="store_true", help="over HTTP, against servers of this course at their defaults")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")

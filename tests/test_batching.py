@@ -1,6 +1,7 @@
 """Many requests in one forward pass: every request's greedy tokens equal plain Hugging Face
 generate on that prompt alone, whatever shares its batch (tiny random model, float32)."""
 
+import gc
 import threading
 import time
 
@@ -328,3 +329,14 @@ def test_the_chooser_goes_back_to_all_the_cores_when_the_machine_is_quiet_again(
     chooser.record("decode", 2, 0.05, others=0.0)
     assert chooser.choose("decode", most=2) == 2 and chooser.choose("prefill", most=2, may_probe=False) == 2
     assert chooser.choose("decode", most=1) == 1  # torch's own setting is the most it ever uses
+
+
+def test_the_engine_loop_freezes_the_startup_heap_once(make_engine):
+    """A full garbage collection must not walk the model's objects inside a step (a stall every
+    stream sees): the first engine loop of the process freezes what is alive, once."""
+    engine = make_engine(batching=True)
+    engine.generate([1, 2, 3], max_tokens=2)
+    frozen = gc.get_freeze_count()
+    assert frozen > 0
+    make_engine(batching=True).generate([1, 2, 3], max_tokens=2)
+    assert gc.get_freeze_count() == frozen  # once: a second engine freezes nothing more
