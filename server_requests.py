@@ -22,14 +22,14 @@ from typing import Mapping
 from prefix_caching import check_cache_salt, check_text
 
 DEFAULT_MAX_TOKENS_LIMIT = 512
-DEFAULT_MAX_BODY_BYTES = 1 << 20  # 1 MiB: far more text than the default pool holds
 # Limits for one laptop and a class (docs/server.md lists them; each has a flag).
 DEFAULT_MAX_PROMPT_TOKENS = 4096  # a third of the default pool; ~10 s of prefill on a laptop CPU
 DEFAULT_MAX_WAITING = 64  # requests queued behind the running ones; beyond it a 503
 DEFAULT_REQUEST_TIMEOUT = 300.0  # seconds a generation request may take, its wait in the queue included
-DEFAULT_READ_TIMEOUT = 10.0  # seconds a connection may stay silent while it sends a request
-DEFAULT_IDLE_TIMEOUT = 5.0  # seconds a kept-alive connection may wait for its next request
+DEFAULT_READ_TIMEOUT = 10.0  # seconds a request's head and body may take in all, from the connection's start
+DEFAULT_IDLE_TIMEOUT = 5.0  # seconds a new connection may wait before it sends its first byte
 DEFAULT_MAX_CONNECTIONS = 128  # open connections (one thread each); beyond it a 503
+DEFAULT_MAX_CONNECTIONS_PER_CLIENT = 32  # open connections from one IP address; beyond it a 503 (0: no cap)
 RETRY_AFTER_S = 2  # what a 503 asks a client to wait before it tries again
 EXAMPLE_BODY = '{"prompt": "Hello", "max_tokens": 16}'
 JSON_HEADER = "-H 'Content-Type: application/json'"
@@ -82,12 +82,88 @@ def check_content_type(mimetype: str) -> None:
                             f"With curl add {JSON_HEADER}, or send the body with --json (curl 7.82+)")
 
 
+# How big may a body be? As big as the longest prompt --max-prompt-tokens accepts, written
+# in JSON as wastefully as JSON allows, and no bigger: bounds known before a byte of it is
+# read, and checked before the prompt is templated or tokenized (which costs seconds for a
+# body of a few MiB). A token is at most `max_token_bytes` bytes of UTF-8 text (81 for
+# SmolLM2's tokenizer: a newline and 80 spaces), and JSON spends at most 6 bytes on one byte
+# of text (a control character is written "\u0001"); each message is at least one token
+# (its role's), and its braces, quotes and keys take at most MESSAGE_JSON_BYTES; the other
+# fields, and any whitespace between JSON's tokens, get BODY_SLACK_BYTES.
+
+JSON_BYTES_PER_TEXT_BYTE = 6
+MESSAGE_JSON_BYTES = 48  # {"role": "assistant", "content": ""}, and spaces: 38
+BODY_SLACK_BYTES = 64 * 1024
+SMOLLM2_TOKEN_BYTES = 81  # max_token_bytes of the default model's tokenizer
+
+
+@dataclass(frozen=True)
+class PromptBounds:
+    """The most a prompt of at most max_prompt_tokens tokens could hold: each bound a prompt
+    the server accepts never exceeds (for a tokenizer that drops no text: byte-level BPE,
+    SentencePiece with byte fallback).
+
+    >>> PromptBounds.of(max_prompt_tokens=4096, max_token_bytes=81)
+    PromptBounds(max_text_bytes=331776, max_messages=4096, max_body_bytes=2252800)
+    """
+
+    max_text_bytes: int  # UTF-8 bytes of the prompt's text (a chat: its messages' contents)
+    max_messages: int
+    max_body_bytes: int
+
+    @classmethod
+    def of(cls, max_prompt_tokens: int, max_token_bytes: int) -> PromptBounds:
+        text = max_prompt_tokens * max_token_bytes
+        body = JSON_BYTES_PER_TEXT_BYTE * text + MESSAGE_JSON_BYTES * max_prompt_tokens + BODY_SLACK_BYTES
+        return cls(text, max_prompt_tokens, body)
+
+
+def max_token_bytes(token_texts) -> int:
+    """The most UTF-8 bytes one token stands for, from the text of each token alone. A piece
+    of a character (byte-level BPE splits an emoji in two) decodes to U+FFFD, 3 bytes: never
+    fewer than the piece stands for.
+
+    >>> max_token_bytes(["a", " the", "\\ufffd", "\\n" + " " * 80])
+    81
+    """
+    return max(len(text.encode()) for text in token_texts)
+
+
+def check_prompt_size(prompt: str | list, bounds: PromptBounds, max_prompt_tokens: int) -> None:
+    """400 for a prompt no tokenizer could make max_prompt_tokens or fewer tokens of, before it
+    is templated or tokenized. A chat template may trim a message's content: so does this.
+
+    >>> check_prompt_size("Hi" * 100, PromptBounds.of(2, 81), 2)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    server_requests.APIError: the prompt's text is 200 bytes, more than a prompt of at most 2 tokens ... (162 bytes); ...
+    """
+    limit = f"a prompt of at most {max_prompt_tokens:,} tokens (--max-prompt-tokens) can hold"
+    if isinstance(prompt, str):
+        size = len(prompt.encode(errors="surrogatepass"))  # a lone surrogate is refused later, saying so
+    elif not isinstance(prompt, list):
+        return  # the engine refuses it, saying why
+    elif all(type(t) is int for t in prompt):
+        if len(prompt) > max_prompt_tokens:
+            raise APIError(400, f"the prompt is {len(prompt):,} token ids, over this server's limit of "
+                                f"{max_prompt_tokens:,} (--max-prompt-tokens); send a shorter one")
+        return
+    else:  # a chat; the engine checks each message's shape
+        if len(prompt) > bounds.max_messages:
+            raise APIError(400, f"the chat has {len(prompt):,} messages, more than {limit}; send fewer")
+        size = sum(len(m["content"].strip().encode(errors="surrogatepass")) for m in prompt
+                   if isinstance(m, dict) and isinstance(m.get("content"), str))
+    if size > bounds.max_text_bytes:
+        raise APIError(400, f"the prompt's text is {size:,} bytes, more than {limit} "
+                            f"({bounds.max_text_bytes:,} bytes); send a shorter one")
+
+
 def read_body(stream, content_length: int | None, limit: int) -> bytes:
-    """At most `limit` bytes of the body, or 413. A chunked body announces no length, so read
-    one byte past the limit: that byte tells "exactly at the limit" from "over it"."""
+    """At most `limit` bytes of the body, or 413, refused on its Content-Length before a byte
+    of it is read. A chunked body announces no length, so read one byte past the limit: that
+    byte tells "exactly at the limit" from "over it"."""
     if content_length is not None and content_length > limit:
-        raise APIError(413, f"the body is {content_length:,} bytes, over this server's limit of {limit:,}; "
-                            f"send a shorter prompt")
+        raise APIError(413, f"the body is {content_length:,} bytes, over this server's limit of {limit:,} "
+                            f"(what --max-prompt-tokens could ever accept); send a shorter prompt")
     chunks, size = [], 0
     while size <= limit:
         try:
@@ -99,7 +175,8 @@ def read_body(stream, content_length: int | None, limit: int) -> bytes:
         chunks.append(chunk)
         size += len(chunk)
     if size > limit:
-        raise APIError(413, f"the body is over this server's limit of {limit:,} bytes; send a shorter prompt")
+        raise APIError(413, f"the body is over this server's limit of {limit:,} bytes (what --max-prompt-tokens "
+                            f"could ever accept); send a shorter prompt")
     return b"".join(chunks)
 
 
@@ -108,11 +185,19 @@ def _reject_constant(name: str):
 
 
 def parse_json_object(raw: bytes) -> dict:
-    """The body as a dict, or a 400 that says what is wrong with it.
+    """The body as a dict, every string of it text, or a 400 that says what is wrong with it.
 
     >>> parse_json_object(b'{"prompt": "Hi"}')
     {'prompt': 'Hi'}
     """
+    body = load_json_object(raw)
+    check_strings(body)
+    return body
+
+
+def load_json_object(raw: bytes) -> dict:
+    """The body as a dict, its strings not checked yet: a generation request checks its size
+    first (parse_generation_request), which costs less than walking 37,000 messages."""
     if not raw:
         raise APIError(400, f"the body is empty: send a JSON object such as {EXAMPLE_BODY}")
     try:
@@ -124,7 +209,6 @@ def parse_json_object(raw: bytes) -> dict:
         raise APIError(400, f"the body nests arrays or objects too deeply to parse; send an object such as {EXAMPLE_BODY}")
     if not isinstance(body, dict):
         raise APIError(400, f"the body must be a JSON object {{...}}, got {type(body).__name__} {raw[:40]!r}")
-    check_strings(body)
     return body
 
 
@@ -291,7 +375,7 @@ class Settings:
     salt_by_api_key: bool = False
     admin_key: str | None = None
     max_tokens_limit: int = DEFAULT_MAX_TOKENS_LIMIT
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    bounds: PromptBounds = PromptBounds.of(DEFAULT_MAX_PROMPT_TOKENS, SMOLLM2_TOKEN_BYTES)  # create_app: the model's
     allowed_hosts: set[str] = field(default_factory=lambda: set(LOCAL_HOSTS))
     api_keys: frozenset[str] | None = None  # the keys a class may use; None: any key (or none)
     max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS
@@ -322,6 +406,8 @@ def parse_generation_request(body: dict, route: Route, settings: Settings,
     GenerationRequest(prompt='Hi', max_tokens=64, temperature=0.0, top_p=1.0, seed=None, cache_salt=None, stop='.', stream=False, include_usage=False)
     """
     prompt = take_prompt(body, route)
+    check_prompt_size(prompt, settings.bounds, settings.max_prompt_tokens)  # before the costlier checks
+    check_strings(body)
     stream = take_bool(body, "stream")
     if stream and not route.openai:
         raise APIError(400, f"{route.path} does not stream; use /v1/completions or /v1/chat/completions")

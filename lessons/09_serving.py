@@ -18,7 +18,7 @@ cannot forget or forge.
 
 New in this stage (marked # NEW): create_app, requests over HTTP, per-key salts.
 
-Read: server.py: generate and chat_completions, the routes of /generate and
+Read: server_routes.py: generate and chat_completions, the routes of /generate and
       /v1/chat/completions; server_requests.py: take_cache_salt and tenant_of, where a
       request's cache_salt comes from (printed when the stage starts).
 

@@ -174,3 +174,10 @@ def queued_together(engine):
         assert inside.wait(30)
         yield
     opener.join(60)
+
+
+def connect_from(url: str, address: str, timeout: float = 30) -> socket.socket:
+    """A connection to the server at `url` from the local `address` (on Linux every
+    127.x.y.z is this machine: a second client address without a second machine)."""
+    host, port = url.removeprefix("http://").split(":")
+    return socket.create_connection((host, int(port)), timeout=timeout, source_address=(address, 0))

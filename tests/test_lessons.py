@@ -60,7 +60,7 @@ EXPECTED_OUTPUT = {
                             "same tokens as in the big pool of scenes 1-2: 4 of 4",
                             "The pool is whole again: 34 of 34 blocks free",
                             "in 16 forward passes instead of 128", "681 with it against 3,817 without"],
-    "09_serving.py": ["Read: server.py", "generate", "chat_completions", "Read: server_requests.py",
+    "09_serving.py": ["Read: server_routes.py", "generate", "chat_completions", "Read: server_requests.py",
                       "take_cache_salt", "tenant_of", '"prompt_tokens_details": {"cached_tokens": 448}',
                       "Without salts the right guess comes back with cached_tokens=208",
                       "With the salt derived from each key, the right guess gets cached_tokens=0",

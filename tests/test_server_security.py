@@ -113,7 +113,9 @@ def test_under_keys_a_caller_sees_its_own_counters_blocks_and_requests_only(engi
     assert [call(keyed_url, "/health", headers=ALICE)[1][k] for k in counters] == [alice[k] for k in counters]
     bob = call(keyed_url, "/health", headers=BOB)[1]
     assert bob["requests"] == 2 and bob["hit_tokens"] > 0
-    assert bob["num_cached_blocks"] == engine.allocator.num_cached_blocks  # the pool's size and use: everyone's
+    bobs_cached = sum(b.block_hash is not None for b in engine.allocator.blocks if b.cache_salt == salt_of("bob-key"))
+    assert 0 < bob["num_cached_blocks"] == bobs_cached < engine.allocator.num_cached_blocks  # his own blocks only
+    assert bob["num_blocks"] == engine.allocator.num_blocks and bob["num_free_blocks"] is None  # the size, not the use
 
     held = engine.stream(SYSTEM + "Bob waits.", max_tokens=150, cache_salt=salt_of("bob-key"), request_id="bob-1")
     next(held)
@@ -125,7 +127,7 @@ def test_under_keys_a_caller_sees_its_own_counters_blocks_and_requests_only(engi
     finally:
         held.close()
     assert seen_by_alice["block_tables"] == {} and list(seen_by_bob["block_tables"]) == ["bob-1"]
-    assert seen_by_alice["running_requests"] == 1  # that someone runs, not who or what
+    assert seen_by_alice["running_requests"] == 0 and seen_by_bob["running_requests"] == 1  # each counts its own
     for block_id in alice_blocks:
         assert seen_by_alice["blocks"][block_id]["text"] and seen_by_alice["blocks"][block_id]["block_hash"]
         assert seen_by_bob["blocks"][block_id]["opaque"]

@@ -1,0 +1,345 @@
+"""
+The connections of server.py: werkzeug's threaded server (a thread per connection, one
+process: one engine, one pool) with the bounds a class needs, so that no one client can take
+the server down, and a hang-up check that says whether a request's client is still there.
+
+    server = ClassServer("127.0.0.1", 5000, app, max_connections=128, max_connections_per_client=32)
+    server.serve_forever()        # until Ctrl+C; then drain(server, engine, grace=10)
+
+What a connection may hold, and for how long:
+
+    a new connection           idle_timeout seconds to send its first byte
+    its request's head & body  read_timeout seconds in all, from the moment it connected:
+                               a deadline, not a timeout per read, so a client that sends one
+                               byte every few seconds is cut off all the same (a watchdog
+                               thread shuts down its reading side: a body cut short gets a 408)
+    its reply                  read_timeout seconds for every write it does not read
+    connections                max_connections open at once, and max_connections_per_client
+                               from one address (0: no such cap); beyond either a 503 from the
+                               accepting thread at once, and no thread
+    after its body             nothing but its end: see HangUpCheck
+
+werkzeug answers every request with `Connection: close`, so nothing a client sends after its
+body can be a next request. Read server_views.py before, server_routes.py after.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import selectors
+import socket
+import socketserver
+import threading
+import time
+from dataclasses import dataclass, field
+
+from werkzeug.serving import ThreadedWSGIServer, WSGIRequestHandler
+
+from engine import Engine
+from server_requests import (
+    DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_CONNECTIONS_PER_CLIENT, DEFAULT_READ_TIMEOUT,
+    RETRY_AFTER_S, error_json,
+)
+
+AFTER_BODY_LIMIT = 4096  # bytes a client may send after its body before it counts as gone
+WATCH_EVERY_S = 0.1  # how often the watchdog looks for requests past their deadline
+CLOSE_S = 5.0  # after the grace of a Ctrl+C: how long connections get to end before they are cut
+
+log = logging.getLogger("server")
+
+# -----------------------------------------------------------------------------
+# 1. Has the client gone?
+
+
+class HangUpCheck:
+    """Whether a request's client has gone, asked by the engine loop before each step while
+    the request waits or prefills, and by its own thread between two tokens. Gone: its
+    socket is readable and a read finds the end of the stream (the client closed, or shut
+    down its sending side, as `nc -N` does), or it sent more than AFTER_BODY_LIMIT bytes
+    after its body (junk cannot hide a close behind it: it ends the connection).
+
+    The check never raises: a check that fails (a socket already closed) says "gone", for
+    this request only; the engine loop calls it for every request, and one client's broken
+    socket must not fail the others'. A selector, not select.select, which refuses a
+    descriptor over 1,023 (a server with more than about 1,000 connections) and exists for
+    sockets on every OS.
+
+    >>> a, b = socket.socketpair()
+    >>> check = HangUpCheck(a)
+    >>> check(), b.sendall(b"x" * 10), check(), b.shutdown(socket.SHUT_WR), check()
+    (False, None, False, None, True)
+    >>> a.close(); HangUpCheck(a)()   # its socket closed under it: gone, no exception
+    True
+    >>> b.close()
+    """
+
+    def __init__(self, sock: socket.socket | None):
+        self.sock = sock  # None: not served by ClassServer (Flask's test client): never gone
+        self.after_body = 0  # bytes read after the body
+
+    def __call__(self) -> bool:
+        if self.sock is None:
+            return False
+        try:
+            return self.look()
+        except Exception as err:  # noqa: BLE001 (the check itself failed: this request is gone, no other)
+            log.info("the hang-up check failed (%s: %s): the request is treated as gone", type(err).__name__, err)
+            return True
+
+    def look(self) -> bool:
+        with selectors.DefaultSelector() as selector:
+            selector.register(self.sock, selectors.EVENT_READ)
+            while selector.select(timeout=0):
+                data = self.sock.recv(AFTER_BODY_LIMIT + 1 - self.after_body)
+                if not data:
+                    return True
+                self.after_body += len(data)
+                if self.after_body > AFTER_BODY_LIMIT:
+                    return True
+        return False
+
+
+# -----------------------------------------------------------------------------
+# 2. One connection, its handler, and the server
+
+
+@dataclass(eq=False)
+class Connection:
+    """One open connection as the server tracks it."""
+
+    sock: socket.socket
+    address: str  # the client's IP address
+    deadline: float  # time.monotonic() by which its request's head and body must be in
+    reading: bool = True  # still reading its request: the deadline applies
+    cut_off: bool = False  # its deadline came while its request was being read
+    thread: threading.Thread = field(default_factory=threading.current_thread)
+
+    def body_read(self) -> None:
+        """The request is all in: from now on only its reply is timed (per write)."""
+        self.reading = False
+
+    def cut(self, how: int = socket.SHUT_RD) -> None:
+        """Shut the socket down under its thread: a read waiting there returns at once.
+        SHUT_RD leaves the writing side, so a body cut short still gets its 408."""
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(how)
+
+
+CONNECTION = "class_server.connection"  # the WSGI environ key of a request's Connection
+
+
+def connection_of(environ: dict) -> Connection | None:
+    """The request's Connection; None under another server (or Flask's test client)."""
+    return environ.get(CONNECTION)
+
+
+class RequestHandler(WSGIRequestHandler):
+    """werkzeug's handler on a tracked Connection: a new connection has idle_timeout seconds
+    to start its request, every later read or write read_timeout seconds (the watchdog
+    holds the whole request to its deadline meanwhile)."""
+
+    idle_timeout = DEFAULT_IDLE_TIMEOUT
+    read_timeout = DEFAULT_READ_TIMEOUT
+
+    def setup(self) -> None:
+        super().setup()
+        self.tracked = self.server.track(self.connection, self.client_address[0])
+
+    def finish(self) -> None:
+        try:
+            super().finish()
+        finally:
+            self.server.untrack(self.tracked)
+
+    def handle_one_request(self) -> None:
+        self.connection.settimeout(self.idle_timeout)
+        super().handle_one_request()
+
+    def parse_request(self) -> bool:  # called once the request line has come
+        self.connection.settimeout(self.read_timeout)
+        parsed = super().parse_request()  # reads the headers
+        if self.tracked.cut_off:  # its head did not come by the deadline: it is no request
+            self.close_connection = True
+            return False
+        return parsed
+
+    def make_environ(self) -> dict:
+        environ = super().make_environ()
+        environ[CONNECTION] = self.tracked
+        chunked = "chunked" in environ.get("HTTP_TRANSFER_ENCODING", "")
+        if environ.get("CONTENT_LENGTH") in (None, "", "0") and not chunked:
+            self.tracked.body_read()  # no body to wait for
+        return environ
+
+
+class ClassServer(ThreadedWSGIServer):
+    """werkzeug's threaded server with the bounds of this module's docstring."""
+
+    def __init__(self, host: str, port: int, app, *, max_connections: int = DEFAULT_MAX_CONNECTIONS,
+                 max_connections_per_client: int = DEFAULT_MAX_CONNECTIONS_PER_CLIENT,
+                 read_timeout: float = DEFAULT_READ_TIMEOUT, idle_timeout: float = DEFAULT_IDLE_TIMEOUT):
+        handler = type("Handler", (RequestHandler,), {"read_timeout": read_timeout, "idle_timeout": idle_timeout})
+        super().__init__(host, port, app, handler=handler)
+        self.max_connections, self.max_connections_per_client = max_connections, max_connections_per_client
+        self.read_timeout = read_timeout
+        self.connections: set[Connection] = set()
+        self.per_client: dict[str, int] = {}  # open connections by client address
+        self.connections_lock = threading.Lock()
+        # A thread that touches torch while the interpreter shuts down aborts the process
+        # ("terminate called without an active exception"): a tensor freed there gives up the
+        # GIL and cannot take it back. So the server's threads are waited for, not killed;
+        # drain() makes sure they end.
+        self.daemon_threads = False
+        self.closing = threading.Event()  # set: the watchdog stops
+        self.watchdog = threading.Thread(target=self.watch, name="deadlines", daemon=True)
+
+    def log(self, type: str, message: str, *args) -> None:
+        # After a read timeout (the client has its 408), werkzeug still reads what is left of
+        # the body, on a socket object that refuses every read once one timed out: not news.
+        if "cannot read from timed out object" not in message:
+            super().log(type, message, *args)
+
+    # --- accepting, and refusing ---
+
+    def process_request(self, request, client_address) -> None:
+        address = client_address[0]
+        with self.connections_lock:
+            full = sum(self.per_client.values()) >= self.max_connections
+            mine = self.per_client.get(address, 0)
+            over = self.max_connections_per_client and mine >= self.max_connections_per_client
+            if not (full or over):
+                self.per_client[address] = mine + 1  # taken now: the thread may not have started yet
+        if full or over:
+            self.refuse(request, address, per_client=not full)
+            return
+        try:
+            super().process_request(request, client_address)  # starts its thread
+        except BaseException:
+            self.release(address)
+            raise
+
+    def process_request_thread(self, request, client_address) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.release(client_address[0])
+
+    def release(self, address: str) -> None:
+        with self.connections_lock:
+            self.per_client[address] -= 1
+            if not self.per_client[address]:
+                del self.per_client[address]
+
+    def refuse(self, sock, address: str, per_client: bool) -> None:
+        if per_client:
+            message = (f"{address} has {self.max_connections_per_client} connections open, the most one address may "
+                       f"(--max-connections-per-client); try again in a moment")
+        else:
+            message = (f"this server has {self.max_connections} connections open, its most (--max-connections); "
+                       f"try again in a moment")
+        body = json.dumps(error_json(503, message)).encode()
+        head = (f"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(body)}\r\nRetry-After: {RETRY_AFTER_S}\r\nConnection: close\r\n\r\n")
+        try:
+            sock.setblocking(False)
+            sock.sendall(head.encode() + body)  # a few hundred bytes: the socket's buffer takes them at once
+            with contextlib.suppress(OSError):
+                sock.recv(1 << 16)  # what the client sent: closing on unread bytes would reset the connection
+        except OSError:
+            pass
+        finally:
+            self.shutdown_request(sock)
+        log.warning("refused a connection: %s", message)
+
+    # --- the connections, their deadlines, and their end ---
+
+    def track(self, sock: socket.socket, address: str) -> Connection:
+        connection = Connection(sock, address, time.monotonic() + self.read_timeout)
+        with self.connections_lock:
+            self.connections.add(connection)
+        return connection
+
+    def untrack(self, connection: Connection) -> None:
+        with self.connections_lock:
+            self.connections.discard(connection)
+
+    def open_connections(self) -> list[Connection]:
+        with self.connections_lock:
+            return list(self.connections)
+
+    def watch(self) -> None:
+        """The watchdog: a request whose head and body are not in by its deadline is cut."""
+        while not self.closing.wait(WATCH_EVERY_S):
+            now = time.monotonic()
+            for connection in self.open_connections():
+                if connection.reading and now > connection.deadline:
+                    connection.reading, connection.cut_off = False, True
+                    connection.cut()
+                    log.warning("%s: its request was not in within %g s (--read-timeout): cut off",
+                                connection.address, self.read_timeout)
+
+    def serve_forever(self, poll_interval: float = 0.5) -> None:
+        """socketserver's loop, without werkzeug's ending (which swallows Ctrl+C and then waits
+        for every connection to end): drain() decides how the connections end."""
+        if not self.watchdog.is_alive():
+            self.watchdog.start()
+        socketserver.BaseServer.serve_forever(self, poll_interval)
+
+    def stop_accepting(self) -> None:
+        """End serve_forever, running in another thread; returns at once if it has ended."""
+        socketserver.BaseServer.shutdown(self)
+
+    def close_connections(self, wait: float) -> None:
+        """Give the open connections `wait` seconds to end, then shut each down (a client that
+        reads no reply, or sends nothing), and wait for every thread. Requests still being
+        read are cut at once: nothing will serve them now."""
+        for connection in self.open_connections():
+            if connection.reading:
+                connection.cut()
+        deadline = time.monotonic() + wait
+        for connection in self.open_connections():
+            connection.thread.join(max(0.0, deadline - time.monotonic()))
+        for connection in self.open_connections():
+            connection.cut(socket.SHUT_RDWR)
+        self.closing.set()
+        self.server_close()  # joins the connections' threads: each has nothing left to wait for
+
+
+def serve_in_background(app, host: str = "127.0.0.1", port: int = 0, **limits):
+    """Serve `app` from a daemon thread, for a lesson, test or benchmark that runs the server
+    inside its own process; port 0 lets the OS pick a free one. limits: ClassServer's.
+    Returns (base URL, server); server.shutdown() stops it."""
+    app.extensions["server"].settings.allowed_hosts.add(host.lower())
+    server = ClassServer(host, port, app, **limits)
+    # shutdown() waits for the serving thread, whose last act is to drop its reference to the
+    # server, the app and so the engine, which may be the last one (see ClassServer).
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+
+    def shutdown() -> None:
+        server.stop_accepting()
+        thread.join()
+        server.close_connections(CLOSE_S)
+
+    server.shutdown = shutdown
+    return f"http://{host}:{server.server_port}", server
+
+
+def drain(server: ClassServer, engine: Engine, grace: float) -> None:
+    """After Ctrl+C, done within grace + CLOSE_S seconds whatever the clients do: take no new
+    connection; requests that wait get a 503, running ones `grace` seconds to finish and then
+    a last event (finish reason "abort"; a stream then its [DONE]); then every connection
+    gets CLOSE_S seconds to end before it is shut down."""
+    server.stop_accepting()
+    server.socket.close()  # a client that connects now is refused by the OS
+    for connection in server.open_connections():
+        if connection.reading:  # a request still coming in: nothing will serve it now
+            connection.cut()
+    engine.drain(grace)
+    if not engine.batching:  # stage 7's engine: each request runs in its client's thread
+        deadline = time.monotonic() + grace
+        while engine.allocator.block_tables and time.monotonic() < deadline:
+            time.sleep(0.05)
+    server.close_connections(CLOSE_S)

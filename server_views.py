@@ -1,0 +1,258 @@
+"""
+What a caller of server.py may see: the figures of /health and the pool of /cache, for the
+public tenant, a keyed tenant (--salt-by-api-key) or the admin.
+
+    state = ServerState(engine, Settings("my-model", salt_by_api_key=True))
+    state.figures(Viewer("<sha-256 of alice's key>", keyed=True))   # Alice's /health
+
+A block's tenant is the cache_salt of the request that filled it (None: public). A caller
+reads the hash and text of its own tenant's blocks only (without keys, every caller is the
+public tenant, and sees every figure); any other block is opaque.
+
+Under --salt-by-api-key a tenant sees its own and no more. Every figure that moves with
+another tenant's traffic is scoped to its own requests or left out (null):
+
+    its own                       running_requests, waiting_requests, prefilling_requests,
+                                  blocks_in_use, num_cached_blocks, the counters (requests,
+                                  queried_tokens, hit_tokens, hit_rate), block_tables,
+                                  prefilling, waiting_queue, its blocks and their place in
+                                  the free queue
+    the same for everyone         status, model, batching, num_blocks, block_size and the
+                                  scheduler's settings: what the teacher started it with
+    null or left out              num_free_blocks, preemptions, steps, restarts (null);
+                                  last_step, step_costs (left out); every other block is its
+                                  id alone, opaque, even an empty one (else their count would
+                                  tell how many blocks the others fill)
+
+What no server with one shared pool can hide is said in docs/server.md: how long a request
+takes, and whether one's own cached blocks were evicted (someone else needed the room).
+The admin key sees everything.
+
+Everything is read under engine.allocator_lock, held for microseconds around the allocator's
+and the scheduler's bookkeeping, never across a forward pass: /health answers while a long
+prefill runs. /cache is the biggest answer (every block, decoded): it is rendered at most
+once per PAGE_EVERY_S for each viewer, and a key that owns nothing in the pool (a made-up
+one) gets the one page every such key gets, so new keys cost no new rendering.
+
+Read server_requests.py first (Settings, who is asking); server_routes.py answers with this.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from dataclasses import dataclass, field
+
+from engine import Engine, Generation
+from prefix_caching import KVCacheBlock, short_hash
+from server_requests import Settings, is_admin, tenant_of
+
+PAGE_EVERY_S = 0.25
+
+
+@dataclass(frozen=True)
+class Viewer:
+    """Who is looking at /health or /cache."""
+
+    tenant: str | None  # whose blocks it may read: its requests' cache_salt (None: the public cache)
+    admin: bool = False  # the admin key: every block and figure
+    keyed: bool = False  # a tenant of --salt-by-api-key: its own requests and figures only
+
+
+STRANGER = Viewer("", keyed=True)  # any keyed tenant with nothing in the pool: they all see the same page
+
+
+@dataclass
+class TenantCounters:
+    """One tenant's share of the allocator's hit counters, counted by the server."""
+
+    requests: int = 0
+    queried_tokens: int = 0  # prompt tokens looked up in the cache
+    hit_tokens: int = 0  # of those, found there
+
+    def as_dict(self) -> dict:
+        hit_rate = self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
+        return {**self.__dict__, "hit_rate": round(hit_rate, 4)}
+
+
+@dataclass
+class ServerState:
+    """The engine and what the server keeps beside it; one per app."""
+
+    engine: Engine
+    settings: Settings
+    started: int = field(default_factory=lambda: int(time.time()))
+    tenants: dict[str, TenantCounters] = field(default_factory=dict)
+    tenants_lock: threading.Lock = field(default_factory=threading.Lock)
+    pages: dict[Viewer, bytes] = field(default_factory=dict)  # /cache bodies rendered since pages_time
+    pages_time: float = 0.0
+    page_every_s: float = PAGE_EVERY_S
+    pages_lock: threading.Lock = field(default_factory=threading.Lock)
+    texts: dict[bytes, str] = field(default_factory=dict)  # a cached block's decoded text, by its hash
+
+    def viewer(self, headers) -> Viewer:
+        settings = self.settings
+        if not settings.salt_by_api_key:
+            return Viewer(None)
+        if is_admin(headers, settings.admin_key):
+            return Viewer(tenant_of(headers, True), admin=True)
+        return Viewer(tenant_of(headers, True), keyed=True)
+
+    def count(self, tenant: str | None, gen: Generation) -> None:
+        if not self.settings.salt_by_api_key:
+            return  # no tenants to keep apart: /health shows the allocator's own counters
+        with self.tenants_lock:
+            counters = self.tenants.setdefault(tenant, TenantCounters())
+            counters.requests += 1
+            counters.queried_tokens += gen.prompt_tokens
+            counters.hit_tokens += gen.cached_tokens
+
+    def failure(self) -> str | None:
+        """Why the engine takes no requests any more (its loop failed for good), or None."""
+        loop = self.engine.snapshot()
+        return None if loop is None else loop.failure
+
+    # --- /health ---
+
+    def figures(self, viewer: Viewer) -> dict:
+        """What /health reports to `viewer`."""
+        engine, alloc = self.engine, self.engine.allocator
+        with engine.allocator_lock:
+            pool = {
+                "num_blocks": alloc.num_blocks,
+                "block_size": alloc.block_size,
+                "num_free_blocks": alloc.num_free_blocks,
+                "num_cached_blocks": alloc.num_cached_blocks,
+                "blocks_in_use": alloc.num_blocks_in_use,
+                "running_requests": len(alloc.block_tables),
+            }
+            counters = alloc.stats.as_dict()
+            loop = engine.snapshot()  # under the same hold: its running requests are these
+            if viewer.keyed:
+                own = [b for b in alloc.blocks if b.cache_salt == viewer.tenant and b.token_ids]
+                pool |= {"num_free_blocks": None, "num_cached_blocks": sum(b.block_hash is not None for b in own),
+                         "blocks_in_use": sum(b.ref_cnt > 0 for b in own)}
+        if loop is not None:
+            last = loop.last_step
+            pool |= {
+                "waiting_requests": len(loop.waiting),
+                "prefilling_requests": len(loop.prefilling),  # running, part-way through their prompt
+                "preemptions": loop.num_preemptions,
+                "steps": loop.num_steps,
+                "restarts": loop.num_restarts,  # failures outside a step the engine loop recovered from
+                **engine.scheduler_options,  # max_num_seqs, max_num_batched_tokens, enable_chunked_prefill
+                "target_step_ms": engine.target_step_ms,  # None: max_num_batched_tokens every step
+            }
+            if viewer.keyed:  # each of these moves with the other tenants' requests
+                mine = {rid for rid, salt in [*loop.running, *loop.waiting] if salt == viewer.tenant}
+                pool |= {"running_requests": sum(salt == viewer.tenant for _, salt in loop.running),
+                         "waiting_requests": sum(salt == viewer.tenant for _, salt in loop.waiting),
+                         "prefilling_requests": len(mine & set(loop.prefilling)),
+                         "preemptions": None, "steps": None, "restarts": None}
+            else:
+                if loop.step_budget is not None:  # what a step costs on this machine, learned (step_budget.py)
+                    pool["step_costs"] = loop.step_budget["learned"]
+                pool["last_step"] = None if last is None else {
+                    "requests": last.num_requests, "tokens": last.num_tokens, "prefill_tokens": last.num_prefill_tokens,
+                }
+                if last is not None and loop.step_budget is not None:  # the budget the target step time gave it
+                    pool["last_step"]["budget"] = loop.step_budget["last_budget"]
+        if viewer.keyed:
+            with self.tenants_lock:
+                counters = self.tenants.get(viewer.tenant, TenantCounters()).as_dict()
+        counted = "this API key" if viewer.keyed else "all requests"
+        return {"status": "ok", "model": self.settings.model_name, "batching": engine.batching, **pool,
+                "counted": counted, **counters}
+
+    # --- /cache ---
+
+    def cache_page(self, viewer: Viewer) -> bytes:
+        """/cache's body for `viewer` as compact JSON, rendered again only when the last
+        rendering is page_every_s old: a class polling it costs a few renderings a second."""
+        if viewer.keyed and not self.owns_anything(viewer.tenant):
+            viewer = STRANGER
+        with self.pages_lock:  # one rendering at a time: pollers wait for it, not start their own
+            now = time.monotonic()
+            if now - self.pages_time >= self.page_every_s:
+                self.pages, self.pages_time = {}, now
+            page = self.pages.get(viewer)
+            if page is None:
+                page = self.pages[viewer] = json.dumps(self.snapshot(viewer), separators=(",", ":")).encode()
+            return page
+
+    def owns_anything(self, tenant: str) -> bool:
+        """Whether the tenant has counted requests, or requests waiting or running (whose
+        blocks it may see): else its page is every stranger's."""
+        with self.tenants_lock:
+            if tenant in self.tenants:
+                return True
+        loop = self.engine.snapshot()
+        with self.engine.allocator_lock:
+            return (loop is not None and any(salt == tenant for _, salt in [*loop.running, *loop.waiting])
+                    or any(b.cache_salt == tenant for b in self.engine.allocator.blocks))
+
+    def snapshot(self, viewer: Viewer) -> dict:
+        """What /cache reports to `viewer`: figures() plus every block, the free queue, the
+        block tables and the waiting queue. Copied under the lock, decoded after it."""
+        alloc = self.engine.allocator
+        with self.engine.allocator_lock:
+            blocks = [KVCacheBlock(b.block_id, b.ref_cnt, b.block_hash, list(b.token_ids), b.cache_salt)
+                      for b in alloc.blocks]
+            free_queue = alloc.free_queue.block_ids()  # head (evicted first) -> tail
+            tables = {rid: list(table) for rid, table in alloc.block_tables.items()}
+            snap = self.figures(viewer)
+            loop = self.engine.snapshot()
+        if len(self.texts) > 2 * len(blocks):
+            self.texts.clear()  # the hashes of blocks long evicted
+        shown = [self.sees(viewer, block) for block in blocks]
+        snap["blocks"] = [self.block_view(block, viewer, shown[block.block_id]) for block in blocks]
+        snap["free_queue"] = [b for b in free_queue if shown[b] or not viewer.keyed]  # its order tells of hits
+        # A request's blocks all carry its salt: the first one tells whose request it is.
+        snap["block_tables"] = {rid: table for rid, table in tables.items()
+                                if not viewer.keyed or table and blocks[table[0]].cache_salt == viewer.tenant}
+        if loop is not None:  # head first; under keys, a tenant's own requests only
+            salts = dict(loop.running)
+            snap["waiting_queue"] = [rid for rid, salt in loop.waiting if not viewer.keyed or salt == viewer.tenant]
+            snap["prefilling"] = {rid: {"computed_tokens": done, "prompt_tokens": total}
+                                  for rid, (done, total) in loop.prefilling.items()
+                                  if not viewer.keyed or salts[rid] == viewer.tenant}
+        return snap
+
+    @staticmethod
+    def sees(viewer: Viewer, block: KVCacheBlock) -> bool:
+        """Whether `viewer` may read the block: its tenant is the cache_salt it was filled
+        with; a block never filled belongs to nobody while free, to someone while held. A
+        keyed tenant sees its own filled blocks only: counting the empty ones would count
+        everyone else's."""
+        if viewer.admin:
+            return True
+        if not block.token_ids:
+            return not viewer.keyed and block.ref_cnt == 0
+        return block.cache_salt == viewer.tenant
+
+    def block_view(self, block: KVCacheBlock, viewer: Viewer, shown: bool) -> dict:
+        state = "in_use" if block.ref_cnt else "cached" if block.block_hash is not None else "empty"
+        view = {"block_id": block.block_id, "ref_cnt": block.ref_cnt, "state": state, "opaque": not shown}
+        if not shown:
+            # Its hash and text stay hidden: the hash of a block everybody can guess (a chat's
+            # first block) would let its salt, the key, be tested offline. Under keys its ref
+            # count and state too: they tell when another tenant's prompt hits it.
+            hidden = {"block_hash": None, "num_tokens": None, "text": None}
+            return ({"block_id": block.block_id, "opaque": True} | hidden) if viewer.keyed else view | hidden
+        if block.block_hash is None:  # filling up: decoded each time
+            text = self.engine.tokenizer.decode(block.token_ids)
+        else:  # full and cached: its text never changes while its hash stays
+            text = self.texts.get(block.block_hash)
+            if text is None:
+                text = self.texts[block.block_hash] = self.engine.tokenizer.decode(block.token_ids)
+        return view | {"block_hash": None if block.block_hash is None else short_hash(block.block_hash),
+                       "num_tokens": len(block.token_ids), "text": text}
+
+    def reset_prefix_cache(self) -> bool:
+        with self.engine.allocator_lock:
+            if not self.engine.allocator.reset_prefix_cache():
+                return False
+        with self.tenants_lock:
+            self.tenants.clear()  # the allocator zeroed its counters: so do we
+        return True
