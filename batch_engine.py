@@ -168,7 +168,9 @@ class BatchRunner:
             sampling = [s.request for s in plan.scheduled if s.samples]
             tokens = sample_batch(logits, [r.payload.params for r in sampling], [r.payload.generator for r in sampling])
             if self.step_budget is not None:  # sampling waited for the device: the step is done
-                self.step_budget.record(self.thread_count(chosen=True), plan, time.perf_counter() - started)
+                seconds = time.perf_counter() - started
+                with engine.allocator_lock:  # what snapshot() reads the learned costs under
+                    self.step_budget.record(self.thread_count(chosen=True), plan, seconds)
             finished = [request for request, token in zip(sampling, tokens) if self._add_token(request, token)]
             with engine.allocator_lock:
                 for request in finished:

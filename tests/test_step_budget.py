@@ -1,6 +1,8 @@
 """Each step's token budget from a target step time (step_budget.py): the costs it learns, the
 budgets it picks, the hard cap never passed, and exact replies whatever chunks it picks."""
 
+import threading
+
 import pytest
 import torch
 from hypothesis import HealthCheck, example, given, settings
@@ -246,3 +248,26 @@ def test_health_shows_the_target_and_what_a_step_costs(tiny_model, tokenizer):
     for costs in health["step_costs"].values():  # one fit per thread count a step ran with
         assert costs["steps"] >= 1 and costs["ms_per_prompt_token"] > 0
     assert health["last_step"]["budget"] >= 1
+
+
+def test_a_step_is_learned_from_under_the_lock_snapshot_reads_it_under(make_engine):
+    """/health reads the learned costs (engine.snapshot) under allocator_lock while the loop's
+    thread runs steps: each step is recorded under it too, never while a reader iterates."""
+    engine = make_engine(batching=True, target_step_ms=400)
+    held, record = [], engine.step_budget.record
+
+    def recording(*args):
+        def try_lock():
+            taken = engine.allocator_lock.acquire(blocking=False)
+            if taken:
+                engine.allocator_lock.release()
+            held.append(not taken)
+
+        other = threading.Thread(target=try_lock)
+        other.start()
+        other.join()
+        record(*args)
+
+    engine.step_budget.record = recording
+    engine.generate([1, 2, 3, 4, 5], max_tokens=3)
+    assert held and all(held)
