@@ -232,8 +232,9 @@ def test_a_fixed_budget_or_a_target_not_both(make_engine):
     assert make_engine(max_num_batched_tokens=None).step_budget.target_ms == DEFAULT_TARGET_STEP_MS
     with pytest.raises(ValueError, match="not both"):
         make_engine(max_num_batched_tokens=64, target_step_ms=100)
-    with pytest.raises(ValueError, match="target_step_ms"):
-        make_engine(target_step_ms=-1)
+    for bad in (-1, 0, float("nan"), float("inf"), True, "400"):
+        with pytest.raises(ValueError, match="target_step_ms"):
+            make_engine(target_step_ms=bad)
 
 
 def test_health_shows_the_target_and_what_a_step_costs(tiny_model, tokenizer):
