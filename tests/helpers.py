@@ -181,3 +181,14 @@ def connect_from(url: str, address: str, timeout: float = 30) -> socket.socket:
     127.x.y.z is this machine: a second client address without a second machine)."""
     host, port = url.removeprefix("http://").split(":")
     return socket.create_connection((host, int(port)), timeout=timeout, source_address=(address, 0))
+
+
+def until(ready, timeout: float = 30.0, what: str = "the condition"):
+    """Poll ready() until it returns something true; that value."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = ready()
+        if value:
+            return value
+        time.sleep(0.01)
+    raise AssertionError(f"{what} did not hold within {timeout} s")

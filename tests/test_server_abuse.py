@@ -22,13 +22,12 @@ import os
 import resource
 import socket
 import threading
-import time
 
 import pytest
 
 from engine import Engine
 from helpers import (
-    MODEL, SYSTEM, EmbeddingCounter, call, connect_from, queued_together, raw_request, serve, wait_for_log,
+    MODEL, SYSTEM, EmbeddingCounter, call, connect_from, queued_together, raw_request, serve, until, wait_for_log,
     wait_until_idle,
 )
 from server import create_app, drain, serve_in_background
@@ -56,16 +55,6 @@ def read_all(sock: socket.socket) -> bytes:
         while chunk := sock.recv(65536):
             data += chunk
     return data
-
-
-def until(ready, timeout: float = 30.0, what: str = "the condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = ready()
-        if value:
-            return value
-        time.sleep(0.01)
-    raise AssertionError(f"{what} did not hold within {timeout} s")
 
 
 def drip(sock: socket.socket, stop: threading.Event, every: float = 0.2, most: int = 100_000) -> int:

@@ -13,7 +13,6 @@ import json
 import re
 import socket
 import threading
-import time
 
 import pytest
 
@@ -21,7 +20,7 @@ from batch_engine import EngineLoop
 from engine import Engine
 from helpers import (
     MODEL, SYSTEM, EmbeddingCounter, call, call_with_headers, held_in_step, queued_together, raw_request, serve,
-    wait_until_idle,
+    until, wait_until_idle,
 )
 from server import create_app, drain, serve_in_background
 from server_views import ServerState
@@ -36,17 +35,6 @@ def batching_engine(tiny_model, tokenizer, **kwargs) -> Engine:
 
 def post_head(path: str, body: bytes) -> list[str]:
     return [f"POST {path} HTTP/1.1", "Host: 127.0.0.1", "Content-Type: application/json", f"Content-Length: {len(body)}"]
-
-
-def until(ready, timeout: float = 30.0, what: str = "the condition"):
-    """Poll ready() until it returns something true; that value."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = ready()
-        if value:
-            return value
-        time.sleep(0.01)
-    raise AssertionError(f"{what} did not hold within {timeout} s")
 
 
 def read_reply(sock: socket.socket) -> tuple[int, dict, bytes]:
