@@ -139,7 +139,8 @@ class BatchRunner:
             with engine.allocator_lock:
                 budget = None
                 if self.step_budget is not None:
-                    budget = self.step_budget.tokens(scheduler.running, scheduler.waiting, self.thread_count(chosen=False))
+                    threads = self.thread_count(chosen=False)
+                    budget = self.step_budget.tokens(scheduler.running, scheduler.waiting, threads)
                 plan = self.last_plan = scheduler.schedule(budget)
                 block_tables = {s.request.request_id: list(engine.allocator.block_tables[s.request.request_id])
                                 for s in plan.scheduled}

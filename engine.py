@@ -222,11 +222,12 @@ class Engine:
         if max_num_batched_tokens is not None and target_step_ms is not None:
             raise ValueError("give max_num_batched_tokens (the same budget every step) or target_step_ms (a budget "
                              "from a step time), not both")
-        if target_step_ms is not None and (isinstance(target_step_ms, bool) or not isinstance(target_step_ms, (int, float))
-                                           or not 0 < target_step_ms < math.inf):
+        number = isinstance(target_step_ms, (int, float)) and not isinstance(target_step_ms, bool)
+        if target_step_ms is not None and not (number and 0 < target_step_ms < math.inf):
             raise ValueError(f"target_step_ms must be a number of milliseconds above 0, got {target_step_ms!r:.40}")
         if max_num_batched_tokens is None:
-            max_num_batched_tokens, target_step_ms = DEFAULT_MAX_NUM_BATCHED_TOKENS, target_step_ms or DEFAULT_TARGET_STEP_MS
+            max_num_batched_tokens = DEFAULT_MAX_NUM_BATCHED_TOKENS
+            target_step_ms = target_step_ms or DEFAULT_TARGET_STEP_MS
         check_step_size(max_num_seqs, max_num_batched_tokens)
         self.scheduler_options = {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
                                   "enable_chunked_prefill": enable_chunked_prefill}

@@ -71,7 +71,8 @@ def keys_attended(start: int, end: int) -> int:
 def chunk_flops(shape: ModelShape, start: int, end: int) -> float:
     """Tokens start..end-1 of one request: each through the weights (a multiply and an add per
     parameter), and per key it attends to, q.k and the weighted v in every head of every layer."""
-    return 2.0 * shape.body_params * (end - start) + 4.0 * shape.layers * shape.heads * shape.head_dim * keys_attended(start, end)
+    per_key = 4.0 * shape.layers * shape.heads * shape.head_dim
+    return 2.0 * shape.body_params * (end - start) + per_key * keys_attended(start, end)
 
 
 def step_flops(shape: ModelShape, plan: StepPlan) -> float:
@@ -179,8 +180,8 @@ class StepBudget:
             fixed, per_flop = self.costs.fit(threads)
             target = self.target_ms / 1e3
             if decodes:
-                decode_s = fixed + per_flop * sum(chunk_flops(self.shape, r.num_computed_tokens, r.num_computed_tokens + 1)
-                                                  for r in decodes)
+                decode_s = fixed + per_flop * sum(
+                    chunk_flops(self.shape, r.num_computed_tokens, r.num_computed_tokens + 1) for r in decodes)
                 allowance = max(decode_s, min(target - decode_s, (STALL - 1) * decode_s))
             else:
                 allowance = target - fixed

@@ -93,7 +93,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--programs", type=int, default=2, help="busy programs to start beside the runs (default 2)")
     parser.add_argument("--requests", type=positive_int, default=16)
     parser.add_argument("--max-tokens", type=positive_int, default=32)
-    parser.add_argument("--one-tokens", type=positive_int, default=16, help="new tokens of the one request (default 16)")
+    parser.add_argument("--one-tokens", type=positive_int, default=16,
+                        help="new tokens of the one request (default 16)")
     parser.add_argument("--fixed-threads", action="store_true",
                         help="also run the one request and (c) beside the programs with torch's thread count kept for "
                              "every pass (Engine(choose_threads=False)): what the engine's choice saves")
@@ -149,7 +150,8 @@ def main(argv: list[str] | None = None) -> dict:
     ratio_busy = busy["d"]["seconds"] / busy["c"]["seconds"]
     console.print(f"(c) against (d): {ratio_quiet:.1f}x quiet, {ratio_busy:.1f}x busy. The thread count the engine "
                   f"ended with: {engine.threads.threads} (torch's own: {torch.get_num_threads()}). Measured in this "
-                  f"run on {device}. Every request got the same tokens quiet and busy, and (c) the same as (d): {same}.")
+                  f"run on {device}. Every request got the same tokens quiet and busy, and (c) the same as (d): "
+                  f"{same}.")
     results = {"machine": device, "threads": torch.get_num_threads(), "programs": args.programs,
                "quiet": quiet, "busy": busy, "c_over_d_quiet": ratio_quiet, "c_over_d_busy": ratio_busy,
                "same_tokens": same}

@@ -165,7 +165,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--client-tokens", type=positive_int, default=500,
                         help="max_tokens of each stream (default 500: within the server's --max-tokens-limit)")
     parser.add_argument("--long-tokens", type=positive_int, default=4000, help="the long chat prompt's length")
-    parser.add_argument("--http", action="store_true", help="over HTTP, against servers of this course at their defaults")
+    parser.add_argument("--http", action="store_true",
+                        help="over HTTP, against servers of this course at their defaults")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     parser.add_argument("--quick", action="store_true", help="a small scene (for tests)")
     args = parser.parse_args(argv)
@@ -215,7 +216,8 @@ def main(argv: list[str] | None = None) -> dict:
             ("  those steps: median, longest", lambda r: f"{r['prefill']['step_median_ms']:,.0f} ms, "
                                                          f"{r['prefill']['step_max_ms']:,.0f} ms"),
             ("  threads they ran with", lambda r: ", ".join(map(str, r["prefill"]["threads"])) or "-"),
-            ("the prompt alone: first token", lambda r: f"{r['ttft_alone_s']:.1f} s ({r['ttft_ratio']:.1f}x; target 2x)")]
+            ("the prompt alone: first token",
+             lambda r: f"{r['ttft_alone_s']:.1f} s ({r['ttft_ratio']:.1f}x; target 2x)")]
     for name, show in rows:
         table.add_row(name, *(show(results["ways"][way]) for way in ways))
     console.print(table)

@@ -96,7 +96,8 @@ def profiled_steps(engine, n: int, steps: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(prog="prefix_caching.py --bench step_profile", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="prefix_caching.py --bench step_profile",
+                                     description=__doc__.split("\n\n")[0])
     add_model_arguments(parser)
     parser.add_argument("--requests", type=positive_int, nargs="+", default=[16, 64])
     parser.add_argument("--steps", type=positive_int, default=5, help="decode steps profiled (default 5)")

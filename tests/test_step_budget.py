@@ -218,7 +218,8 @@ def test_replies_are_exact_whatever_budget_each_step_gets(tiny_model, tokenizer,
 
 def test_the_engine_learns_its_costs_and_keeps_within_the_cap(make_engine):
     engine = make_engine(num_blocks=256, max_num_batched_tokens=None)  # the engine's default: a target step time
-    assert engine.target_step_ms == DEFAULT_TARGET_STEP_MS and engine.scheduler_options["max_num_batched_tokens"] == 2048
+    assert engine.target_step_ms == DEFAULT_TARGET_STEP_MS
+    assert engine.scheduler_options["max_num_batched_tokens"] == 2048
     prompts = [list(range(1, 300)), list(range(1, 20)) + [5] * 30]
     replies = engine.generate_batch(prompts, max_tokens=5)
     assert [r.token_ids for r in replies] == [hf_greedy(engine.model, p, 5) for p in prompts]
