@@ -470,6 +470,9 @@ def test_python_server_py_serves_the_default_model():
     (["--no-batching", "--max-num-batched-tokens", "512"], "--max-num-batched-tokens is a setting of the batching engine"),
     (["--no-batching", "--no-enable-chunked-prefill"], "--enable-chunked-prefill is a setting of the batching engine"),
     (["--max-num-batched-tokens", "32"], "--max-num-batched-tokens (32) must be at least --max-num-seqs (64)"),
+    (["--target-step-ms", "0"], "argument --target-step-ms: must be a number above 0"),
+    (["--target-step-ms", "100", "--max-num-batched-tokens", "512"], "not allowed with argument"),
+    (["--no-batching", "--target-step-ms", "100"], "--target-step-ms is a setting of the batching engine"),
 ])
 def test_python_server_py_refuses_bad_flags_before_loading_anything(flags, words, capsys):
     import server
