@@ -15,7 +15,11 @@ runs a step with what this file builds.
                          the groups over their slots (build_step)
 
 In every layer, the step's new K/V are written into their slots first; only then does any
-request attend. So a request admitted in the same step as another can hit the blocks the
+request attend, over its blocks copied whole out of the pool into a buffer the pool keeps for
+that (PagedKVPool.read_blocks): one index_select of block ids a group, no slot-by-slot gather,
+no fresh memory each layer. Decodes attend with the query heads that share a kv head stacked
+as that head's queries, so K and V are never repeated for grouped-query attention. Since the
+writes come first, a request admitted in the same step as another can hit the blocks the
 other computes in that very step, as in vLLM.
 
 Shared-prefix (cascade) attention is allowed by default (build_step's cascade=True; the
@@ -64,21 +68,32 @@ def pool_attention(module, query, key, value, attention_mask, scaling=None, drop
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     step: StepInputs = pool_step
-    flat = step.pool.slots(module.layer_idx)  # (2, slots, kv heads, dim)
+    pool, layer = step.pool, module.layer_idx
+    flat = pool.slots(layer)  # (2, slots, kv heads, dim)
     # Write first: every new key and value of the step lands in its slot before anyone reads.
     flat[0, step.slot_mapping] = key[0].transpose(0, 1).to(flat.dtype)
     flat[1, step.slot_mapping] = value[0].transpose(0, 1).to(flat.dtype)
-    # Then read: each request's whole context, through its block table, a group at a time.
+    # Then read: each request's context, block by block through its block table, a group at a time.
     packed = query[0].transpose(0, 1)  # (T, heads, dim)
     out = packed.new_empty(packed.shape)
     for group in step.groups:
-        if group.prefix_slots is not None:
-            out[group.token_index] = shared_prefix_attention(packed[group.query_index[:, 0]], flat, group, scaling)
+        if group.prefix_blocks is not None:
+            out[group.token_index] = shared_prefix_attention(packed[group.query_index[:, 0]], pool, layer, group,
+                                                             scaling)
             continue
-        keys, values = flat[:, group.context_slots].transpose(2, 3)  # each (rows, kv heads, context, dim)
+        rows, blocks = group.context_blocks.shape
+        kv = pool.read_blocks(layer, group.context_blocks.view(-1)).to(packed.dtype)  # (2, rows x slots, heads, dim)
+        keys, values = kv.view(2, rows, blocks * pool.block_size, *kv.shape[2:]).transpose(2, 3)  # (rows, kv heads,
+        #                                                                              slots, dim): views, no copy
+        if group.query_index.shape[1] == 1:  # decodes: a kv head's query heads are its queries (no K/V repeated)
+            heads, dim = packed.shape[1:]
+            queries = packed[group.query_index[:, 0]].view(rows, keys.shape[1], -1, dim)
+            attended = F.scaled_dot_product_attention(queries, keys, values, attn_mask=group.mask, scale=scaling)
+            out[group.token_index] = attended.reshape(rows, heads, dim)
+            continue
         queries = packed[group.query_index].transpose(1, 2)  # (rows, heads, queries, dim)
-        attended = F.scaled_dot_product_attention(queries, keys.to(queries.dtype), values.to(queries.dtype),
-                                                  attn_mask=group.mask, scale=scaling, enable_gqa=True)
+        attended = F.scaled_dot_product_attention(queries, keys, values, attn_mask=group.mask, scale=scaling,
+                                                  enable_gqa=True)
         out[group.token_index] = attended.transpose(1, 2)[group.token_row, group.token_query]  # packed order
     return out.unsqueeze(0), None
 
@@ -107,7 +122,7 @@ def attend(queries, keys, values, scale, valid=None):
     return out.view(kv_heads, n, g, dim).transpose(0, 1), lse.view(kv_heads, n, g, 1).transpose(0, 1)
 
 
-def shared_prefix_attention(query, flat, group: AttentionGroup, scaling):
+def shared_prefix_attention(query, pool, layer: int, group: AttentionGroup, scaling):
     """Decodes that share their first blocks (a system prompt): attention over the shared
     prefix computed once for all their queries, over each one's own part apart, and the two
     merged by their log-sum-exp, as vLLM's cascade attention does (cascade_attention and
@@ -119,16 +134,19 @@ def shared_prefix_attention(query, flat, group: AttentionGroup, scaling):
     query (n, heads, dim), one per decode; returns (n, heads, dim).
     """
     n, heads, dim = query.shape
-    kv_heads = flat.shape[2]
+    kv_heads = pool.num_kv_heads
     q = query.view(n, kv_heads, heads // kv_heads, dim)
     scale = dim ** -0.5 if scaling is None else scaling
-    prefix_k, prefix_v = flat[:, group.prefix_slots]  # (prefix, kv heads, dim): read once for all n
+    # The prefix's blocks and every decode's own blocks in one read.
+    num_prefix = group.prefix_blocks.numel() * pool.block_size
+    kv = pool.read_blocks(layer, torch.cat([group.prefix_blocks, group.context_blocks.view(-1)])).to(q.dtype)
+    prefix_k, prefix_v = kv[:, :num_prefix]  # (prefix, kv heads, dim): read once for all n
     # Each kv head's own keys and values side by side, in one copy of K and V together: attend's
     # matmuls then read them in place (given them slot first, they would copy K and V apart).
-    own = flat[:, group.context_slots].permute(0, 3, 1, 2, 4).contiguous()  # (K/V, kv heads, n, own, dim)
-    own_k, own_v = own.permute(0, 2, 3, 1, 4)  # views in attend's order: (n, own, kv heads, dim)
-    out_p, lse_p = attend(q, prefix_k.to(q.dtype), prefix_v.to(q.dtype), scale)
-    out_o, lse_o = attend(q, own_k.to(q.dtype), own_v.to(q.dtype), scale, valid=group.mask[:, 0, 0, :])
+    own = kv[:, num_prefix:].view(2, n, -1, kv_heads, dim).permute(0, 3, 1, 2, 4).contiguous()  # (K/V, kv heads,
+    own_k, own_v = own.permute(0, 2, 3, 1, 4)  # views in attend's order: (n, own, kv heads, dim)       n, own, dim)
+    out_p, lse_p = attend(q, prefix_k, prefix_v, scale)
+    out_o, lse_o = attend(q, own_k, own_v, scale, valid=group.mask[:, 0, 0, :])
     top = torch.maximum(lse_p, lse_o)
     w_p, w_o = (lse_p - top).exp(), (lse_o - top).exp()
     return ((out_p * w_p + out_o * w_o) / (w_p + w_o)).reshape(n, heads, dim)
@@ -167,7 +185,6 @@ class Row:
     first: int
     start: int
     end: int
-    context_slots: torch.Tensor  # the pool slots of its tokens 0..end-1
     table: list[int] = None  # its block table: where its prefix is shared, the same ids
 
     @property
@@ -268,7 +285,7 @@ def shared_prefix(rows: list[Row], block_size: int) -> int:
     """Tokens at the start of every row's context held in the same blocks (whole blocks, and
     never a row's whole context: each keeps at least its own last token).
 
-    >>> rows = [Row(0, 9, 10, None, [4, 5, 6]), Row(1, 10, 11, None, [4, 5, 7])]
+    >>> rows = [Row(0, 9, 10, [4, 5, 6]), Row(1, 10, 11, [4, 5, 7])]
     >>> shared_prefix(rows, block_size=4)   # blocks 4 and 5: tokens 0-7
     8
     """
@@ -319,7 +336,7 @@ def decode_groups(decodes: list[Row], block_size: int, cascade: bool) -> list[Ro
     that pays and the rest by context, if that costs less (section 3).
 
     >>> shared = list(range(16))   # blocks 0-15: the first 256 tokens, block size 16
-    >>> rows = [Row(i, 299, 300, None, shared + [100 + i, 200 + i]) for i in range(16)]   # 16 decodes behind them
+    >>> rows = [Row(i, 299, 300, shared + [100 + i, 200 + i]) for i in range(16)]   # 16 decodes behind them
     >>> [(len(g.rows), g.prefix, g.slots_read) for g in decode_groups(rows, 16, cascade=True)]   # 256 + 16 x 44
     [(16, 256, 960)]
     >>> [(len(g.rows), g.prefix, g.slots_read) for g in decode_groups(rows[:4], 16, cascade=True)]   # 4 x 300
@@ -353,26 +370,28 @@ def decode_groups(decodes: list[Row], block_size: int, cascade: bool) -> list[Ro
 @dataclass
 class AttentionGroup:
     """Requests that attend together in one scaled_dot_product_attention call, padded to the
-    group's longest context and most queries.
+    group's longest context and most queries. Their K/V are read from the pool a block at a
+    time (PagedKVPool.read_blocks): whole blocks, so the keys run to the end of the longest
+    context's last block, and the mask hides what lies past each request's own tokens.
 
-    For requests a computing tokens 4..6 of 7 and b decoding token 9, in one group:
-        context_slots  (2, 10): a's slots 0..6, padded; b's slots 0..9
-        mask           (2, 1, 3, 10): a's query 4 sees keys 0..4, ...; b's one query sees 0..9
+    For requests a computing tokens 4..6 of 7 and b decoding token 9, block size 4, in one group:
+        context_blocks (2, 3): a's blocks 0, 1 and a padding block; b's blocks 0, 1, 2
+        mask           (2, 1, 3, 12): a's query 4 sees keys 0..4, ...; b's one query sees 0..9
         query_index    (2, 3): the packed token of each (request, query); padding points at 0
         token_index    [0, 1, 2, 3]: the group's packed tokens, and for each its request's row
         token_row      [0, 0, 0, 1]  and its query in that row
         token_query    [0, 1, 2, 0]
     """
 
-    context_slots: torch.Tensor  # (rows, longest context)
-    mask: torch.Tensor  # (rows, 1, most queries, longest context), True = may attend
+    context_blocks: torch.Tensor  # (rows, most blocks): the block ids of each row's context, in order
+    mask: torch.Tensor  # (rows, 1, most queries, most blocks x block size), True = may attend
     query_index: torch.Tensor  # (rows, most queries)
     token_index: torch.Tensor  # (tokens of the group,)
     token_row: torch.Tensor
     token_query: torch.Tensor
-    # Decodes sharing their first blocks (shared_prefix_attention): the shared slots, read once;
-    # context_slots and mask then hold each one's own part only.
-    prefix_slots: torch.Tensor | None = None
+    # Decodes sharing their first blocks (shared_prefix_attention): the shared blocks, read once;
+    # context_blocks and mask then hold each one's own part only.
+    prefix_blocks: torch.Tensor | None = None
 
 
 @dataclass
@@ -392,26 +411,28 @@ class StepInputs:
     groups: list[AttentionGroup]
     last_token: torch.Tensor  # packed index of the last token of each request that samples
     slots_needed: int  # pool slots the step's requests attend to: the sum of their contexts
-    slots_read: int  # the slots the groups read, padding included, in each layer
+    slots_read: int  # the slots the groups attend over, padding included, in each layer
+    slots_copied: int  # the slots read_blocks copies out of the pool for them: whole blocks, in each layer
 
 
-def group_indices(rows: list[Row]) -> dict[str, torch.Tensor]:
+def group_indices(rows: list[Row], block_size: int) -> dict[str, torch.Tensor]:
     """The CPU index tensors of one group (AttentionGroup's, with the queries' positions
     instead of the mask, which is built from them where it is used)."""
-    longest_context = max(r.end for r in rows)
+    most_blocks = -(-max(r.end for r in rows) // block_size)
     most_queries = max(r.num_queries for r in rows)
-    context_slots = torch.zeros(len(rows), longest_context, dtype=torch.long)
+    context_blocks = torch.zeros(len(rows), most_blocks, dtype=torch.long)  # padding reads block 0, masked
     query_index = torch.zeros(len(rows), most_queries, dtype=torch.long)
     query_position = torch.zeros(len(rows), most_queries, dtype=torch.long)  # padding rows see key 0 only
     token_index, token_row, token_query = [], [], []
     for i, r in enumerate(rows):
-        context_slots[i, : r.end] = r.context_slots
+        blocks = r.table[: -(-r.end // block_size)]
+        context_blocks[i, : len(blocks)] = torch.tensor(blocks)
         query_index[i, : r.num_queries] = torch.arange(r.first, r.first + r.num_queries)
         query_position[i, : r.num_queries] = torch.arange(r.start, r.end)
         token_index += range(r.first, r.first + r.num_queries)
         token_row += [i] * r.num_queries
         token_query += range(r.num_queries)
-    return {"context_slots": context_slots, "query_index": query_index, "query_position": query_position,
+    return {"context_blocks": context_blocks, "query_index": query_index, "query_position": query_position,
             "token_index": torch.tensor(token_index), "token_row": torch.tensor(token_row),
             "token_query": torch.tensor(token_query)}
 
@@ -433,7 +454,7 @@ def build_step(plan: StepPlan, pool, block_tables: dict[str, list[int]], device,
     decodes, prefills = [], []
     for s in plan.scheduled:
         table = block_tables[s.request.request_id]
-        row = Row(len(tokens), s.start, s.end, slot_ids(table, block_size, 0, s.end), table)
+        row = Row(len(tokens), s.start, s.end, table)
         (decodes if s.end - s.start == 1 else prefills).append(row)
         tokens += s.request.token_ids[s.start : s.end]
         positions += range(s.start, s.end)
@@ -445,10 +466,11 @@ def build_step(plan: StepPlan, pool, block_tables: dict[str, list[int]], device,
     for group in row_groups:
         if group.prefix:  # the group attends over its shared prefix once, then each over its own part
             p = group.prefix
-            own = [Row(r.first, r.start - p, r.end - p, r.context_slots[p:]) for r in group.rows]
-            indices.append(group_indices(own) | {"prefix_slots": group.rows[0].context_slots[:p]})
+            own = [Row(r.first, r.start - p, r.end - p, r.table[p // block_size :]) for r in group.rows]
+            prefix_blocks = torch.tensor(group.rows[0].table[: p // block_size])
+            indices.append(group_indices(own, block_size) | {"prefix_blocks": prefix_blocks})
         else:
-            indices.append(group_indices(group.rows))
+            indices.append(group_indices(group.rows, block_size))
     cpu = [torch.tensor([tokens]), torch.tensor([positions]), torch.cat(slots), torch.tensor(last, dtype=torch.long)]
     cpu += [t for group in indices for t in group.values()]
     moved = iter(to_device(cpu, device))
@@ -457,9 +479,11 @@ def build_step(plan: StepPlan, pool, block_tables: dict[str, list[int]], device,
     for group in indices:
         parts = {name: next(moved) for name in group}
         position = parts.pop("query_position")
-        longest = parts["context_slots"].shape[1]
-        mask = torch.arange(longest, device=position.device)[None, None, :] <= position[:, :, None]  # causal
+        keys = parts["context_blocks"].shape[1] * block_size
+        mask = torch.arange(keys, device=position.device)[None, None, :] <= position[:, :, None]  # causal
         groups.append(AttentionGroup(mask=mask.unsqueeze(1), **parts))
+    copied = sum(g.context_blocks.numel() + (0 if g.prefix_blocks is None else g.prefix_blocks.numel())
+                 for g in groups) * block_size
     return StepInputs(pool=pool, input_ids=input_ids, positions=position_ids, slot_mapping=slot_mapping,
                       groups=groups, last_token=last_token, slots_needed=sum(r.end for r in decodes + prefills),
-                      slots_read=sum(g.slots_read for g in row_groups))
+                      slots_read=sum(g.slots_read for g in row_groups), slots_copied=copied)

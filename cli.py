@@ -13,8 +13,8 @@ import importlib
 
 import prefix_caching
 
-BENCHMARKS = ("allocator", "ttft", "throughput", "chunked_prefill", "stalls", "attention", "step_profile", "busy",
-              "server_load", "server_abuse", "cache_probe", "analyzer")
+BENCHMARKS = ("allocator", "ttft", "throughput", "chunked_prefill", "stalls", "attention", "paged", "step_profile",
+              "busy", "server_load", "server_abuse", "cache_probe", "analyzer")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -2,29 +2,23 @@
 The engine: a Hugging Face model served with automatic prefix caching, one front for both
 ways of running it.
 
-Read prefix_caching.py (the allocator) first. Under this file, each with one role:
+Read prefix_caching.py (the allocator) first. The files under this one, each with one role,
+are listed in the README's reading-order table ("The code, in reading order"): the pool, the
+sampler, the one finisher of reply text, the thread policy, stage 7's one-request engine (and
+EngineParts, what both engines are handed instead of the Engine), and stage 8's scheduler,
+step budget, attention, batch runner and engine loop.
 
-    kv_pool.py        PagedKVPool: the K/V memory the allocator's block ids point into
-    sampling.py       SamplingParams and sample
-    outputs.py        Generation, StreamEvent, and ReplyBuilder: the one finisher of reply text
-    cpu_threads.py    how many threads each forward pass runs with on a CPU
-    one_request.py    stage 7: one request at a time, its cached prefix gathered into
-                      past_key_values (Engine(batching=False), the default here)
-    scheduler.py      stage 8: which requests run in the next step (pure Python)
-    batch_attention.py  stage 8: one forward pass's attention for every request, on the pool
-    batch_engine.py   stage 8: one forward pass per step for every running request, and the
-                      engine loop that runs it for callers in many threads (batching=True)
-
-This file builds the model, the allocator and the pool, checks what callers send (the
-prompt, the sampling arguments, the stop strings, the request id) before any work, and
-hands the request to one of the two engines. Nothing under it imports it.
+This file builds the model, the allocator and the pool (bundled once as EngineParts),
+checks what callers send (the prompt, the sampling arguments, the stop strings, the
+request id) before any work, and hands the request to one of the two engines. Nothing
+under it imports it.
 
     1. the Engine          Engine(...), tokenize, generate, stream, generate_batch, snapshot
     2. command-line flags  the model and pool flags the demo, benchmarks and server share
 
 References: vLLM v1 (vllm/v1/engine/llm_engine.py and core.py: an EngineCore composing a
 Scheduler and a model executor, with an output processor beside it); nano-vllm
-(nanovllm/engine/llm_engine.py at commit 0700c1b: LLMEngine composes Scheduler and
+(nanovllm/engine/llm_engine.py at commit bb823b3 of its main branch: LLMEngine composes Scheduler and
 ModelRunner, and its step is schedule, run, postprocess).
 """
 
@@ -39,11 +33,12 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
-from batch_engine import BatchRunner, ClientGoneError, EngineLoop, EngineStoppedError, LoopSnapshot, QueueFullError
+from batch_engine import BatchRunner
 from cpu_threads import ThreadChooser
+from engine_loop import ClientGoneError, EngineLoop, EngineStoppedError, LoopSnapshot, QueueFullError
 from kv_pool import PagedKVPool
 from model_loader import DTYPES, DEFAULT_MODEL, load_model
-from one_request import run_request
+from one_request import EngineParts, run_request
 from outputs import Generation, StreamEvent, check_stop
 from prefix_caching import PrefixCachingAllocator, check_cache_salt, check_text
 from sampling import SamplingParams
@@ -53,7 +48,7 @@ from step_budget import DEFAULT_TARGET_STEP_MS, ModelShape, StepBudget
 # -----------------------------------------------------------------------------
 # 1. The Engine
 
-CHAT_ROLES = ("system", "user", "assistant")
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")  # OpenAI's chat API's roles
 DEFAULT_KV_MEMORY_GB = 0.5  # the pool's size when neither num_blocks nor kv_memory_gb is given
 DEFAULT_MAX_NUM_SEQS = 64  # batching: requests in one step at most (vLLM's --max-num-seqs)
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048  # batching: tokens one step computes at most (vLLM's flag of that name)
@@ -135,12 +130,14 @@ class Engine:
 
     engine.model, engine.tokenizer, engine.allocator (the block bookkeeping) and engine.kv
     (the K/V memory its block ids point into). The pool is sized by num_blocks or by a
-    memory budget, kv_memory_gb (0.5 GiB when neither is given).
+    memory budget, kv_memory_gb (0.5 GiB when neither is given). engine.parts bundles them
+    with the locks and the stop tokens (one_request.EngineParts): what every runner of the
+    engine is handed, and what those attributes read.
 
     One request at a time (the default): stream and generate run one_request.py's steps in
     the caller's thread, gathering the cached prefix into a DynamicCache (what stage 7
     teaches). batching=True: stream, generate and generate_batch submit to one engine loop
-    (batch_engine.py) that runs every caller's requests in the same forward passes, each
+    (engine_loop.py) that runs every caller's requests in the same forward passes, each
     layer's attention copying every request's context out of the pool by its block table
     (batch_engine.py says how much); a busy pool makes requests wait instead of refusing them.
     generate_batch batches either way.
@@ -190,8 +187,7 @@ class Engine:
         if num_blocks is not None and kv_memory_gb is not None:
             raise ValueError("size the pool by num_blocks or by kv_memory_gb, not both")
 
-        self.model, self.tokenizer = model, tokenizer
-        self.device, self.dtype = model.device, model.dtype
+        device, self.dtype = model.device, model.dtype
         shape = PagedKVPool.shape_from_config(model.config)
         if num_blocks is None:
             per_block = PagedKVPool.bytes_per_block(**shape, block_size=block_size, dtype=self.dtype)
@@ -199,22 +195,17 @@ class Engine:
             num_blocks = int(budget * 2**30 // per_block)
             if num_blocks < 1:
                 raise ValueError(f"kv_memory_gb={budget} is less than one block ({per_block:,} bytes)")
-        self.allocator = PrefixCachingAllocator(
+        allocator = PrefixCachingAllocator(
             num_blocks, block_size, hash_algo=hash_algo,
             enable_caching=enable_caching, free_uncached_first=free_uncached_first,
         )
-        self.kv = PagedKVPool(**shape, num_blocks=num_blocks, block_size=block_size, dtype=self.dtype, device=self.device)
+        kv = PagedKVPool(**shape, num_blocks=num_blocks, block_size=block_size, dtype=self.dtype, device=device)
 
         eos = model.generation_config.eos_token_id
         eos = tokenizer.eos_token_id if eos is None else eos
-        self.stop_token_ids = {eos} if isinstance(eos, int) else set(eos or ())
+        stop_token_ids = frozenset({eos} if isinstance(eos, int) else eos or ())
         self.max_model_len = getattr(model.config.get_text_config(), "max_position_embeddings", None)
         self._request_counter = itertools.count()
-        # One lock around every step that touches the pool or the model, so several streams
-        # (a server's clients) interleave their steps token by token. Reentrant: a caller that
-        # holds it can still close() a stream, whose cleanup takes it again.
-        self.lock = threading.RLock()
-        self.allocator_lock = threading.RLock()
         self.batching = batching
         # The token budget of a batched step: a fixed max_num_batched_tokens (vLLM's meaning), or,
         # when none is given, as many tokens as fit in target_step_ms (step_budget.py), up to
@@ -237,11 +228,57 @@ class Engine:
         self.cascade_attention = cascade_attention  # decodes sharing a long prefix read it once, where it pays
         # Every forward pass on a CPU picks its thread count by measuring (cpu_threads.ThreadChooser):
         # one request's, and each batched step's. choose_threads=False keeps torch's.
-        self.threads = ThreadChooser() if choose_threads else None
-        batch_options = {"cascade_attention": cascade_attention, "threads": self.threads,
+        threads = ThreadChooser() if choose_threads else None
+        # One lock around every step that touches the pool or the model, so several streams
+        # (a server's clients) interleave their steps token by token. Reentrant: a caller that
+        # holds it can still close() a stream, whose cleanup takes it again.
+        self.parts = EngineParts(model, tokenizer, stop_token_ids, allocator, kv, device,
+                                 lock=threading.RLock(), allocator_lock=threading.RLock(), threads=threads)
+        batch_options = {"cascade_attention": cascade_attention, "threads": threads,
                          "choose_threads": choose_threads, "step_budget": self.step_budget, **self.scheduler_options}
         # batching=True: the engine's one scheduler, in a thread started by the first request.
-        self.loop = EngineLoop(self, **batch_options) if batching else None
+        self.loop = EngineLoop(self.parts, **batch_options) if batching else None
+
+    # --- the parts: read from self.parts, so the engine and its runners never disagree --------
+    # To run on other parts (another pool, other stop tokens), replace the bundle:
+    # engine.parts = dataclasses.replace(engine.parts, kv=...). A runner made before, and the
+    # engine loop (made with the engine), keep the parts they were given.
+
+    @property
+    def model(self):
+        return self.parts.model
+
+    @property
+    def tokenizer(self):
+        return self.parts.tokenizer
+
+    @property
+    def stop_token_ids(self) -> frozenset[int]:
+        return self.parts.stop_token_ids
+
+    @property
+    def allocator(self) -> PrefixCachingAllocator:
+        return self.parts.allocator
+
+    @property
+    def kv(self) -> PagedKVPool:
+        return self.parts.kv
+
+    @property
+    def device(self) -> torch.device:
+        return self.parts.device
+
+    @property
+    def lock(self) -> threading.RLock:
+        return self.parts.lock
+
+    @property
+    def allocator_lock(self) -> threading.RLock:
+        return self.parts.allocator_lock
+
+    @property
+    def threads(self) -> ThreadChooser | None:
+        return self.parts.threads
 
     # --- prompts -----------------------------------------------------------------------------
 
@@ -315,7 +352,7 @@ class Engine:
         if self.batching:
             return self._run_in_loop(request_ids, all_ids, params, cache_salt, stop)
         step_budget = None if "max_num_batched_tokens" in given else self.step_budget  # given: a fixed budget
-        runner = BatchRunner(self, cascade_attention=self.cascade_attention, threads=self.threads,
+        runner = BatchRunner(self.parts, cascade_attention=self.cascade_attention, threads=self.threads,
                              choose_threads=self.threads is not None, step_budget=step_budget, **options)
         requests = [runner.add(rid, ids, params, cache_salt, stop) for rid, ids in zip(request_ids, all_ids)]
         try:
@@ -356,7 +393,7 @@ class Engine:
             (None and "" are the public cache).
         stop: a str or a list of them; the reply ends before the first one it contains,
             with finish_reason "stop", and the stop text is not part of it.
-        A server's guards, for a batching engine only (the engine loop's, batch_engine.py):
+        A server's guards, for a batching engine only (the engine loop's, engine_loop.py):
         gone: a check the loop calls while the request waits and before each of its prefill
             steps; True drops the request, and iteration raises ClientGoneError.
         max_waiting: QueueFullError at the first next() if more requests would then wait.
@@ -382,7 +419,7 @@ class Engine:
         if self.batching:
             request = self.loop.new_request(request_id, prompt_ids, params, cache_salt, stop, gone)
             return self._stream_in_loop(request, max_waiting, timeout)
-        return run_request(self, request_id, prompt_ids, params, cache_salt, stop, arrival)
+        return run_request(self.parts, request_id, prompt_ids, params, cache_salt, stop, arrival)
 
     def _running(self, request_id: str) -> bool:
         return request_id in self.allocator.requests or (self.loop is not None and request_id in self.loop.live)
@@ -411,7 +448,7 @@ class Engine:
 
 
 # -----------------------------------------------------------------------------
-# 4. Command-line flags: the model and the pool, shared by the demo, benchmarks and server
+# 2. Command-line flags: the model and the pool, shared by the demo, benchmarks and server
 
 
 def positive_int(text: str) -> int:

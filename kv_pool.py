@@ -29,9 +29,12 @@ from transformers import DynamicCache
 # One request at a time (one_request.py): a hit is *gathered* from the pool into a fresh
 # DynamicCache, the model attends over that, and whatever it computes is *written* back into
 # the request's slots, so the blocks that fill are truly there for the next request. Many
-# requests (batch_engine.py): every layer indexes each request's slots out of the pool for
-# its attention call. vLLM's paged-attention kernels read the blocks where they lie, with no
-# copy; the copy is the price of running an unmodified Hugging Face model on any device.
+# requests (batch_engine.py): every layer copies each request's blocks, whole, into one buffer
+# the pool keeps (read_blocks), and attends over that. vLLM's paged-attention kernels read the
+# blocks where they lie, with no copy; the copy is the price of running an unmodified Hugging
+# Face model with torch's own attention on any device. It costs what transformers' own
+# contiguous cache costs for the same step, which copies every context once a step too
+# (DynamicCache appends a token with torch.cat): python prefix_caching.py --bench paged.
 
 
 def slot_ids(block_table: list[int], block_size: int, start: int, end: int, device=None):
@@ -61,6 +64,7 @@ class PagedKVPool:
         self.data = torch.zeros(
             num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype or torch.float32, device=device
         )
+        self._read_buffer: torch.Tensor | None = None  # read_blocks' copies land here
 
     @staticmethod
     def shape_from_config(config) -> dict:
@@ -122,6 +126,28 @@ class PagedKVPool:
     def slots(self, layer: int):
         """Layer `layer` of the pool as (K/V, slot, kv heads, dim): slot = block * block_size + offset."""
         return self.data[layer].view(2, self.num_blocks * self.block_size, self.num_kv_heads, self.head_dim)
+
+    def read_blocks(self, layer: int, block_ids: torch.Tensor):
+        """K and V of layer `layer` in the blocks `block_ids` (a 1-D long tensor on the pool's
+        device), one block after another: (K/V, len(block_ids) * block_size, kv heads, dim).
+
+        The copy lands in a buffer the pool keeps for it, grown to the largest read so far and
+        overwritten by the next read: use the result before reading again. A fresh tensor each
+        time can cost more than the copy itself once it is big: memory that large comes straight
+        from the operating system, and the first write to each of its pages faults.
+
+        >>> kv = PagedKVPool(num_layers=1, num_kv_heads=1, head_dim=1, num_blocks=3, block_size=2)
+        >>> kv.data[0, 0, :, :, 0, 0] = torch.tensor([[0., 1.], [2., 3.], [4., 5.]])   # keys: block b holds 2b, 2b+1
+        >>> kv.read_blocks(0, torch.tensor([2, 0]))[0, :, 0, 0].tolist()   # block 2's keys, then block 0's
+        [4.0, 5.0, 0.0, 1.0]
+        """
+        shape = (2, block_ids.numel(), self.block_size, self.num_kv_heads, self.head_dim)
+        size = 2 * block_ids.numel() * self.block_size * self.num_kv_heads * self.head_dim
+        if self._read_buffer is None or self._read_buffer.numel() < size:
+            self._read_buffer = torch.empty(size, dtype=self.dtype, device=self.device)
+        out = self._read_buffer[:size].view(shape)
+        torch.index_select(self.data[layer], 1, block_ids, out=out)
+        return out.flatten(1, 2)
 
     def write(self, cache, block_table: list[int], start: int, end: int) -> None:
         """Copy tokens start..end-1 of a request's DynamicCache into its slots."""

@@ -16,7 +16,11 @@ A sampled token goes to the allocator only when its K/V is about to be computed,
 last token of a reply never does: no cached block ever holds a slot nobody wrote.
 
 engine.py's Engine runs this when it does not batch (Engine(batching=False), the server's
---no-batching); batch_engine.py runs many requests in one forward pass instead.
+--no-batching); batch_engine.py runs many requests in one forward pass instead. Both take
+the same EngineParts (section 1), the Engine's model, pool and locks, and nothing else of it.
+
+    1. the parts        EngineParts: what a request runs on
+    2. one request      forward, run_request
 
 References: vLLM v1 (vllm/v1/worker/gpu_model_runner.py, vllm/v1/core/kv_cache_manager.py);
 transformers' DynamicCache (past_key_values).
@@ -24,15 +28,58 @@ transformers' DynamicCache (past_key_values).
 
 from __future__ import annotations
 
+import threading
 import time
-from typing import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Iterator
 
 import torch
 
 from cpu_threads import ThreadChooser, one_pass
+from kv_pool import PagedKVPool
 from outputs import Generation, ReplyBuilder, StreamEvent
-from prefix_caching import OutOfBlocksError
+from prefix_caching import OutOfBlocksError, PrefixCachingAllocator
 from sampling import SamplingParams, sample
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+# -----------------------------------------------------------------------------
+# 1. The parts
+
+
+@dataclass(frozen=True)
+class EngineParts:
+    """What a request runs on: the parts engine.py's Engine builds once and hands to
+    run_request (below) and to batch_engine.py's BatchRunner, instead of the whole Engine.
+
+        model           the Hugging Face causal LM every forward pass runs
+        tokenizer       turns sampled tokens into the reply's text (outputs.ReplyBuilder)
+        stop_token_ids  tokens that end a reply with finish_reason "stop" (the model's EOS)
+        allocator       the block bookkeeping (prefix_caching.py): block tables, hits, frees
+        kv              the pool of K/V memory the allocator's block ids point into (kv_pool.py)
+        device          where the model and the pool live (model.device)
+        lock            held for every step (a prefill, one decoded token, one batched step),
+                        so the steps of callers in many threads never interleave inside one
+        allocator_lock  held around the allocator's (and a scheduler's) bookkeeping only,
+                        never across a forward pass: a status page reads them while a step runs
+        threads         the ThreadChooser run_request's passes use on a CPU (cpu_threads.py),
+                        or None for torch's own count; a BatchRunner is given its own
+    """
+
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    stop_token_ids: frozenset[int]
+    allocator: PrefixCachingAllocator
+    kv: PagedKVPool
+    device: torch.device
+    lock: threading.RLock
+    allocator_lock: threading.RLock
+    threads: ThreadChooser | None = None
+
+
+# -----------------------------------------------------------------------------
+# 2. One request
 
 
 class _Stopwatch:
@@ -61,19 +108,17 @@ def forward(model, token_ids: list[int], past_key_values, threads: ThreadChooser
     return output.logits[0, -1]
 
 
-def run_request(engine, request_id: str, prompt_ids: list[int], params: SamplingParams, cache_salt: str | None,
-                stop: tuple[str, ...], arrival: float) -> Iterator[StreamEvent]:
+def run_request(parts: EngineParts, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                cache_salt: str | None, stop: tuple[str, ...], arrival: float) -> Iterator[StreamEvent]:
     """Yield a StreamEvent per generated token of one request, run in the caller's thread.
 
-    engine: what it runs on (engine.Engine): its model, tokenizer, stop_token_ids, allocator,
-    kv (the PagedKVPool), threads (the ThreadChooser every CPU pass of the engine uses, or
-    None), and its two locks: lock, held for every step (a prefill, or one decoded token),
-    and allocator_lock, held around the allocator's bookkeeping only.
+    parts: what it runs on (EngineParts). It holds parts.lock for every step (a prefill, or
+    one decoded token) and parts.allocator_lock around the allocator's bookkeeping only.
     """
-    alloc, kv, model = engine.allocator, engine.kv, engine.model
+    alloc, kv, model = parts.allocator, parts.kv, parts.model
     block_size = alloc.block_size
     reply = Generation(request_id, prompt_tokens=len(prompt_ids))
-    builder = ReplyBuilder(reply, engine.tokenizer, engine.stop_token_ids, stop, params.max_tokens)
+    builder = ReplyBuilder(reply, parts.tokenizer, parts.stop_token_ids, stop, params.max_tokens)
     generator = None if params.seed is None else torch.Generator().manual_seed(params.seed)
     allocated = False
     num_computed = 0  # tokens whose K/V are in the pool
@@ -81,9 +126,9 @@ def run_request(engine, request_id: str, prompt_ids: list[int], params: Sampling
         # Allocation and prefill are one step, under one hold of the lock. allocate_with_prefix
         # caches the prompt's full blocks at once; if the lock were let go before their K/V
         # is written, another request could hit them and read slots nobody wrote yet.
-        with engine.lock, torch.inference_mode():
+        with parts.lock, torch.inference_mode():
             clock = _Stopwatch(model.device)
-            with engine.allocator_lock:
+            with parts.allocator_lock:
                 try:
                     num_cached, _ = alloc.allocate_with_prefix(request_id, prompt_ids, cache_salt=cache_salt)
                 except OutOfBlocksError as err:
@@ -94,7 +139,7 @@ def run_request(engine, request_id: str, prompt_ids: list[int], params: Sampling
             reply.prefill.lookup_ms = clock.lap()
             past_key_values = kv.gather(table[: num_cached // block_size], model.config)
             reply.prefill.gather_ms = clock.lap()
-            logits = forward(model, prompt_ids[num_cached:], past_key_values, engine.threads)
+            logits = forward(model, prompt_ids[num_cached:], past_key_values, parts.threads)
             reply.prefill.forward_ms = clock.lap()
             kv.write(past_key_values, table, num_cached, len(prompt_ids))
             num_computed = len(prompt_ids)
@@ -108,17 +153,17 @@ def run_request(engine, request_id: str, prompt_ids: list[int], params: Sampling
             if finish_reason:
                 break
             yield StreamEvent(token, text, None, reply)
-            with engine.lock, torch.inference_mode():
-                with engine.allocator_lock:
+            with parts.lock, torch.inference_mode():
+                with parts.allocator_lock:
                     alloc.append_token(request_id, token)  # its K/V is computed right below
                     table = list(alloc.block_tables[request_id])
-                logits = forward(model, [token], past_key_values, engine.threads)
+                logits = forward(model, [token], past_key_values, parts.threads)
                 kv.write(past_key_values, table, num_computed, num_computed + 1)
                 num_computed += 1
                 token = sample(logits, params, generator)
     finally:
         if allocated:
-            with engine.allocator_lock:
+            with parts.allocator_lock:
                 # Normally every token is computed by now; after a failure, free un-caches
                 # the blocks whose slots were never written.
                 alloc.free(request_id, num_computed_tokens=num_computed)

@@ -113,8 +113,8 @@ class ReplyBuilder:
     so a token costs the same at the end of a long reply as at its start.
     """
 
-    def __init__(self, reply: Generation, tokenizer, stop_token_ids: set[int], stop: tuple[str, ...] = (),
-                 max_tokens: int = 64) -> None:
+    def __init__(self, reply: Generation, tokenizer, stop_token_ids: frozenset[int] | set[int],
+                 stop: tuple[str, ...] = (), max_tokens: int = 64) -> None:
         self.reply, self.tokenizer = reply, tokenizer
         self.stop_token_ids, self.stop, self.max_tokens = stop_token_ids, stop, max_tokens
         # vLLM's names: reply.token_ids[:read_offset] are decoded into self.text; each new token is

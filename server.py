@@ -18,7 +18,7 @@ Each client's request runs in a thread of its own; what the engine does with the
 on its kind:
 
     batching (the default)  Engine(batching=True): an engine loop puts every running request
-                            in the same forward pass, one step after another (batch_engine.py).
+                            in the same forward pass, one step after another (engine_loop.py).
                             A request the pool has no room for now waits in a queue, or a
                             running one is preempted and resumed later, as in vLLM.
     --no-batching           stage 7's engine: one step (one request's prefill, or one decoded
@@ -32,9 +32,10 @@ docs/server.md lists the limits, says what a tenant can see, and where this serv
 from vLLM's.
 
 This file is the command: its flags, the model, and serving until Ctrl+C. The server is in
-four files, read in this order: server_requests.py (what a client sends, read and checked),
-server_views.py (what a caller may see), server_connections.py (connections, deadlines,
-hang-ups, Ctrl+C) and server_routes.py (running a request, the routes, create_app).
+four files, each with one role, in the README's reading-order table: server_requests.py (what
+a client sends, read and checked), server_views.py (what a caller may see),
+server_connections.py (connections, deadlines, hang-ups, Ctrl+C) and server_routes.py
+(running a request, the routes, create_app).
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="a name clients use to reach this server, besides localhost and IP addresses "
                              "(repeat it for several); any other Host header is refused")
     add_model_arguments(parser)  # --model, --device, --dtype, --block-size, --num-blocks
-    batching = parser.add_argument_group("batching (the engine loop of batch_engine.py; vLLM's flags of the same names)")
+    batching = parser.add_argument_group("batching (the engine loop of engine_loop.py; vLLM's flags of the same names)")
     batching.add_argument("--max-num-seqs", type=positive_int, default=None,
                           help=f"requests running in one step at most (default: {DEFAULT_MAX_NUM_SEQS})")
     budget = batching.add_mutually_exclusive_group()

@@ -74,7 +74,7 @@ def start(server: ServerState, req: GenerationRequest, request_id: str,
     waits or before a chunk of its prompt is computed is dropped there, its blocks freed."""
     engine, settings = server.engine, server.settings
     guards = {}
-    if engine.batching:  # the engine loop's guards (batch_engine.py, EngineLoop)
+    if engine.batching:  # the engine loop's guards (engine_loop.py, EngineLoop)
         guards = {"gone": gone, "max_waiting": settings.max_waiting, "timeout": settings.request_timeout}
     try:
         prompt_ids = engine.tokenize(req.prompt)

@@ -43,6 +43,7 @@ import contextlib
 import random
 import statistics
 import time
+from dataclasses import replace
 
 import torch
 from rich.table import Table
@@ -62,7 +63,7 @@ from sampling import SamplingParams
 def decode_steps(engine: Engine, prompts: list[list[int]], steps: int, cascade: bool = False) -> dict:
     """Prefill the prompts, then time `steps` decode steps of them all (shared-prefix attention
     off unless `cascade`: the first table measures grouping by context alone)."""
-    runner = BatchRunner(engine, cascade_attention=cascade, max_num_seqs=len(prompts),
+    runner = BatchRunner(engine.parts, cascade_attention=cascade, max_num_seqs=len(prompts),
                          max_num_batched_tokens=max(2048, max(map(len, prompts))))
     for i, prompt in enumerate(prompts):
         # Enough tokens that nobody finishes while the steps are timed; they are stopped after.
@@ -151,7 +152,7 @@ def on_and_off(engine: Engine, prompts: list[list[int]], steps: int) -> dict:
     engine.generate_batch(prompts, max_tokens=1)  # their blocks computed once: both runners hit them alike
     runners = {}
     for cascade in (True, False):
-        runner = BatchRunner(engine, cascade_attention=cascade, choose_threads=False, max_num_seqs=len(prompts),
+        runner = BatchRunner(engine.parts, cascade_attention=cascade, choose_threads=False, max_num_seqs=len(prompts),
                              max_num_batched_tokens=max(2048, max(map(len, prompts))))
         for i, prompt in enumerate(prompts):
             runner.add(f"{cascade}-{i}", prompt, SamplingParams(max_tokens=steps + 64), None)
@@ -203,7 +204,7 @@ def main(argv: list[str] | None = None) -> dict:
         args.kv_memory_gb = 3.0  # 64 decodes sharing 32 tokens, on and off at once: about 60,000 slots
 
     console, engine, device = open_engine(args)
-    engine.stop_token_ids = set()  # every request decodes through the timed steps: none stops early
+    engine.parts = replace(engine.parts, stop_token_ids=frozenset())  # every request decodes through the timed steps
     vocab = engine.model.get_input_embeddings().num_embeddings
     console.print(f"[bold]Decode steps with mixed contexts[/]: {args.model or DEFAULT_MODEL} on {engine.device} "
                   f"({device}, {torch.get_num_threads()} threads, {str(engine.dtype).removeprefix('torch.')}); "

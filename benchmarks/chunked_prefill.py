@@ -44,7 +44,7 @@ def token_ids(rng: random.Random, n: int, vocab: int) -> list[int]:
 def run_scene(engine: Engine, chunked: bool, args, vocab: int) -> dict:
     """One run of the scene; the times of every sampled token, and the step counts."""
     rng = random.Random(0)  # the same token ids for both runs
-    runner = BatchRunner(engine, max_num_seqs=args.clients + args.behind + 1,
+    runner = BatchRunner(engine.parts, max_num_seqs=args.clients + args.behind + 1,
                          max_num_batched_tokens=args.budget, enable_chunked_prefill=chunked)
     warm = args.warm_tokens  # tokens each client decodes before the long prompt arrives
     clients = [runner.add(f"client-{i}", token_ids(rng, 20, vocab), SamplingParams(max_tokens=warm + args.client_tokens), None)

@@ -44,7 +44,7 @@ ATTENTION = "pool_attention"  # the record_function label the profile wraps batc
 
 def profiled_steps(engine, n: int, steps: int) -> dict:
     """Prefill n requests, then profile `steps` decode steps: milliseconds a step, each part."""
-    runner = BatchRunner(engine, max_num_seqs=n, max_num_batched_tokens=max(2048, n))
+    runner = BatchRunner(engine.parts, max_num_seqs=n, max_num_batched_tokens=max(2048, n))
     prompts = [engine.tokenize(q) for q in questions(n)]
     for i, prompt in enumerate(prompts):
         runner.add(f"r{i}", prompt, SamplingParams(max_tokens=steps + 8), None)

@@ -16,8 +16,9 @@ For each: requests/s, output tokens/s, TTFT p50/p95 (every request arrives at ti
 TTFT includes the wait for admission), the tokens the model embedded (every token a forward
 pass computed, prompts and decodes, counted by a hook: the same on every machine), and
 whether its tokens equal (a)'s. Then (c)'s floor:
-the same forward passes, of the same numbers of tokens, run plainly with nothing in a pool to
-attend to: the time no attention or bookkeeping could beat, and (c)'s time over it.
+the same forward passes, of the same numbers of tokens, each with the logits of as many tokens
+as sampled in it, run plainly with nothing in a pool to attend to: the time no attention or
+bookkeeping could beat, and (c)'s time over it.
 """
 
 from __future__ import annotations
@@ -88,13 +89,17 @@ def run_ours(engine: Engine, prompts: list[list[int]], max_tokens: int, batched:
     return time.perf_counter() - start, [r.token_ids for r in replies], ttfts
 
 
-def floor_seconds(engine: Engine, sizes: list[int]) -> float:
-    """Plain forward passes of these numbers of tokens, one after another: no pool, no cache."""
+def floor_seconds(engine: Engine, sizes: list[tuple[int, int]]) -> float:
+    """Plain forward passes of these (tokens, tokens that sample) one after another: no pool,
+    no cache; the logits of as many tokens as sampled in each of (c)'s passes, since a token
+    is picked from its own row of logits (the model's last layer, a tenth of its weights or
+    more, runs for each)."""
     start = time.perf_counter()
     with torch.inference_mode():
-        for n in sizes:  # with the thread count the engine's own passes get (cpu_threads.one_pass)
+        for n, keep in sizes:  # with the thread count the engine's own passes get (cpu_threads.one_pass)
             with one_pass(engine.threads, engine.device, ("floor", n > 1, n.bit_length()), may_probe=n == 1):
-                engine.model(input_ids=torch.zeros(1, n, dtype=torch.long, device=engine.device), logits_to_keep=1)
+                engine.model(input_ids=torch.zeros(1, n, dtype=torch.long, device=engine.device),
+                             logits_to_keep=max(keep, 1))
     return time.perf_counter() - start
 
 
@@ -176,12 +181,13 @@ def main(argv: list[str] | None = None) -> dict:
         with TokenCounter(engine.model.get_input_embeddings()) as embedded:
             run = run_ours(off, prompts, args.max_tokens, batched=True)
         rows.append(summary("(b) batched, caching off", *run, reference) | {"tokens_embedded": embedded.tokens})
-        sizes = []  # the tokens of each of (c)'s forward passes
+        sizes = []  # the tokens of each of (c)'s forward passes, and how many of them sample
         hook = engine.model.register_forward_pre_hook(
-            lambda module, args, kwargs: sizes.append(kwargs["input_ids"].shape[1]), with_kwargs=True)
+            lambda module, args, kwargs: sizes.append((kwargs["input_ids"].shape[1], len(kwargs["logits_to_keep"]))),
+            with_kwargs=True)
         run = run_ours(engine, prompts, args.max_tokens, batched=True)
         hook.remove()
-        rows.append(summary("(c) batched, caching on", *run, reference) | {"tokens_embedded": sum(sizes)})
+        rows.append(summary("(c) batched, caching on", *run, reference) | {"tokens_embedded": sum(n for n, _ in sizes)})
         floor = floor_seconds(engine, sizes)
         if not args.skip_transformers:
             hf_model = type(engine.model).from_pretrained(engine.model.name_or_path, dtype=engine.dtype).to(engine.device)
@@ -209,8 +215,9 @@ def main(argv: list[str] | None = None) -> dict:
         if "(d)" in by_name:
             ratios.append(f"(c)/(d) {by_name['(c)']['requests_per_s'] / by_name['(d)']['requests_per_s']:.1f}x")
         console.print("requests/s, measured in this run: " + ", ".join(ratios))
-        console.print(f"(c)'s floor: its {len(sizes)} forward passes ({sum(sizes):,} tokens) run plainly, with no pool "
-                      f"to attend to, took {floor:.2f} s; (c) took {by_name['(c)']['seconds'] / floor:.2f}x that.")
+        console.print(f"(c)'s floor: its {len(sizes)} forward passes ({sum(n for n, _ in sizes):,} tokens, the logits "
+                      f"of the {sum(k for _, k in sizes):,} that sampled) run plainly, with no pool to attend to, took "
+                      f"{floor:.2f} s; (c) took {by_name['(c)']['seconds'] / floor:.2f}x that.")
     plot(results, args.plot, f"{args.model or DEFAULT_MODEL}, {args.max_tokens} new tokens each, on {device}")
     console.print(f"figure: {args.plot}")
     save_json(args.json, results, console)

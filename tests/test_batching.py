@@ -4,6 +4,7 @@ generate on that prompt alone, whatever shares its batch (tiny random model, flo
 import gc
 import threading
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -16,6 +17,9 @@ from batch_attention import MAX_GROUPS, Row, group_rows
 from batch_engine import BatchRunner
 from engine import Engine
 from helpers import EmbeddingCounter, assert_pool_whole, hf_greedy
+from kv_pool import PagedKVPool
+from one_request import EngineParts, run_request
+from prefix_caching import PrefixCachingAllocator
 from sampling import SamplingParams
 
 SHARED = list(range(300, 330))  # 30 tokens: 7 full blocks of 4 and a partial one
@@ -28,6 +32,26 @@ def test_a_mixed_batch_equals_generate_on_each_prompt_alone(make_engine):
     for prompt, reply in zip(MIXED, replies):
         assert reply.token_ids == hf_greedy(engine.model, prompt, 8), f"prompt of {len(prompt)} tokens"
         assert reply.finish_reason == "length" and reply.prompt_tokens == len(prompt)
+
+
+def test_both_engines_run_on_their_parts_alone_with_no_engine_anywhere(tiny_model, tokenizer):
+    """BatchRunner and run_request take EngineParts, nothing else of an Engine: parts made by
+    hand here serve both, and the second request hits the blocks the first left cached."""
+    shape = PagedKVPool.shape_from_config(tiny_model.config)
+    parts = EngineParts(
+        tiny_model, tokenizer, frozenset({tiny_model.generation_config.eos_token_id}),
+        allocator=PrefixCachingAllocator(num_blocks=16, block_size=4),
+        kv=PagedKVPool(**shape, num_blocks=16, block_size=4, dtype=tiny_model.dtype, device=tiny_model.device),
+        device=tiny_model.device, lock=threading.RLock(), allocator_lock=threading.RLock(),
+    )
+    prompt, params = SHARED[:10], SamplingParams(max_tokens=6)
+    runner = BatchRunner(parts, choose_threads=False, max_num_seqs=4, max_num_batched_tokens=64)
+    (batched,) = runner.run([runner.add("a", prompt, params, None)])
+    *_, last = run_request(parts, "b", prompt, params, None, (), time.perf_counter())
+    assert batched.token_ids == last.generation.token_ids == hf_greedy(tiny_model, prompt, 6)
+    assert last.generation.cached_tokens == 8  # the prompt's 2 full blocks, from the runner's request
+    assert not parts.allocator.block_tables
+    parts.allocator.check_invariants()
 
 
 def test_requests_admitted_together_hit_the_blocks_the_first_computes_in_that_step(make_engine):
@@ -50,9 +74,44 @@ def test_a_pool_too_small_for_everyone_at_once_finishes_all_exactly(make_engine)
     assert_pool_whole(engine)
 
 
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_every_step_reads_the_blocks_where_they_lie_exactly(tiny_model, tokenizer, block_size):
+    """Attention reads each context block by block through its table (whole blocks, the last
+    one part-filled and masked): every logit a step samples from equals a full forward pass
+    over that request's tokens, at every block size, with prompts and decodes of many lengths
+    in one step, a shared prefix hit, and preemption (a pool too small for everyone)."""
+    prompts = MIXED + [list(range(600, 617)), SHARED[:16]]
+    engine = Engine(model=tiny_model, tokenizer=tokenizer, block_size=block_size, num_blocks=112 // block_size,
+                    max_num_batched_tokens=2048)
+    runner = BatchRunner(engine.parts, choose_threads=False, max_num_seqs=8, max_num_batched_tokens=40)
+    requests = [runner.add(f"r{i}", p, SamplingParams(max_tokens=12), None) for i, p in enumerate(prompts)]
+    seen = []
+    hook = tiny_model.register_forward_hook(lambda module, args, output: seen.append(output.logits[0].clone()))
+    checked = 0
+    try:
+        while any(r.status != "finished" for r in requests):
+            runner.step()
+            plan = runner.last_plan
+            if not plan.scheduled:
+                continue
+            logits = seen.pop()
+            with torch.inference_mode():
+                for row, s in enumerate([s for s in plan.scheduled if s.samples]):
+                    full = tiny_model(input_ids=torch.tensor([s.request.token_ids[: s.end]])).logits[0, -1]
+                    assert torch.allclose(logits[row], full, rtol=1e-5, atol=1e-5), (block_size, s.request.request_id)
+                    checked += 1
+    finally:
+        hook.remove()
+    assert runner.scheduler.num_preemptions > 0, "the test should exercise preemption"
+    assert checked >= 12 * len(prompts)
+    for prompt, request in zip(prompts, requests):
+        assert request.payload.reply.token_ids == hf_greedy(tiny_model, prompt, 12)
+    assert_pool_whole(engine)
+
+
 def test_a_preempted_request_resumes_mostly_from_the_cache(make_engine):
     engine = make_engine(num_blocks=8)  # room for both prompts (6 blocks), not both replies
-    runner = BatchRunner(engine)
+    runner = BatchRunner(engine.parts)
     params = SamplingParams(max_tokens=12)
     requests = [runner.add(f"r{i}", SHARED[:16] + [60 + i], params, None) for i in range(2)]
     counter = EmbeddingCounter(engine.model)
@@ -70,7 +129,7 @@ def test_stop_strings_and_eos_end_batched_requests_like_single_ones(make_engine)
     engine = make_engine()
     prompt = SHARED + [40]
     full = engine.generate(prompt, max_tokens=10)
-    engine.stop_token_ids = {full.token_ids[3]}
+    engine.parts = replace(engine.parts, stop_token_ids=frozenset({full.token_ids[3]}))
     eos, alone = engine.generate_batch([prompt, [5, 6]], max_tokens=10)
     assert eos.token_ids == full.token_ids[:4] and eos.finish_reason == "stop"
     assert alone.token_ids == hf_greedy(engine.model, [5, 6], 10)[: len(alone.token_ids)]
@@ -185,7 +244,7 @@ def test_the_engine_loop_stops_between_steps_and_takes_nothing_after(make_engine
 
 def test_one_long_context_does_not_pad_the_short_ones(make_engine):
     engine = make_engine(num_blocks=256)
-    runner = BatchRunner(engine, max_num_seqs=8, max_num_batched_tokens=512)
+    runner = BatchRunner(engine.parts, max_num_seqs=8, max_num_batched_tokens=512)
     prompts = [list(range(100 + i, 110 + i)) for i in range(7)] + [list(range(600, 900))]
     requests = [runner.add(f"r{i}", p, SamplingParams(max_tokens=6), None) for i, p in enumerate(prompts)]
     runner.step()  # the prompts
@@ -223,7 +282,7 @@ def step_logits(engine, prompts, cascade, max_tokens=5, block_size=4):
     """Every decode step's logits, and the replies, of a batch run with cascade on or off. With
     torch's own thread count for every step: a count chosen for a busy machine would sum in
     another order, and the two runs would differ by more than attention's own rounding."""
-    runner = BatchRunner(engine, cascade_attention=cascade, choose_threads=False, max_num_seqs=16,
+    runner = BatchRunner(engine.parts, cascade_attention=cascade, choose_threads=False, max_num_seqs=16,
                          max_num_batched_tokens=512)
     requests = [runner.add(f"r{i}", p, SamplingParams(max_tokens=max_tokens), None) for i, p in enumerate(prompts)]
     seen = []
@@ -263,7 +322,7 @@ def test_sixteen_requests_behind_one_prefix_read_it_once(make_engine):
     engine = make_engine(num_blocks=512)
     prompts = [SYSTEM + [60 + i, 61 + i] for i in range(16)]  # 262 tokens: 65 full shared blocks of 4, then their own
     for cascade, expected in ((True, 260 + 16 * (262 + 1 - 260)), (False, 16 * 263)):
-        runner = BatchRunner(engine, cascade_attention=cascade, max_num_seqs=16, max_num_batched_tokens=512)
+        runner = BatchRunner(engine.parts, cascade_attention=cascade, max_num_seqs=16, max_num_batched_tokens=512)
         requests = [runner.add(f"{cascade}-{i}", p, SamplingParams(max_tokens=3), None) for i, p in enumerate(prompts)]
         runner.step()  # the prompts (and the same-step hits)
         runner.step()  # sixteen decodes, each with a context of 263
@@ -277,7 +336,7 @@ def test_a_preempted_request_rejoins_the_shared_prefix_exactly(make_engine, monk
         monkeypatch.setattr(batch_attention, name, value)  # so that four short prompts share theirs
     engine = make_engine(num_blocks=16)  # the shared prompt's 4 blocks, and room for a few more
     prompts = [SHARED[:16] + [60 + i] for i in range(4)]
-    runner = BatchRunner(engine, max_num_seqs=4, max_num_batched_tokens=64)
+    runner = BatchRunner(engine.parts, max_num_seqs=4, max_num_batched_tokens=64)
     requests = [runner.add(f"r{i}", p, SamplingParams(max_tokens=14), None) for i, p in enumerate(prompts)]
     replies = runner.run(requests)
     assert runner.scheduler.num_preemptions > 0

@@ -36,7 +36,7 @@ def test_chunked_prefill_on_the_real_model_equals_generate_on_each_prompt_alone(
     prompts = real_prompts(smollm.tokenizer)
     expected = [hf_greedy(smollm.model, p, 5) for p in prompts]
     assert smollm.allocator.reset_prefix_cache()  # cold: nothing left by an earlier test
-    runner = BatchRunner(smollm, max_num_seqs=3, max_num_batched_tokens=budget)
+    runner = BatchRunner(smollm.parts, max_num_seqs=3, max_num_batched_tokens=budget)
     requests = [runner.add(f"r{i}", p, SamplingParams(max_tokens=5), None) for i, p in enumerate(prompts)]
     chunks, shared_steps = [], []
     while runner.scheduler.has_work():
@@ -58,7 +58,7 @@ def test_a_request_preempted_part_way_through_its_prompt_resumes_exactly(smollm)
     long_ids = smollm.tokenizer.encode(TEXT)  # 37 tokens
     other_ids = smollm.tokenizer.encode("Count to twenty: one, two, three, four, five, six, seven, eight, nine, ten, "
                                         "eleven, twelve,")  # 28 tokens
-    runner = BatchRunner(engine, max_num_seqs=2, max_num_batched_tokens=4)
+    runner = BatchRunner(engine.parts, max_num_seqs=2, max_num_batched_tokens=4)
     mid_prompt = []
     preempt = runner.scheduler._preempt
 
@@ -100,7 +100,7 @@ def test_random_budgets_and_chunks_equal_generate_on_each_prompt_alone(
         num_blocks = -(-48 // block_size)  # every prompt fits with its reply
     engine = Engine(model=tiny_float64, tokenizer=tokenizer, block_size=block_size, num_blocks=num_blocks)
     prompts = [PIECES[i] + tail for i, tail in picks]
-    runner = BatchRunner(engine, max_num_seqs=max_seqs, max_num_batched_tokens=max_seqs + extra,
+    runner = BatchRunner(engine.parts, max_num_seqs=max_seqs, max_num_batched_tokens=max_seqs + extra,
                          enable_chunked_prefill=chunked)
     requests = [runner.add(f"r{i}", p, SamplingParams(max_tokens=4), None) for i, p in enumerate(prompts)]
     replies = runner.run(requests)

@@ -15,7 +15,7 @@ import pytest
 from rich.console import Console
 
 import walkthrough
-from benchmarks import attention, busy, chunked_prefill, stalls, step_profile, throughput, ttft
+from benchmarks import attention, busy, chunked_prefill, paged, stalls, step_profile, throughput, ttft
 from benchmarks.allocator import free_order_hit_rates
 from demo import run_demo
 from engine import add_model_arguments, pool_arguments
@@ -164,6 +164,16 @@ def test_the_attention_benchmark_counts_what_a_step_reads(tiny_model_dir, tmp_pa
     assert on["slots_read"] < off["slots_read"]
     chats = results["chats"]
     assert chats["one conversation"]["slots_needed"] > chats["chats"]["slots_needed"] + 500
+
+
+def test_the_paged_benchmark_runs_both_caches_over_the_same_numbers(tiny_model_dir, tmp_path):
+    results = paged.main(["--model", str(tiny_model_dir), "--decodes", "4", "2", "--context", "40", "--steps", "2",
+                          "--json", str(tmp_path / "p.json")])
+    for row, n in zip(results["rows"], (4, 2)):
+        assert row["decodes"] == n and row["max_logit_difference"] < 1e-5  # the same K/V, the same logits
+        assert row["slots_needed"] == n * (40 + 3)  # the last timed step: each prompt and 3 tokens after it
+        assert row["slots_copied"] == n * 48  # whole blocks of 16: three a request
+        assert row["paged_ms"] > 0 and row["contiguous_ms"] > 0
 
 
 @pytest.mark.parametrize("http", [False, True], ids=["in-process", "http"])

@@ -5,6 +5,8 @@ full forward pass. Most tests use the tiny random model of conftest.py, in float
 """
 
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -140,7 +142,7 @@ def test_the_stop_token_ends_a_reply_with_finish_reason_stop(make_engine):
     engine = make_engine()
     prompt = list(range(800, 810))
     greedy = engine.generate(prompt, max_tokens=6).token_ids
-    engine.stop_token_ids = {greedy[2]}  # pretend the third token is EOS
+    engine.parts = replace(engine.parts, stop_token_ids=frozenset({greedy[2]}))  # pretend the third token is EOS
     reply = engine.generate(prompt, max_tokens=6)
     assert reply.token_ids == greedy[:3] and reply.finish_reason == "stop"
 

@@ -8,6 +8,7 @@ finds it.
 
 import sys
 import threading
+from dataclasses import replace
 
 import one_request
 from helpers import assert_pool_whole
@@ -57,7 +58,7 @@ def test_a_second_request_never_hits_blocks_before_the_first_wrote_them(make_eng
     expected = make_engine(enable_caching=False).generate(b_prompt, max_tokens=6).token_ids
 
     lock = PausingLock(engine.lock, engine)
-    engine.lock = lock
+    engine.parts = replace(engine.parts, lock=lock)
     replies = {}
 
     def run_b():  # on its own thread, as a second client would; waited for while A is paused

@@ -8,6 +8,7 @@ import json
 import threading
 import time
 import urllib.request
+from dataclasses import replace
 
 import pytest
 
@@ -30,7 +31,7 @@ def eos_inside_the_reply(engine, prompt):
     for k in range(3, len(tokens)):
         text = engine.tokenizer.decode(tokens[: k + 1], skip_special_tokens=True)
         if tokens[k] not in tokens[:k] and text.strip() and not text.endswith("\ufffd"):
-            engine.stop_token_ids = {tokens[k]}
+            engine.parts = replace(engine.parts, stop_token_ids=frozenset({tokens[k]}))
             return text, text[-1] + "\u2603"  # begins with the reply's last character, never completed
     raise AssertionError("no usable token in the reply")
 
@@ -38,7 +39,8 @@ def eos_inside_the_reply(engine, prompt):
 def test_a_reply_that_ends_on_eos_with_stop_strings_set_keeps_its_text_on_every_path(make_engine):
     one, batching = make_engine(), make_engine(batching=True)
     text, stop = eos_inside_the_reply(one, TEXT)
-    batching.stop_token_ids = set(one.stop_token_ids)
+    # the batching engine's loop was made with its engine, on the parts of then: it gets the new ones too
+    batching.parts = batching.loop.runner.parts = replace(batching.parts, stop_token_ids=one.stop_token_ids)
 
     replies = {
         "generate": one.generate(TEXT, max_tokens=12, stop=stop),

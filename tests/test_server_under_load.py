@@ -16,7 +16,7 @@ import threading
 
 import pytest
 
-from batch_engine import EngineLoop
+from engine_loop import EngineLoop
 from engine import Engine
 from helpers import (
     MODEL, SYSTEM, EmbeddingCounter, call, call_with_headers, held_in_step, queued_together, raw_request, serve,

@@ -64,7 +64,7 @@ def attention(plan, tables, pool, cascade: bool):
 
 def shared_groups(step) -> list[int]:
     """The number of decodes in each group of the step that reads a shared prefix once."""
-    return [len(g.query_index) for g in step.groups if g.prefix_slots is not None]
+    return [len(g.query_index) for g in step.groups if g.prefix_blocks is not None]
 
 
 def check_on_against_off(decodes, block_size):

@@ -196,7 +196,7 @@ def test_replies_are_exact_whatever_budget_each_step_gets(tiny_model, tokenizer,
     monkeypatch.setattr(batch_attention, "CASCADE_OWN_COST", 1.0)
     engine = Engine(model=tiny_model, tokenizer=tokenizer, block_size=4, num_blocks=64)
     script = Scripted(budgets)
-    runner = BatchRunner(engine, cascade_attention=cascade, choose_threads=False, step_budget=script,
+    runner = BatchRunner(engine.parts, cascade_attention=cascade, choose_threads=False, step_budget=script,
                          max_num_seqs=4, max_num_batched_tokens=64)
     requests = [runner.add(f"r{i}", p, SamplingParams(max_tokens=6), None) for i, p in enumerate(PROMPTS)]
     shared = []
@@ -204,7 +204,7 @@ def test_replies_are_exact_whatever_budget_each_step_gets(tiny_model, tokenizer,
 
     def build_step(*args, **kwargs):
         inputs = real_build_step(*args, **kwargs)
-        shared.extend(group.prefix_slots is not None for group in inputs.groups)
+        shared.extend(group.prefix_blocks is not None for group in inputs.groups)
         return inputs
 
     monkeypatch.setattr(batch_engine, "build_step", build_step)

@@ -1,0 +1,382 @@
+"""
+The engine loop: a thread that steps one BatchRunner for callers in many threads.
+
+Read batch_engine.py first: the step (schedule, one forward pass, a token per request).
+Engine(batching=True) (engine.py) submits every request here, whoever calls (a server's
+clients, generate_batch), so one scheduler plans every step. Callers read each request's
+StreamEvents from a queue; the loop's thread is supervised, and a gentle shutdown drains it.
+
+    1. the loop's pieces  POLL_S, freeze_startup_heap, the errors callers see, LoopSnapshot
+    2. the engine loop    submit, events, cancel; the thread and its supervision; drain, stop;
+                          snapshot
+
+References: vLLM v1 (vllm/v1/engine/core.py: EngineCoreProc.run_busy_loop takes new requests
+from an input queue, then steps the scheduler and the model while any request is unfinished).
+"""
+
+from __future__ import annotations
+
+import atexit
+import gc
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable
+
+from batch_engine import BatchRunner, StepFigures
+from one_request import EngineParts
+from outputs import StreamEvent
+from sampling import SamplingParams
+from scheduler import FINISHED, Request
+
+# -----------------------------------------------------------------------------
+# 1. The loop's pieces: its errors, its snapshot, the heap it freezes
+
+log = logging.getLogger("engine")
+POLL_S = 0.5  # a caller that waited this long for an event checks that the loop is alive
+
+
+def freeze_startup_heap() -> None:
+    """Move every object alive now (the model, the tokenizer, the pool's bookkeeping) out of
+    the garbage collector's sight, once per process. They are never garbage, yet every full
+    collection walked them, inside whichever step it fell in: a stall every stream saw (the
+    README's "Measured" has what it cost). vLLM does the same after its warm-up
+    (freeze_gc_heap in vllm/utils/gc_utils.py)."""
+    if gc.get_freeze_count() == 0:
+        gc.collect()  # garbage first: what is frozen is never collected
+        gc.freeze()
+
+
+class QueueFullError(RuntimeError):
+    """More requests wait than the caller allows (submit's max_waiting): try again later."""
+
+
+class EngineStoppedError(RuntimeError):
+    """The engine loop takes no requests: it is shutting down, or it failed for good."""
+
+
+class ClientGoneError(ConnectionError):
+    """The request's caller left (its `gone` check said so) before the loop spent more on it."""
+
+
+@dataclass(frozen=True)
+class LoopSnapshot:
+    """The engine loop at one moment (EngineLoop.snapshot), for a status page."""
+
+    running: list[tuple[str, str | None]]  # (request id, cache_salt), in admission order
+    waiting: list[tuple[str, str | None]]  # the same, in queue order: the head is admitted next
+    prefilling: dict[str, tuple[int, int]]  # running requests part-way through their prompt: (computed, total)
+    num_preemptions: int
+    num_steps: int
+    last_step: StepFigures | None
+    num_restarts: int  # failures outside a step the loop recovered from
+    failure: str | None  # why the loop stopped for good (it refuses every request), or None
+    step_budget: dict | None = None  # the target step time and the costs learned (StepBudget.describe)
+
+
+
+# -----------------------------------------------------------------------------
+# 2. The engine loop: calls from many threads, one forward pass per step for all of them
+#
+# It is supervised. A step that fails is the batch runner's business: its requests fail, the
+# loop goes on. A failure anywhere else in the loop (or its thread dying) fails every request
+# the scheduler held and the loop starts over, with the pool checked whole; if the pool cannot
+# be put right, the loop stops for good (`failure`) and refuses every request at once. No
+# caller waits forever: a caller looks at the loop whenever POLL_S passes without an event,
+# and may give its request a deadline.
+
+
+class EngineLoop:
+    """A thread that owns the model and steps one BatchRunner while any request waits or runs:
+    the engine's only scheduler, whoever calls.
+
+    Callers (a server's request threads, generate_batch) submit requests and read each one's
+    StreamEvents from a queue; a caller that gives up cancels, and the request's blocks are
+    freed before the next step. A request may carry a `gone` check (its client hung up?): the
+    loop asks it while the request waits and before each of its prefill steps, and drops the
+    request when it says yes.
+    """
+
+    def __init__(self, parts: EngineParts, **options) -> None:
+        """parts: what the loop's BatchRunner runs on; options: BatchRunner's."""
+        self.runner = BatchRunner(parts, **options)
+        self._wake = threading.Condition()
+        self._inbox: deque[Request] = deque()
+        self._cancelled: list[Request] = []
+        self.live: dict[str, Request] = {}  # submitted and not finished, by request id
+        self._thread: threading.Thread | None = None
+        self._restarting = threading.Lock()  # one caller restarts a dead thread, not many
+        self._stopping = False  # stop(): the thread ends after its step
+        self._closed: str | None = None  # why submit refuses (shutting down, or failed for good)
+        self.failure: BaseException | None = None  # what stopped the loop for good
+        self.num_restarts = 0
+
+    @property
+    def parts(self) -> EngineParts:
+        return self.runner.parts
+
+    @property
+    def scheduler(self):
+        return self.runner.scheduler
+
+    def new_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams, cache_salt: str | None,
+                    stop: tuple[str, ...] = (), gone: Callable[[], bool] | None = None) -> Request:
+        request = self.runner.new_request(request_id, prompt_ids, params, cache_salt, stop)
+        request.payload.events = queue.SimpleQueue()
+        request.payload.gone = gone
+        return request
+
+    def submit(self, requests: list[Request], max_waiting: int | None = None) -> None:
+        """Queue `requests` in this order, behind everything submitted before; all of them or,
+        when one is refused, none. max_waiting: refuse them (QueueFullError) if more than this
+        many requests would then wait for admission."""
+        self.check_alive()
+        ids = [r.request_id for r in requests]
+        with self.parts.allocator_lock, self._wake:
+            if self._closed:
+                raise EngineStoppedError(self._closed)
+            taken = sorted({i for i in ids if i in self.live or ids.count(i) > 1})
+            if taken:
+                raise ValueError(f"request id {taken[0]!r} is already running; pick another id")
+            waiting = len(self.scheduler.waiting) + len(self._inbox)
+            if max_waiting is not None and waiting + len(requests) > max_waiting:
+                raise QueueFullError(f"{waiting} requests are waiting already, the most allowed is {max_waiting}")
+            for request in requests:
+                self.live[request.request_id] = request
+                self._inbox.append(request)
+            if self._thread is None:
+                freeze_startup_heap()
+                self._start_thread()
+                atexit.register(self.stop)
+            self._wake.notify()
+
+    def cancel(self, request: Request) -> None:
+        with self._wake:
+            self._cancelled.append(request)
+            self._wake.notify()
+
+    def events(self, request: Request, timeout: float | None = None):
+        """The request's StreamEvents as they come; cancels it if the caller stops early.
+        timeout: seconds the whole request may take, after which TimeoutError ends it."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            while True:
+                try:
+                    event = request.payload.events.get(timeout=POLL_S)
+                except queue.Empty:
+                    self.check_alive()
+                    if deadline is not None and time.monotonic() > deadline:
+                        raise TimeoutError(f"the request did not finish within {timeout:g} s; try a shorter one, "
+                                           f"or again when fewer requests run") from None
+                    continue
+                if isinstance(event, BaseException):
+                    raise event
+                yield event
+                if event.finish_reason is not None:
+                    return
+        finally:
+            if request.status != FINISHED:
+                self.cancel(request)
+
+    # --- the thread, and its supervision ---
+
+    def _start_thread(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        """The thread: serve until stopped; after a failure outside a step, start over."""
+        while True:
+            try:
+                self._serve()
+                return
+            except Exception as err:
+                log.exception("the engine loop failed outside a step; failing its requests and starting over")
+                if not self._recover(err):
+                    return
+
+    def check_alive(self) -> None:
+        """A caller's check (a dead thread sends no events): restart the loop's thread if it
+        died; raise EngineStoppedError if the loop failed for good or has stopped."""
+        with self._restarting:
+            thread = self._thread
+            if thread is not None and not thread.is_alive() and not self._stopping and self.failure is None:
+                if self._recover(RuntimeError("the engine loop's thread died; its requests were lost")):
+                    self._start_thread()
+        if self.failure is not None or (self._stopping and thread is not None and not thread.is_alive()):
+            raise EngineStoppedError(self._closed)
+
+    def _recover(self, err: BaseException) -> bool:
+        """After a failure outside a step: every request the loop had taken from its inbox
+        (in the scheduler, or on its way there) ends with `err`, its blocks freed, and the
+        pool must then be whole; requests still in the inbox go on. False (and the loop stops
+        for good) when the pool cannot be put right."""
+        scheduler, alloc = self.scheduler, self.parts.allocator
+        try:
+            with self.parts.allocator_lock:
+                with self._wake:
+                    queued = {id(request) for request in self._inbox}
+                    lost = [request for request in self.live.values() if id(request) not in queued]
+                for request in lost:
+                    if request.status != FINISHED and (request in scheduler.running or request in scheduler.waiting):
+                        scheduler.finish(request)
+                    request.status = FINISHED
+                if scheduler.running or scheduler.waiting or alloc.block_tables:
+                    raise RuntimeError(f"after the failure, blocks are still held by {sorted(alloc.block_tables)}")
+                alloc.check_invariants()
+        except Exception as second:
+            log.exception("the engine loop cannot start over: it refuses every request from now on")
+            self._stop_for_good(second)
+            return False
+        self.num_restarts += 1
+        for request in lost:
+            self._end(request, err)
+        return True
+
+    def _stop_for_good(self, err: BaseException) -> None:
+        with self._wake:
+            self.failure, self._closed = err, f"the engine loop failed and could not be restarted: {err!r}"
+            lost, self._inbox = list(self.live.values()), deque()
+        for request in lost:
+            self._end(request, EngineStoppedError(self._closed))
+
+    def _serve(self) -> None:
+        scheduler, parts = self.runner.scheduler, self.parts
+        while True:
+            with self._wake:
+                while not (self._inbox or self._cancelled or scheduler.has_work() or self._stopping):
+                    self._wake.wait()
+                if self._stopping:
+                    return
+                inbox, self._inbox = list(self._inbox), deque()
+                cancelled, self._cancelled = self._cancelled, []
+            with parts.allocator_lock:
+                for request in inbox:
+                    scheduler.add(request)
+                for request in cancelled:
+                    if request.status != FINISHED:
+                        scheduler.finish(request)
+                        self._forget(request)
+                departed = self._departed()
+            for request in departed:
+                self._end(request, ClientGoneError("the client hung up before its request was done"))
+            try:
+                finished = set(self.runner.step())
+            except Exception as err:
+                self._fail(err)
+                continue
+            for s in self.runner.last_plan.scheduled:
+                if not s.samples:
+                    continue  # a chunk of a prompt: nothing to tell its caller yet
+                request, state = s.request, s.request.payload
+                if request in finished:
+                    self._forget(request)
+                event = StreamEvent(request.output_ids[-1], state.new_text, state.reply.finish_reason, state.reply)
+                state.events.put(event)
+
+    def _departed(self) -> list[Request]:
+        """Requests whose caller has gone, among those that wait or have prompt left to
+        compute, finished here (under allocator_lock) before the next step spends on them."""
+        scheduler = self.scheduler
+        candidates = [*scheduler.waiting, *(r for r in scheduler.running if r.num_prefill_left)]
+        departed = [r for r in candidates if r.payload.gone is not None and r.payload.gone()]
+        for request in departed:
+            scheduler.finish(request)
+        return departed
+
+    def _fail(self, err: Exception) -> None:
+        """The step raised: every request in it (finished in it or not) ends with the error,
+        its blocks freed; requests that were not in it go on."""
+        scheduler, plan = self.runner.scheduler, self.runner.last_plan
+        failed = [s.request for s in plan.scheduled] if plan else [*scheduler.running, *scheduler.waiting]
+        with self.parts.allocator_lock:
+            for request in failed:
+                if request.status != FINISHED:
+                    scheduler.finish(request)
+        for request in failed:
+            self._end(request, err)
+
+    def _end(self, request: Request, err: BaseException) -> None:
+        """The request's caller gets `err` instead of its next event."""
+        self._forget(request)
+        request.payload.events.put(err)
+
+    def _forget(self, request: Request) -> None:
+        with self._wake:
+            self.live.pop(request.request_id, None)
+
+    # --- shutting down ---
+
+    def drain(self, grace: float) -> None:
+        """A gentle shutdown: no new requests; waiting ones end now with EngineStoppedError;
+        running ones get `grace` seconds to finish, then end with finish reason "abort" (their
+        callers get a last event, as for any other ending); then the thread stops."""
+        with self._wake:
+            self._closed = "the server is shutting down; try again when it is back"
+        deadline = time.monotonic() + grace
+        while self._end_waiting() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with self.parts.lock:  # between two steps: none runs while the rest are cut short
+            self._end_waiting()
+            with self.parts.allocator_lock:
+                running = list(self.scheduler.running)
+                for request in running:
+                    self.scheduler.finish(request)
+        end = time.perf_counter()
+        for request in running:
+            state = request.payload
+            text = state.builder.abort()
+            self.runner.close_reply(request, end)
+            self._forget(request)
+            last_token = request.output_ids[-1] if request.output_ids else -1  # -1: cut before its first token
+            state.events.put(StreamEvent(last_token, text, "abort", state.reply))
+        self.stop()
+
+    def _end_waiting(self) -> bool:
+        """End every request that waits (preemption may add more) with EngineStoppedError;
+        whether any request still runs."""
+        with self.parts.allocator_lock, self._wake:
+            waiting = [*self.scheduler.waiting, *self._inbox]
+            for request in list(self.scheduler.waiting):
+                self.scheduler.finish(request)
+            for request in self._inbox:
+                request.status = FINISHED  # it never reached the scheduler
+            self._inbox = deque()
+            running = bool(self.scheduler.running)
+        for request in waiting:
+            self._end(request, EngineStoppedError(self._closed))
+        return running
+
+    def stop(self) -> None:
+        """Let the step that runs finish, then end the thread. Called at exit: a thread
+        killed inside a forward pass aborts the whole process ("terminate called without an
+        active exception"), since torch's C++ frames cannot be unwound under it."""
+        with self._wake:
+            self._stopping = True
+            self._closed = self._closed or "the engine loop has stopped: the process is exiting"
+            self._wake.notify()
+        if self._thread is not None:
+            self._thread.join()
+
+    def snapshot(self) -> LoopSnapshot:
+        """Who runs, who waits, and the steps so far, read without waiting for a forward pass:
+        the scheduler's queues change only under parts.allocator_lock, which a step holds
+        around its bookkeeping and never across the model."""
+        with self.parts.allocator_lock, self._wake:
+            scheduler, cancelled = self.scheduler, set(self._cancelled)
+            waiting = [r for r in [*scheduler.waiting, *self._inbox] if r not in cancelled]
+            return LoopSnapshot(
+                running=[(r.request_id, r.cache_salt) for r in scheduler.running],
+                waiting=[(r.request_id, r.cache_salt) for r in waiting],
+                prefilling={r.request_id: (r.num_computed_tokens, r.num_computed_tokens + r.num_prefill_left)
+                            for r in scheduler.running if r.num_prefill_left},
+                num_preemptions=scheduler.num_preemptions,
+                num_steps=self.runner.num_steps,
+                last_step=self.runner.last_step,
+                num_restarts=self.num_restarts,
+                failure=None if self.failure is None else repr(self.failure),
+                step_budget=None if self.runner.step_budget is None else self.runner.step_budget.describe(),
+            )
