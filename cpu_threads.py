@@ -1,10 +1,12 @@
 """
 How many threads each forward pass runs with on a CPU, chosen by measuring the machine.
 
-Every forward pass the course runs on a CPU goes through one_pass below: stage 7's
-one-request engine (one_request.py, which the demo runs), stage 8's batched step
-(batch_engine.py), the lessons' own loops and the benchmarks' floors. Peers (transformers'
-generate, llama.cpp) are not wrapped: they keep their own thread counts.
+Every forward pass the engines run on a CPU goes through one_pass below: stage 7's
+one-request engine (one_request.py, which the demo runs) and stage 8's batched step
+(batch_engine.py); so do the passes the lessons' own loops (stages 1 and 2) and the
+benchmarks' floors time. A timing that compares two of them holds both to one thread
+policy. Peers (transformers' generate, llama.cpp) are not wrapped, nor are the lessons'
+untimed checks against them: they keep their own thread counts.
 
     cpu_sample / cores_used_by_others   how many cores other programs kept busy (/proc/stat)
     ThreadChooser                        torch's own thread count, or one when others are busy;
@@ -45,9 +47,9 @@ class ThreadChooser:
     Every matrix product and attention call of a step is a parallel region whose threads
     wait for each other at its end, spinning. On a quiet machine all threads (one per core)
     is fastest. When other programs keep the cores busy, the OS takes a core from one thread
-    now and then, and every region waits, spinning, for it to come back: on a 2-core machine
-    beside two busy programs a decode step took 0.2-0.3 s with one thread and 0.7-8.8 s with
-    two. Which count is faster depends on the machine's load, which changes. So:
+    now and then, and every region waits, spinning, for it to come back, so beside busy
+    programs one thread can beat all of them (the README's "Measured", "On a busy machine",
+    has the figures). Which count is faster depends on the machine's load, which changes. So:
 
       - it starts with torch's own setting (`most`, all the cores);
       - it uses one thread from the step after one that says other programs are busy: they

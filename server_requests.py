@@ -23,7 +23,7 @@ from prefix_caching import check_cache_salt, check_text
 
 DEFAULT_MAX_TOKENS_LIMIT = 512
 # Limits for one laptop and a class (docs/server.md lists them; each has a flag).
-DEFAULT_MAX_PROMPT_TOKENS = 4096  # a third of the default pool; ~10 s of prefill on a laptop CPU
+DEFAULT_MAX_PROMPT_TOKENS = 4096  # a third of the default pool; seconds of prefill on a laptop CPU
 DEFAULT_MAX_WAITING = 64  # requests queued behind the running ones; beyond it a 503
 DEFAULT_REQUEST_TIMEOUT = 300.0  # seconds a generation request may take, its wait in the queue included
 DEFAULT_READ_TIMEOUT = 10.0  # seconds a request's head and body may take in all, from the connection's start

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 from scheduler import Request, StepPlan
 
-DEFAULT_TARGET_STEP_MS = 400.0  # a step never longer than this (on a 2-core laptop, ~100 prompt tokens)
+DEFAULT_TARGET_STEP_MS = 400.0  # a step never longer than this (the chunks it gives: README, "Measured")
 STALL = 2.2  # a step carrying a prompt's chunk: at most this many times the streams' own step
 FIRST_CHUNK = 16  # prompt tokens in a step before any step with its thread count has been timed
 MIN_CHUNK = 16  # prompt tokens a step gives a prompt at least: it always moves on

@@ -2,9 +2,9 @@
 Exercises 2 and 4: allocate with prefix (stage 5), and free in reverse order (stage 6).
 
 A small PrefixCachingAllocator: the ideas of prefix_caching.py without decode, argument
-checks or views. It runs on your hashes (exercise 1), so do that first. Its free queue is
-prefix_caching's until you write your own in exercise 3: exercise 4's tests then run this
-allocator on yours.
+checks or views. It runs on your hashes (exercise 1), so do that first. Its free queue is a
+stand-in on a Python list (exercises/given.py) until you write your own in exercise 3:
+exercise 4's tests then run this allocator on yours.
 
 Finish lines:
     EXERCISE_IMPL=starter python -m pytest tests/exercises/test_ex2_allocate.py
@@ -18,7 +18,8 @@ block 3's old hash is evicted.
 from typing import Sequence
 
 from exercises.block_hash import BlockHash, compute_block_hashes
-from prefix_caching import Allocation, FreeKVCacheBlockQueue, KVCacheBlock, OutOfBlocksError
+from exercises.given import Allocation, KVCacheBlock, OutOfBlocksError
+from exercises.given import ListFreeQueue as FreeKVCacheBlockQueue  # exercise 4's tests use your own (exercise 3)
 
 
 class PrefixCachingAllocator:
@@ -26,10 +27,12 @@ class PrefixCachingAllocator:
         self.block_size = block_size
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeKVCacheBlockQueue(self.blocks)
-        # block hash -> the block holding that content. One block per hash: when a new full
-        # block's hash is already cached by another block, leave the new one without a hash.
-        # (prefix_caching.py caches both: the design doc's "duplicated blocks".)
-        self.cached_blocks: dict[BlockHash, KVCacheBlock] = {}
+        # block hash -> the blocks holding that content, {block_id: block}, in the order they
+        # were cached. Usually one; two when a request computed a block that was already
+        # cached (the design doc's "duplicated blocks": a hit leaves one token to compute, so
+        # a prompt that is all cached blocks computes its last block again). A lookup hits the
+        # first of them; an evicted block leaves its entry, and an empty entry leaves the map.
+        self.cached_blocks: dict[BlockHash, dict[int, KVCacheBlock]] = {}
         self.block_tables: dict[str, list[int]] = {}
 
     # --- exercise 2 ---------------------------------------------------------------------
@@ -57,7 +60,7 @@ class PrefixCachingAllocator:
                      a hash, evict it: drop that hash from self.cached_blocks, set block_hash
                      None (its slots are about to hold other tokens). Its ref_cnt becomes 1.
           5. cache   Store each new block's tokens in block.token_ids. A full one gets its
-                     block_hash and goes into self.cached_blocks (unless that hash is cached).
+                     block_hash and joins self.cached_blocks under it.
         Record the block table (hits first, then new blocks) and return
         Allocation(num_cached_tokens, num_new_tokens).
         """

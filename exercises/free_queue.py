@@ -6,7 +6,7 @@ out of the middle only rewires its two neighbours: no scan, whatever the queue's
 Two sentinel blocks, self._head before the first free block and self._tail after the
 last, mean no method needs a special case for an empty queue.
 
-The constructor, len(), iteration and block_ids() come from prefix_caching's queue (the
+The constructor, len(), iteration and block_ids() come from exercises/given.py (the
 constructor links the blocks in with *your* append). Write the four methods marked TODO,
 using only the links: no Python list or deque, not even one kept beside the links (keeping
 it in step means a list.remove, a scan of the whole queue, in every remove).
@@ -18,11 +18,10 @@ is green: the design doc's free queue replays from Time 1 to Time 6
 blocks, even in a queue of 10,000. Exercise 4 then runs the allocator on your queue.
 """
 
-import prefix_caching
-from prefix_caching import KVCacheBlock
+from exercises.given import KVCacheBlock, LinkedFreeQueue
 
 
-class FreeKVCacheBlockQueue(prefix_caching.FreeKVCacheBlockQueue):
+class FreeKVCacheBlockQueue(LinkedFreeQueue):
     def append(self, block: KVCacheBlock) -> None:
         """Link `block` in at the tail, just before self._tail; count it in self.num_free_blocks."""
         # TODO exercise 3a: four links to set

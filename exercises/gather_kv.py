@@ -11,11 +11,11 @@ keys tensor and a values tensor of shape (batch=1, num_kv_heads, tokens, head_di
 tokens in prompt order. Token p of the prompt sits in block block_ids[p // block_size], at
 slot p % block_size: the block table can point anywhere in the pool, in any order.
 
-The constructor, write() (the opposite copy: a cache's K/V into the pool) and the rest come
-from the reference pool, kv_pool.PagedKVPool (kv_pool.py). Write
-the two parts marked TODO, with tensor operations only: no Python loop over tokens or blocks
-(a real prefix has thousands of tokens in hundreds of blocks, and one index picks them all). A test counts the tensor operations of a 1-block and a 12-block
-gather: they must be as many.
+The constructor (self.data, self.dtype, self.device) comes from exercises/given.py. Write the
+two parts marked TODO, with tensor operations only: no Python loop over tokens or blocks (a
+real prefix has thousands of tokens in hundreds of blocks, and one index picks them all). A
+test counts the tensor operations of a 1-block and a 12-block gather: they must be as many.
+The gathered K/V keep the pool's dtype (a bfloat16 pool gives bfloat16 keys) and its device.
 
 Finish line:
     EXERCISE_IMPL=starter python -m pytest tests/exercises/test_ex5_gather_kv.py
@@ -25,10 +25,10 @@ pass, and an engine running on your gather replies exactly what model.generate d
 
 from transformers import DynamicCache
 
-import kv_pool
+from exercises.given import PoolBase
 
 
-class PagedKVPool(kv_pool.PagedKVPool):
+class PagedKVPool(PoolBase):
     def gather(self, block_ids: list[int], config):
         """A fresh DynamicCache holding the K/V of `block_ids`, in order. No blocks (a cold
         request) give a cache of 0 tokens."""

@@ -14,8 +14,8 @@ stage 7 keeps them across requests (prefix caching).
 Read: this file, generate_naive: the loop every later stage improves on (printed when the
       stage starts).
 
-Run:  python lessons/01_naive_prefill.py            (SmolLM2-135M on a 2-core CPU: 15-60 s)
-      python lessons/01_naive_prefill.py --tiny     (a random 2-layer model: a few seconds)
+Run:  python lessons/01_naive_prefill.py            (SmolLM2-135M; run times: lessons/README.md)
+      python lessons/01_naive_prefill.py --tiny     (a random 2-layer model, faster)
 """
 
 import sys

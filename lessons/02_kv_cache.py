@@ -18,8 +18,8 @@ New in this stage (marked # NEW): past_key_values, feeding the model only the ne
 Read: this file, generate_with_cache: stage 1's loop with past_key_values (printed when the
       stage starts).
 
-Run:  python lessons/02_kv_cache.py            (SmolLM2-135M on a 2-core CPU: 15-60 s)
-      python lessons/02_kv_cache.py --tiny     (a random 2-layer model: a few seconds)
+Run:  python lessons/02_kv_cache.py            (SmolLM2-135M; run times: lessons/README.md)
+      python lessons/02_kv_cache.py --tiny     (a random 2-layer model, faster)
 """
 
 import importlib

@@ -18,6 +18,7 @@ Read: prefix_caching.py, section 3: PrefixCachingAllocator.get_new_blocks and .s
 Run:  python lessons/03_paged_blocks.py
 """
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -51,7 +52,9 @@ def longest_free_run(alloc: PrefixCachingAllocator) -> int:
     return best
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.parse_args(argv)  # no flags: --help prints the docstring above and exits
     console = Console()
     show_code(console, PrefixCachingAllocator.get_new_blocks, PrefixCachingAllocator.slot)
     alloc = PrefixCachingAllocator(num_blocks=12, block_size=BLOCK_SIZE, enable_caching=False)  # NEW

@@ -17,6 +17,7 @@ Read: prefix_caching.py, section 1: block_extra_keys (printed when the stage sta
 Run:  python lessons/04_block_hashes.py
 """
 
+import argparse
 import statistics
 import sys
 import time
@@ -53,7 +54,9 @@ def unchained(block: list[int]) -> str:
     return short_hash(hash_block_tokens(None, block))
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.parse_args(argv)  # no flags: --help prints the docstring above and exits
     console = Console()
     show_exercise(console, 1, "exercises/block_hash.py", "hash_block_tokens", hash_block_tokens)
     show_code(console, block_extra_keys)
@@ -145,7 +148,7 @@ def main() -> None:
     console.print(table)
     console.print("vLLM: hash_block_tokens and init_none_hash in vllm/v1/core/kv_cache_utils.py; the "
                   "--prefix-caching-hash-algo choices in vllm/config/cache.py. nano-vllm: BlockManager.compute_hash "
-                  "in nanovllm/engine/block_manager.py (at commit 06005bd).")
+                  "in nanovllm/engine/block_manager.py (at commit bb823b3 of its main branch).")
 
 
 if __name__ == "__main__":

@@ -10,12 +10,14 @@ hash and its K/V: until it is reused for something else, a later request can sti
 New in this stage (marked # NEW): allocate_with_prefix hitting cached blocks, ref_count,
 and blocks that are free and cached at the same time.
 
-Read: prefix_caching.py, section 3: PrefixCachingAllocator.allocate_with_prefix and .touch
-      (printed when the stage starts).
+Read: prefix_caching.py, section 3: PrefixCachingAllocator.touch (printed when the stage
+      starts). allocate_with_prefix is exercise 2: the stage prints it from
+      exercises/allocator.py in place of the reference's: write it first, then read the reference.
 
 Run:  python lessons/05_ref_counts.py
 """
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -27,7 +29,7 @@ from rich.rule import Rule
 from rich.table import Table
 
 from prefix_caching import PrefixCachingAllocator
-from reading import show_code
+from reading import show_code, show_exercise
 from walkthrough import render_block_table, render_free_queue
 from words import Words
 
@@ -41,9 +43,13 @@ QUESTIONS = {
 }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.parse_args(argv)  # no flags: --help prints the docstring above and exits
     console = Console()
-    show_code(console, PrefixCachingAllocator.allocate_with_prefix, PrefixCachingAllocator.touch)
+    show_exercise(console, 2, "exercises/allocator.py", "PrefixCachingAllocator.allocate_with_prefix",
+                  PrefixCachingAllocator.allocate_with_prefix)
+    show_code(console, PrefixCachingAllocator.touch)
     vocab = Words()
     system = vocab.encode(SYSTEM)
     system_blocks = len(system) // BLOCK_SIZE

@@ -13,12 +13,15 @@ measures why the queue is a hand-made doubly linked list, and what newer vLLM ch
 
 New in this stage (marked # NEW): FreeKVCacheBlockQueue, eviction, free_uncached_first.
 
-Read: prefix_caching.py, sections 2 and 3: FreeKVCacheBlockQueue.remove,
-      PrefixCachingAllocator.evict and .free (printed when the stage starts).
+Read: prefix_caching.py, section 3: PrefixCachingAllocator.evict (printed when the stage
+      starts). FreeKVCacheBlockQueue.remove is exercise 3 and PrefixCachingAllocator.free
+      exercise 4: the stage prints them from exercises/free_queue.py and exercises/allocator.py
+      in place of the reference's: write them first, then read the reference.
 
 Run:  python lessons/06_free_queue_lru.py
 """
 
+import argparse
 import sys
 import time
 from collections import deque
@@ -31,7 +34,7 @@ from rich.rule import Rule
 from rich.table import Table
 
 from prefix_caching import FreeKVCacheBlockQueue, KVCacheBlock, PrefixCachingAllocator
-from reading import show_code
+from reading import show_code, show_exercise
 from walkthrough import design_doc_example, walkthrough
 from workloads import multi_turn, replay
 
@@ -53,9 +56,13 @@ def seconds_per_remove(queue_size: int, kind: str, repeats: int = 200) -> float:
     return (time.perf_counter() - start) / repeats
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.parse_args(argv)  # no flags: --help prints the docstring above and exits
     console = Console()
-    show_code(console, FreeKVCacheBlockQueue.remove, PrefixCachingAllocator.evict, PrefixCachingAllocator.free)
+    show_exercise(console, 3, "exercises/free_queue.py", "FreeKVCacheBlockQueue.remove", FreeKVCacheBlockQueue.remove)
+    show_exercise(console, 4, "exercises/allocator.py", "PrefixCachingAllocator.free", PrefixCachingAllocator.free)
+    show_code(console, PrefixCachingAllocator.evict)
 
     console.print(Rule("1. The design doc's worked example, step by step"))
     walkthrough(console)

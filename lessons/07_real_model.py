@@ -19,8 +19,8 @@ Read: kv_pool.py (PagedKVPool.write) and one_request.py (run_request), printed w
       exercise 5: the stage prints PagedKVPool.gather and .tokens_of from exercises/gather_kv.py
       in place of kv_pool.py's; write them first, then read the reference.
 
-Run:  python lessons/07_real_model.py            (SmolLM2-135M on a 2-core CPU: 25-90 s)
-      python lessons/07_real_model.py --tiny     (a random 2-layer model: a few seconds)
+Run:  python lessons/07_real_model.py            (SmolLM2-135M; run times: lessons/README.md)
+      python lessons/07_real_model.py --tiny     (a random 2-layer model, faster)
 """
 
 import sys

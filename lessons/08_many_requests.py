@@ -16,13 +16,14 @@ more than over one (the weights are read once either way). Two files do it:
                      attention takes each request's K/V from the pool through its block
                      table (pool_attention, registered with transformers' AttentionInterface):
                      no DynamicCache is kept between steps, as stage 7 kept one per request.
-                     It still copies: every layer indexes each request's whole context out
-                     of the pool. Requests attend in a few groups of similar context length
+                     It still copies: every layer copies each request's blocks, whole, out
+                     of the pool into one buffer the pool keeps (PagedKVPool.read_blocks).
+                     Requests attend in a few groups of similar context length
                      (group_rows: at most 4 for the decodes, 4 for the prompts' chunks, the
                      padding within 25 %), so one long context does not pad every short one,
                      and decodes sharing a system prompt's blocks read them once
                      (shared_prefix_attention). Scene 2c counts the slots and MiB a decode
-                     step copies. vLLM's kernels copy nothing: flash_attn_varlen_func gets the
+                     step attends over and copies. vLLM's kernels copy nothing: flash_attn_varlen_func gets the
                      paged cache and the block table and reads the blocks where they lie
                      (vllm/v1/attention/backends/flash_attn.py).
     batch_engine.py  the step: schedule, one forward pass, one sampled token per request
@@ -43,8 +44,8 @@ Read: batch_attention.py: pool_attention, shared_prefix_attention, build_step;
       schedule and _preempt are exercise 6: the stage prints them from exercises/scheduler.py
       in place of scheduler.py's; write them first, then read the reference.
 
-Run:  python lessons/08_many_requests.py            (SmolLM2-135M on a 2-core CPU: 40-120 s)
-      python lessons/08_many_requests.py --tiny     (a random 2-layer model: 10-30 s)
+Run:  python lessons/08_many_requests.py            (SmolLM2-135M; run times: lessons/README.md)
+      python lessons/08_many_requests.py --tiny     (a random 2-layer model, faster)
 """
 
 import sys
@@ -95,7 +96,7 @@ def hf_greedy(model, prompt_ids: list[int], max_tokens: int) -> list[int]:
 def same_step_hit(console: Console, engine: Engine, prompts: dict[str, list[int]]) -> tuple[BatchRunner, list]:
     """Scene 1: four requests behind one system prompt, admitted in one step."""
     alloc, kv = engine.allocator, engine.kv
-    runner = BatchRunner(engine, max_num_batched_tokens=BUDGET)  # NEW
+    runner = BatchRunner(engine.parts, max_num_batched_tokens=BUDGET)  # NEW
     cold = [alloc.peek(ids) for ids in prompts.values()]
     requests = [runner.add(user, ids, SamplingParams(max_tokens=MAX_TOKENS), None) for user, ids in prompts.items()]
     first_block = 0  # the pool is fresh: alice's first block will be block 0
@@ -186,7 +187,7 @@ def decode_steps(console: Console, engine: Engine, runner: BatchRunner, requests
 def chunking_off(console: Console, engine: Engine, prompts: dict[str, list[int]], chunked: list) -> None:
     """Scene 2, again, with chunked prefill off: erin's prompt runs whole, in a step of its own."""
     assert engine.allocator.reset_prefix_cache()  # cold again, as in scene 1
-    runner = BatchRunner(engine, max_num_batched_tokens=BUDGET, enable_chunked_prefill=False)  # NEW
+    runner = BatchRunner(engine.parts, max_num_batched_tokens=BUDGET, enable_chunked_prefill=False)  # NEW
     requests = [runner.add(user, ids, SamplingParams(max_tokens=MAX_TOKENS), None) for user, ids in prompts.items()]
     run_step(runner, 1)
     erin_ids = engine.tokenize(ERIN)
@@ -211,62 +212,11 @@ def chunking_off(console: Console, engine: Engine, prompts: dict[str, list[int]]
     )
 
 
-def step_time_budget(console: Console, engine: Engine, prompts: dict[str, list[int]]) -> None:
-    """Scene 2d: scene 2 again, each step's budget picked from a target step time instead of a
-    fixed BUDGET (step_budget.py, what Engine(batching=True) and python server.py run)."""
-    assert engine.allocator.reset_prefix_cache()
-    budget = StepBudget(ModelShape.of(engine.model), TARGET_MS, 2048)  # NEW: a time, and a hard cap
-    runner = BatchRunner(engine, step_budget=budget, max_num_batched_tokens=2048)  # NEW
-    requests = [runner.add(user, ids, SamplingParams(max_tokens=MAX_TOKENS), None) for user, ids in prompts.items()]
-    # The four prompts, then decode steps: what a step costs is learned from them.
-    decoding = Runs([run_step(runner, number).ms for number in (1, 2, 3, 4, 5)][1:])
-    erin_ids = engine.tokenize(ERIN)
-    requests.append(runner.add("erin", erin_ids, SamplingParams(max_tokens=MAX_TOKENS), None))
-    table = Table("step", "budget", "decodes", "erin's chunk", "predicted", "took", title_justify="left",
-                  title=f"erin's {len(erin_ids):,} tokens beside the four decodes, a target of {TARGET_MS:g} ms a step")
-    number, chunks, sizes = 6, [], []
-    while any(r.request_id == "erin" for r in runner.scheduler.waiting) or any(
-            r.request_id == "erin" and r.num_prefill_left for r in runner.scheduler.running):
-        record = run_step(runner, number)
-        chunk = next(s for s in record.scheduled if s.request.request_id == "erin")
-        chunks.append(record)
-        sizes.append(chunk.end - chunk.start)
-        predicted = budget.predicted  # NEW: what the costs learned before the step said it would take
-        table.add_row(str(number), f"{budget.last:,}", str(len(record.scheduled) - 1), f"{chunk.start:,}-{chunk.end:,}",
-                      "-" if predicted is None else f"{predicted * 1e3:,.0f} ms", f"{record.ms:,.0f} ms")
-        number += 1
-    console.print(table)
-    runner.run(requests)
-    threads = runner.thread_count(chosen=True)  # the count the latest step ran with: its costs are known
-    fixed, per_flop = budget.costs.fit(threads)
-    per_token = per_flop * 2 * budget.shape.body_params
-    whole = fixed + per_flop * chunk_flops(budget.shape, 0, len(erin_ids))
-    took = Runs([r.ms for r in chunks])
-    shrink = (f" Her chunks shrink as she goes ({sizes[0]} tokens first, {sizes[-2]} before the last): each of her "
-              f"tokens attends to every one before it." if len(sizes) > 2 and sizes[-2] < sizes[0] else "")
-    console.print(
-        f"What a step costs here, learned from the steps run: {fixed * 1e3:,.0f} ms whatever its size, and "
-        f"{per_token * 1e3:,.1f} ms a token through the weights (plus each key it attends to: step_flops counts "
-        f"both). With a fixed budget of 2,048 tokens a step, erin's whole prompt would be one step of about "
-        f"{whole * 1e3:,.0f} ms by the same costs, and each of the four would wait that long for its next token. With "
-        f"a target of {TARGET_MS:g} ms, a step gives her as many tokens as keep it within the target and within "
-        f"{STALL:g} times the four's own step ({decoding} alone, steps 2-5), and never fewer than fit in as long as "
-        f"theirs: {len(chunks)} chunks, steps of {took} (median, {took.median / decoding.median:.1f}x theirs).{shrink} "
-        f"This is Sarathi-Serve's stall-free "
-        f"batching (Agrawal et al., OSDI 2024): the chunk is sized from a latency target. vLLM's budget is a fixed "
-        f"number of tokens instead, 2,048 for `vllm serve` (8,192 on a GPU with 70 GiB or more: get_batch_defaults "
-        f"in vllm/engine/arg_utils.py), sized for a GPU, where 2,048 tokens take milliseconds. "
-        f"Engine(batching=True) and python server.py use a target ({DEFAULT_TARGET_STEP_MS:g} ms unless "
-        f"--target-step-ms is given); --max-num-batched-tokens N makes the budget N every step, as in vLLM, and the "
-        f"scenes above pass one so their plans are the same on every machine. {busy_note(decoding, took)}".strip()
-    )
-
-
 def what_a_step_reads(console: Console, engine: Engine, prompts: dict[str, list[int]]) -> None:
     """Scene 2c: the pool slots one decode step's attention reads, three ways; and the merge
     that lets requests sharing a prefix read it once, on numbers small enough to check."""
     assert engine.allocator.reset_prefix_cache()
-    runner = BatchRunner(engine, max_num_batched_tokens=2048)
+    runner = BatchRunner(engine.parts, max_num_batched_tokens=2048)
     requests = [runner.add(user, ids, SamplingParams(max_tokens=4), None) for user, ids in prompts.items()]
     requests.append(runner.add("erin", engine.tokenize(ERIN), SamplingParams(max_tokens=4), None))
     runner.step()  # the five prompts, in one step
@@ -278,21 +228,32 @@ def what_a_step_reads(console: Console, engine: Engine, prompts: dict[str, list[
     cascade = build_step(plan, engine.kv, tables, engine.device, cascade=True)  # NEW: the shared prefix once
     kv = engine.kv
     per_slot = 2 * kv.num_layers * kv.num_kv_heads * kv.head_dim * kv.dtype.itemsize  # K and V, every layer
-    table = Table("how the step attends", "slots read a layer", "blocks", "K/V read a step",
+    table = Table("how the step attends", "slots read a layer", "slots copied a layer", "K/V copied a step",
                   title=f"one decode step: {', '.join(f'{s.request.request_id} {s.end:,}' for s in plan.scheduled)} "
                         f"tokens of context", title_justify="left")
-    for name, slots in [("every request padded to the longest context", one_group),
-                        ("groups of similar context length (group_rows)", grouped.slots_read),
-                        ("the same, shared prefix read once (cascade)", cascade.slots_read),
-                        ("what the contexts hold", cascade.slots_needed)]:
-        table.add_row(name, f"{slots:,}", f"{slots / kv.block_size:,.1f}", f"{slots * per_slot / 2**20:,.1f} MiB")
+    whole_blocks = len(plan.scheduled) * -(-max(s.end for s in plan.scheduled) // kv.block_size) * kv.block_size
+    for name, slots, copied in [("every request padded to the longest context", one_group, whole_blocks),
+                                ("groups of similar context length (group_rows)", grouped.slots_read,
+                                 grouped.slots_copied),
+                                ("the same, shared prefix read once (cascade)", cascade.slots_read,
+                                 cascade.slots_copied),
+                                ("what the contexts hold", cascade.slots_needed, None)]:
+        table.add_row(name, f"{slots:,}", "" if copied is None else f"{copied:,}",
+                      "" if copied is None else f"{copied * per_slot / 2**20:,.1f} MiB")
     console.print(table)
+    longest = max(s.end for s in plan.scheduled)  # erin's context: a group of her own
+    four = [s.end for s in plan.scheduled if s.end < longest]
     console.print(
-        f"In every layer the step copies the slots it reads out of the pool. Padded to erin's context, the four "
+        f"In every layer the step copies the blocks it reads out of the pool, whole (the last one part-filled), "
+        f"into one buffer the pool keeps for that, and attends over the copy. Padded to erin's context, the four "
         f"short requests would read {one_group - cascade.slots_needed:,} slots they do not have; grouped by "
-        f"length they read their own {grouped.slots_read - max(s.end for s in plan.scheduled):,} and erin hers; "
+        f"length they read {grouped.slots_read - longest:,} (their {sum(four):,} tokens of context, each padded "
+        f"to the longest of the four, {max(four):,}) and erin her {longest:,}; "
         f"and the four share the system prompt's blocks, so with cascade attention those are read once, not four "
-        f"times. (vLLM's kernels copy nothing: flash_attn_varlen_func gets the paged cache and the block table "
+        f"times. Copying whole blocks with one index_select a group, into memory written before, costs what "
+        f"transformers' contiguous DynamicCache costs for the same step (it copies every context once a step "
+        f"too, when torch.cat appends the new token): python prefix_caching.py --bench paged times both. "
+        f"(vLLM's kernels copy nothing: flash_attn_varlen_func gets the paged cache and the block table "
         f"and reads the blocks where they lie, in vllm/v1/attention/backends/flash_attn.py.)"
     )
     runner.run(requests)
@@ -323,13 +284,72 @@ def what_a_step_reads(console: Console, engine: Engine, prompts: dict[str, list[
     )
 
 
+def step_time_budget(console: Console, engine: Engine, prompts: dict[str, list[int]]) -> None:
+    """Scene 2d: scene 2 again, each step's budget picked from a target step time instead of a
+    fixed BUDGET (step_budget.py, what Engine(batching=True) and python server.py run)."""
+    assert engine.allocator.reset_prefix_cache()
+    budget = StepBudget(ModelShape.of(engine.model), TARGET_MS, 2048)  # NEW: a time, and a hard cap
+    runner = BatchRunner(engine.parts, step_budget=budget, max_num_batched_tokens=2048)  # NEW
+    requests = [runner.add(user, ids, SamplingParams(max_tokens=MAX_TOKENS), None) for user, ids in prompts.items()]
+    # The four prompts (in as many steps as their budgets take: the first step, with nothing
+    # timed yet, gets FIRST_CHUNK tokens), then four decode steps: what a step costs is learned from them.
+    number = 0
+    while runner.scheduler.waiting or any(r.num_prefill_left for r in runner.scheduler.running):
+        number += 1
+        run_step(runner, number)
+    decode_numbers = range(number + 1, number + 5)
+    decoding = Runs([run_step(runner, n).ms for n in decode_numbers])
+    erin_ids = engine.tokenize(ERIN)
+    requests.append(runner.add("erin", erin_ids, SamplingParams(max_tokens=MAX_TOKENS), None))
+    table = Table("step", "budget", "decodes", "erin's chunk", "predicted", "took", title_justify="left",
+                  title=f"erin's {len(erin_ids):,} tokens beside the four decodes, a target of {TARGET_MS:g} ms a step")
+    number, chunks, sizes = decode_numbers[-1] + 1, [], []
+    while any(r.request_id == "erin" for r in runner.scheduler.waiting) or any(
+            r.request_id == "erin" and r.num_prefill_left for r in runner.scheduler.running):
+        record = run_step(runner, number)
+        chunk = next(s for s in record.scheduled if s.request.request_id == "erin")
+        chunks.append(record)
+        sizes.append(chunk.end - chunk.start)
+        predicted = budget.predicted  # NEW: what the costs learned before the step said it would take
+        table.add_row(str(number), f"{budget.last:,}", str(len(record.scheduled) - 1), f"{chunk.start:,}-{chunk.end:,}",
+                      "-" if predicted is None else f"{predicted * 1e3:,.0f} ms", f"{record.ms:,.0f} ms")
+        number += 1
+    console.print(table)
+    # The costs as they stood for her last chunk: the decode-only steps after it would leave
+    # a fit of alike steps, which cannot tell the fixed part from the part per token.
+    threads = runner.thread_count(chosen=True)  # the count the latest step ran with: its costs are known
+    fixed, per_flop = budget.costs.fit(threads)
+    runner.run(requests)
+    per_token = per_flop * 2 * budget.shape.body_params
+    whole = fixed + per_flop * chunk_flops(budget.shape, 0, len(erin_ids))
+    took = Runs([r.ms for r in chunks])
+    shrink = (f" Her chunks shrink as she goes ({sizes[0]} tokens first, {sizes[-2]} before the last): each of her "
+              f"tokens attends to every one before it." if len(sizes) > 2 and sizes[-2] < sizes[0] else "")
+    console.print(
+        f"What a step costs here, learned from the steps run: {fixed * 1e3:,.0f} ms whatever its size, and "
+        f"{per_token * 1e3:,.1f} ms a token through the weights (plus each key it attends to: step_flops counts "
+        f"both). With a fixed budget of 2,048 tokens a step, erin's whole prompt would be one step of about "
+        f"{whole * 1e3:,.0f} ms by the same costs, and each of the four would wait that long for its next token. With "
+        f"a target of {TARGET_MS:g} ms, a step gives her as many tokens as keep it within the target and within "
+        f"{STALL:g} times the four's own step ({decoding} alone, steps {decode_numbers[0]}-{decode_numbers[-1]}), "
+        f"and never fewer than fit in as long as theirs: {len(chunks)} chunks, steps of {took} (median, "
+        f"{took.median / decoding.median:.1f}x theirs).{shrink} This is Sarathi-Serve's stall-free batching "
+        f"(Agrawal et al., OSDI 2024): the chunk is sized from a latency target. vLLM's budget is a fixed "
+        f"number of tokens instead, 2,048 for `vllm serve` (8,192 on a GPU with 70 GiB or more: get_batch_defaults "
+        f"in vllm/engine/arg_utils.py), sized for a GPU, where 2,048 tokens take milliseconds. "
+        f"Engine(batching=True) and python server.py use a target ({DEFAULT_TARGET_STEP_MS:g} ms unless "
+        f"--target-step-ms is given); --max-num-batched-tokens N makes the budget N every step, as in vLLM, and the "
+        f"scenes above pass one so their plans are the same on every machine. {busy_note(decoding, took)}".strip()
+    )
+
+
 def preemption(console: Console, engine: Engine, prompts: dict[str, list[int]], big_pool: list) -> None:
     """Scene 3: the same four in a pool too small for their replies."""
     block_size = engine.allocator.block_size
     system_blocks = len(engine.tokenize([{"role": "system", "content": DEMO_SYSTEM_PROMPT}])) // block_size
     small = Engine(model=engine.model, tokenizer=engine.tokenizer, block_size=block_size,
                    num_blocks=system_blocks + SMALL_POOL_EXTRA)
-    runner = BatchRunner(small)
+    runner = BatchRunner(small.parts)
     requests = [runner.add(user, ids, SamplingParams(max_tokens=MAX_TOKENS), None) for user, ids in prompts.items()]
     console.print(f"A pool of {small.allocator.num_blocks} blocks: the system prompt's {system_blocks} and "
                   f"{SMALL_POOL_EXTRA} more. Four prompts fit; four replies of {MAX_TOKENS} tokens do not.")
@@ -385,8 +405,10 @@ def throughput(console: Console, engine: Engine, step_times: list[Runs]) -> None
     """Scene 4: one after another, batched without caching, batched with it, each timed once.
     Whether the machine was busy: the spread of step_times (repeated steps of scene 2), and
     how many cores other programs kept busy during each of the three (from /proc/stat)."""
+    budget = ({"max_num_batched_tokens": engine.scheduler_options["max_num_batched_tokens"]}
+              if engine.target_step_ms is None else {"target_step_ms": engine.target_step_ms})  # (c)'s
     off = Engine(model=engine.model, tokenizer=engine.tokenizer, block_size=engine.allocator.block_size,
-                 num_blocks=engine.allocator.num_blocks, enable_caching=False)
+                 num_blocks=engine.allocator.num_blocks, enable_caching=False, **budget)
     prompts = [engine.tokenize(q) for q in questions(THROUGHPUT_REQUESTS)]
     ways = [("(a) one after another", engine, False), ("(b) batched, caching off", off, True),
             ("(c) batched, caching on", engine, True)]
@@ -418,7 +440,10 @@ def throughput(console: Console, engine: Engine, step_times: list[Runs]) -> None
         f"{c.tokens:,} with it against {b.tokens:,} without ({b.tokens / c.tokens:.1f}x), because the system "
         f"prompt was computed once. (a) caches too, so it embeds as few tokens as (c), but one request at a "
         f"time: {a.passes} passes. Then time, measured once each in this run: (c) against (a), "
-        f"{how_much_faster(tc, ta)}; against (b), {how_much_faster(tc, tb)}. "
+        f"{how_much_faster(tc, ta)}; against (b), {how_much_faster(tc, tb)}. The three follow one thread policy: "
+        f"every forward pass of each, one request's or a batched step's, takes its thread count from "
+        f"cpu_threads.one_pass (torch's, or one while other programs keep the cores busy), so none of them is "
+        f"slowed by threads waiting for busy cores while another is spared. "
         f"{busy_note(*step_times, others=others)}".strip()
     )
 
@@ -442,10 +467,10 @@ def main(argv: list[str] | None = None) -> None:
     replies, step_times = decode_steps(console, engine, runner, requests)
     console.print(Rule("2b. The same with chunked prefill off: the long prompt waits"))
     chunking_off(console, engine, prompts, replies)
-    console.print(Rule("2d. A budget from a target step time: a long prompt without a stall"))
-    step_time_budget(console, engine, prompts)
     console.print(Rule("2c. What a decode step reads, and a shared prefix read once"))
     what_a_step_reads(console, engine, prompts)
+    console.print(Rule("2d. A budget from a target step time: a long prompt without a stall"))
+    step_time_budget(console, engine, prompts)
     console.print(Rule("3. A small pool: preemption, and the return from the cache"))
     preemption(console, engine, prompts, replies)
     console.print(Rule("4. Throughput: one after another, batched, batched with caching"))

@@ -22,8 +22,8 @@ Read: server_routes.py: generate and chat_completions, the routes of /generate a
       /v1/chat/completions; server_requests.py: take_cache_salt and tenant_of, where a
       request's cache_salt comes from (printed when the stage starts).
 
-Run:  python lessons/09_serving.py            (SmolLM2-135M on a 2-core CPU: 20-80 s)
-      python lessons/09_serving.py --tiny     (a random 2-layer model: a few seconds)
+Run:  python lessons/09_serving.py            (SmolLM2-135M; run times: lessons/README.md)
+      python lessons/09_serving.py --tiny     (a random 2-layer model, faster)
 """
 
 import json

@@ -3,9 +3,10 @@ The code a stage teaches, printed before the stage runs it: file, line, name and
 
     show_code(console, PrefixCachingAllocator.touch)
 
-prints "Read: prefix_caching.py:512  PrefixCachingAllocator.touch  (section 3. The
-allocator)" and the method's source with its line numbers, so what a stage explains is on
-screen next to the state it draws, and easy to find in the file afterwards.
+prints "Read: prefix_caching.py:LINE  PrefixCachingAllocator.touch  (section 3. The
+allocator)", LINE being where the method starts today, and the method's source with its line
+numbers, so what a stage explains is on screen next to the state it draws, and easy to find
+in the file afterwards.
 
 Code an exercise asks for is held back: show_exercise prints the exercise's starter instead
 (its signature, its rule and the TODO, or the student's code once written) and says where the
@@ -27,7 +28,8 @@ def section_of(path: Path, line: int) -> str | None:
     """The `# N. Title` section heading above `line` in a reference file, if it has one.
 
     >>> import prefix_caching
-    >>> section_of(Path(prefix_caching.__file__), 400)
+    >>> line = inspect.getsourcelines(prefix_caching.PrefixCachingAllocator.touch)[1]
+    >>> section_of(Path(prefix_caching.__file__), line)
     '3. The allocator'
     """
     heading = None

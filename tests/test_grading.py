@@ -1,252 +1,219 @@
-"""The exercise tests grade what they claim to grade.
+"""The exercise tests grade what they claim to grade, through the machinery a student meets:
+each case below is a folder of student files, graded by running a test file of
+tests/exercises with EXERCISE_IMPL=starter and EXERCISE_DIR pointing at it.
 
-1. Wrong solutions fail. Each one below is the reference with one plausible mistake (its
-   source with one line changed, or a short function in its place); the exercise's test file
-   runs against it (all of it, but for exercise 5's model tests), and at least one test must
-   fail with a message naming the rule. The default mode grades the reference, so patching
-   the reference is patching what the tests grade.
-2. Code that is not the student's own earns nothing: in starter mode, grading.not_your_own
-   and grading.refuse_the_reference catch a deleted method, super(), the reference imported
-   or called by name; the starter files as shipped pass the check (their TODOs are theirs).
+1. Four correct solutions in different styles (tests/grading_solutions/) pass every test.
+2. Wrong solutions fail: each is a correct solution with one mistake a student made, and a
+   test must fail with a message naming the rule it breaks.
+3. Cheats earn nothing: a file that rewrites pytest, the grading code or the tests, or
+   reaches for the reference (imported under any name, captured by a default argument, a
+   decorator, a metaclass or gc, its source read and run, run in another process) passes no
+   test, because the graded code runs in a child process where none of that works.
 """
 
 import configparser
-import importlib
-import inspect
-import json
 import re
-import sys
+import shutil
 import textwrap
-import types
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import pytest
 
-import kv_pool
-import prefix_caching
-import scheduler
-
 ROOT = Path(__file__).resolve().parents[1]
 EXERCISE_TESTS = ROOT / "tests" / "exercises"
-sys.path.insert(0, str(EXERCISE_TESTS))
-import grading  # noqa: E402  (tests/exercises is not a package)
-
-# The wrong solutions are mistakes in the reference, so they run in the default mode only.
-pytestmark = pytest.mark.skipif(grading.IMPL != "reference", reason="grades the tests with the reference")
-
-
-def with_mistake(function, old: str, new: str):
-    """`function` compiled again from its source with `old` (once, exactly) replaced by `new`."""
-    source = textwrap.dedent(inspect.getsource(function))
-    assert source.count(old) == 1, f"{function.__qualname__}'s source no longer holds {old!r} once"
-    namespace = {}
-    exec(compile(source.replace(old, new), f"<{function.__qualname__} with a mistake>", "exec"),
-         function.__globals__, namespace)
-    return namespace[function.__name__]
+SOLUTIONS = ROOT / "tests" / "grading_solutions"
+TEST_FILES = {"block_hash": ["test_ex1_block_hash.py"], "allocator": ["test_ex2_allocate.py", "test_ex4_free.py"],
+              "free_queue": ["test_ex3_free_queue.py"], "gather_kv": ["test_ex5_gather_kv.py"],
+              "scheduler": ["test_ex6_schedule.py"]}
 
 
-def appendleft_from_the_tail(self, block):
-    """appendleft that finds the head by walking the queue from its tail: right, but O(n)."""
-    first = self._tail
-    while first.prev_free is not self._head:
-        first = first.prev_free
-    self._insert_after(first.prev_free, block)
+def grade(pytester, monkeypatch, tmp_path, test_file: str, files: dict[str, str], base: str = "plain",
+          select: str = ""):
+    """Run `test_file` on a folder of student files: `base`'s solution with `files` in place
+    of its own. Returns (the outcome counts, the output with white space folded)."""
+    folder = tmp_path / "exercises"
+    shutil.copytree(SOLUTIONS / base, folder, dirs_exist_ok=True)
+    for name, source in files.items():
+        (folder / f"{name}.py").write_text(textwrap.dedent(source))
+    monkeypatch.setenv("EXERCISE_IMPL", "starter")
+    monkeypatch.setenv("EXERCISE_DIR", str(folder))
+    result = pytester.runpytest_inprocess(str(EXERCISE_TESTS / test_file), "-p", "no:cacheprovider", "--tb=short",
+                                          *(["-k", select] if select else []))
+    return result.parseoutcomes(), " ".join(result.stdout.str().split())
 
 
-def hash_of_a_tuple(parent_hash, token_ids, extra_keys=(), algo="sha256"):
-    """The tokens' bytes from Python's hash() of their tuple: 64 bits for the whole block."""
-    parent = prefix_caching.NONE_HASH[algo] if parent_hash is None else parent_hash
-    tokens = hash(tuple(token_ids)).to_bytes(8, "little", signed=True)
-    return prefix_caching.hashlib.sha256(parent + tokens + prefix_caching._encode_extra(extra_keys)).digest()
+def with_mistake(name: str, old: str, new: str) -> dict[str, str]:
+    """The plain solution's `name`.py with `old` (once, exactly) replaced by `new`."""
+    source = (SOLUTIONS / "plain" / f"{name}.py").read_text()
+    assert source.count(old) == 1, f"{name}.py no longer holds {old!r} once"
+    return {name: source.replace(old, new)}
 
 
-def hashes_block_by_block(token_ids, block_size, cache_salt=None, extra_keys=(), algo="sha256"):
-    """compute_block_hashes through prefix_caching.hash_block_tokens, one block at a time."""
-    hashes, parent = [], None
-    for i in range(len(token_ids) // block_size):
-        keys = prefix_caching.block_extra_keys(i, cache_salt, extra_keys)
-        parent = prefix_caching.hash_block_tokens(parent, token_ids[i * block_size : (i + 1) * block_size], keys, algo)
-        hashes.append(parent)
-    return hashes
+# --- correct solutions pass ------------------------------------------------------------------
+
+STYLES = sorted(path.name for path in SOLUTIONS.iterdir() if path.is_dir())
 
 
-@dataclass
-class Wrong:
-    test_file: str
-    patches: Callable[[], list[tuple[object, str, object]]]  # (owner, attribute, the wrong one)
-    rule: str  # words of the failure message that names the rule
-    select: str = ""  # a -k expression: only these tests (exercise 5's others run a model)
+def test_there_are_four_solutions_in_different_styles():
+    assert STYLES == ["compact", "functional", "in_starters", "plain"]
 
 
-FREE = prefix_caching.PrefixCachingAllocator.free
+@pytest.mark.parametrize("style", STYLES)
+def test_a_correct_solution_passes_every_test(style, pytester, monkeypatch, tmp_path):
+    for name, test_files in TEST_FILES.items():
+        for test_file in test_files:
+            # the model-running tests of exercise 5 once; its tensor tests for every style
+            select = "not finish_line and not engine" if name == "gather_kv" and style != "plain" else ""
+            outcomes, output = grade(pytester, monkeypatch, tmp_path / test_file, test_file, {}, style, select)
+            assert "failed" not in outcomes and "error" not in outcomes and outcomes.get("passed"), (
+                f"{style}: {test_file}: {outcomes}\n{output[-3000:]}")
 
 
-def schedule_with(old: str, new: str):
-    """The patches of a Scheduler.schedule with one mistake (see with_mistake)."""
-    return lambda: [(scheduler.Scheduler, "schedule", with_mistake(scheduler.Scheduler.schedule, old, new))]
+# --- mistakes fail, naming the rule ----------------------------------------------------------------
 
-
-WRONG = {
-    "ex1: extra keys joined with ','": Wrong("test_ex1_block_hash.py", lambda: [
-        (prefix_caching, "_encode_extra", lambda keys: ",".join(map(str, keys)).encode())],
-        "('a,b',) and ('a', 'b') hash alike"),
-    "ex1: extra keys hashed as a sorted set": Wrong("test_ex1_block_hash.py", lambda: [
-        (prefix_caching, "_encode_extra", lambda keys: json.dumps(sorted(set(map(str, keys)))).encode())],
-        "('a', 'b') and ('b', 'a') hash alike"),
-    "ex1: hash(tuple(ids))": Wrong("test_ex1_block_hash.py", lambda: [
-        (prefix_caching, "hash_block_tokens", hash_of_a_tuple),
-        (prefix_caching, "compute_block_hashes", hashes_block_by_block)],
-        "hashing called Python's hash()"),
-    "ex1: the salt untagged among the extra keys": Wrong("test_ex1_block_hash.py", lambda: [
-        (prefix_caching, "block_extra_keys", with_mistake(
-            prefix_caching.block_extra_keys, '("cache_salt", cache_salt)', "cache_salt"))],
-        "cache_salt 'lora-1' and extra key 'lora-1' give block 0 the same hash"),
-    "ex2: every hit counted as a free block": Wrong("test_ex2_allocate.py", lambda: [
-        (prefix_caching.PrefixCachingAllocator, "_check_room", with_mistake(
-            prefix_caching.PrefixCachingAllocator._check_room, "sum(1 for b in hits if b.ref_cnt == 0)", "len(hits)"))],
-        "b was refused, but it fits"),
-    "ex3: appendleft walks from the tail": Wrong("test_ex3_free_queue.py", lambda: [
-        (prefix_caching.FreeKVCacheBlockQueue, "appendleft", appendleft_from_the_tail)],
-        "appendleft read"),
-    "ex4: free in descending block id order": Wrong("test_ex4_free.py", lambda: [
-        (prefix_caching.PrefixCachingAllocator, "free",
-         with_mistake(FREE, "reversed(table)", "sorted(table, reverse=True)"))],
-        "it does not sort the block ids"),
-    "ex5: the index made on the CPU": Wrong("test_ex5_gather_kv.py", lambda: [
-        (kv_pool.PagedKVPool, "tokens_of", with_mistake(
-            kv_pool.PagedKVPool.tokens_of, "dtype=torch.long, device=self.device", "dtype=torch.long"))],
-        "build the index on the pool's device", select="device"),
-    "ex6: allocate_with_prefix without the salt": Wrong("test_ex6_schedule.py", schedule_with(
-        "tokens[: num_cached + num_new], request.cache_salt)", "tokens[: num_cached + num_new])"),
-        "pass the request's cache_salt to allocate_with_prefix"),
-    "ex6: peek without the salt": Wrong("test_ex6_schedule.py", schedule_with(
-        "alloc.peek(tokens, request.cache_salt)", "alloc.peek(tokens)"),
-        "without the salt, the hit is another tenant's"),
-    "ex6: a resumed request charged for its prompt only": Wrong("test_ex6_schedule.py", schedule_with(
-        "budget -= num_new", "budget -= min(num_new, len(request.prompt_ids) - num_cached)"),
-        "a resumed request's sampled tokens too"),
-    "ex6: allocate the whole prompt, then free what is over the budget": Wrong("test_ex6_schedule.py", schedule_with(
-        "alloc.allocate_with_prefix(request.request_id, tokens[: num_cached + num_new], request.cache_salt)",
-        "alloc.allocate_with_prefix(request.request_id, tokens, request.cache_salt)\n"
-        "            if num_cached + num_new < len(tokens):\n"
-        "                alloc.free(request.request_id)\n"
-        "                alloc.allocate_with_prefix(request.request_id, tokens[: num_cached + num_new],"
-        " request.cache_salt)"),
-        "blocks whose K/V nobody has written yet are cached"),
+MISTAKES = {
+    "a hit on an in-use block sets ref_cnt to 2": ("test_ex2_allocate.py", with_mistake(
+        "allocator", "            block.ref_cnt += 1", "            block.ref_cnt = 1 if block.ref_cnt == 0 else 2"),
+        "a hit adds one to ref_cnt"),
+    "a partial block keeps its previous owner's tokens": ("test_ex2_allocate.py", with_mistake(
+        "allocator", "            block.token_ids = list(token_ids[i * size : (i + 1) * size])",
+        "            if i < len(hashes) or not block.token_ids:\n"
+        "                block.token_ids = list(token_ids[i * size : (i + 1) * size])"),
+        "holds only its new owner's tokens"),
+    "numpy ints hash differently": ("test_ex1_block_hash.py", with_mistake(
+        "block_hash", 'b"".join(int(t).to_bytes(8, "little") for t in token_ids)', "repr(list(token_ids)).encode()"),
+        "hash differently from the same ids as Python ints"),
+    "keys joined with '|'": ("test_ex1_block_hash.py", with_mistake(
+        "block_hash", "json.dumps(list(extra_keys)).encode()", '"|".join(map(str, extra_keys)).encode()'),
+        "extra keys ('a|b',) and ('a', 'b') hash alike"),
+    "a bf16 pool gathered into float32": ("test_ex5_gather_kv.py", with_mistake(
+        "gather_kv", "return kv.transpose(2, 3).unsqueeze(2)", "return kv.transpose(2, 3).unsqueeze(2).float()"),
+        "a bfloat16 pool was gathered into"),
+    "the salt passed to peek as an extra key": ("test_ex6_schedule.py", with_mistake(
+        "scheduler", "alloc.peek(request.token_ids, request.cache_salt)",
+        "alloc.peek(request.token_ids, None, (request.cache_salt,) if request.cache_salt else ())"),
+        "The salt is peek's cache_salt"),
+    "a resumed request samples on every chunk past its prompt": ("test_ex6_schedule.py", with_mistake(
+        "scheduler", "            scheduled.append(ScheduledRequest(request, start, end))\n",
+        "            scheduled.append(ScheduledRequest(request, start, end))\n"
+        "            scheduled[-1].samples = end >= len(request.prompt_ids)\n"),
+        "A chunk samples only when it reaches the end of the request's tokens"),
+    "admission chunks rounded down to a block edge": ("test_ex6_schedule.py", with_mistake(
+        "scheduler", "num_new = min(len(request.token_ids) - hit, budget)",
+        "num_new = min(len(request.token_ids) - hit, budget // 4 * 4 or 1)"),
+        "not rounded down to a block edge"),
 }
 
 
-@pytest.mark.parametrize("name", WRONG)
-def test_a_wrong_solution_fails_its_exercise_with_the_rule(name, pytester, monkeypatch):
-    wrong = WRONG[name]
-    for owner, attribute, value in wrong.patches():
-        monkeypatch.setattr(owner, attribute, value)
-    select = ["-k", wrong.select] if wrong.select else []
-    result = pytester.runpytest_inprocess(str(EXERCISE_TESTS / wrong.test_file), "-p", "no:cacheprovider", *select)
-    output = result.stdout.str()
-    assert result.parseoutcomes().get("failed", 0) >= 1, f"{name}: every test of {wrong.test_file} passed:\n{output}"
-    assert wrong.rule in " ".join(output.split()), f"{name}: no failure says {wrong.rule!r}:\n{output[-3000:]}"
+@pytest.mark.parametrize("mistake", MISTAKES)
+def test_a_mistake_fails_its_exercise_naming_the_rule(mistake, pytester, monkeypatch, tmp_path):
+    test_file, files, rule = MISTAKES[mistake]
+    select = "not finish_line and not engine" if "gather" in test_file else ""
+    outcomes, output = grade(pytester, monkeypatch, tmp_path, test_file, files, select=select)
+    assert outcomes.get("failed", 0) >= 1, f"{mistake}: every test of {test_file} passed"
+    assert rule in output, f"{mistake}: no failure says {rule!r}:\n{output[-3000:]}"
 
 
-# --- the student's own code -------------------------------------------------------------------
+# --- cheats earn nothing -----------------------------------------------------------------------------
 
-
-def starter(exercise_name: str, source: str) -> types.ModuleType:
-    """A module named like a starter file (exercises.<name>) made from `source`."""
-    module = types.ModuleType(f"exercises.{exercise_name}")
-    module.__file__ = f"<exercises/{exercise_name}.py>"
-    exec(compile(textwrap.dedent(source), module.__file__, "exec"), module.__dict__)
-    return module
-
-
-QUEUE_METHODS = [f"FreeKVCacheBlockQueue.{name}" for name in ("append", "appendleft", "remove", "popleft")]
-TRICKS = {
-    "super()": ("scheduler", ["Scheduler.schedule"], """
-        import scheduler
-        class Scheduler(scheduler.Scheduler):
-            def schedule(self):
-                return super().schedule()
-        """, "calls super()"),
-    "a method deleted": ("free_queue", QUEUE_METHODS, """
-        import prefix_caching
-        class FreeKVCacheBlockQueue(prefix_caching.FreeKVCacheBlockQueue):
-            def append(self, block): ...
-            def remove(self, block): ...
-            def popleft(self): ...
-        """, "FreeKVCacheBlockQueue.appendleft is not defined in exercises.free_queue"),
-    "functions imported": ("block_hash", ["hash_block_tokens", "compute_block_hashes"], """
-        from prefix_caching import compute_block_hashes, hash_block_tokens
-        """, "hash_block_tokens is the function of prefix_caching"),
-    "the class imported": ("scheduler", ["Scheduler.schedule"], """
-        from scheduler import Scheduler
-        """, "Scheduler is imported from scheduler"),
-    "the reference under another name": ("block_hash", ["hash_block_tokens"], """
-        from prefix_caching import hash_block_tokens as reference
-        def hash_block_tokens(parent_hash, token_ids, extra_keys=()):
-            return reference(parent_hash, token_ids, extra_keys)
-        """, "calls reference, which is the reference's"),
-    "the reference's method put in the class": ("gather_kv", ["PagedKVPool.tokens_of"], """
-        import kv_pool
-        class PagedKVPool(kv_pool.PagedKVPool):
-            tokens_of = kv_pool.PagedKVPool.tokens_of
-        """, "PagedKVPool.tokens_of is the function of kv_pool"),
+STARTER = {name: (ROOT / "exercises" / f"{name}.py").read_text() for name in ("block_hash", "free_queue")}
+CHEATS = {
+    "pytest's Function.runtest replaced by a no-op": ("block_hash", """
+        import _pytest.python
+        _pytest.python.Function.runtest = lambda self: None
+        """ + STARTER["block_hash"]),
+    "the grading functions replaced": ("block_hash", """
+        import sys
+        for name in ("grading", "conftest"):
+            try:
+                module = __import__(name)
+            except ImportError:
+                module = sys.modules.get(name)
+            if module is not None:
+                module.Twin.differ = lambda *args, **kwargs: None
+        """ + STARTER["block_hash"]),
+    "the test functions' __code__ emptied": ("block_hash", """
+        import gc
+        for f in gc.get_objects():
+            if type(f).__name__ == "function" and f.__name__.startswith("test_"):
+                f.__code__ = (lambda *args, **kwargs: None).__code__
+        """ + STARTER["block_hash"]),
+    "the reference under an alias": ("block_hash", """
+        import prefix_caching as reference
+        hash_block_tokens, compute_block_hashes = reference.hash_block_tokens, reference.compute_block_hashes
+        """),
+    "the reference in a default argument": ("block_hash", """
+        def hash_block_tokens(parent, tokens, keys=(), _ref=__import__("prefix_caching").hash_block_tokens):
+            return _ref(parent, tokens, keys)
+        def compute_block_hashes(tokens, size, salt=None, keys=(), _ref=__import__("prefix_caching")):
+            return _ref.compute_block_hashes(tokens, size, salt, keys)
+        """),
+    "the reference through a decorator": ("block_hash", """
+        def borrowed(function):
+            import importlib
+            return getattr(importlib.import_module("prefix_" + "caching"), function.__name__)
+        @borrowed
+        def hash_block_tokens(parent, tokens, keys=()): ...
+        @borrowed
+        def compute_block_hashes(tokens, size, salt=None, keys=()): ...
+        """),
+    "the reference through a metaclass": ("free_queue", """
+        class Borrow(type):
+            def __new__(meta, name, bases, namespace):
+                import prefix_caching
+                return prefix_caching.FreeKVCacheBlockQueue
+        class FreeKVCacheBlockQueue(metaclass=Borrow):
+            pass
+        """),
+    "the reference found with gc": ("block_hash", """
+        import gc
+        def find(name):
+            return next((f for f in gc.get_objects() if getattr(f, "__qualname__", None) == name
+                         and getattr(f, "__module__", None) == "prefix_caching"), None)
+        def hash_block_tokens(parent, tokens, keys=()):
+            return find("hash_block_tokens")(parent, tokens, keys)
+        def compute_block_hashes(tokens, size, salt=None, keys=()):
+            return find("compute_block_hashes")(tokens, size, salt, keys)
+        """),
+    "the reference's source exec'd under the starter's name": ("block_hash", f"""
+        exec(compile(open({str(ROOT / "prefix_caching.py")!r}).read(), "exercises/block_hash.py", "exec"))
+        """),
+    "the reference run in a subprocess": ("block_hash", f"""
+        import json, subprocess, sys
+        def run(code):
+            out = subprocess.run([sys.executable, "-c", "import prefix_caching as p, json; " + code],
+                                 cwd={str(ROOT)!r}, capture_output=True, text=True, check=True)
+            return json.loads(out.stdout)
+        def hash_block_tokens(parent, tokens, keys=()):
+            code = f"print(json.dumps(p.hash_block_tokens({{parent!r}}, {{list(tokens)!r}}, {{tuple(keys)!r}}).hex()))"
+            return bytes.fromhex(run(code))
+        def compute_block_hashes(tokens, size, salt=None, keys=()):
+            call = f"p.compute_block_hashes({{list(tokens)!r}}, {{size}}, {{salt!r}}, {{tuple(keys)!r}})"
+            code = f"print(json.dumps([h.hex() for h in {{call}}]))"
+            return [bytes.fromhex(h) for h in run(code)]
+        """),
 }
 
 
-@pytest.mark.parametrize("trick", TRICKS)
-def test_code_that_is_not_the_students_own_is_named(trick):
-    exercise_name, graded, source, why = TRICKS[trick]
-    problems = grading.not_your_own(starter(exercise_name, source), graded)
-    assert any(why in problem for problem in problems), f"{trick}: expected {why!r} among {problems}"
+@pytest.mark.parametrize("cheat", CHEATS)
+def test_a_cheat_earns_nothing(cheat, pytester, monkeypatch, tmp_path):
+    name, source = CHEATS[cheat]
+    (test_file,) = TEST_FILES[name]
+    outcomes, output = grade(pytester, monkeypatch, tmp_path, test_file, {name: source})
+    assert outcomes.get("failed", 0) >= 1 and "passed" not in outcomes, f"{cheat}: {outcomes}\n{output[-3000:]}"
 
 
-def test_calling_the_reference_through_its_module_fails_while_a_test_runs(monkeypatch):
-    cheat = starter("scheduler", """
-        import scheduler
-        class Scheduler(scheduler.Scheduler):
-            def schedule(self):
-                return scheduler.Scheduler.schedule(self)
-        """)
-    assert grading.not_your_own(cheat, ["Scheduler.schedule"]) == []  # nothing to see in its own code ...
-    grading.refuse_the_reference(cheat, ["Scheduler.schedule"], monkeypatch)
-    s = cheat.Scheduler(prefix_caching.PrefixCachingAllocator(num_blocks=4, block_size=4))
-    with pytest.raises(pytest.fail.Exception, match="the graded code must be your own: Scheduler.schedule ran"):
-        s.schedule()  # ... but it runs the reference, which fails
+def test_the_reference_cannot_be_imported_and_says_why(pytester, monkeypatch, tmp_path):
+    outcomes, output = grade(pytester, monkeypatch, tmp_path, "test_ex1_block_hash.py",
+                             {"block_hash": CHEATS["the reference under an alias"][1]}, select="every_token")
+    assert "`import prefix_caching` is refused while your exercises are graded" in output, output[-3000:]
 
 
-SHIPPED = {"block_hash": "test_ex1_block_hash", "allocator": "test_ex2_allocate", "free_queue": "test_ex3_free_queue",
-           "gather_kv": "test_ex5_gather_kv", "scheduler": "test_ex6_schedule"}
-
-
-@pytest.mark.parametrize("exercise_name", SHIPPED)
-def test_the_starter_files_as_shipped_are_the_students_own(exercise_name):
-    module = importlib.import_module(f"exercises.{exercise_name}")
-    graded = importlib.import_module(SHIPPED[exercise_name]).GRADED
-    if exercise_name == "allocator":
-        graded = graded + importlib.import_module("test_ex4_free").GRADED
-    assert grading.not_your_own(module, graded) == []
-
-
-def test_starter_mode_fails_every_test_of_a_file_whose_code_is_not_the_students(pytester, monkeypatch):
-    module = starter("scheduler", """
-        import scheduler
-        class Scheduler(scheduler.Scheduler):
-            def schedule(self):
-                return super().schedule()
-            def _preempt(self, request):
-                return super()._preempt(request)
-        """)
-    monkeypatch.setitem(sys.modules, "exercises.scheduler", module)
-    monkeypatch.setattr(grading, "IMPL", "starter")
-    monkeypatch.delitem(sys.modules, "test_ex6_schedule", raising=False)
-    result = pytester.runpytest_inprocess(str(EXERCISE_TESTS / "test_ex6_schedule.py"), "-p", "no:cacheprovider")
-    outcomes = result.parseoutcomes()
-    assert outcomes.get("failed", 0) > 0 and "passed" not in outcomes, result.stdout.str()[-3000:]
-    assert ("the graded code must be your own: Scheduler.schedule calls super(): the reference's method does the "
-            "work; Scheduler._preempt calls super()") in result.stdout.str()
-
+def test_the_starters_as_shipped_fail_every_test_waiting_for_their_todo(pytester, monkeypatch, tmp_path):
+    starters = {name: (ROOT / "exercises" / f"{name}.py").read_text() for name in TEST_FILES}
+    outcomes, output = grade(pytester, monkeypatch, tmp_path, "test_ex6_schedule.py", starters)
+    assert "passed" not in outcomes, output[-3000:]
+    assert "exercise 6a: Scheduler.schedule is not written yet" in output
 
 
 # --- the score is visible ------------------------------------------------------------------

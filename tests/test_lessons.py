@@ -4,6 +4,7 @@ the allocator lessons make are pinned here too."""
 import doctest
 import importlib
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -59,7 +60,9 @@ EXPECTED_OUTPUT = {
                             "partial last block (never cached), and 1 the token each had sampled in its last step",
                             "same tokens as in the big pool of scenes 1-2: 4 of 4",
                             "The pool is whole again: 34 of 34 blocks free",
-                            "in 16 forward passes instead of 128", "681 with it against 3,817 without"],
+                            "in 16 forward passes instead of 128", "681 with it against 3,817 without",
+                            "grouped by length they read 1,856 (their 1,852 tokens of context, each padded to the "
+                            "longest of the four, 464)"],
     "09_serving.py": ["Read: server_routes.py", "generate", "chat_completions", "Read: server_requests.py",
                       "take_cache_salt", "tenant_of", '"prompt_tokens_details": {"cached_tokens": 448}',
                       "Without salts the right guess comes back with cached_tokens=208",
@@ -72,8 +75,10 @@ EXPECTED_OUTPUT = {
                            "differs only in word 6 of 12 ('rain' for 'leaves', in block 1) hits 4 tokens",
                            "hits 0 tokens. Tenant a does the same: 12", "== salted[1] is True",
                            "'A gentle breeze stirred' at the start of a prompt is always 05dc53be"],
-    "05_ref_counts.py": ["Blocks in use: 12 shared vs 24", "erin hits 16 tokens", "hits 12, not 16"],
-    "06_free_queue_lru.py": ["matches the design doc",
+    "05_ref_counts.py": ["Exercise 2: exercises/allocator.py", "read it once exercise 2's tests pass",
+                         "Blocks in use: 12 shared vs 24", "erin hits 16 tokens", "hits 12, not 16"],
+    "06_free_queue_lru.py": ["Exercise 3: exercises/free_queue.py", "Exercise 4: exercises/allocator.py",
+                             "read it once exercise 4's tests pass", "matches the design doc",
                              "free_uncached_first=False: request 2's blocks [0, 1, 2, 7, 8, 9, 4, 3], evictions 1",
                              "free_uncached_first=True : request 2's blocks [0, 1, 2, 6, 4, 7, 8, 9], evictions 0"],
     "10_going_further.py": ["free in reverse: the same",
@@ -87,12 +92,16 @@ EXPECTED_OUTPUT = {
                             "about 512 tokens are computed again per request",
                             "the probe knows nothing else about it", "cold (a fresh first line) vs warm",
                             "the side channel: tenant A sent the letter from Dana Whitfield",
-                            "exists there only with VLLM_SERVER_DEV_MODE=1"],
+                            "exists there only with VLLM_SERVER_DEV_MODE=1",
+                            "his first guess (Sam Ortega) finds 0: tenant A's blocks are named with her salt",
+                            "His later guesses find 16: the blocks before the name that his own first guess cached"],
 }
 # ... and must never print.
-FORBIDDEN_OUTPUT = {"06_free_queue_lru.py": ["differs from the doc"],
-                    "04_block_hashes.py": ["100-200 ns per token for SHA256.",  # an old figure, quoted as current
+FORBIDDEN_OUTPUT = {"04_block_hashes.py": ["100-200 ns per token for SHA256.",  # an old figure, quoted as current
                                            "_encode(parent, array("],  # exercise 1's answer, held back
+                    "05_ref_counts.py": ["self.touch(hits)"],  # exercise 2's
+                    "06_free_queue_lru.py": ["differs from the doc", "block.prev_free.next_free = block.next_free",
+                                             "for block_id in reversed(table)"],  # exercises 3 and 4's
                     "07_real_model.py": ["DynamicCache([(kv[layer, 0], kv[layer, 1])"],  # exercise 5's
                     "08_many_requests.py": ["victim = self.running.pop()"]}  # exercise 6's
 
@@ -105,6 +114,16 @@ def run_stage(path: Path) -> str:
     )
     assert result.returncode == 0, f"{path.name} failed:\n{result.stderr[-3000:]}"
     return " ".join(result.stdout.split())
+
+
+@pytest.mark.parametrize("path", STAGES, ids=lambda path: path.name)
+def test_stage_answers_help_with_its_usage_and_runs_nothing(path):
+    result = subprocess.run([sys.executable, str(path), "--help"], capture_output=True, text=True, timeout=120,
+                            cwd=ROOT)
+    assert result.returncode == 0, f"{path.name} --help failed:\n{result.stderr[-3000:]}"
+    assert result.stdout.startswith("usage:"), f"{path.name} --help printed no usage:\n{result.stdout[:500]}"
+    # A stage that runs prints the code it teaches first, as "Read: file.py:LINE" (reading.py).
+    assert not re.search(r"\.py:\d+", result.stdout), f"{path.name} --help ran the stage"
 
 
 def test_tiny_and_model_together_are_refused(capsys):

@@ -1,25 +1,24 @@
-"""In starter mode, every exercise test first checks that the code it grades is the student's
-own (grading.py): each test file names that code in GRADED, next to its `impl`, and a test of
-a file whose graded code is not the student's fails before it runs."""
+"""The graded code runs in a child process, one per test file (grading.py); a test gets it
+as the fixture `child`. After a test's own assertions pass, the first difference with the
+reference that any of its objects showed fails it, naming the rule of what differed."""
 
 import pytest
 
 import grading
 
 
-@pytest.hookimpl(tryfirst=True)
+@pytest.fixture(scope="module")
+def child(request):
+    """The child process running the graded code of this test file's exercise (EXERCISE in the file)."""
+    process = grading.Child(request.module.EXERCISE)
+    yield process
+    process.stop()
+
+
+@pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item):
-    graded = getattr(item.module, "GRADED", None)
-    assert graded, f"{item.module.__name__} must name the code its exercise writes in GRADED"
-    if grading.IMPL != "starter":
-        return
-    problems = grading.not_your_own(item.module.impl, graded)
-    if problems:
-        pytest.fail(f"{grading.NOT_YOURS}: " + "; ".join(problems), pytrace=False)
-
-
-@pytest.fixture(autouse=True)
-def the_reference_is_refused(request, monkeypatch):
-    """In starter mode the reference's graded functions fail if anything calls them."""
-    if grading.IMPL == "starter":
-        grading.refuse_the_reference(request.module.impl, request.module.GRADED, monkeypatch)
+    grading.DIFFERENCES.clear()
+    result = yield  # raises when the test failed: its own message names the rule
+    if grading.DIFFERENCES:
+        pytest.fail(f"the graded code differs from the reference: {grading.DIFFERENCES[0]}", pytrace=False)
+    return result

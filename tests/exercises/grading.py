@@ -1,124 +1,691 @@
-"""Which code the exercise tests grade, and whether it is the student's own.
+"""How the exercise tests grade: the code under test runs in a process of its own.
 
     python -m pytest tests/exercises                        # the reference (CI)
     EXERCISE_IMPL=starter python -m pytest tests/exercises  # the student's files in exercises/
 
-Each exercise file in exercises/ uses the same names as its reference module, so grading the
-reference needs no adapter: `exercise("block_hash")` is either module.
+The tests run here, in pytest's process. The code they grade runs in a child process
+(child.py), one for each test file, started with the student's files (or the reference's):
+a test sends it plain requests (build an allocator, allocate this prompt, plan a step) and
+gets plain answers back (ints, lists, strings, hashes as bytes, tensors), never an object
+of the student's classes. In starter mode the child cannot import the reference nor open
+its files, so what it answers is the student's code; and nothing it does reaches this
+process, so rewriting pytest, this file or the tests from a starter changes nothing here.
+
+Each object a test builds through the child has a twin built from the reference here
+(Remote* below): every call runs on both, and the first answer or state that differs is
+kept. A test's own assertions name the rule they check; a difference they did not catch
+fails the test at its end (conftest.py), naming the rule of what differed.
+
+A call the student's code takes longer than TIME_LIMIT seconds on fails, and the child is
+stopped (an endless loop costs one test, not the run); the next call starts a new one.
 
 The exercises follow the stages: 1 block hash (stage 4), 2 allocate (5), 3 free queue (6),
 4 free (6), 5 gather K/V (7), 6 schedule (8). An exercise's tests use the student's code
-only for that exercise and the ones before it; a piece that a later exercise writes comes
-from the reference (exercise 2 runs on prefix_caching's free queue), so exercises can be
-done, and graded, one at a time in order.
-
-Each test file names what its exercise writes in GRADED, and in starter mode every one of its
-tests fails unless that code is the student's own (conftest.py runs the two checks below): a
-method deleted from the starter (so the reference's inherited one runs), one that calls
-super() or the reference, or a function imported from the reference earns nothing.
-not_your_own reads the starter's code; refuse_the_reference makes the reference's graded
-functions fail while a test runs, whatever route reaches them.
+only for that exercise and the ones before it: exercise 2 runs on a stand-in free queue
+(exercises/given.py), exercise 4 on the student's; exercise 6's allocator is the reference's,
+here, answering the child's calls.
 """
 
-import dis
-import importlib
+from __future__ import annotations
+
+import base64
+import builtins
+import json
 import os
-from functools import partial
-from types import CodeType, FunctionType, ModuleType
+import selectors
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, Phase, settings
 
-IMPL = os.environ.get("EXERCISE_IMPL", "reference")
-# exercise file -> the module that holds the reference solution (a new exercise adds a line)
-REFERENCE = {
-    "block_hash": "prefix_caching",
-    "allocator": "prefix_caching",
-    "free_queue": "prefix_caching",
-    "gather_kv": "kv_pool",
-    "scheduler": "scheduler",
+ROOT = Path(__file__).resolve().parents[2]
+CHILD = Path(__file__).with_name("child.py")
+TIME_LIMIT = {"block_hash": 10, "allocator": 10, "free_queue": 10, "gather_kv": 60, "scheduler": 10}
+START_LIMIT = 120  # the first call of exercise 5 imports torch and transformers
+NOT_WRITTEN = "is not written yet"
+# The random sequences of the tests: the same ones on every run, so a score is repeatable,
+# and shrunk to the smallest that fails (hypothesis prints it).
+GRADING = settings(derandomize=True, database=None, deadline=None, phases=[p for p in Phase if p != Phase.explain],
+                   suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+
+
+def mode() -> str:
+    impl = os.environ.get("EXERCISE_IMPL", "reference")
+    if impl not in ("reference", "starter"):
+        raise ValueError(f"EXERCISE_IMPL must be 'reference' or 'starter', got {impl!r}")
+    return impl
+
+
+def exercise_dir() -> Path:
+    return Path(os.environ.get("EXERCISE_DIR", ROOT / "exercises")).resolve()
+
+
+# --- the child process ---------------------------------------------------------------------------
+
+
+class ChildError(Exception):
+    """An exception the graded code raised that has no namesake here."""
+
+
+def raised(error: dict) -> Exception:
+    """The exception the graded code raised, rebuilt here from its name and message."""
+    from prefix_caching import OutOfBlocksError
+
+    text = error["message"]
+    if error["type"] == "OutOfBlocksError":
+        return OutOfBlocksError(text)
+    kind = getattr(builtins, error["type"], None)
+    trace = f"\n--- in the graded code ---\n{error['trace']}"
+    if isinstance(kind, type) and issubclass(kind, Exception) and kind not in (StopIteration, KeyboardInterrupt):
+        if kind is KeyError:
+            return ChildError(f"KeyError: {text}{trace}")
+        try:
+            return kind(text + ("" if NOT_WRITTEN in text else trace))
+        except TypeError:
+            pass
+    return ChildError(f"{error['type']}: {text}{trace}")
+
+
+def decode(value):
+    if isinstance(value, list):
+        return [decode(v) for v in value]
+    if isinstance(value, dict):
+        if "$bytes" in value:
+            return bytes.fromhex(value["$bytes"])
+        if "$tensor" in value:
+            return decode_tensor(value)
+        if "$object" in value:
+            return f"<a {value['$object']} object>"
+        return {k: decode(v) for k, v in value.items()}
+    return value
+
+
+def decode_tensor(value: dict):
+    import torch
+
+    dtype = getattr(torch, value["dtype"])
+    raw = bytearray(base64.b64decode(value["$tensor"]))
+    if dtype == torch.bfloat16:
+        return torch.frombuffer(raw, dtype=torch.int16).view(torch.bfloat16).reshape(value["shape"]).clone()
+    if not raw:
+        return torch.empty(value["shape"], dtype=dtype)
+    return torch.frombuffer(raw, dtype=dtype).reshape(value["shape"]).clone()
+
+
+def encode_tensor(tensor) -> dict:
+    import torch
+
+    tensor = tensor.detach().to("cpu").contiguous()
+    raw = tensor.view(torch.int16) if tensor.dtype == torch.bfloat16 else tensor
+    return {"$tensor": base64.b64encode(raw.numpy().tobytes()).decode(), "dtype": str(tensor.dtype).split(".")[-1],
+            "shape": list(tensor.shape)}
+
+
+class Child:
+    """One child process running the graded code of one test file."""
+
+    def __init__(self, exercise: str, env: dict | None = None):
+        self.exercise, self.env, self.process = exercise, env or {}, None
+        self.limit = TIME_LIMIT[exercise]
+
+    def start(self) -> None:
+        self.stderr = tempfile.TemporaryFile()
+        env = {**os.environ, **self.env}
+        command = [sys.executable, "-I", str(CHILD), mode(), str(exercise_dir()), str(ROOT)]
+        self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr,
+                                        env=env, cwd=exercise_dir())
+        self.buffer = b""
+        self.started = False
+        self.read(START_LIMIT)
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.kill()
+            self.process.wait()
+            self.process = None
+
+    def output(self) -> str:
+        self.stderr.seek(0)
+        return self.stderr.read().decode(errors="replace")[-2000:]
+
+    def read(self, limit: float) -> dict:
+        deadline = time.monotonic() + limit
+        selector = selectors.DefaultSelector()
+        selector.register(self.process.stdout, selectors.EVENT_READ)
+        try:
+            while b"\n" not in self.buffer:
+                left = deadline - time.monotonic()
+                if left <= 0 or not selector.select(left):
+                    self.stop()
+                    pytest.fail(f"the graded code ran over the time limit of {limit} s on one call (an endless "
+                                "loop, or a walk over every block?); its process was stopped", pytrace=False)
+                chunk = os.read(self.process.stdout.fileno(), 1 << 20)
+                if not chunk:
+                    output = self.output()
+                    self.stop()
+                    pytest.fail(f"the process running the graded code ended (exit, crash or kill) before it "
+                                f"answered:\n{output}", pytrace=False)
+                self.buffer += chunk
+        finally:
+            selector.close()
+        line, _, self.buffer = self.buffer.partition(b"\n")
+        return json.loads(line)
+
+    def write(self, message: dict) -> None:
+        self.process.stdin.write((json.dumps(message) + "\n").encode())
+        self.process.stdin.flush()
+
+    def call(self, op: str, answer=None, **args):
+        """Run one request in the child; `answer(question)` answers what it asks meanwhile
+        (exercise 6's allocator calls). Raises what the graded code raised."""
+        if self.process is None:
+            self.start()
+        self.write({"op": op, **args})
+        while True:
+            message = self.read(self.limit)
+            if "ask" in message:
+                try:
+                    self.write({"answer": answer(message["ask"])})
+                except Exception as err:  # noqa: BLE001  (the child's code gets it back, raised)
+                    self.write({"raise": {"type": type(err).__name__, "message": str(err)}})
+            elif "error" in message:
+                raise raised(message["error"])
+            else:
+                return decode(message["reply"])
+
+
+# --- differences with the reference ----------------------------------------------------------------
+
+DIFFERENCES: list[str] = []  # the first difference of each object in the running test (conftest.py)
+
+
+def recorded(history: list[str], what: str, yours, reference, rule: str) -> str:
+    calls = "\n".join(f"  {i + 1}. {call}" for i, call in enumerate(history))
+    return (f"{rule}\nafter these calls:\n{calls}\n{what}: yours {yours}, the reference's {reference}")
+
+
+class Twin:
+    """What every remote object shares: its history and its first difference."""
+
+    def __init__(self):
+        self.history: list[str] = []
+        self.difference: str | None = None
+        self.compared = True
+
+    def differ(self, what: str, yours, reference, rule: str) -> None:
+        if self.compared and self.difference is None:
+            self.difference = recorded(self.history, what, yours, reference, rule)
+            DIFFERENCES.append(self.difference)
+
+    def check(self) -> None:
+        """Raise the first difference with the reference (for hypothesis, which shrinks it)."""
+        if self.difference:
+            raise AssertionError(self.difference)
+
+
+def outcome(function, *args):
+    """(result, None) or (None, the exception's type name)."""
+    try:
+        return function(*args), None
+    except Exception as err:  # noqa: BLE001
+        return None, type(err).__name__
+
+
+# --- exercise 1 -------------------------------------------------------------------------------------
+
+
+class RemoteBlockHash:
+    """exercise 1's two functions, run in the child."""
+
+    def __init__(self, child: Child):
+        self.child = child
+
+    def hash_block_tokens(self, parent_hash, token_ids, extra_keys=(), numpy=None):
+        return self.child.call("hash_block_tokens", parent=None if parent_hash is None else parent_hash.hex(),
+                               tokens=list(token_ids), keys=list(extra_keys), numpy=numpy)
+
+    def compute_block_hashes(self, token_ids, block_size, cache_salt=None, extra_keys=(), numpy=None):
+        return self.child.call("compute_block_hashes", tokens=list(token_ids), block_size=block_size, salt=cache_salt,
+                               keys=list(extra_keys), numpy=numpy)
+
+    def calls_python_hash(self, token_ids, extra_keys, cache_salt) -> list[str]:
+        return self.child.call("calls_python_hash", tokens=list(token_ids), keys=list(extra_keys), salt=cache_salt)
+
+
+# --- exercises 2 and 4 ------------------------------------------------------------------------------
+
+ALLOCATOR_RULES = {
+    "the answer": "allocate_with_prefix answers (num_cached_tokens, num_new_tokens), or raises OutOfBlocksError "
+                  "when the free queue cannot supply the new blocks and the hits that sit in it",
+    "the block tables": "a block table is the hits (cached full blocks from block 0, up to the first miss, at "
+                        "most (len - 1) // block_size of them), then new blocks from the head of the free queue",
+    "the free queue": "the free queue, head to tail: a hit that was free leaves it, new blocks come from its head, "
+                      "freed blocks join its tail last block first",
+    "the ref counts": "a block's ref_cnt is the number of block tables holding it: a hit adds one, free takes one",
+    "the cached blocks": "a full block is cached (it has a hash, and the cache map holds it) from the moment it is "
+                         "filled, and keeps its hash when freed, until a take evicts it",
+    "the blocks sharing a hash": "blocks share a hash exactly when they hold the same tokens after the same prefix",
+    "the token_ids of the blocks in use or cached": "a block's token_ids are what its slots hold: a block taken from "
+                                                    "the free queue holds its new owner's tokens only",
 }
 
 
-def module_name(exercise_name: str) -> str:
-    if IMPL == "reference":
-        return REFERENCE[exercise_name]
-    if IMPL == "starter":
-        return f"exercises.{exercise_name}"
-    raise ValueError(f"EXERCISE_IMPL must be 'reference' or 'starter', got {IMPL!r}")
+def allocator_state(state: dict) -> dict:
+    """The observables of an allocator's state, free of the hash encoding (exercise 1's choice)."""
+    groups: dict = {}
+    for block_id, block_hash in enumerate(state["hash"]):
+        if block_hash is not None:
+            groups.setdefault(block_hash, []).append(block_id)
+    live = [i for i, (refs, block_hash) in enumerate(zip(state["ref_cnt"], state["hash"]))
+            if refs > 0 or block_hash is not None]
+    return {
+        "the block tables": state["tables"],
+        "the free queue": state["free"],
+        "the ref counts": state["ref_cnt"],
+        "the cached blocks": [[i for i, h in enumerate(state["hash"]) if h is not None],
+                              sorted(b for ids in state["cached"].values() for b in ids)],
+        "the blocks sharing a hash": sorted(ids for ids in groups.values() if len(ids) > 1),
+        "the token_ids of the blocks in use or cached": {i: state["tokens"][i] for i in live},
+    }
 
 
-def exercise(exercise_name: str) -> ModuleType:
-    """The module under test for one exercise."""
-    return importlib.import_module(module_name(exercise_name))
+def reference_allocator_state(alloc) -> dict:
+    return {
+        "tables": {r: list(t) for r, t in alloc.block_tables.items()},
+        "free": alloc.free_queue.block_ids(),
+        "ref_cnt": [b.ref_cnt for b in alloc.blocks],
+        "hash": [None if b.block_hash is None else b.block_hash.hex() for b in alloc.blocks],
+        "tokens": [list(b.token_ids) for b in alloc.blocks],
+        "cached": {h.hex(): sorted(v) for h, v in alloc.cached_blocks.items()},
+    }
 
 
-def not_your_own(module: ModuleType, graded: list[str]) -> list[str]:
-    """Why each graded name of `module` ("function" or "Class.method") is not code written in
-    that module; [] when all of it is.
+class BlockView:
+    """A block of the child's allocator as its last state showed it."""
 
-    Written there means: the class and the function are defined in the module itself (in its
-    __dict__, or the class's, not inherited and not imported), and the function calls neither
-    super() nor the reference's function imported under any name. (A call through the
-    reference module, `scheduler.Scheduler.schedule(self)`, is refused while it runs:
-    `refuse_the_reference`.)
-    """
-    reference = importlib.import_module(REFERENCE[module.__name__.rpartition(".")[2]])
-    borrowed = {id(vars(owner).get(short)) for owner, short in map(partial(locate, reference), graded)}
-    problems = []
-    for name in graded:
-        owner, short = locate(module, name)
-        if owner is not module and owner.__module__ != module.__name__:
-            problems.append(f"{owner.__name__} is imported from {owner.__module__}, not written in {module.__name__}")
-            continue
-        function = vars(owner).get(short)
-        if not isinstance(function, FunctionType):
-            problems.append(f"{name} is not defined in {module.__name__}: the reference's runs instead of yours")
-        elif function.__module__ != module.__name__ or function.__code__.co_filename != module.__file__:
-            problems.append(f"{name} is the function of {function.__module__}, not one written in {module.__name__}")
-        else:
-            problems += [f"{name} {why}" for why in calls_elsewhere(function, borrowed)]
-    return problems
+    def __init__(self, owner, block_id: int):
+        self.owner, self.block_id = owner, block_id
+
+    @property
+    def ref_cnt(self) -> int:
+        return self.owner.state["ref_cnt"][self.block_id]
+
+    @property
+    def block_hash(self) -> bytes | None:
+        value = self.owner.state["hash"][self.block_id]
+        return None if value is None else bytes.fromhex(value) if _is_hex(value) else value
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.owner.state["tokens"][self.block_id]
+
+    @token_ids.setter
+    def token_ids(self, tokens: list[int]) -> None:
+        self.owner.set_tokens(self.block_id, tokens)
 
 
-def locate(module: ModuleType, name: str) -> tuple[type | ModuleType, str]:
-    """Where a graded name lives: (the class, "method") for "Class.method", (the module, name)."""
-    class_name, _, short = name.rpartition(".")
-    return (getattr(module, class_name) if class_name else module), short
+def _is_hex(value: str) -> bool:
+    try:
+        bytes.fromhex(value)
+        return True
+    except ValueError:
+        return False
 
 
-def calls_elsewhere(function: FunctionType, borrowed: set[int]) -> list[str]:
-    """What in `function`'s bytecode (nested functions included) hands its work to other code:
-    super(), or a global bound to one of the `borrowed` objects."""
-    why = []
-    for code in codes(function.__code__):
-        for instruction in dis.get_instructions(code):
-            if instruction.opname != "LOAD_GLOBAL":
-                continue
-            if instruction.argval == "super":
-                why.append("calls super(): the reference's method does the work")
-            elif id(function.__globals__.get(instruction.argval)) in borrowed:
-                why.append(f"calls {instruction.argval}, which is the reference's")
-    return sorted(set(why))
+class QueueView:
+    def __init__(self, owner):
+        self.owner = owner
+
+    def block_ids(self) -> list[int]:
+        return list(self.owner.state["free"])
+
+    def __len__(self) -> int:
+        return len(self.owner.state["free"])
 
 
-def codes(code: CodeType):
-    """A code object and every code object nested in it (inner functions, comprehensions)."""
-    yield code
-    for constant in code.co_consts:
-        if isinstance(constant, CodeType):
-            yield from codes(constant)
+class RemoteAllocator(Twin):
+    """The student's PrefixCachingAllocator, in the child, and its twin from prefix_caching here."""
+
+    def __init__(self, child: Child, num_blocks: int, block_size: int, queue: str = "given"):
+        super().__init__()
+        import prefix_caching
+
+        self.child, self.block_size = child, block_size
+        self.handle = child.call("allocator_new", num_blocks=num_blocks, block_size=block_size, queue=queue)
+        self.reference = prefix_caching.PrefixCachingAllocator(num_blocks, block_size)
+        self.state = reference_allocator_state(self.reference)
+        self.blocks = [BlockView(self, i) for i in range(num_blocks)]
+        self.free_queue = QueueView(self)
+
+    @property
+    def block_tables(self) -> dict:
+        return self.state["tables"]
+
+    @property
+    def cached_blocks(self) -> dict:
+        return {bytes.fromhex(h) if _is_hex(h) else h: ids for h, ids in self.state["cached"].items()}
+
+    def allocate_with_prefix(self, request_id: str, token_ids, cache_salt: str | None = None):
+        from prefix_caching import Allocation
+
+        result = self.run("allocate_with_prefix", [request_id, list(token_ids), cache_salt],
+                          lambda: tuple(self.reference.allocate_with_prefix(request_id, list(token_ids), cache_salt)))
+        return Allocation(*result)
+
+    def free(self, request_id: str) -> None:
+        self.run("free", [request_id], lambda: self.reference.free(request_id))
+
+    def release(self, request_id: str) -> None:
+        """Exercise 4's rule, written into exercise 2's tests (child.release)."""
+        self.run("release", [request_id], lambda: release(self.reference, request_id))
+
+    def set_tokens(self, block_id: int, tokens: list[int]) -> None:
+        self.compared = False  # a forged block: the reference stops caching after a collision, the exercise need not
+        self.run("set_tokens", [block_id, tokens], lambda: None)
+
+    def run(self, method: str, args: list, on_reference):
+        self.history.append(f"{method}({', '.join(map(repr, args))})")
+        answer = self.child.call("allocator_call", handle=self.handle, method=method, args=args)
+        expected, expected_error = outcome(on_reference)
+        self.state = answer["state"]
+        got = None if "error" in answer else answer["result"]
+        got = tuple(got) if isinstance(got, list) else got
+        error = answer["error"]["type"] if "error" in answer else None
+        if method == "allocate_with_prefix" and (got, error) != (expected, expected_error):
+            self.differ("the answer", error or got, expected_error or expected, ALLOCATOR_RULES["the answer"])
+        if error is None or error == "OutOfBlocksError":
+            yours, theirs = allocator_state(self.state), allocator_state(reference_allocator_state(self.reference))
+            for what in yours:
+                if yours[what] != theirs[what]:
+                    self.differ(what, yours[what], theirs[what], ALLOCATOR_RULES[what])
+                    break
+        if "error" in answer:
+            raise raised(answer["error"])
+        return got
 
 
-def refuse_the_reference(module: ModuleType, graded: list[str], monkeypatch) -> None:
-    """For one test, replace the reference's graded functions with one that fails: whatever
-    route a starter takes to them (an inherited method, super(), the reference module by
-    name) ends in a failure that says so."""
-    reference = importlib.import_module(REFERENCE[module.__name__.rpartition(".")[2]])
-    for name in graded:
-        def refused(*args, name=name, **kwargs):
-            pytest.fail(f"{NOT_YOURS}: {name} ran the reference's code ({reference.__name__}.{name})", pytrace=False)
-
-        monkeypatch.setattr(*locate(reference, name), refused)
+def release(alloc, request_id: str) -> None:
+    for block_id in reversed(alloc.block_tables.pop(request_id)):
+        block = alloc.blocks[block_id]
+        block.ref_cnt -= 1
+        if block.ref_cnt == 0:
+            alloc.free_queue.append(block)
+    alloc.requests.pop(request_id, None)
 
 
-NOT_YOURS = "the graded code must be your own"
+# --- exercise 3 -------------------------------------------------------------------------------------
+
+QUEUE_RULE = ("the free queue keeps its blocks in order: popleft takes the head, append links in at the tail, "
+              "appendleft at the head, remove takes a block out of anywhere; popleft on an empty queue raises "
+              "IndexError, remove of a block not in it ValueError")
+
+
+class QueueBlock:
+    """A block of the child's queue as its last state showed it: its links are other QueueBlocks."""
+
+    def __init__(self, owner, block_id: int):
+        self.owner, self.block_id = owner, block_id
+
+    def _link(self, side: int):
+        other = self.owner.state["links"][self.block_id][side]
+        return None if other is None else self.owner.sentinel if other < 0 else self.owner.blocks[other]
+
+    @property
+    def prev_free(self):
+        return self._link(0)
+
+    @property
+    def next_free(self):
+        return self._link(1)
+
+
+class RemoteQueue(Twin):
+    """The student's FreeKVCacheBlockQueue over n blocks, in the child, and its twin here."""
+
+    def __init__(self, child: Child, n: int):
+        super().__init__()
+        import prefix_caching
+
+        self.child = child
+        self.handle = child.call("queue_new", n=n)
+        self.reference_blocks = [prefix_caching.KVCacheBlock(i) for i in range(n)]
+        self.reference = prefix_caching.FreeKVCacheBlockQueue(self.reference_blocks)
+        self.blocks = [QueueBlock(self, i) for i in range(n)]
+        self.sentinel = QueueBlock(self, -1)
+        self.state = {"ids": self.reference.block_ids(), "len": n, "links": []}
+        self.state = self.child.call("queue_call", handle=self.handle, method="block_ids")["state"]
+
+    def block_ids(self) -> list[int]:
+        return list(self.state["ids"])
+
+    def __len__(self) -> int:
+        return self.state["len"]
+
+    def run(self, method: str, block: QueueBlock | None = None):
+        block_id = None if block is None else block.block_id
+        self.history.append(f"{method}({'' if block is None else f'block {block_id}'})")
+        answer = self.child.call("queue_call", handle=self.handle, method=method, block=block_id)
+        args = [] if block is None else [self.reference_blocks[block_id]]
+        expected, expected_error = outcome(getattr(self.reference, method), *args)
+        expected = expected.block_id if expected is not None else None
+        self.state = answer["state"]
+        got, error = answer.get("result"), answer["error"]["type"] if "error" in answer else None
+        if (got, error) != (expected, expected_error):
+            self.differ(f"{method}'s answer", error or got, expected_error or expected, QUEUE_RULE)
+        elif (self.state["ids"], self.state["len"]) != (self.reference.block_ids(), len(self.reference)):
+            self.differ("the queue (ids, len)", (self.state["ids"], self.state["len"]),
+                        (self.reference.block_ids(), len(self.reference)), QUEUE_RULE)
+        if "error" in answer:
+            raise raised(answer["error"])
+        return None if got is None else self.blocks[got]
+
+    def popleft(self):
+        return self.run("popleft")
+
+    def append(self, block):
+        self.run("append", block)
+
+    def appendleft(self, block):
+        self.run("appendleft", block)
+
+    def remove(self, block):
+        self.run("remove", block)
+
+
+# --- exercise 5 -------------------------------------------------------------------------------------
+
+GATHER_RULE = ("gather gives a DynamicCache of one (keys, values) pair per layer, each (1, num_kv_heads, tokens, "
+               "head_dim) in the pool's dtype and on its device, token p from block block_ids[p // block_size] "
+               "at slot p % block_size")
+
+
+def remote_pool_class():
+    """kv_pool.PagedKVPool whose gather runs the student's, in the child, on this pool's data."""
+    import kv_pool
+    import torch
+    from transformers import DynamicCache
+
+    class RemotePool(kv_pool.PagedKVPool):
+        def __init__(self, child: Child, **shape):
+            super().__init__(**shape)
+            self.child, self.twin = child, Twin()
+
+        def spec(self) -> dict:
+            return {"num_layers": self.num_layers, "num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim,
+                    "num_blocks": self.num_blocks, "block_size": self.block_size,
+                    "dtype": str(self.dtype).split(".")[-1]}
+
+        def gather(self, block_ids: list[int], config):
+            self.twin.history.append(f"gather({list(block_ids)}) on a {self.spec()} pool")
+            answer = self.child.call("gather", spec=self.spec(), data=encode_tensor(self.data),
+                                     block_ids=list(block_ids))
+            expected = kv_pool.PagedKVPool.gather(self, block_ids, config)
+            length = expected.get_seq_length()
+            if answer["type"] != "DynamicCache":
+                self.twin.differ("the type", answer["type"], "DynamicCache", GATHER_RULE)
+            elif answer["length"] != length:
+                self.twin.differ("the tokens cached", answer["length"], length, GATHER_RULE)
+            for i, (keys, values) in enumerate(answer["layers"]):
+                for name, got, want in (("keys", keys, expected.layers[i].keys),
+                                        ("values", values, expected.layers[i].values)):
+                    if got.dtype != want.dtype or got.shape != want.shape:
+                        self.twin.differ(f"layer {i} {name}' dtype and shape", (got.dtype, tuple(got.shape)),
+                                         (want.dtype, tuple(want.shape)), GATHER_RULE)
+                    elif not torch.equal(got, want):
+                        self.twin.differ(f"layer {i} {name}", "other numbers", "these", GATHER_RULE)
+            if not answer["layers"]:
+                return DynamicCache(config=config)
+            return DynamicCache([(k.to(self.device), v.to(self.device)) for k, v in answer["layers"]], config=config)
+
+    return RemotePool
+
+
+# --- exercise 6 -------------------------------------------------------------------------------------
+
+SCHEDULER_RULES = {
+    "the plan": "a step: running requests first, in admission order (a decode takes 1 token, a prompt still "
+                "prefilling its next chunk, as much as the budget leaves); then waiting requests in arrival order, "
+                "each computing its uncached tokens up to the budget left, while max_num_seqs and the pool allow; "
+                "the first that does not fit stops admission; nobody is admitted in a step that preempts",
+    "who was preempted": "when a running request needs a block and none is free, the last of self.running (the most "
+                         "recently admitted) is preempted, and the request that needed the block tries again",
+    "the running requests": "admitted requests join the end of self.running; preempted ones leave it",
+    "the waiting requests": "admission takes the front of the waiting queue; a preempted request goes back to its "
+                            "front",
+    "the requests' counters": "an admitted request is RUNNING with num_computed_tokens = its hit; num_cached_tokens "
+                              "and admitted are set at its first admission only; a preempted one is WAITING with "
+                              "num_computed_tokens 0 and one more preemption",
+    "the allocator": "a step gives slots only to the tokens it computes (allocate_with_prefix on the tokens of this "
+                     "step, append_tokens for a running request's), with the request's cache_salt; a preempted "
+                     "request's blocks are freed",
+}
+
+
+class RequestView:
+    """A request of the child's scheduler, as its latest state shows it."""
+
+    def __init__(self, owner, request_id: str):
+        self.owner, self.request_id = owner, request_id
+
+    def view(self) -> dict:
+        return next(v for v in self.owner.state["running"] + self.owner.state["waiting"] if v["id"] == self.request_id)
+
+    status = property(lambda self: self.view()["status"])
+    num_computed_tokens = property(lambda self: self.view()["computed"])
+    num_cached_tokens = property(lambda self: self.view()["cached"])
+    num_preemptions = property(lambda self: self.view()["preemptions"])
+    admitted = property(lambda self: self.view()["admitted"])
+    output_ids = property(lambda self: self.view()["outputs"])
+
+
+def request_view(r) -> dict:
+    return {"id": r.request_id, "status": r.status, "computed": r.num_computed_tokens, "cached": r.num_cached_tokens,
+            "preemptions": r.num_preemptions, "admitted": r.admitted, "outputs": list(r.output_ids)}
+
+
+def scheduler_observables(plan, preempted, state, alloc) -> dict:
+    def counters(views):
+        return [{k: v[k] for k in ("id", "status", "computed", "cached", "preemptions", "admitted")} for v in views]
+
+    return {
+        "the plan": [tuple(p) for p in plan],
+        "who was preempted": preempted,
+        "the running requests": [v["id"] for v in state["running"]],
+        "the waiting requests": [v["id"] for v in state["waiting"]],
+        "the requests' counters": counters(state["running"]) + counters(state["waiting"]),
+        "the allocator": {k: v for k, v in reference_allocator_state(alloc).items() if k != "cached"},
+    }
+
+
+class RemoteScheduler(Twin):
+    """The student's Scheduler, in the child, over an allocator here; and the reference's twin."""
+
+    ALLOCATOR_METHODS = {"peek", "allocate_with_prefix", "append_tokens", "append_token", "free", "num_tokens",
+                         "ref_count", "slot"}
+    ALLOCATOR_VALUES = {"num_free_blocks", "num_blocks", "block_size", "block_tables", "num_blocks_in_use",
+                        "num_cached_blocks"}
+
+    def __init__(self, child: Child, num_blocks: int, block_size: int = 4, **options):
+        super().__init__()
+        import prefix_caching
+        import scheduler
+
+        self.child, self.options = child, options
+        self.allocator = prefix_caching.PrefixCachingAllocator(num_blocks=num_blocks, block_size=block_size)
+        self.reference = scheduler.Scheduler(prefix_caching.PrefixCachingAllocator(num_blocks, block_size), **options)
+        self.max_num_seqs = self.reference.max_num_seqs
+        self.max_num_batched_tokens = self.reference.max_num_batched_tokens
+        self.handle = f"scheduler {id(self)}"
+        child.call("scheduler_new", handle=self.handle, options=options)
+        self.state = {"running": [], "waiting": [], "num_preemptions": 0}
+
+    @property
+    def running(self) -> list[RequestView]:
+        return [RequestView(self, v["id"]) for v in self.state["running"]]
+
+    @property
+    def waiting(self) -> list[RequestView]:
+        return [RequestView(self, v["id"]) for v in self.state["waiting"]]
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.state["num_preemptions"]
+
+    def answer(self, question: dict):
+        """An allocator call of the child's scheduler, run on self.allocator."""
+        if question.get("value") in self.ALLOCATOR_VALUES:
+            return getattr(self.allocator, question["value"])
+        if question.get("method") not in self.ALLOCATOR_METHODS:
+            raise AttributeError(f"the allocator has no {question.get('method') or question.get('value')!r}")
+        result = getattr(self.allocator, question["method"])(*question["args"], **question["kwargs"])
+        return list(result) if isinstance(result, tuple) else result
+
+    def add(self, request) -> None:
+        import scheduler
+
+        fields = {"request_id": request.request_id, "prompt_ids": list(request.prompt_ids),
+                  "cache_salt": request.cache_salt, "output_ids": list(request.output_ids),
+                  "num_preemptions": request.num_preemptions, "admitted": request.admitted}
+        self.history.append(f"add(Request({', '.join(f'{k}={v!r}' for k, v in fields.items() if v)}))")
+        self.state = self.child.call("scheduler_add", answer=self.answer, handle=self.handle, request=fields)
+        self.reference.add(scheduler.Request(**{**fields, "prompt_ids": list(fields["prompt_ids"]),
+                                                "output_ids": list(fields["output_ids"])}))
+
+    def step(self, budget: int | None = None, token: int = 7) -> tuple[list, list]:
+        """schedule(budget), then play the model: every scheduled request has its tokens
+        computed, and one whose chunk reached the end of its tokens samples `token`."""
+        self.history.append("schedule()" if budget is None else f"schedule(budget={budget})")
+        answer = self.child.call("scheduler_step", answer=self.answer, handle=self.handle, budget=budget, token=token)
+        self.state = answer["state"]
+        ref = self.reference
+        plan = ref.schedule() if budget is None else ref.schedule(budget)
+        expected_plan = [[r.request.request_id, r.start, r.end, r.samples] for r in plan.scheduled]
+        for r in plan.scheduled:
+            r.request.num_computed_tokens = r.end
+            if r.samples:
+                r.request.output_ids.append(token)
+        expected_state = {"running": [request_view(r) for r in ref.running],
+                          "waiting": [request_view(r) for r in ref.waiting]}
+        self.compare(answer["plan"], answer["preempted"], self.state,
+                     expected_plan, [r.request_id for r in plan.preempted], expected_state)
+        self.history[-1] += f" -> {[tuple(p[:3]) for p in answer['plan']]}"
+        return answer["plan"], answer["preempted"]
+
+    def finish(self, request) -> None:
+        request_id = request if isinstance(request, str) else request.request_id
+        self.history.append(f"finish({request_id!r})")
+        self.state = self.child.call("scheduler_finish", answer=self.answer, handle=self.handle, request_id=request_id)
+        ref = self.reference
+        ref.finish(next(r for r in [*ref.running, *ref.waiting] if r.request_id == request_id))
+
+    def compare(self, plan, preempted, state, expected_plan, expected_preempted, expected_state) -> None:
+        yours = scheduler_observables(plan, preempted, state, self.allocator)
+        theirs = scheduler_observables(expected_plan, expected_preempted, expected_state, self.reference.allocator)
+        for what in yours:
+            if yours[what] != theirs[what]:
+                self.differ(what, yours[what], theirs[what], SCHEDULER_RULES[what])
+                return

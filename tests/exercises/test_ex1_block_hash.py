@@ -1,18 +1,23 @@
-"""Exercise 1: the chained block hash (exercises/block_hash.py). Needs no other exercise."""
+"""Exercise 1: the chained block hash (exercises/block_hash.py). Needs no other exercise.
 
-import builtins
-import os
-import subprocess
-import sys
-from pathlib import Path
+A hash's bytes are the student's choice (any unambiguous encoding will do), so these tests
+compare hashes with each other, never with the reference's: equal inputs, equal hashes;
+different inputs, different hashes; chained; the same in every process.
+"""
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from grading import exercise, module_name
+from grading import Child, GRADING, RemoteBlockHash
 
-impl = exercise("block_hash")
-GRADED = ["hash_block_tokens", "compute_block_hashes"]  # what exercise 1 writes
+EXERCISE = "block_hash"
 BLOCK = [1, 2, 3, 4]
+
+
+@pytest.fixture(scope="module")
+def impl(child):
+    return RemoteBlockHash(child)
 
 
 # Hashes are 32-byte blobs that say nothing on screen: these two fail with the rule alone.
@@ -26,7 +31,7 @@ def assert_same(a: bytes, b: bytes, rule: str) -> None:
         pytest.fail(rule, pytrace=False)
 
 
-def test_a_hash_is_bytes_and_the_same_every_time():
+def test_a_hash_is_bytes_and_the_same_every_time(impl):
     first = impl.hash_block_tokens(None, BLOCK)
     assert isinstance(first, bytes) and len(first) >= 16, (
         f"a block hash is a digest of 16 bytes or more, got {first!r:.80}"
@@ -34,7 +39,7 @@ def test_a_hash_is_bytes_and_the_same_every_time():
     assert_same(impl.hash_block_tokens(None, list(BLOCK)), first, "the same block must get the same hash every time")
 
 
-def test_every_token_counts():
+def test_every_token_counts(impl):
     assert_differ(impl.hash_block_tokens(None, [1, 2, 3, 4]), impl.hash_block_tokens(None, [1, 2, 3, 5]),
                   "[1, 2, 3, 4] and [1, 2, 3, 5] hash alike: every token id must enter the hash")
     assert_differ(impl.hash_block_tokens(None, [1, 2, 3, 4]), impl.hash_block_tokens(None, [4, 3, 2, 1]),
@@ -48,7 +53,7 @@ def test_every_token_counts():
     ([256, 1, 2, 3], [0, 1, 2, 3]),  # 256 must not wrap round to 0
     ([65_543, 1, 2, 3], [7, 1, 2, 3]),  # nor 65,543 to 7 (two bytes are not enough either)
 ], ids=["large ids", "256 vs 0", "65543 vs 7"])
-def test_token_ids_of_a_real_vocabulary_hash_and_stay_apart(token_ids, other):
+def test_token_ids_of_a_real_vocabulary_hash_and_stay_apart(impl, token_ids, other):
     try:
         a, b = impl.hash_block_tokens(None, token_ids), impl.hash_block_tokens(None, other)
     except (ValueError, OverflowError) as err:
@@ -57,7 +62,7 @@ def test_token_ids_of_a_real_vocabulary_hash_and_stay_apart(token_ids, other):
     assert_differ(a, b, f"{token_ids} and {other} hash alike: each token id must keep all its bits in the encoding")
 
 
-def test_the_parent_counts():
+def test_the_parent_counts(impl):
     parent_a = impl.hash_block_tokens(None, [9, 9, 9, 9])
     parent_b = impl.hash_block_tokens(None, [8, 8, 8, 8])
     assert_differ(impl.hash_block_tokens(parent_a, BLOCK), impl.hash_block_tokens(parent_b, BLOCK),
@@ -66,55 +71,72 @@ def test_the_parent_counts():
                   "a block with a parent hashes like a first block: the parent hash must enter the hash")
 
 
-def test_extra_keys_count():
+def test_extra_keys_count(impl):
     assert_differ(impl.hash_block_tokens(None, BLOCK, ("lora-1",)), impl.hash_block_tokens(None, BLOCK),
                   "a block with extra key 'lora-1' hashes like one without: the extra keys must enter the hash")
     assert_differ(impl.hash_block_tokens(None, BLOCK, ("lora-1",)), impl.hash_block_tokens(None, BLOCK, ("lora-2",)),
                   "extra keys 'lora-1' and 'lora-2' hash alike: each key's text must enter the hash")
 
 
-def test_the_encoding_is_unambiguous():
+def test_the_encoding_is_unambiguous(impl):
     assert_differ(impl.hash_block_tokens(None, [1, 23]), impl.hash_block_tokens(None, [12, 3]),
                   "[1, 23] and [12, 3] hash alike: separate the token ids in your encoding")
+    assert_differ(impl.hash_block_tokens(None, [1, 2]), impl.hash_block_tokens(None, [1], ("2",)),
+                  "tokens [1, 2] and tokens [1] with extra key '2' hash alike: keep the tokens apart from the keys")
     assert_differ(impl.hash_block_tokens(None, [1], ("a", "b")), impl.hash_block_tokens(None, [1], ("ab",)),
                   "extra keys ('a', 'b') and ('ab',) hash alike: separate the keys in your encoding")
 
 
-def test_extra_keys_keep_their_order_and_their_bounds():
-    def h(*keys):
-        return impl.hash_block_tokens(None, [1], keys)
-
-    assert_differ(h("a", "b"), h("b", "a"),
+def test_extra_keys_keep_their_order(impl):
+    assert_differ(impl.hash_block_tokens(None, [1], ("a", "b")), impl.hash_block_tokens(None, [1], ("b", "a")),
                   "extra keys ('a', 'b') and ('b', 'a') hash alike: keep the keys in their order (a tuple, not a set)")
-    assert_differ(h("a,b"), h("a", "b"),
-                  "extra keys ('a,b',) and ('a', 'b') hash alike: a separator that can occur inside a key separates "
+
+
+@pytest.mark.parametrize("separator", [",", "|", ":", " ", ";", "\\", "\n", "\x00", "-"], ids=repr)
+def test_no_separator_inside_a_key_can_split_it(impl, separator):
+    joined, split = (f"a{separator}b",), ("a", "b")
+    assert_differ(impl.hash_block_tokens(None, [1], joined), impl.hash_block_tokens(None, [1], split),
+                  f"extra keys {joined} and {split} hash alike: a separator that can occur inside a key separates "
                   "nothing. Encode the keys so none can be read two ways (json.dumps, or each key's length before it)")
 
 
-def test_python_hash_is_never_used(monkeypatch):
-    def forbidden(obj):
-        pytest.fail("hashing called Python's hash(): it squeezes the token ids into 64 bits, so two blocks can "
-                    "share a name, and for text it changes from one process to the next. Hash an unambiguous "
-                    "encoding of the parent, the token ids and the keys with SHA256", pytrace=False)
+@pytest.mark.parametrize("kind", ["numpy ints", "int64", "int32"])
+def test_numpy_token_ids_hash_like_python_ints(impl, kind):
+    """Token ids often come out of a tokenizer or a tensor as numpy integers."""
+    tokens = [5, 300, 70_000, 262_143]
+    rule = (f"token ids given as {'a list of numpy.int64' if kind == 'numpy ints' else f'a numpy {kind} array'} "
+            "hash differently from the same ids as Python ints: a token id is its integer value, whatever its type "
+            "(encode int(t), or array('q', token_ids), never str() or the array's own bytes)")
+    try:
+        as_numpy = impl.hash_block_tokens(None, tokens, ("k",), numpy=kind)
+        blocks = impl.compute_block_hashes(tokens * 2, 4, "s", ("k",), numpy=kind)
+    except (TypeError, ValueError, OverflowError) as err:
+        pytest.fail(f"{rule}; it raised {type(err).__name__}: {err}", pytrace=False)
+    assert_same(as_numpy, impl.hash_block_tokens(None, tokens, ("k",)), rule)
+    assert_same(blocks[1], impl.compute_block_hashes(tokens * 2, 4, "s", ("k",))[1], rule)
 
-    with monkeypatch.context() as patched:  # only around the calls: pytest itself hashes
-        patched.setattr(builtins, "hash", forbidden)
-        impl.hash_block_tokens(None, BLOCK, ("lora-1",))
-        impl.compute_block_hashes(list(range(8)), 4, cache_salt="tenant-a", extra_keys=("lora-1",))
+
+def test_python_hash_is_never_used(impl):
+    called = impl.calls_python_hash(list(range(8)), ("lora-1",), "tenant-a")
+    assert not called, (
+        f"hashing called Python's hash() (on {', '.join(sorted(set(called)))}): it squeezes the token ids into 64 "
+        "bits, so two blocks can share a name, and for text it changes from one process to the next. Hash an "
+        "unambiguous encoding of the parent, the token ids and the keys with SHA256"
+    )
 
 
 def test_hashes_are_the_same_in_every_process():
-    code = f"import {module_name('block_hash')} as m; print(m.compute_block_hashes(list(range(8)), 4)[1].hex())"
     outputs = []
     for seed in ("1", "2"):  # Python's own hash() would differ between these two processes
-        env = {**os.environ, "PYTHONHASHSEED": seed}
-        result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
-        assert result.returncode == 0, f"compute_block_hashes failed in a fresh process:\n{result.stderr[-500:]}"
-        outputs.append(result.stdout)
+        process = Child(EXERCISE, env={"PYTHONHASHSEED": seed})
+        try:
+            outputs.append(RemoteBlockHash(process).compute_block_hashes(list(range(8)), 4, None, ("lora-1",)))
+        finally:
+            process.stop()
     assert outputs[0] == outputs[1], "the hash changes between processes: do not use Python's hash()"
 
 
-def test_only_full_blocks_get_a_hash():
+def test_only_full_blocks_get_a_hash(impl):
     for length, expected in ((10, 2), (8, 2), (3, 0)):
         got = len(impl.compute_block_hashes(list(range(length)), 4))
         assert got == expected, (
@@ -122,7 +144,7 @@ def test_only_full_blocks_get_a_hash():
         )
 
 
-def test_each_hash_is_chained_to_the_one_before():
+def test_each_hash_is_chained_to_the_one_before(impl):
     tokens = list(range(12))
     hashes = impl.compute_block_hashes(tokens, 4)
     assert_same(hashes[0], impl.hash_block_tokens(None, tokens[0:4]),
@@ -133,7 +155,7 @@ def test_each_hash_is_chained_to_the_one_before():
                     "parent is the hash of the block just before, not None and not block 0's")
 
 
-def test_the_same_block_at_another_position_is_another_block():
+def test_the_same_block_at_another_position_is_another_block(impl):
     a = impl.compute_block_hashes([1, 2, 3, 4, 5, 6, 7, 8], 4)
     b = impl.compute_block_hashes([5, 6, 7, 8, 1, 2, 3, 4], 4)
     rule = ("the same 4 tokens got the same hash in block 0 and in block 1: a block's hash must depend on every "
@@ -142,7 +164,7 @@ def test_the_same_block_at_another_position_is_another_block():
     assert_differ(a[0], b[1], rule)
 
 
-def test_extra_keys_enter_every_block():
+def test_extra_keys_enter_every_block(impl):
     tokens = list(range(8))
     plain = impl.compute_block_hashes(tokens, 4)
     lora = impl.compute_block_hashes(tokens, 4, extra_keys=("lora-1",))
@@ -152,7 +174,7 @@ def test_extra_keys_enter_every_block():
     assert_differ(plain[1], lora[1], "block 1 with extra key 'lora-1' hashes like block 1 without")
 
 
-def test_cache_salt_enters_block_0_only():
+def test_cache_salt_enters_block_0_only(impl):
     tokens = list(range(8))
     plain = impl.compute_block_hashes(tokens, 4)
     salted = impl.compute_block_hashes(tokens, 4, cache_salt="tenant-a")
@@ -163,7 +185,7 @@ def test_cache_salt_enters_block_0_only():
                   "tenants 'tenant-a' and 'tenant-b' share block 0: the salt's text must enter the hash")
 
 
-def test_a_cache_salt_joins_the_extra_keys_of_block_0_and_does_not_replace_them():
+def test_a_cache_salt_joins_the_extra_keys_of_block_0_and_does_not_replace_them(impl):
     tokens = list(range(8))
     lora_1 = impl.compute_block_hashes(tokens, 4, cache_salt="tenant-a", extra_keys=("lora-1",))
     lora_2 = impl.compute_block_hashes(tokens, 4, cache_salt="tenant-a", extra_keys=("lora-2",))
@@ -175,7 +197,7 @@ def test_a_cache_salt_joins_the_extra_keys_of_block_0_and_does_not_replace_them(
     assert_differ(lora_1[0], unsalted[0], "with extra keys, the salt must still change block 0's hash")
 
 
-def test_a_salt_is_never_mistaken_for_an_extra_key_of_the_same_text():
+def test_a_salt_is_never_mistaken_for_an_extra_key_of_the_same_text(impl):
     tokens = list(range(8))
     salted = impl.compute_block_hashes(tokens, 4, cache_salt="lora-1")
     keyed = impl.compute_block_hashes(tokens, 4, extra_keys=("lora-1",))
@@ -183,3 +205,41 @@ def test_a_salt_is_never_mistaken_for_an_extra_key_of_the_same_text():
                   "cache_salt 'lora-1' and extra key 'lora-1' give block 0 the same hash: a tenant named after an "
                   "adapter would share its blocks. Tag the salt: block 0's keys are "
                   "extra_keys + (('cache_salt', cache_salt),)")
+
+
+# --- any inputs, not only the ones above ---------------------------------------------------------
+
+KEYS = st.lists(st.text(alphabet="ab,|: 1", max_size=3), max_size=3)
+BLOCKS = st.tuples(st.sampled_from([None, 0, 1]), st.lists(st.sampled_from([0, 1, 12, 23, 256, 65_543]), max_size=4),
+                   KEYS)
+
+
+@settings(GRADING, max_examples=60)
+@given(st.lists(BLOCKS, min_size=2, max_size=6, unique_by=lambda b: (b[0], tuple(b[1]), tuple(b[2]))))
+def test_different_blocks_get_different_hashes(impl, blocks):
+    parents = [None, impl.hash_block_tokens(None, [9]), impl.hash_block_tokens(None, [8])]
+    hashes = {}
+    for parent, tokens, keys in blocks:
+        block_hash = impl.hash_block_tokens(parents[0 if parent is None else parent + 1], tokens, tuple(keys))
+        assert block_hash not in hashes, (
+            f"(parent {parent}, tokens {tokens}, extra keys {tuple(keys)}) and {hashes.get(block_hash)} hash alike: "
+            "every part of a block must enter its encoding so that no two blocks share one"
+        )
+        hashes[block_hash] = (parent, tokens, tuple(keys))
+
+
+@settings(GRADING, max_examples=60)
+@given(st.lists(st.integers(0, 262_143), max_size=14), st.sampled_from([None, "t", "lora"]), KEYS)
+def test_compute_block_hashes_is_the_chain_of_hash_block_tokens(impl, tokens, salt, keys):
+    hashes = impl.compute_block_hashes(tokens, 4, salt, tuple(keys))
+    assert len(hashes) == len(tokens) // 4, f"{len(tokens)} tokens in blocks of 4 have {len(tokens) // 4} full blocks"
+    parent = None
+    for i, block_hash in enumerate(hashes):
+        block_keys = (*keys, ("cache_salt", salt)) if i == 0 and salt is not None else tuple(keys)
+        expected = impl.hash_block_tokens(parent, tokens[4 * i : 4 * i + 4], block_keys)
+        assert block_hash == expected, (
+            f"block {i} of {tokens} (salt {salt!r}, extra keys {tuple(keys)}) is not hash_block_tokens(block "
+            f"{i - 1}'s hash, its 4 tokens, {block_keys}): block i's parent is block i - 1's hash, every block has "
+            "the extra keys, and block 0 alone has ('cache_salt', salt) after them"
+        )
+        parent = block_hash

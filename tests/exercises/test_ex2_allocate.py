@@ -1,31 +1,33 @@
 """Exercise 2: allocate with prefix (exercises/allocator.py).
 
-Needs exercise 1 (the allocator hashes with your compute_block_hashes). The free queue is
-prefix_caching's, and blocks come back free through `release` below, exercise 4's rule
-written into the test: so this exercise is graded before you write the queue or free.
+Needs exercise 1 (the allocator hashes with your compute_block_hashes). The free queue is a
+stand-in (exercises/given.py), and blocks come back free through `release`, exercise 4's
+rule run by the grader: so this exercise is graded before you write the queue or free.
+Every call also runs on prefix_caching's allocator, and the states are compared.
 """
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from grading import exercise
+from grading import GRADING, RemoteAllocator
 from prefix_caching import OutOfBlocksError
 
-impl = exercise("allocator")
-GRADED = ["PrefixCachingAllocator.allocate_with_prefix"]  # what exercise 2 writes
+EXERCISE = "allocator"
 
 
-def pool(num_blocks=10, block_size=4):
-    return impl.PrefixCachingAllocator(num_blocks, block_size)
+@pytest.fixture
+def pool(child):
+    def make(num_blocks=10, block_size=4):
+        return RemoteAllocator(child, num_blocks, block_size)
+
+    return make
 
 
 def release(alloc, request_id: str) -> None:
     """What exercise 4's free does: ref counts down, last block first; a block that reaches
     0 joins the tail of the free queue and keeps its hash and tokens."""
-    for block_id in reversed(alloc.block_tables.pop(request_id)):
-        block = alloc.blocks[block_id]
-        block.ref_cnt -= 1
-        if block.ref_cnt == 0:
-            alloc.free_queue.append(block)
+    alloc.release(request_id)
 
 
 def state(alloc) -> dict:
@@ -56,7 +58,7 @@ def assert_refused(alloc, request_id: str, prompt: list[int], why: str) -> None:
     )
 
 
-def test_a_cold_request_gets_blocks_from_the_head_and_hits_nothing():
+def test_a_cold_request_gets_blocks_from_the_head_and_hits_nothing(pool):
     alloc = pool()
     got = alloc.allocate_with_prefix("r0", list(range(15)))
     assert got == (0, 15), f"a cold request of 15 tokens hits nothing: expected (0, 15), got {tuple(got)}"
@@ -68,7 +70,7 @@ def test_a_cold_request_gets_blocks_from_the_head_and_hits_nothing():
     assert [alloc.blocks[b].ref_cnt for b in range(5)] == [1, 1, 1, 1, 0], "each block taken has ref_cnt 1"
 
 
-def test_full_blocks_are_cached_at_once_and_the_partial_one_is_not():
+def test_full_blocks_are_cached_at_once_and_the_partial_one_is_not(pool):
     alloc = pool()
     alloc.allocate_with_prefix("r0", list(range(15)))
     cached = [alloc.blocks[b].block_hash is not None for b in range(4)]
@@ -78,7 +80,7 @@ def test_full_blocks_are_cached_at_once_and_the_partial_one_is_not():
     )
 
 
-def test_a_request_sharing_full_blocks_reuses_them():
+def test_a_request_sharing_full_blocks_reuses_them(pool):
     alloc = pool()
     alloc.allocate_with_prefix("r0", list(range(15)))
     # the design doc's Time 3: 10 shared tokens, but only 2 full blocks (8 tokens) match
@@ -89,7 +91,7 @@ def test_a_request_sharing_full_blocks_reuses_them():
     assert alloc.blocks[2].ref_cnt == 1
 
 
-def test_the_lookup_stops_at_the_first_miss():
+def test_the_lookup_stops_at_the_first_miss(pool):
     alloc = pool(20)
     alloc.allocate_with_prefix("a", list(range(13)))
     prompt = list(range(13))
@@ -98,7 +100,7 @@ def test_the_lookup_stops_at_the_first_miss():
     assert got == 4, f"only block 0 is shared: expected 4 cached tokens, got {got}"
 
 
-def test_a_hit_needs_the_same_tokens_and_the_block_table_stops_at_the_first_miss():
+def test_a_hit_needs_the_same_tokens_and_the_block_table_stops_at_the_first_miss(pool):
     alloc = pool()
     alloc.allocate_with_prefix("a", list(range(13)))  # blocks 0 1 2 cached, 3 partial
     alloc.blocks[1].token_ids = [7, 7, 7, 7]  # pretend other content sits under block 1's hash
@@ -118,7 +120,7 @@ def test_a_hit_needs_the_same_tokens_and_the_block_table_stops_at_the_first_miss
 
 
 @pytest.mark.parametrize("length, expected", [(8, 4), (9, 8), (12, 8), (13, 12)])
-def test_at_least_one_prompt_token_is_left_to_compute(length, expected):
+def test_at_least_one_prompt_token_is_left_to_compute(pool, length, expected):
     alloc = pool(20)
     alloc.allocate_with_prefix("warm", list(range(16)))
     got = alloc.allocate_with_prefix("r", list(range(length))).num_cached_tokens
@@ -128,7 +130,7 @@ def test_at_least_one_prompt_token_is_left_to_compute(length, expected):
     )
 
 
-def test_cache_salt_keeps_tenants_apart():
+def test_cache_salt_keeps_tenants_apart(pool):
     alloc = pool(20)
     alloc.allocate_with_prefix("a", list(range(9)), cache_salt="tenant-a")
     got = alloc.allocate_with_prefix("b", list(range(9)), cache_salt="tenant-b").num_cached_tokens
@@ -137,13 +139,13 @@ def test_cache_salt_keeps_tenants_apart():
     assert got == 8, f"tenant a must still hit its own 2 full blocks (8 tokens), got {got}"
 
 
-def test_without_room_it_refuses_and_changes_nothing():
+def test_without_room_it_refuses_and_changes_nothing(pool):
     alloc = pool(4)
     alloc.allocate_with_prefix("a", list(range(9)))  # 3 of the 4 blocks
     assert_refused(alloc, "b", list(range(100, 109)), "it needs 3 blocks and 1 is free")
 
 
-def test_the_room_check_counts_the_hits_that_sit_in_the_free_queue():
+def test_the_room_check_counts_the_hits_that_sit_in_the_free_queue(pool):
     alloc = pool(6)
     alloc.allocate_with_prefix("a", list(range(9)))  # blocks 0 1 2; 0 and 1 full and cached
     alloc.allocate_with_prefix("x", list(range(50, 62)))  # blocks 3 4 5: the pool is full
@@ -155,7 +157,7 @@ def test_the_room_check_counts_the_hits_that_sit_in_the_free_queue():
                    "and only 3 are free")
 
 
-def test_hits_in_use_take_no_free_block():
+def test_hits_in_use_take_no_free_block(pool):
     alloc = pool(4)
     alloc.allocate_with_prefix("a", list(range(12)))  # blocks 0 1 2, all full and cached; 1 block free
     try:
@@ -170,7 +172,7 @@ def test_hits_in_use_take_no_free_block():
     )
 
 
-def test_a_hit_on_a_free_block_takes_it_out_of_the_middle_of_the_queue():
+def test_a_hit_on_a_free_block_takes_it_out_of_the_middle_of_the_queue(pool):
     alloc = pool(6)
     alloc.allocate_with_prefix("a", list(range(9)))  # 0 1 2
     release(alloc, "a")  # free queue: 3 4 5 2 1 0
@@ -184,7 +186,7 @@ def test_a_hit_on_a_free_block_takes_it_out_of_the_middle_of_the_queue():
     assert alloc.blocks[0].ref_cnt == 1, "a touched block that was free goes from ref_cnt 0 to 1"
 
 
-def test_hits_are_touched_before_new_blocks_are_taken():
+def test_hits_are_touched_before_new_blocks_are_taken(pool):
     alloc = pool(3)
     alloc.allocate_with_prefix("a", list(range(8)))  # blocks 0 1, both full and cached
     release(alloc, "a")  # free queue: 2 1 0
@@ -201,7 +203,7 @@ def test_hits_are_touched_before_new_blocks_are_taken():
     )
 
 
-def test_taking_a_cached_block_evicts_it():
+def test_taking_a_cached_block_evicts_it(pool):
     alloc = pool(3)
     alloc.allocate_with_prefix("a", list(range(9)))
     release(alloc, "a")
@@ -211,7 +213,7 @@ def test_taking_a_cached_block_evicts_it():
     assert got == 0, f"blocks 0 and 1 were reused by b, yet c hit {got} tokens of a's old content"
 
 
-def test_an_evicted_hash_leaves_the_cache_map():
+def test_an_evicted_hash_leaves_the_cache_map(pool):
     alloc = pool(5)
     alloc.allocate_with_prefix("a", [1, 2, 3, 4])  # block 0, cached
     alloc.allocate_with_prefix("x", [9])  # block 1
@@ -229,3 +231,63 @@ def test_an_evicted_hash_leaves_the_cache_map():
     release(alloc, "b")
     got = alloc.allocate_with_prefix("d", [1, 2, 3, 4, 5]).num_cached_tokens
     assert got == 4, f"block 1 holds [1, 2, 3, 4] and is cached: d should hit 4 tokens, got {got}"
+
+
+def test_a_hit_adds_one_to_the_ref_count_of_a_block_in_use(pool):
+    alloc = pool()
+    for request_id in ("a", "b", "c"):
+        alloc.allocate_with_prefix(request_id, list(range(8)) + [ord(request_id)])
+    counts = [alloc.blocks[b].ref_cnt for b in (0, 1)]
+    assert counts == [3, 3], (
+        f"three requests hold blocks 0 and 1, yet their ref counts are {counts}: a hit adds one to ref_cnt (0 -> 1 "
+        "for a free block, 2 -> 3 for one two requests hold), it does not set it. A block three requests share "
+        "would go back to the free queue after two leave, and be evicted under the third"
+    )
+    release(alloc, "a")
+    release(alloc, "b")
+    assert 0 not in alloc.free_queue.block_ids(), "c still holds block 0: it must not be free after a and b leave"
+
+
+def test_a_block_taken_from_the_free_queue_holds_only_its_new_tokens(pool):
+    alloc = pool(3)
+    alloc.allocate_with_prefix("a", list(range(12)))  # blocks 0 1 2, all full and cached
+    release(alloc, "a")  # free queue: 2 1 0
+    alloc.allocate_with_prefix("b", [50, 51])  # takes block 2 (evicts it): a partial block of 2 tokens
+    got = alloc.blocks[2].token_ids
+    assert got == [50, 51], (
+        f"block 2 held a's tokens [8, 9, 10, 11]; b took it for its 2 tokens, yet its token_ids are {got}: a block "
+        "taken from the free queue holds only its new owner's tokens (a partial block too), or a later lookup "
+        "compares against the previous owner's"
+    )
+
+
+# --- any sequence, compared with the reference ---------------------------------------------------------
+
+PREFIXES = [[], [1, 2, 3, 4], [1, 2, 3, 4, 5, 6, 7, 8], [9, 9, 9, 9]]
+ALLOCATE = st.tuples(st.just("allocate"), st.sampled_from(PREFIXES),
+                     st.lists(st.integers(0, 3), max_size=9), st.sampled_from([None, None, "t"]))
+OPERATIONS = st.lists(st.one_of(ALLOCATE, st.tuples(st.just("release"), st.integers(0, 7))), min_size=1, max_size=10)
+
+
+def replay(alloc, operations) -> None:
+    """Allocate prompts built from shared prefixes; release the running requests by index."""
+    running, count = [], 0
+    for operation in operations:
+        if operation[0] == "allocate":
+            _, prefix, rest, salt = operation
+            prompt = (prefix + rest) or [0]
+            count += 1
+            try:
+                alloc.allocate_with_prefix(f"r{count}", prompt, salt)
+                running.append(f"r{count}")
+            except OutOfBlocksError:
+                pass
+        elif running:
+            release(alloc, running.pop(operation[1] % len(running)))
+        alloc.check()
+
+
+@settings(GRADING, max_examples=40)
+@given(OPERATIONS)
+def test_any_sequence_of_requests_matches_the_reference(pool, operations):
+    replay(pool(6), operations)

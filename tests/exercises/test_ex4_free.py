@@ -1,28 +1,28 @@
 """Exercise 4: free in reverse order (exercises/allocator.py), ending with the design doc's
 worked example. Needs exercises 1 to 3: the allocator runs on your hashes, your
-allocate_with_prefix and, from here on, your free queue."""
+allocate_with_prefix and, from here on, your free queue. Every call also runs on
+prefix_caching's allocator, and the states are compared."""
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from grading import exercise
+from grading import GRADING, RemoteAllocator
+from prefix_caching import OutOfBlocksError
 
-impl = exercise("allocator")
-free_queue_impl = exercise("free_queue")
-GRADED = ["PrefixCachingAllocator.free"]  # what exercise 4 writes
-
-
-@pytest.fixture(autouse=True)
-def your_free_queue(monkeypatch):
-    """Exercise 2 ran the allocator on prefix_caching's free queue; these tests run it on yours.
-    (Grading the reference, both modules are prefix_caching and this changes nothing.)"""
-    monkeypatch.setattr(impl, "FreeKVCacheBlockQueue", free_queue_impl.FreeKVCacheBlockQueue)
+EXERCISE = "allocator"
 
 
-def pool(num_blocks=10, block_size=4):
-    return impl.PrefixCachingAllocator(num_blocks, block_size)
+@pytest.fixture
+def pool(child):
+    """Your allocator on your free queue (exercise 2 ran it on a stand-in)."""
+    def make(num_blocks=10, block_size=4):
+        return RemoteAllocator(child, num_blocks, block_size, queue="yours")
+
+    return make
 
 
-def test_blocks_join_the_tail_last_block_first():
+def test_blocks_join_the_tail_last_block_first(pool):
     alloc = pool(5, 2)
     alloc.allocate_with_prefix("a", [1, 2, 3, 4, 5])  # blocks 0 1 2
     alloc.free("a")
@@ -35,7 +35,7 @@ def test_blocks_join_the_tail_last_block_first():
     assert ref_counts == [0] * 5, f"every block a held goes back to ref_cnt 0, got {ref_counts}"
 
 
-def test_freed_blocks_keep_their_hash_and_can_be_hit_again():
+def test_freed_blocks_keep_their_hash_and_can_be_hit_again(pool):
     alloc = pool(5, 2)
     alloc.allocate_with_prefix("a", [1, 2, 3, 4, 5])
     hashes = [alloc.blocks[b].block_hash for b in range(3)]
@@ -50,7 +50,7 @@ def test_freed_blocks_keep_their_hash_and_can_be_hit_again():
     )
 
 
-def test_a_shared_block_stays_until_its_last_user_leaves():
+def test_a_shared_block_stays_until_its_last_user_leaves(pool):
     alloc = pool()
     alloc.allocate_with_prefix("a", list(range(9)))  # 0 1 2
     alloc.allocate_with_prefix("b", list(range(8)) + [50])  # hits 0 1, new 3
@@ -67,7 +67,7 @@ def test_a_shared_block_stays_until_its_last_user_leaves():
     )
 
 
-def test_finish_line_the_design_docs_worked_example_block_for_block():
+def test_finish_line_the_design_docs_worked_example_block_for_block(pool):
     alloc = pool()
     r0 = list(range(15))
 
@@ -102,3 +102,22 @@ def test_finish_line_the_design_docs_worked_example_block_for_block():
     expect("request 2 left (its table [0, 1, 2, 7, 8, 9, 4, 3] joins the tail from its end: 3 4 9 8 7 2 1 0); "
            "free walks the block table backwards, it does not sort the block ids", alloc.free_queue.block_ids(),
            [6, 5, 3, 4, 9, 8, 7, 2, 1, 0])
+
+
+@settings(GRADING, max_examples=40)
+@given(st.lists(st.one_of(
+    st.tuples(st.just("allocate"), st.sampled_from([[], [1, 2, 3, 4], [1, 2, 3, 4, 5, 6, 7, 8]]),
+              st.lists(st.integers(0, 3), max_size=9)),
+    st.tuples(st.just("free"), st.integers(0, 7))), min_size=1, max_size=10))
+def test_any_sequence_of_allocations_and_frees_matches_the_reference(pool, operations):
+    alloc, running = pool(6), []
+    for i, operation in enumerate(operations):
+        if operation[0] == "allocate":
+            try:
+                alloc.allocate_with_prefix(f"r{i}", (operation[1] + operation[2]) or [0])
+                running.append(f"r{i}")
+            except OutOfBlocksError:
+                pass
+        elif running:
+            alloc.free(running.pop(operation[1] % len(running)))
+        alloc.check()

@@ -1,34 +1,40 @@
 """Exercise 5: gather cached K/V into past_key_values (exercises/gather_kv.py). Needs no other
 exercise.
 
-The finish line is the oracle of stage 7: on the tiny model, a prefix gathered from the pool
-plus the suffix computed on top of it gives the logits of one full forward pass.
+The pool's data lives here; each gather sends it, with the block ids, to your code in the
+child and builds a DynamicCache of the tensors it answers, which kv_pool's gather on the same
+data must equal, bit for bit. The finish line is the oracle of stage 7: on the tiny model, a
+prefix gathered from the pool plus the suffix computed on top of it gives the logits of one
+full forward pass.
 """
 
-from collections import Counter
+from dataclasses import replace
 
 import pytest
 import torch
-from torch.overrides import TorchFunctionMode
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from transformers import LlamaConfig
 
-from grading import exercise
-from kv_pool import PagedKVPool
+from grading import GRADING, remote_pool_class
 from helpers import hf_greedy
+from kv_pool import PagedKVPool
 
-impl = exercise("gather_kv")
-GRADED = ["PagedKVPool.tokens_of", "PagedKVPool.gather"]  # what exercise 5 writes
-
+EXERCISE = "gather_kv"
 SHAPE = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 3}
 CONFIG = LlamaConfig(num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, hidden_size=6)
 BLOCK_SIZE = 4
 
 
-def numbered_pool(num_blocks: int = 6):
+@pytest.fixture
+def numbered_pool(child):
     """A pool whose every number is its own flat index, so a value says where it came from."""
-    pool = impl.PagedKVPool(**SHAPE, num_blocks=num_blocks, block_size=BLOCK_SIZE)
-    pool.data.copy_(torch.arange(pool.data.numel(), dtype=pool.data.dtype).view_as(pool.data))
-    return pool
+    def make(num_blocks: int = 6, dtype=torch.float32):
+        pool = remote_pool_class()(child, **SHAPE, num_blocks=num_blocks, block_size=BLOCK_SIZE, dtype=dtype)
+        pool.data.copy_(torch.arange(pool.data.numel(), dtype=pool.data.dtype).view_as(pool.data))
+        return pool
+
+    return make
 
 
 def where(pool, value: float) -> str:
@@ -37,12 +43,12 @@ def where(pool, value: float) -> str:
     return f"layer {layer}, {'keys' if kv == 0 else 'values'}, block {block}, slot {slot}, head {head}"
 
 
-def test_no_blocks_give_an_empty_cache():
+def test_no_blocks_give_an_empty_cache(numbered_pool):
     cache = numbered_pool().gather([], CONFIG)
     assert cache.get_seq_length() == 0
 
 
-def test_each_layer_gets_keys_and_values_in_attention_layout():
+def test_each_layer_gets_keys_and_values_in_attention_layout(numbered_pool):
     cache = numbered_pool().gather([3, 1], CONFIG)
     assert len(cache.layers) == SHAPE["num_layers"], "one (keys, values) pair per layer"
     expected = (1, SHAPE["num_kv_heads"], 2 * BLOCK_SIZE, SHAPE["head_dim"])
@@ -58,7 +64,7 @@ def test_each_layer_gets_keys_and_values_in_attention_layout():
 # into it), so the logits of the finish line would not notice blocks gathered out of order.
 # This test does.
 @pytest.mark.parametrize("block_ids", [[3, 1], [5, 0, 2], [4]], ids=str)
-def test_token_p_comes_from_block_ids_p_div_block_size_at_slot_p_mod_block_size(block_ids):
+def test_token_p_comes_from_block_ids_p_div_block_size_at_slot_p_mod_block_size(numbered_pool, block_ids):
     pool = numbered_pool()
     cache = pool.gather(block_ids, CONFIG)
     for layer in range(SHAPE["num_layers"]):
@@ -73,48 +79,36 @@ def test_token_p_comes_from_block_ids_p_div_block_size_at_slot_p_mod_block_size(
                     )
 
 
-class TensorOperations(TorchFunctionMode):
-    """Inside `with TensorOperations() as ops:`, every torch function and tensor method called
-    (indexing included) is counted in ops.names, and the device of each tensor one of them
-    made is in ops.devices (operation name -> devices)."""
-
-    def __init__(self):
-        super().__init__()
-        self.names = Counter()
-        self.devices: dict[str, set[str]] = {}
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        name = getattr(func, "__name__", str(func))
-        self.names[name] += 1
-        result = func(*args, **(kwargs or {}))
-        if isinstance(result, torch.Tensor):
-            self.devices.setdefault(name, set()).add(result.device.type)
-        return result
-
-
-def test_a_longer_prefix_takes_no_more_tensor_operations():
-    pool = numbered_pool(16)
-    counted = {}
-    for block_ids in ([3], list(range(12))):
-        with TensorOperations() as ops:
-            pool.gather(block_ids, CONFIG)
-        counted[len(block_ids) * BLOCK_SIZE] = ops.names
-    short, long = counted[BLOCK_SIZE], counted[12 * BLOCK_SIZE]
-    extra = ", ".join(f"{name} x{n}" for name, n in (long - short).most_common(3))
-    assert long.total() <= short.total(), (
-        f"gathering 48 tokens ran {long.total()} tensor operations, gathering 4 ran {short.total()} (more: {extra}): "
-        "the work grows with the prefix, so a Python loop runs over its tokens or blocks, and a real prefix has "
-        "thousands. Pick every block at once (index_select, or indexing with a tensor of block ids), then reshape"
+def test_a_bfloat16_pool_gives_bfloat16_keys_and_values(numbered_pool):
+    cache = numbered_pool(dtype=torch.bfloat16).gather([3, 1], CONFIG)
+    dtypes = {str(tensor.dtype) for layer in cache.layers for tensor in (layer.keys, layer.values)}
+    assert dtypes == {"torch.bfloat16"}, (
+        f"a bfloat16 pool was gathered into {sorted(dtypes)}: the gathered K/V keep the pool's dtype (a copy to "
+        "float32 doubles the memory of every gather, and the model, in bfloat16, would have to cast it back)"
     )
 
 
-def test_every_tensor_is_made_on_the_pools_device():
+def test_a_longer_prefix_takes_no_more_tensor_operations(child):
+    spec = {**SHAPE, "num_blocks": 16, "block_size": BLOCK_SIZE}
+    short, long = (counted["names"] for counted in child.call("gather_count", spec=spec,
+                                                                  block_ids_list=[[3], list(range(12))]))
+    more = {name: n - short.get(name, 0) for name, n in long.items() if n > short.get(name, 0)}
+    extra = ", ".join(f"{name} x{n}" for name, n in sorted(more.items(), key=lambda item: -item[1])[:3])
+    assert sum(long.values()) <= sum(short.values()), (
+        f"gathering 48 tokens ran {sum(long.values())} tensor operations, gathering 4 ran {sum(short.values())} "
+        f"(more: {extra}): the work grows with the prefix, so a Python loop runs over its tokens or blocks, and a "
+        "real prefix has thousands. Pick every block at once (index_select, or indexing with a tensor of block "
+        "ids), then reshape"
+    )
+
+
+def test_every_tensor_is_made_on_the_pools_device(child):
     # A pool on the "meta" device holds no data, so any tensor the gather makes elsewhere shows
     # (on a GPU, an index built on the CPU costs a copy to the GPU every gather, or fails).
-    pool = impl.PagedKVPool(**SHAPE, num_blocks=6, block_size=BLOCK_SIZE, device="meta")
-    with TensorOperations() as ops:
-        pool.gather([3, 1], CONFIG)
-    elsewhere = {name: devices - {"meta"} for name, devices in ops.devices.items() if devices - {"meta"}}
+    spec = {**SHAPE, "num_blocks": 6, "block_size": BLOCK_SIZE, "device": "meta"}
+    (counted,) = child.call("gather_count", spec=spec, block_ids_list=[[3, 1]])
+    elsewhere = {name: set(devices) - {"meta"} for name, devices in counted["devices"].items()
+                 if set(devices) - {"meta"}}
     assert not elsewhere, (
         f"with the pool on the meta device, the gather made tensors on {elsewhere}: build the index on the pool's "
         "device (torch.tensor(block_ids, device=self.device)), or `python prefix_caching.py --device cuda` "
@@ -122,9 +116,18 @@ def test_every_tensor_is_made_on_the_pools_device():
     )
 
 
-def test_the_finish_line_cached_prefix_plus_suffix_logits_equal_a_full_forward(tiny_model):
+@settings(GRADING, max_examples=25)
+@given(st.lists(st.integers(0, 5), max_size=7), st.sampled_from([torch.float32, torch.bfloat16, torch.float16]))
+def test_any_blocks_in_any_order_match_the_reference(numbered_pool, block_ids, dtype):
+    pool = numbered_pool(dtype=dtype)
+    pool.gather(block_ids, CONFIG)
+    pool.twin.check()
+
+
+def test_the_finish_line_cached_prefix_plus_suffix_logits_equal_a_full_forward(child, tiny_model):
     model = tiny_model
-    pool = impl.PagedKVPool(**PagedKVPool.shape_from_config(model.config), num_blocks=16, block_size=BLOCK_SIZE)
+    pool = remote_pool_class()(child, **PagedKVPool.shape_from_config(model.config), num_blocks=16,
+                               block_size=BLOCK_SIZE)
     prompt = list(range(200, 221))  # 21 tokens: a prefix of 4 full blocks, a suffix of 5
     block_table = [9, 2, 14, 5, 0, 7]  # anywhere in the pool, in any order
     with torch.no_grad():
@@ -139,10 +142,11 @@ def test_the_finish_line_cached_prefix_plus_suffix_logits_equal_a_full_forward(t
                                msg=lambda m: f"cached prefix + suffix logits differ from a full forward pass: {m}")
 
 
-def test_an_engine_running_on_your_gather_replies_like_model_generate(make_engine):
+def test_an_engine_running_on_your_gather_replies_like_model_generate(child, make_engine):
     engine = make_engine()
-    engine.kv = impl.PagedKVPool(**PagedKVPool.shape_from_config(engine.model.config),
-                                  num_blocks=engine.allocator.num_blocks, block_size=engine.allocator.block_size)
+    pool = remote_pool_class()(child, **PagedKVPool.shape_from_config(engine.model.config),
+                               num_blocks=engine.allocator.num_blocks, block_size=engine.allocator.block_size)
+    engine.parts = replace(engine.parts, kv=pool)
     prompt = list(range(100, 123))  # 23 tokens: 5 full blocks of 4 and a partial one
     cold = engine.generate(prompt, max_tokens=8)
     warm = engine.generate(prompt[:20] + [7, 8, 9], max_tokens=8)

@@ -1,23 +1,31 @@
 """Exercise 6: one step of the scheduler (exercises/scheduler.py). Needs no other exercise:
 it runs on prefix_caching's allocator, which has the decode side (append_tokens) and peek.
 
-No model runs: `step` below plays it, so each test reads as a few steps and the plans they
-give. A plan is a list of (request id, start, end): compute tokens [start, end) this step.
+Your scheduler runs in the child; its allocator lives here, and each of its calls comes
+here to run. No model runs: `step` below plays it, so each test reads as a few steps and
+the plans they give. A plan is a list of (request id, start, end): compute tokens
+[start, end) this step. Every step also runs on scheduler.py's Scheduler, and the plans,
+queues, counters and allocators are compared.
 """
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from grading import exercise
-from prefix_caching import OutOfBlocksError, PrefixCachingAllocator
+from grading import GRADING, RemoteScheduler
+from prefix_caching import OutOfBlocksError
 from scheduler import RUNNING, WAITING, Request
 
-impl = exercise("scheduler")
-GRADED = ["Scheduler.schedule", "Scheduler._preempt"]  # what exercise 6 writes
+EXERCISE = "scheduler"
 
 
-def scheduler(num_blocks: int, **options):
+@pytest.fixture
+def scheduler(child):
     """A scheduler over a pool of `num_blocks` blocks of 4 tokens."""
-    return impl.Scheduler(PrefixCachingAllocator(num_blocks=num_blocks, block_size=4), **options)
+    def make(num_blocks: int, **options):
+        return RemoteScheduler(child, num_blocks, **options)
+
+    return make
 
 
 def add(s, **prompts: list[int]) -> None:
@@ -35,28 +43,30 @@ def state(s) -> str:
             f"free queue {alloc.free_queue.block_ids()}")
 
 
-def step(s, token: int = 7) -> tuple[list[tuple[str, int, int]], list[str]]:
+def step(s, token: int = 7, budget: int | None = None) -> tuple[list[tuple[str, int, int]], list[str]]:
     """Plan a step and play the model: each scheduled request has its tokens [start, end)
     computed, and one that reached the end of its tokens samples `token` (a chunk part-way
     through a prompt samples nothing). Returns (the plan, who was preempted)."""
-    plan = s.schedule()
-    if plan.num_tokens > s.max_num_batched_tokens:
-        pytest.fail(f"the step plans {plan.num_tokens} tokens against a budget of {s.max_num_batched_tokens}: "
-                    f"{[(r.request.request_id, r.start, r.end) for r in plan.scheduled]}. Every token a request "
-                    "computes comes out of the budget, a resumed request's sampled tokens too", pytrace=False)
-    for scheduled in plan.scheduled:
-        scheduled.request.num_computed_tokens = scheduled.end
-        if scheduled.samples:
-            scheduled.request.output_ids.append(token)
+    plan, preempted = s.step(budget, token)
+    limit = s.max_num_batched_tokens if budget is None else min(budget, s.max_num_batched_tokens)
+    num_tokens = sum(end - start for _, start, end, _ in plan)
+    if num_tokens > limit:
+        pytest.fail(f"the step plans {num_tokens} tokens against a budget of {limit}: "
+                    f"{[tuple(p[:3]) for p in plan]}. Every token a request computes comes out of the budget, a "
+                    "resumed request's sampled tokens too", pytrace=False)
+    alloc = s.allocator
     try:
-        s.check_invariants()
+        alloc.check_invariants()
+        assert set(alloc.block_tables) == set(ids(s.running)), "block tables belong to running requests only"
+        assert all(r.status == RUNNING for r in s.running) and all(r.status == WAITING for r in s.waiting), (
+            "a running request's status is RUNNING, a waiting one's WAITING")
     except AssertionError as err:
         pytest.fail(f"after the step the state does not add up ({err}): {state(s)}. A preempted request's blocks "
-                    "are freed and it leaves self.running; an admitted one leaves self.waiting")
-    return [(r.request.request_id, r.start, r.end) for r in plan.scheduled], ids(plan.preempted)
+                    "are freed and it leaves self.running; an admitted one leaves self.waiting", pytrace=False)
+    return [tuple(p[:3]) for p in plan], preempted
 
 
-def request(s, request_id: str) -> Request:
+def request(s, request_id: str):
     return next(r for r in [*s.running, *s.waiting] if r.request_id == request_id)
 
 
@@ -66,7 +76,7 @@ A = list(range(8))
 B = [0, 1, 2, 3, 40, 41, 42]  # a's first block, then 3 tokens of its own
 
 
-def test_the_worked_example_step_by_step():
+def test_the_worked_example_step_by_step(scheduler):
     s = scheduler(4)
     add(s, a=A, b=B)
     plan, _ = step(s)
@@ -88,7 +98,7 @@ def test_the_worked_example_step_by_step():
     assert ids(s.waiting) == ["b"] and s.allocator.block_tables == {"a": [0, 1, 3]}, f"step 3: {state(s)}"
 
 
-def test_a_preempted_request_frees_its_blocks_and_resumes_from_the_cache():
+def test_a_preempted_request_frees_its_blocks_and_resumes_from_the_cache(scheduler):
     s = scheduler(4)
     add(s, a=A, b=B)
     step(s), step(s), step(s)  # the worked example: b is preempted in step 3
@@ -117,7 +127,7 @@ def test_a_preempted_request_frees_its_blocks_and_resumes_from_the_cache():
 # --- admission -----------------------------------------------------------------------------
 
 
-def test_waiting_requests_are_admitted_in_arrival_order():
+def test_waiting_requests_are_admitted_in_arrival_order(scheduler):
     s = scheduler(10)
     add(s, a=[1, 2], b=[3], c=[4, 5, 6])
     plan, _ = step(s)
@@ -128,7 +138,7 @@ def test_waiting_requests_are_admitted_in_arrival_order():
     assert [r.status for r in s.running] == [RUNNING] * 3, "an admitted request's status is RUNNING"
 
 
-def test_no_more_than_max_num_seqs_requests_run():
+def test_no_more_than_max_num_seqs_requests_run(scheduler):
     s = scheduler(10, max_num_seqs=2)
     add(s, a=[1], b=[2], c=[3])
     step(s)
@@ -138,7 +148,7 @@ def test_no_more_than_max_num_seqs_requests_run():
     )
 
 
-def test_the_first_request_that_does_not_fit_stops_admission():
+def test_the_first_request_that_does_not_fit_stops_admission(scheduler):
     s = scheduler(5)
     add(s, big=list(range(16)), next=list(range(100, 108)), small=[1])  # 4 blocks, then 2, then 1
     plan, _ = step(s)
@@ -148,13 +158,13 @@ def test_the_first_request_that_does_not_fit_stops_admission():
     )
 
 
-def test_a_request_over_the_budget_gets_a_chunk_and_stops_admission():
+def test_a_request_over_the_budget_gets_a_chunk_and_stops_admission(scheduler):
     s = scheduler(10, max_num_seqs=4, max_num_batched_tokens=10)
     add(s, a=list(range(8)), b=list(range(100, 105)), c=[1])
     plan, _ = step(s)
     assert plan == [("a", 0, 8), ("b", 0, 2)], (
-        f"a uses 8 of the 10 tokens; b needs 5 and gets the 2 that are left (its first chunk), and c must not "
-        f"overtake it: the budget is spent. Got {plan}"
+        f"a uses 8 of the 10 tokens; b needs 5 and gets the 2 that are left (its first chunk: exactly the budget "
+        f"left, not rounded down to a block edge), and c must not overtake it: the budget is spent. Got {plan}"
     )
     plan, _ = step(s)
     assert plan == [("a", 8, 9), ("b", 2, 5), ("c", 0, 1)], (
@@ -162,7 +172,7 @@ def test_a_request_over_the_budget_gets_a_chunk_and_stops_admission():
     )
 
 
-def test_the_capacity_check_counts_the_blocks_after_the_prefix_hit():
+def test_the_capacity_check_counts_the_blocks_after_the_prefix_hit(scheduler):
     s = scheduler(4)
     add(s, a=list(range(12)), b=list(range(12)) + [99])
     plan, _ = step(s)
@@ -173,7 +183,7 @@ def test_the_capacity_check_counts_the_blocks_after_the_prefix_hit():
     )
 
 
-def test_a_request_that_does_not_fit_waits_even_when_its_hits_are_free_blocks():
+def test_a_request_that_does_not_fit_waits_even_when_its_hits_are_free_blocks(scheduler):
     s = scheduler(6)
     add(s, a=list(range(8)), x=list(range(50, 61)))  # a: blocks 0 1 (full), x: 2 3 4 (11 tokens)
     step(s)
@@ -189,7 +199,7 @@ def test_a_request_that_does_not_fit_waits_even_when_its_hits_are_free_blocks():
     assert plan == [("x", 11, 12)] and ids(s.waiting) == ["c"], f"c does not fit and waits: got {plan}, {state(s)}"
 
 
-def test_no_block_is_findable_before_the_step_that_computes_it():
+def test_no_block_is_findable_before_the_step_that_computes_it(scheduler):
     s = scheduler(10, max_num_seqs=4, max_num_batched_tokens=4)
     add(s, long=list(range(12)))
     step(s)  # tokens 0-3: block 0 only
@@ -201,7 +211,7 @@ def test_no_block_is_findable_before_the_step_that_computes_it():
     )
 
 
-def test_a_salted_request_finds_nothing_of_another_tenant():
+def test_a_salted_request_finds_nothing_of_another_tenant(scheduler):
     s = scheduler(10, max_num_seqs=4, max_num_batched_tokens=13)
     add(s, a=list(range(9)))  # no salt: blocks 0 and 1 cached, block 2 partial
     step(s)
@@ -219,7 +229,7 @@ def test_a_salted_request_finds_nothing_of_another_tenant():
     assert request(s, "b").num_cached_tokens == 0, "b's client must be told 0 cached tokens"
 
 
-def test_a_resumed_request_pays_for_its_sampled_tokens_too():
+def test_a_resumed_request_pays_for_its_sampled_tokens_too(scheduler):
     s = scheduler(10, max_num_seqs=4, max_num_batched_tokens=12)
     # back from a preemption with nothing left in the pool: 4 prompt tokens and 6 it had sampled
     s.add(Request("r", [1, 2, 3, 4], output_ids=[5, 6, 7, 8, 9, 10], num_preemptions=1, admitted=True))
@@ -235,7 +245,7 @@ def test_a_resumed_request_pays_for_its_sampled_tokens_too():
 # --- the token budget ------------------------------------------------------------------------
 
 
-def test_the_token_budget_counts_only_uncached_tokens():
+def test_the_token_budget_counts_only_uncached_tokens(scheduler):
     s = scheduler(20, max_num_seqs=4, max_num_batched_tokens=6)
     add(s, a=list(range(12)))
     step(s), step(s)  # a's prompt, in two chunks of 6
@@ -248,7 +258,7 @@ def test_the_token_budget_counts_only_uncached_tokens():
     )
 
 
-def test_a_request_admitted_earlier_in_the_step_lowers_the_cost_of_the_next():
+def test_a_request_admitted_earlier_in_the_step_lowers_the_cost_of_the_next(scheduler):
     s = scheduler(10, max_num_seqs=4, max_num_batched_tokens=12)
     add(s, a=list(range(10)), b=list(range(9)) + [99])
     plan, _ = step(s)
@@ -258,7 +268,7 @@ def test_a_request_admitted_earlier_in_the_step_lowers_the_cost_of_the_next():
     )
 
 
-def test_each_decode_takes_one_token_of_the_budget():
+def test_each_decode_takes_one_token_of_the_budget(scheduler):
     s = scheduler(10, max_num_seqs=4, max_num_batched_tokens=4)
     add(s, a=[1, 2, 3])
     step(s)
@@ -269,7 +279,7 @@ def test_each_decode_takes_one_token_of_the_budget():
     )
 
 
-def test_a_prompt_longer_than_the_budget_is_prefilled_in_chunks():
+def test_a_prompt_longer_than_the_budget_is_prefilled_in_chunks(scheduler):
     s = scheduler(20, max_num_seqs=4, max_num_batched_tokens=4)
     add(s, long=list(range(10)), short=[1])
     plan, _ = step(s)
@@ -295,7 +305,7 @@ def test_a_prompt_longer_than_the_budget_is_prefilled_in_chunks():
     assert plan == [("long", 10, 11), ("short", 1, 2)], f"both decode now: got {plan}"
 
 
-def test_a_chunk_comes_after_the_decodes():
+def test_a_chunk_comes_after_the_decodes(scheduler):
     s = scheduler(20, max_num_seqs=4, max_num_batched_tokens=5)
     add(s, a=[1, 2], b=[3])
     step(s)
@@ -315,7 +325,7 @@ def test_a_chunk_comes_after_the_decodes():
 # --- decodes first, and preemption -----------------------------------------------------------
 
 
-def test_running_requests_decode_before_new_ones_are_admitted():
+def test_running_requests_decode_before_new_ones_are_admitted(scheduler):
     s = scheduler(10)
     add(s, a=[1, 2, 3])
     step(s)
@@ -324,7 +334,7 @@ def test_running_requests_decode_before_new_ones_are_admitted():
     assert plan == [("a", 3, 4), ("b", 0, 2)], f"the running request decodes first, then b is admitted: got {plan}"
 
 
-def test_a_running_request_gets_the_last_free_block_before_a_new_one():
+def test_a_running_request_gets_the_last_free_block_before_a_new_one(scheduler):
     s = scheduler(3)
     add(s, a=list(range(8)))  # blocks 0 and 1, both full
     step(s)
@@ -336,7 +346,7 @@ def test_a_running_request_gets_the_last_free_block_before_a_new_one():
     )
 
 
-def test_a_full_pool_preempts_the_most_recently_admitted_request():
+def test_a_full_pool_preempts_the_most_recently_admitted_request(scheduler):
     s = scheduler(6)
     add(s, old=list(range(8)), mid=list(range(20, 28)), new=list(range(40, 48)))  # 2 full blocks each
     step(s)
@@ -351,7 +361,7 @@ def test_a_full_pool_preempts_the_most_recently_admitted_request():
     )
 
 
-def test_a_preempted_request_goes_to_the_front_of_the_waiting_queue():
+def test_a_preempted_request_goes_to_the_front_of_the_waiting_queue(scheduler):
     s = scheduler(4)
     add(s, a=list(range(8)), b=list(range(20, 28)))  # the pool is full after step 1
     step(s)
@@ -363,7 +373,7 @@ def test_a_preempted_request_goes_to_the_front_of_the_waiting_queue():
     )
 
 
-def test_nobody_is_admitted_in_a_step_that_preempts():
+def test_nobody_is_admitted_in_a_step_that_preempts(scheduler):
     s = scheduler(4)
     add(s, a=list(range(8)), b=list(range(20, 28)))
     step(s)
@@ -375,7 +385,7 @@ def test_nobody_is_admitted_in_a_step_that_preempts():
     )
 
 
-def test_a_preempted_request_is_not_readmitted_in_the_same_step():
+def test_a_preempted_request_is_not_readmitted_in_the_same_step(scheduler):
     s = scheduler(4)
     # v's prompt is a's first 8 tokens: it hits a's block 0 and computes its own copy of a's block 1
     # (a hit must leave a token to compute). Preempted, v frees that copy, and it is all v needs to
@@ -390,3 +400,59 @@ def test_a_preempted_request_is_not_readmitted_in_the_same_step():
     )
     plan, _ = step(s)
     assert plan == [("a", 10, 11), ("v", 8, 9)], f"next step v comes back: got {plan}"
+
+
+def test_a_salted_request_finds_its_own_tenants_blocks(scheduler):
+    s = scheduler(10, max_num_seqs=4, max_num_batched_tokens=16)
+    s.add(Request("a", list(range(9)), cache_salt="tenant-a"))
+    step(s)
+    s.add(Request("b", list(range(8)) + [50, 51, 52], cache_salt="tenant-a"))
+    plan, _ = step(s)
+    assert plan == [("a", 9, 10), ("b", 8, 11)], (
+        f"b shares a's tenant (cache_salt 'tenant-a') and a's first 8 tokens: it hits them and computes 3, got "
+        f"{plan}. The salt is peek's cache_salt (peek(token_ids, cache_salt)), not an extra key: as an extra key "
+        "it names other blocks, and a tenant never finds its own"
+    )
+
+
+def test_a_resumed_request_samples_only_at_the_end_of_its_tokens(scheduler):
+    s = scheduler(10, max_num_seqs=4, max_num_batched_tokens=4)
+    # back from a preemption with nothing left in the pool: 4 prompt tokens and 6 it had sampled
+    s.add(Request("r", [1, 2, 3, 4], output_ids=[5, 6, 7, 8, 9, 10], num_preemptions=1, admitted=True))
+    outputs = []
+    for _ in range(3):
+        step(s, token=99)
+        outputs.append(list(request(s, "r").output_ids))
+    assert outputs == [[5, 6, 7, 8, 9, 10]] * 2 + [[5, 6, 7, 8, 9, 10, 99]], (
+        f"r recomputes its 10 tokens in chunks of 4, 4 and 2, and samples once, after the last: its output_ids went "
+        f"{outputs}. A chunk samples only when it reaches the end of the request's tokens (its prompt and what it "
+        "had sampled): its tokens past the prompt are already known, so a chunk that stops there samples nothing"
+    )
+
+
+# --- any script of requests, compared with the reference --------------------------------------------------
+
+PREFIXES = [[], [1, 2, 3, 4], [1, 2, 3, 4, 5, 6, 7, 8]]
+ADD = st.tuples(st.just("add"), st.sampled_from(PREFIXES), st.lists(st.integers(0, 3), max_size=8),
+                st.sampled_from([None, None, "t"]))
+STEP = st.tuples(st.just("step"), st.sampled_from([None, None, 3, 5]))
+FINISH = st.tuples(st.just("finish"), st.integers(0, 7))
+
+
+@settings(GRADING, max_examples=40)
+@given(st.lists(st.one_of(ADD, STEP, STEP, FINISH), min_size=1, max_size=14),
+       st.sampled_from([(4, 2, 6), (6, 3, 8), (8, 4, 12)]))
+def test_any_script_of_requests_matches_the_reference(scheduler, script, size):
+    num_blocks, max_num_seqs, max_num_batched_tokens = size
+    s = scheduler(num_blocks, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+    added = []
+    for i, operation in enumerate(script):
+        if operation[0] == "add":
+            _, prefix, rest, salt = operation
+            s.add(Request(f"r{i}", (prefix + rest) or [0], cache_salt=salt))
+            added.append(f"r{i}")
+        elif operation[0] == "step":
+            step(s, token=i, budget=operation[1])
+        elif added:
+            s.finish(added.pop(operation[1] % len(added)))
+        s.check()

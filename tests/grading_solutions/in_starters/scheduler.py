@@ -1,0 +1,122 @@
+"""
+Exercise 6: one step of the scheduler: decodes, preemption, admission (stage 8).
+
+Everything but the two methods below comes from exercises/given.py (Request,
+ScheduledRequest, StepPlan, the waiting queue and the running list, add, finish). The
+allocator is prefix_caching's: besides allocate_with_prefix and free it has peek (how many
+prompt tokens would hit now, changing nothing) and append_tokens (more tokens for a running
+request: new blocks when the last one fills, each block cached as it fills). Both
+allocate_with_prefix and append_tokens raise OutOfBlocksError, changing nothing, when too
+few blocks are free.
+
+The rules a step keeps (vLLM v1's Scheduler.schedule; stage 8 shows them at work):
+  - Budget: a step computes at most `budget` tokens (max_num_batched_tokens, or less when
+    schedule is given one). Every token computed counts: a decode's one, a chunk's, a resumed
+    request's recomputed ones. Cached tokens cost nothing. A prompt longer than what is left
+    gets exactly what is left now and the rest in later steps (chunked prefill).
+  - Who first: requests already running come before new ones, in the order they were
+    admitted; waiting requests are admitted in arrival order, and none overtakes an earlier
+    one. At most max_num_seqs run at once.
+  - Slots: a step gives slots (and so cached blocks) only to the tokens it computes, so no
+    block can be hit before the step that writes its K/V. The allocator checks the room after
+    the prefix hit; do not count blocks yourself.
+  - Out of blocks: a running request that needs a block when none is free takes one from the
+    request with the least work to lose, the one admitted last, by recompute preemption: its
+    blocks are freed (full ones stay cached, so it finds them again) and it waits again, ahead
+    of everyone who arrived after it. A step that preempted admits nobody (the pool just
+    proved too small).
+  - Tenants: a request's cache_salt goes wherever its prompt is looked up or allocated.
+  - What the client sees: num_cached_tokens is the hit at a request's first admission.
+
+Invariants after every step: a request is in exactly one of self.waiting and self.running,
+with status WAITING or RUNNING; the allocator's block tables are exactly the running
+requests'; a running request's num_computed_tokens counts its tokens with slots.
+
+Worked example: 4 blocks of 4 tokens; a has 8 tokens, b has a's first 4 and 3 of its own.
+    step 1  plan a 0-8, b 4-7    a gets blocks [0, 1]; b hits block 0 (cached the moment a
+                                 got it, though a computes it in this very step), gets 2
+    step 2  plan a 8-9, b 7-8    both decode: a's token 8 starts block 3, b's token 7 fills 2
+    step 3  plan a 9-10          b's token 8 needs a fifth block: b, admitted last, is
+                                 preempted; block 2 is freed (still cached), block 0 stays
+                                 with a, b waits at the front of the queue for the next step
+    step 4  plan a 10-11         the pool is still full: b waits (a frees nothing by decoding)
+
+Finish line:
+    EXERCISE_IMPL=starter python -m pytest tests/exercises/test_ex6_schedule.py
+replays this example, then breaks each rule above in turn, then runs random scripts of
+requests against the reference.
+"""
+
+from exercises.given import RUNNING, WAITING, OutOfBlocksError, Request, SchedulerBase, ScheduledRequest, StepPlan
+
+
+class Scheduler(SchedulerBase):
+    def schedule(self, budget: int | None = None) -> StepPlan:
+        """Plan one step: StepPlan(scheduled, preempted), both lists in the order things
+        happen. budget: the tokens this step may compute, at most self.max_num_batched_tokens
+        (the default). Each ScheduledRequest(request, start, end) asks the model to compute
+        tokens [start, end) of request.token_ids; the engine then sets num_computed_tokens to
+        end and, when end reaches the end of its tokens, appends the token it samples."""
+        left = self.max_num_batched_tokens if budget is None else min(budget, self.max_num_batched_tokens)
+        scheduled: list[ScheduledRequest] = []
+        preempted: list[Request] = []
+
+        # 1. running requests, in admission order: a decode, or a prompt's next chunk
+        i = 0
+        while i < len(self.running) and left > 0:
+            request = self.running[i]
+            start = request.num_computed_tokens
+            end = min(len(request.token_ids), start + left)
+            if end <= start:
+                i += 1
+                continue
+            while True:
+                try:
+                    self.allocator.append_tokens(request.request_id, request.token_ids[start:end])
+                    break
+                except OutOfBlocksError:
+                    victim = self.running.pop()  # the one admitted last
+                    self._preempt(victim)
+                    preempted.append(victim)
+                    if victim is request:
+                        break
+            if request.status != RUNNING:
+                break  # it preempted itself: everyone after it is gone too
+            scheduled.append(ScheduledRequest(request, start, end))
+            left -= end - start
+            i += 1
+
+        # 2. waiting requests, in arrival order, only if nothing was preempted
+        while not preempted and self.waiting and left > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            tokens = request.token_ids
+            hit = self.allocator.peek(tokens, cache_salt=request.cache_salt)
+            end = min(len(tokens), hit + left)
+            try:
+                allocation = self.allocator.allocate_with_prefix(
+                    request.request_id, tokens[:end], cache_salt=request.cache_salt)
+            except OutOfBlocksError:
+                break  # no overtaking: everyone behind it waits too
+            self.waiting.popleft()
+            start = allocation.num_cached_tokens
+            request.status = RUNNING
+            request.num_computed_tokens = start
+            if not request.admitted:
+                request.admitted = True
+                request.num_cached_tokens = start
+            self.running.append(request)
+            scheduled.append(ScheduledRequest(request, start, end))
+            left -= end - start
+
+        return StepPlan(scheduled, preempted)
+
+    def _preempt(self, request: Request) -> None:
+        """Recompute preemption of `request`, already taken out of self.running: afterwards it
+        holds no blocks, waits again with nothing computed, and counts one more preemption
+        (request.num_preemptions and self.num_preemptions)."""
+        self.allocator.free(request.request_id)
+        request.status = WAITING
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
