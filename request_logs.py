@@ -6,10 +6,12 @@ Read engine.py's tokenize_prompts first: a logged prompt is what the engine take
 chat messages, or token ids). The workload analyzer (workload_analyzer.py) tokenizes and
 replays what this file reads.
 
-    1. reading a log    read_log(path): JSONL or a JSON array (plain, .gz or .xz) of OpenAI
-                        request bodies ("messages" or "prompt", an optional "cache_salt"; an
-                        OpenAI batch file's lines, whose "body" holds one) or ShareGPT
-                        conversations (one request per user turn, with the history before it)
+    1. reading a log    read_log(path), Log.read(path, max_bytes, skip_bad): JSONL or a JSON
+                        array (plain, .gz, .xz or .bz2, read as it decompresses) of OpenAI
+                        request bodies (every "messages" and "prompt" the chat and completions
+                        APIs take, an optional "cache_salt"; an OpenAI batch file's lines,
+                        whose "body" holds one) or ShareGPT conversations (one request per user
+                        turn, with the history before it)
                         interleave(requests, n): n conversations at a time, taking turns
     2. example logs     chatbot, multi-turn chat, RAG, code completion, batch summarisation,
                         random prompts, and a chatbot whose system prompt opens with a
@@ -26,12 +28,18 @@ replays what this file reads.
 from __future__ import annotations
 
 import argparse
+import bz2
+import codecs
 import gzip
 import json
 import lzma
 import random
-from dataclasses import dataclass
+import re
+import zlib
+from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterator
 
 from engine import check_prompt
 from prefix_caching import check_cache_salt
@@ -43,8 +51,26 @@ from prefix_caching import check_cache_salt
 # bodies, one JSON object a line. Public chat datasets (ShareGPT and the benchmarks built on
 # it) keep whole conversations; a chat client sends the history again at every turn, so each
 # user turn is one request whose prompt is every message before it and the turn itself.
+#
+# A log can be far larger than its file (a 156 KB .xz file can hold 1 GiB of repeated text),
+# so it is read as it decompresses, a record at a time, and refused past max_bytes.
 
 SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
+DEFAULT_MAX_LOG_BYTES = 2 * 1024**3  # decompressed; --max-log-bytes
+CHUNK_BYTES = 1 << 20  # read at a time
+MAX_TOKEN_ID = 2**32 - 1  # the analyzer keeps token ids in 4-byte arrays; every vocabulary fits
+# The content parts that hold text, and the key of their text: "text" in any message,
+# "refusal" in an assistant's (OpenAI's chat API). Other parts (image_url, input_audio, file)
+# are counted and left out: a multimodal model's server puts tokens of its own in their place,
+# which a log of text cannot tell.
+TEXT_PARTS = {"text": "text", "refusal": "refusal"}
+# vLLM joins a message's text parts with a newline when the chat template takes its content
+# as one string, as most do (vllm/entrypoints/chat_utils.py, _parse_chat_message_content_parts).
+PART_SEPARATOR = "\n"
+COMPRESSED = {b"\x1f\x8b": gzip.open, b"\xfd7zXZ\x00": lzma.open, b"BZh": bz2.open}  # known by their first bytes
+ZSTD = b"\x28\xb5\x2f\xfd"
+NON_SPACE = re.compile(r"\S")
+EXAMPLES = 3  # bad records quoted when they are skipped
 
 
 @dataclass
@@ -59,48 +85,256 @@ class LogError(ValueError):
     """A record the analyzer cannot read; the message says where and what to change."""
 
 
-def open_log(path: Path):
-    """The log as text, decompressing .gz and .xz files by their name."""
-    opener = {".gz": gzip.open, ".xz": lzma.open}.get(path.suffix, open)
-    return opener(path, "rt", encoding="utf-8")
+@dataclass
+class Log:
+    """A log's requests, and what reading it left out."""
+
+    requests: list[LoggedRequest]
+    bad_records: int = 0  # skip_bad: records left out
+    bad_examples: list[str] = field(default_factory=list)  # the errors of the first EXAMPLES of them
+    skipped_parts: Counter = field(default_factory=Counter)  # content parts that are not text, by type
+
+    @classmethod
+    def read(cls, path: str | Path, max_bytes: int = DEFAULT_MAX_LOG_BYTES, skip_bad: bool = False) -> Log:
+        """Every request of the log, in its order. A bad record raises LogError naming its
+        line; with skip_bad it is left out and its error kept in bad_records. Refused either
+        way: a log larger than max_bytes decompressed, a damaged archive, and a JSON array
+        whose syntax breaks (nothing says where its next element starts)."""
+        path = Path(path)
+        if not path.is_file():
+            raise LogError(f"{path}: no such file; give a JSONL log of OpenAI request bodies or ShareGPT conversations")
+        log = cls([])
+        for where, record in records(path, max_bytes):
+            parts = Counter()  # counted only if the record is read
+            try:
+                if isinstance(record, LogError):
+                    raise record
+                log.requests.extend(requests_from_record(record, where, parts))
+            except LogError as err:
+                if not skip_bad:
+                    raise
+                log.bad_records += 1
+                if len(log.bad_examples) < EXAMPLES:
+                    log.bad_examples.append(str(err))
+                continue
+            log.skipped_parts.update(parts)
+        if not log.requests:
+            skipped = f" ({log.bad_records:,} bad records skipped)" if log.bad_records else ""
+            raise LogError(f"{path}: the log holds no request{skipped}")
+        return log
+
+    def notes(self) -> list[str]:
+        """What the analysis of this log leaves out, in words."""
+        notes = []
+        if self.bad_records:
+            more = " …" if self.bad_records > len(self.bad_examples) else ""
+            notes.append(f"{self.bad_records:,} bad records skipped (--skip-bad), not replayed: "
+                         f"{'; '.join(self.bad_examples)}{more}")
+        if self.skipped_parts:
+            kinds = ", ".join(f"{n:,} {kind}" for kind, n in self.skipped_parts.most_common())
+            notes.append(f"{self.skipped_parts.total():,} content parts that are not text skipped ({kinds}): only "
+                         f"their messages' text is replayed; a multimodal server puts tokens of its own there")
+        return notes
 
 
 def read_log(path: str | Path) -> list[LoggedRequest]:
     """Every request of the log, in its order. Raises LogError naming the first bad record."""
-    path = Path(path)
-    if not path.is_file():
-        raise LogError(f"{path}: no such file; give a JSONL log of OpenAI request bodies or ShareGPT conversations")
-    try:
-        with open_log(path) as f:
-            text = f.read()
-    except (OSError, EOFError, UnicodeDecodeError, lzma.LZMAError) as err:
-        raise LogError(f"{path}: cannot read it as text ({err}); "
-                       f"give JSONL, optionally compressed as .gz or .xz") from None
-    if text.lstrip().startswith("["):  # one JSON array (how ShareGPT files are often shared)
-        records = enumerate(parse_json(text, f"{path}"), start=1)
-        unit = "record"
-    else:
-        records = ((n, parse_json(line, f"{path}, line {n}"))
-                   for n, line in enumerate(text.splitlines(), 1) if line.strip())
-        unit = "line"
-    requests = []
-    for number, record in records:
-        requests.extend(requests_from_record(record, f"{path.name}, {unit} {number}"))
-    if not requests:
-        raise LogError(f"{path}: the log holds no request")
-    return requests
+    return Log.read(path).requests
+
+
+def add_log_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of a command that reads a log: the log, and how to read it."""
+    parser.add_argument("log", type=Path, help="JSONL or a JSON array (plain, .gz, .xz or .bz2) of OpenAI request "
+                        "bodies (chat messages, content parts and tool calls included, or completion prompts) or "
+                        "ShareGPT conversations")
+    parser.add_argument("--max-log-bytes", type=byte_count, default=DEFAULT_MAX_LOG_BYTES, metavar="SIZE",
+                        help="refuse a log larger than this, decompressed, such as 500MiB or 8GiB (default: 2GiB)")
+    parser.add_argument("--skip-bad", action="store_true",
+                        help="leave out a record that cannot be read, count it and say why (default: stop there)")
+
+
+def byte_count(text: str) -> int:
+    """A size in bytes, in KiB, MiB or GiB.
+
+    >>> byte_count("2GiB"), byte_count("500MiB"), byte_count("4096")
+    (2147483648, 524288000, 4096)
+    """
+    match = re.fullmatch(r"\s*(\d+)\s*(KiB|MiB|GiB)?\s*", text)
+    if not match or int(match[1]) == 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size; give bytes, or KiB, MiB or GiB, such as 2GiB")
+    return int(match[1]) * {None: 1, "KiB": 1024, "MiB": 1024**2, "GiB": 1024**3}[match[2]]
+
+
+# --- The file: its bytes as they decompress, then one record at a time
+
+
+def decompressed(path: Path, max_bytes: int) -> Iterator[bytes]:
+    """The log's bytes, CHUNK_BYTES at a time, decompressed as its first bytes say (gzip, xz,
+    bzip2, or none); LogError past max_bytes, or when the file is cut short or damaged."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+    if head.startswith(ZSTD):
+        raise LogError(f"{path}: zstd is not read here; decompress it (zstd -d) or compress it with xz or gzip")
+    opener = next((opener for magic, opener in COMPRESSED.items() if head.startswith(magic)), open)
+    total = 0
+    with opener(path, "rb") as f:
+        while True:
+            try:
+                chunk = f.read(CHUNK_BYTES)
+            except (OSError, EOFError, lzma.LZMAError, zlib.error) as err:
+                raise LogError(f"{path}: cannot decompress it past byte {total:,} ({err or 'the file is cut short'}); "
+                               f"give a whole .gz, .xz or .bz2 file, or plain text") from None
+            if not chunk:
+                return
+            total += len(chunk)
+            if total > max_bytes:
+                raise LogError(f"{path}: more than {max_bytes:,} bytes decompressed, the limit of --max-log-bytes; "
+                               f"raise it, or split the log")
+            yield chunk
+
+
+def records(path: Path, max_bytes: int) -> Iterator[tuple[str, object]]:
+    """(where, record) for each record of the log: the elements of one JSON array, or else
+    one per line. A line that is not UTF-8 or not JSON comes as the LogError that says so,
+    in its place, so that a caller may skip it and go on."""
+    chunks = decompressed(path, max_bytes)
+    first = next(chunks, b"").removeprefix(codecs.BOM_UTF8)  # Windows tools open UTF-8 text with one
+    chunks = prepend(first, chunks)
+    if first.lstrip().startswith(b"["):  # one JSON array (how ShareGPT files are often shared)
+        for number, record in enumerate(JSONArray(chunks, path.name), start=1):
+            yield f"{path.name}, record {number}", record
+        return
+    for number, raw in lines(chunks):
+        where = f"{path.name}, line {number}"
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as err:
+            yield where, LogError(f"{where}: not UTF-8 at byte {err.start + 1:,} of the line "
+                                  f"({raw[err.start:err.start + 4]!r}); save the log as UTF-8")
+            continue
+        if text.strip():
+            yield where, parse_json(text, where)
+
+
+def prepend(first: bytes, rest: Iterator[bytes]) -> Iterator[bytes]:
+    yield first
+    yield from rest
+
+
+def lines(chunks: Iterator[bytes]) -> Iterator[tuple[int, bytes]]:
+    """(line number, its bytes) as the chunks arrive: one line in memory at a time.
+
+    >>> list(lines(iter([b'{"a"', b': 1}\\n{"b": 2}\\n', b"{}"])))
+    [(1, b'{"a": 1}'), (2, b'{"b": 2}'), (3, b'{}')]
+    """
+    number, pieces = 0, []  # the pieces of a line that spans chunks, joined once
+    for chunk in chunks:
+        *ended, rest = chunk.split(b"\n")
+        for line in ended:
+            number += 1
+            yield number, b"".join(pieces) + line
+            pieces = []
+        pieces.append(rest)
+    if any(pieces):
+        yield number + 1, b"".join(pieces)
 
 
 def parse_json(text: str, where: str):
+    """The record a line holds, or the LogError that says why not."""
     try:
         return json.loads(text)
     except ValueError as err:
-        raise LogError(f"{where}: not valid JSON ({err})") from None
+        return LogError(f"{where}: not valid JSON ({err})")
+    except RecursionError:
+        return LogError(f"{where}: JSON nested too deep to be a request")
 
 
-def requests_from_record(record, where: str) -> list[LoggedRequest]:
+class JSONArray:
+    """The elements of one JSON array, parsed as its text arrives: a ShareGPT file of a few
+    GB is never in memory whole. When the text read so far ends inside an element, it is
+    parsed again with twice as much text, so a large element costs a few passes, not many.
+    An element that is not JSON ends the log (nothing says where the next one starts).
+
+    >>> list(JSONArray(iter([b'[{"a": 1}, 2', b'3, "x"]']), "log.json"))
+    [{'a': 1}, 23, 'x']
+    """
+
+    def __init__(self, chunks: Iterator[bytes], name: str) -> None:
+        self.chunks, self.name = chunks, name
+        self.decoder, self.utf8 = json.JSONDecoder(), codecs.getincrementaldecoder("utf-8")()
+        self.text, self.at, self.line = "", 0, 1  # what is not parsed yet starts at `at`, on line `line`
+        self.ended = False
+
+    def line_at(self, position: int) -> int:
+        return self.line + self.text.count("\n", 0, position)
+
+    def read_more(self, least: int) -> None:
+        """Drop the text parsed, then read at least `least` more characters (fewer at the end)."""
+        self.line, self.text, self.at = self.line_at(self.at), self.text[self.at:], 0
+        wanted = len(self.text) + least
+        while len(self.text) < wanted and not self.ended:
+            chunk = next(self.chunks, None)
+            self.ended = chunk is None
+            try:
+                self.text += self.utf8.decode(chunk or b"", final=self.ended)
+            except UnicodeDecodeError as err:
+                line = self.line_at(len(self.text)) + chunk[:err.start].count(b"\n")
+                raise LogError(f"{self.name}, line {line:,}: not UTF-8 ({chunk[err.start:err.start + 4]!r}); "
+                               f"save the log as UTF-8") from None
+
+    def peek(self) -> str:
+        """The next character that is not white space, left in place ("" at the end)."""
+        while True:
+            found = NON_SPACE.search(self.text, self.at)
+            if found:
+                self.at = found.start()
+                return found[0]
+            if self.ended:
+                return ""
+            self.read_more(CHUNK_BYTES)
+
+    def element(self):
+        self.peek()
+        while True:
+            try:
+                value, end = self.decoder.raw_decode(self.text, self.at)
+                if end < len(self.text) or self.ended:  # a number at the end of the text may go on
+                    self.at = end
+                    return value
+            except json.JSONDecodeError as err:
+                if self.ended:
+                    raise LogError(f"{self.name}, line {self.line_at(err.pos):,}: not valid JSON ({err.msg})") from None
+            except RecursionError:
+                raise LogError(f"{self.name}, line {self.line_at(self.at):,}: JSON nested too deep") from None
+            self.read_more(max(CHUNK_BYTES, len(self.text) - self.at))
+
+    def __iter__(self) -> Iterator:
+        self.peek()
+        self.at += 1  # the '[' records() saw
+        if self.peek() == "]":
+            self.at += 1
+        else:
+            while True:
+                yield self.element()
+                separator = self.peek()
+                self.at += 1
+                if separator == "]":
+                    break
+                if separator != ",":
+                    got = separator or "the end of the file"
+                    raise LogError(f"{self.name}, line {self.line_at(self.at - 1):,}: the elements of an array are "
+                                   f"separated by ',' and it closes with ']', not {got!r}")
+        if self.peek():
+            raise LogError(f"{self.name}, line {self.line_at(self.at):,}: text after the array's closing ']'")
+
+
+# --- Records: what one request body, or one conversation, stands for
+
+
+def requests_from_record(record, where: str, skipped_parts: Counter | None = None) -> list[LoggedRequest]:
     """The requests one record of a log stands for: one for an OpenAI body (several for a
-    completions "prompt" that is a list of texts), one per user turn for a conversation."""
+    completions "prompt" that is a list of prompts), one per user turn for a conversation.
+    Content parts that are not text are counted in skipped_parts."""
     if isinstance(record, dict) and isinstance(record.get("body"), dict):  # a line of an OpenAI batch file
         record = record["body"]
     if not isinstance(record, dict):
@@ -110,11 +344,9 @@ def requests_from_record(record, where: str) -> list[LoggedRequest]:
     except (TypeError, ValueError) as err:
         raise LogError(f"{where}: {err}") from None
     if "messages" in record:
-        prompts = [record["messages"]]
+        prompts = [chat_messages(record["messages"], where, Counter() if skipped_parts is None else skipped_parts)]
     elif "prompt" in record:
-        prompt = record["prompt"]
-        several = isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt)
-        prompts = list(prompt) if several else [prompt]
+        prompts = completion_prompts(record["prompt"], where)
     elif "conversations" in record:
         turns = conversation_turns(record["conversations"], where)
         return [LoggedRequest(messages, salt, f"{where}, turn {turn}", where) for turn, messages in turns]
@@ -126,13 +358,117 @@ def requests_from_record(record, where: str) -> list[LoggedRequest]:
     return [LoggedRequest(prompt, salt, where) for prompt in prompts]
 
 
+def chat_messages(messages, where: str, skipped_parts: Counter) -> list[dict]:
+    """OpenAI chat messages as vLLM's server hands them to the chat template
+    (vllm/entrypoints/chat_utils.py, _parse_chat_message_content): the content one string
+    (its text parts joined, null as ""), an assistant's tool_calls with their arguments
+    parsed, a tool message's tool_call_id and a message's name kept. engine.check_prompt
+    checks the roles, the same check the server makes.
+
+    >>> skipped = Counter()
+    >>> chat_messages([{"role": "user", "content": [{"type": "text", "text": "Hi"},
+    ...     {"type": "image_url", "image_url": {"url": "cat.png"}}, {"type": "text", "text": "What is it?"}]}],
+    ...     "line 1", skipped), skipped
+    ([{'role': 'user', 'content': 'Hi\\nWhat is it?'}], Counter({'image_url': 1}))
+    """
+    if not isinstance(messages, list) or not messages:
+        raise LogError(f'{where}: "messages" is a non-empty list such as [{{"role": "user", "content": "Hi"}}], '
+                       f"got {messages!r:.60}")
+    rendered = []
+    for i, message in enumerate(messages):
+        if not (isinstance(message, dict) and isinstance(message.get("role"), str)):
+            raise LogError(f'{where}: messages[{i}] is an object with a "role", got {message!r:.60}')
+        one = {"role": message["role"], "content": message_text(message.get("content"), f"{where}, messages[{i}]",
+                                                               skipped_parts)}
+        for key in ("name", "tool_call_id"):
+            if isinstance(message.get(key), str):
+                one[key] = message[key]
+        if message["role"] == "assistant" and message.get("tool_calls"):  # vLLM drops an empty list
+            one["tool_calls"] = template_tool_calls(message["tool_calls"], f"{where}, messages[{i}]")
+        rendered.append(one)
+    return rendered
+
+
+def message_text(content, where: str, skipped_parts: Counter) -> str:
+    """A message's content as one string: its text parts joined, other parts counted."""
+    if content is None:  # an assistant's turn that only calls tools
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise LogError(f"{where}: content is a string, a list of content parts or null, got {content!r:.60}")
+    texts = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if not isinstance(kind, str):
+            raise LogError(f'{where}: a content part is an object with a "type", such as '
+                           f'{{"type": "text", "text": "Hi"}}, got {part!r:.60}')
+        if kind not in TEXT_PARTS:
+            skipped_parts[kind] += 1
+            continue
+        text = part.get(TEXT_PARTS[kind])
+        if not isinstance(text, str):
+            raise LogError(f'{where}: a "{kind}" part holds its text in "{TEXT_PARTS[kind]}", got {part!r:.60}')
+        texts.append(text)
+    return PART_SEPARATOR.join(texts)
+
+
+def template_tool_calls(calls, where: str) -> list[dict]:
+    """An assistant's tool_calls as chat templates take them: each function's arguments as
+    an object, where OpenAI sends a JSON string (vLLM parses it in _postprocess_messages)."""
+    if not (isinstance(calls, list) and all(isinstance(c, dict) and isinstance(c.get("function"), dict)
+                                            for c in calls)):
+        raise LogError(f'{where}: tool_calls is a list of {{"id", "type": "function", "function": {{"name", '
+                       f'"arguments"}}}}, got {calls!r:.60}')
+    parsed = []
+    for call in calls:
+        function = dict(call["function"])
+        arguments = function.get("arguments")
+        if isinstance(arguments, str):
+            try:
+                function["arguments"] = json.loads(arguments) if arguments.strip() else {}
+            except ValueError:
+                pass  # not JSON: the template gets the text as it was sent
+        parsed.append({**call, "function": function})
+    return parsed
+
+
+def completion_prompts(prompt, where: str) -> list:
+    """The prompts of a completions request: a text, token ids, or a list of either (a
+    request each).
+
+    >>> completion_prompts("Hi", "line 1"), completion_prompts([[1, 2], [3]], "line 1")
+    (['Hi'], [[1, 2], [3]])
+    """
+    if isinstance(prompt, str):
+        return [prompt]
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(p, str) for p in prompt):
+            return list(prompt)
+        if all(isinstance(p, list) for p in prompt):
+            return [token_ids(p, where) for p in prompt]
+        if not any(isinstance(p, (str, list, dict)) for p in prompt):
+            return [token_ids(prompt, where)]
+    raise LogError(f'{where}: "prompt" is a text, token ids, or a list of texts or of token id lists, '
+                   f"got {prompt!r:.60}")
+
+
+def token_ids(ids: list, where: str) -> list[int]:
+    bad = [t for t in ids if type(t) is not int or not 0 <= t <= MAX_TOKEN_ID]
+    if bad or not ids:
+        raise LogError(f"{where}: token ids are integers from 0 to {MAX_TOKEN_ID:,} (2^32 - 1), got "
+                       f"{bad[:3] if bad else 'none'}")
+    return ids
+
+
 def conversation_turns(turns, where: str) -> list[tuple[int, list[dict]]]:
     """(turn number, messages) for each user turn of a ShareGPT conversation."""
     if not isinstance(turns, list):
         raise LogError(f"{where}: 'conversations' must be a list of {{\"from\", \"value\"}} turns")
     messages, requests = [], []
     for number, turn in enumerate(turns, start=1):
-        role = SHAREGPT_ROLES.get(turn.get("from")) if isinstance(turn, dict) else None
+        speaker = turn.get("from") if isinstance(turn, dict) else None
+        role = SHAREGPT_ROLES.get(speaker) if isinstance(speaker, str) else None
         if role is None:
             raise LogError(f"{where}, turn {number}: a turn is {{\"from\": one of {', '.join(SHAREGPT_ROLES)}, "
                            f"\"value\": text}}, got {turn!r:.80}")
@@ -311,9 +647,9 @@ EXAMPLE_LOGS = {
 
 
 def write_log(path: Path, records: list[dict]) -> None:
-    """JSONL, one record a line; compressed by the file's name (.gz, .xz) like read_log reads it.
+    """JSONL, one record a line; compressed by the file's name (.gz, .xz, .bz2), which read_log reads.
     xz finds a document repeated far apart in the file, which gzip's 32 KiB window cannot."""
-    opener = {".gz": gzip.open, ".xz": lzma.open}.get(path.suffix, open)
+    opener = {".gz": gzip.open, ".xz": lzma.open, ".bz2": bz2.open}.get(path.suffix, open)
     with opener(path, "wt", encoding="utf-8") as f:
         for record in records:
             f.write(json.dumps(record) + "\n")

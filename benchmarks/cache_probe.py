@@ -8,12 +8,16 @@ the timing side channel of stage 9, measured through the OpenAI API on any serve
 1. cold / warm: a shared prefix of --prefix-words words (about as many tokens) and a short
    question, max_tokens 1, streamed, timed at the client. Cold: the prefix opened by a fresh
    first line, so nothing of it is cached anywhere and nothing needs resetting (vLLM has
-   POST /reset_prefix_cache only in dev mode). Warm: the same prompt again. Medians of
-   --repeats, and the cached tokens the server reports (or that it reports none).
+   POST /reset_prefix_cache only in dev mode). Warm: the same prompt again. For each kind,
+   over --repeats requests: the cached tokens the server reports (or that it reports none),
+   how many requests found some cached (hits) and how many none (misses), and the spread of
+   cached tokens and TTFT (p50, p90, p99, min, max).
 2. the side channel: tenant A sends a letter with her name in it; tenant B sends the same
    letter with each name he suspects and times the replies. First with no salt, then with a
    cache_salt per tenant in the body (vLLM and this course's server take it): the right
-   guess should then wait like the wrong ones.
+   guess should then wait like the wrong ones. A verdict on the salt follows from the cached
+   tokens: it works, the server ignores it (tenants still hit each other's blocks), or it
+   cannot be told (no cached tokens reported, or no side channel to close without a salt).
 
 --compare-generate (a server of this course): the same cold/warm prompts through its own
 route, /generate, as well; the cached tokens must be equal and the client's times close
@@ -34,7 +38,8 @@ from rich.console import Console
 from rich.table import Table
 
 from benchmarks import save_json
-from benchmarks.openai_api import NOT_REPORTED, OpenAIServer, Reply, add_server_arguments, fresh_line, open_server
+from benchmarks.openai_api import (NOT_REPORTED, OpenAIServer, Reply, add_server_arguments, fresh_line, hits_and_misses,
+                                   open_server, SPREAD_COLUMN, spread_json, spread_text)
 from engine import positive_int
 from request_logs import Writer
 
@@ -43,10 +48,39 @@ NAMES = ["Sam Ortega", "Priya Natarajan", "Dana Whitfield", "Lena Brandt"]
 VICTIM = "Dana Whitfield"
 
 
-def cached(replies: list[Reply]) -> str:
-    """The cached tokens of some replies, or what the server failed to say."""
-    values = [r.cached_tokens for r in replies]
-    return "not reported" if None in values else ", ".join(sorted({str(v) for v in values}))
+def request_class(replies: list[Reply]) -> dict:
+    """The figures of one kind of request, per request: prompt and cached tokens, hits and
+    misses, TTFT (None where the server reports nothing)."""
+    hits = hits_and_misses(replies)
+    return {"requests": len(replies), "prompt_tokens": spread_json([r.prompt_tokens for r in replies]),
+            "cached_tokens": spread_json([r.cached_tokens for r in replies]),
+            "hits": None if hits is None else hits[0], "misses": None if hits is None else hits[1],
+            "ttft_ms": spread_json([r.ttft_ms for r in replies])}
+
+
+def salt_verdict(probes: dict[bool, dict[str, Reply]]) -> tuple[str, str]:
+    """What the side channel says of cache_salt on this server: ("works", "ignored",
+    "untested" or "unknown", a sentence). Where the salt is ignored, tenant B's right guess
+    finds tenant A's whole letter cached; it is set against his wrong guesses after his
+    first, which find what that first guess cached under his own salt."""
+    found = {}
+    for salted, replies in probes.items():
+        right = replies[VICTIM].cached_tokens
+        wrong = [replies[name].cached_tokens for name in NAMES[1:] if name != VICTIM]
+        if right is None or None in wrong:
+            return "unknown", "cache_salt: cannot tell, this server reports no cached tokens (the times above may)"
+        found[salted] = (right, max(wrong))
+    (open_right, open_wrong), (salted_right, salted_wrong) = found[False], found[True]
+    if open_right <= open_wrong:
+        return "untested", (f"cache_salt: untested, for without a salt the right guess found no more cached than the "
+                            f"wrong ones ({open_right} against {open_wrong} tokens): is prefix caching on?")
+    if salted_right > salted_wrong:
+        return "ignored", (f"[bold red]salt ignored by this server[/]: with a cache_salt per tenant, tenant B's right "
+                           f"guess still found {salted_right} tokens of tenant A's letter cached (his wrong guesses "
+                           f"{salted_wrong} at most): its tenants share one cache")
+    return "works", (f"cache_salt works on this server: with a salt per tenant the right guess found no more cached "
+                     f"than the wrong ones ({salted_right} against {salted_wrong} tokens); without one, "
+                     f"{open_right} against {open_wrong}")
 
 
 def cold_warm(server: OpenAIServer, prefix: str, repeats: int, rng: random.Random) -> dict[str, list[Reply]]:
@@ -128,17 +162,21 @@ def main(argv: list[str] | None = None) -> dict:
                   f"({platform.machine()}); times at the client")
 
     runs = cold_warm(server, prefix, args.repeats, rng)
-    table = Table("prompt", "prompt tokens", "cached tokens", "TTFT median", title="cold (a fresh first line) vs warm")
-    for kind, replies in runs.items():
-        table.add_row(kind, str(replies[0].prompt_tokens), cached(replies),
-                      f"{statistics.median(r.ttft_ms for r in replies):,.0f} ms")
+    classes = {kind: request_class(replies) for kind, replies in runs.items()}
+    table = Table("prompt", "requests", "prompt tokens", "hits / misses", "cached tokens", "TTFT ms",
+                  title="cold (a fresh first line) vs warm, per request",
+                  caption=f"prompt tokens, cached tokens and TTFT: {SPREAD_COLUMN} over each kind's requests")
+    for kind, figures in classes.items():
+        table.add_row(kind, str(figures["requests"]), spread_text(figures["prompt_tokens"]),
+                      "not reported" if figures["hits"] is None else f"{figures['hits']} / {figures['misses']}",
+                      spread_text(figures["cached_tokens"]), spread_text(figures["ttft_ms"]))
     console.print(table)
     cold_ms, warm_ms = (statistics.median(r.ttft_ms for r in runs[k]) for k in ("cold", "warm"))
     if None in {r.cached_tokens for r in runs["warm"]}:
         console.print(f"{NOT_REPORTED} Only the times can tell.")
     console.print(f"warm / cold: {warm_ms / cold_ms:.2f} ({cold_ms / warm_ms:.1f}x sooner warm)")
     results = {"url": server.url, "model": server.model, "cold": [r.__dict__ for r in runs["cold"]],
-               "warm": [r.__dict__ for r in runs["warm"]]}
+               "warm": [r.__dict__ for r in runs["warm"]], "classes": classes}
 
     table = Table("tenant B's guess", "no salt: cached", "TTFT", "a salt per tenant: cached", "TTFT",
                   title=f"the side channel: tenant A sent the letter from {VICTIM}")
@@ -147,7 +185,8 @@ def main(argv: list[str] | None = None) -> dict:
         row = [name]
         for salted in (False, True):
             reply = probes[salted][name]
-            row += [cached([reply]), f"{reply.ttft_ms:,.0f} ms"]
+            row += ["not reported" if reply.cached_tokens is None else str(reply.cached_tokens),
+                    f"{reply.ttft_ms:,.0f} ms"]
         table.add_row(*row, style="bold red" if name == VICTIM else None)
     console.print(table)
     for salted, label in ((False, "no salt"), (True, "a salt per tenant")):
@@ -158,6 +197,8 @@ def main(argv: list[str] | None = None) -> dict:
                       f"{right.ttft_ms / wrong:.2f} of their time")
     results["side_channel"] = {("salted" if salted else "open"): {name: r.__dict__ for name, r in replies.items()}
                                for salted, replies in probes.items()}
+    results["salt"], sentence = salt_verdict(probes)
+    console.print(sentence)
 
     if args.compare_generate:
         comparison = compare_generate(server, prefix, args.repeats, rng)

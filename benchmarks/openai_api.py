@@ -12,6 +12,10 @@ never 0, so a table can say "not reported" instead of a zero that would read as 
     server = OpenAIServer("http://127.0.0.1:5000")
     reply = server.chat([{"role": "user", "content": "Hi"}], max_tokens=1)
     reply.ttft_ms, reply.prompt_tokens, reply.cached_tokens
+
+Figures over many requests are reported as a Spread (median, p90, p99, min and max) beside
+the hits and misses: a median alone hides a tail, and a mean hides the requests that found
+nothing cached.
 """
 
 from __future__ import annotations
@@ -19,11 +23,12 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import random
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from engine import Engine, add_model_arguments, pool_arguments
 
@@ -40,6 +45,65 @@ class Reply:
     ttft_ms: float  # from sending the request to the first chunk holding text, at the client
     total_ms: float  # to the end of the stream
     text: str
+
+
+@dataclass
+class Spread:
+    """One figure over many requests: the median beside the tail and the extremes (a warm
+    TTFT with a median of 126 ms can still run from 32 ms to 2 s). Nearest-rank percentiles.
+
+    >>> spread = Spread.of([12, 30, 31, 33, 2031])
+    >>> spread.p50, spread.p99, str(spread)   # as the tables print it: p50 / p90 / p99 (min-max)
+    (31, 2031, '31 / 2,031 / 2,031 (12-2,031)')
+    """
+
+    min: float
+    p50: float
+    p90: float
+    p99: float
+    max: float
+
+    @classmethod
+    def of(cls, values: list[float | None]) -> Spread | None:
+        """The spread of some values; None when one is None (the server did not report it)."""
+        if not values or None in values:
+            return None
+        ordered = sorted(values)
+
+        def rank(percent: int) -> float:
+            return ordered[math.ceil(percent / 100 * len(ordered)) - 1]
+
+        return cls(ordered[0], rank(50), rank(90), rank(99), ordered[-1])
+
+    def __str__(self) -> str:
+        return f"{self.p50:,.0f} / {self.p90:,.0f} / {self.p99:,.0f} ({self.min:,.0f}-{self.max:,.0f})"
+
+    def as_json(self) -> dict[str, float]:
+        return {key: round(value, 1) for key, value in asdict(self).items()}
+
+
+def hits_and_misses(replies: list[Reply]) -> tuple[int, int] | None:
+    """How many of the replies found some of their prompt cached, and how many found none;
+    None when the server does not report cached tokens."""
+    values = [r.cached_tokens for r in replies]
+    if None in values:
+        return None
+    hits = sum(v > 0 for v in values)
+    return hits, len(values) - hits
+
+
+def spread_json(values: list[float | None]) -> dict[str, float] | None:
+    """Spread.of(values) as a benchmark's JSON keeps it; None: not reported."""
+    spread = Spread.of(values)
+    return None if spread is None else spread.as_json()
+
+
+SPREAD_COLUMN = "p50 / p90 / p99 (min-max)"  # under a table's column of spreads
+
+
+def spread_text(spread: dict[str, float] | None) -> str:
+    """A spread from spread_json, for a table."""
+    return "not reported" if spread is None else str(Spread(**spread))
 
 
 class APIFailure(RuntimeError):
@@ -121,14 +185,6 @@ class OpenAIServer:
         details = usage.get("prompt_tokens_details") or {}
         return Reply(usage.get("prompt_tokens"), details.get("cached_tokens"), usage.get("completion_tokens"),
                      (first - start) * 1e3, (end - start) * 1e3, "".join(text))
-
-    def reset_prefix_cache(self) -> bool:
-        """POST /reset_prefix_cache, where the server has it (vLLM: only in dev mode); whether it worked."""
-        try:
-            with self.open("/reset_prefix_cache", {}):
-                return True
-        except APIFailure:
-            return False
 
 
 # -----------------------------------------------------------------------------

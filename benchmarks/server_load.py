@@ -11,14 +11,16 @@ server.py does. With --url every request goes to that server, wherever it runs: 
 vLLM, SGLang. It speaks only the OpenAI API: streamed /v1/chat/completions with
 stream_options.include_usage, timed at the client. Every request is a chat with the same
 system prompt and its own short question, max_tokens 16, greedy: the traffic of a class
-trying the lesson's curl command. Two measurements:
+trying the lesson's curl command. Every server gets the same prompts: each run's system prompt
+opens with a fresh random line, so nothing of it is cached before the run and no server needs
+a reset (vLLM has POST /reset_prefix_cache only in dev mode; a reset where a server has one
+would leave it other prompts than one without). Two measurements:
 
-    load    for each number of concurrent clients (--clients): the cache emptied (POST
-            /reset_prefix_cache where the server has one; otherwise the system prompt opens
-            with a fresh first line, so nothing of it is cached), one request primes the system
-            prompt, then the clients send --requests requests between them, each as soon as
-            its last answer came back: requests/s, and the ratio of the most clients to the
-            fewest
+    load    for each number of concurrent clients (--clients): one request primes the run's
+            system prompt, then the clients send --requests requests between them, each as
+            soon as its last answer came back: requests/s, and the ratio of the most clients to
+            the fewest; per request, how many found some of their prompt cached (hits) and how
+            many none (misses), and the spread of cached tokens and TTFT (p50, p90, p99, min, max)
     class   --class-size students send one question each at the same moment: how long until
             the last of them has its answer
 
@@ -41,7 +43,8 @@ import threading
 import time
 
 from benchmarks import save_json
-from benchmarks.openai_api import NOT_REPORTED, OpenAIServer, Reply, add_server_arguments, fresh_line, open_server
+from benchmarks.openai_api import (NOT_REPORTED, OpenAIServer, Reply, add_server_arguments, fresh_line, hits_and_misses,
+                                   open_server, SPREAD_COLUMN, spread_json, spread_text)
 from engine import positive_int
 
 SYSTEM_PROMPT = (
@@ -49,6 +52,7 @@ SYSTEM_PROMPT = (
     "Answer every question in one short sentence, in plain words, without code. "
     "If a question is not about serving language models, say so politely."
 )
+PROMPT_RULE = "each run's system prompt opens with a fresh random line, on every server; nothing is reset"
 QUESTIONS = [
     "What is a KV cache?", "Why are prompts split into blocks?", "What does a block hash name?",
     "Why chain a block's hash to its parent?", "What is the free queue for?", "What is a ref count?",
@@ -63,17 +67,11 @@ def ask(server: OpenAIServer, system: str, i: int, max_tokens: int) -> Reply:
 
 
 def prime(server: OpenAIServer, max_tokens: int) -> str:
-    """An empty cache, then the system prompt in it, as the first student of the class would
-    leave it; the system prompt to use. Without a reset, a fresh first line makes it new."""
-    system = SYSTEM_PROMPT if server.reset_prefix_cache() else f"{fresh_line()}\n{SYSTEM_PROMPT}"
+    """The run's system prompt, opened by a fresh first line (PROMPT_RULE), sent once, as the
+    first student of the class would: the system prompt to use."""
+    system = f"{fresh_line()}\n{SYSTEM_PROMPT}"
     ask(server, system, -1, max_tokens)
     return system
-
-
-def mean_cached(replies: list[Reply]) -> float | None:
-    """The mean cached tokens, or None when the server does not report them."""
-    values = [r.cached_tokens for r in replies]
-    return None if None in values else round(statistics.mean(values), 1)
 
 
 def load(server: OpenAIServer, clients: int, requests: int, max_tokens: int, time_limit: float) -> dict:
@@ -99,15 +97,18 @@ def load(server: OpenAIServer, clients: int, requests: int, max_tokens: int, tim
         for done in [pool.submit(client) for _ in range(clients)]:
             done.result()
     seconds = time.perf_counter() - start
+    hits = hits_and_misses(replies)
     return {
         "clients": clients,
         "requests": len(replies),
         "seconds": round(seconds, 2),
         "requests_per_s": round(len(replies) / seconds, 2),
         "completion_tokens_per_s": round(sum(r.completion_tokens or 0 for r in replies) / seconds, 1),
-        "prompt_tokens": round(statistics.mean(r.prompt_tokens or 0 for r in replies), 1),
-        "cached_tokens": mean_cached(replies),
-        "ttft_ms_median": round(statistics.median(r.ttft_ms for r in replies), 1),
+        "prompt_tokens": spread_json([r.prompt_tokens for r in replies]),
+        "cached_tokens": spread_json([r.cached_tokens for r in replies]),  # None: not reported
+        "hits": None if hits is None else hits[0],  # requests that found some of their prompt cached
+        "misses": None if hits is None else hits[1],  # and those that found none
+        "ttft_ms": spread_json([r.ttft_ms for r in replies]),
         "latency_ms_median": round(statistics.median(r.total_ms for r in replies), 1),
     }
 
@@ -136,7 +137,8 @@ def one_class(server: OpenAIServer, students: int, max_tokens: int) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(prog="prefix_caching.py --bench server_load", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--clients", type=positive_int, nargs="+", default=[1, 16], help="concurrent clients, one run each")
+    parser.add_argument("--clients", type=positive_int, nargs="+", default=[1, 16],
+                        help="concurrent clients, one run each")
     parser.add_argument("--requests", type=positive_int, default=32, help="requests per run")
     parser.add_argument("--class-size", type=positive_int, default=16, help="students who ask at the same moment")
     parser.add_argument("--max-tokens", type=positive_int, default=16)
@@ -159,21 +161,24 @@ def main(argv: list[str] | None = None) -> dict:
     server, own = open_server(parser, args, {"--no-caching": args.no_caching, "--no-batching": args.no_batching},
                               enable_caching=not args.no_caching, batching=not args.no_batching)
     console.print(f"[bold]server load[/] of {server.url} from {platform.machine()}, {os.cpu_count()} CPU cores, "
-                  f"model {server.model}, max_tokens {args.max_tokens}")
+                  f"model {server.model}, max_tokens {args.max_tokens}; the same prompts for any server: {PROMPT_RULE}")
 
     runs = [load(server, n, args.requests, args.max_tokens, args.time_limit) for n in args.clients]
     burst = one_class(server, args.class_size, args.max_tokens)
     if own is not None:
         own.shutdown()
 
-    table = Table(title="chat requests sharing a system prompt, greedy (medians of TTFT and latency, at the client)")
-    for column in ("clients", "requests", "req/s", "tokens/s", "prompt", "cached", "TTFT ms", "latency ms"):
+    table = Table(title="chat requests sharing a system prompt, greedy (per request, timed at the client)",
+                  caption=f"cached tokens and TTFT: {SPREAD_COLUMN} over the run's requests")
+    for column in ("clients", "requests", "req/s", "tokens/s", "prompt tokens (p50)", "hits / misses",
+                   "cached tokens", "TTFT ms", "latency ms (p50)"):
         table.add_column(column, justify="right")
     for r in runs:
         table.add_row(*map(str, (r["clients"], r["requests"], r["requests_per_s"], r["completion_tokens_per_s"],
-                                 r["prompt_tokens"],
-                                 "not reported" if r["cached_tokens"] is None else r["cached_tokens"],
-                                 r["ttft_ms_median"], r["latency_ms_median"])))
+                                 "not reported" if r["prompt_tokens"] is None else f"{r['prompt_tokens']['p50']:,.0f}",
+                                 "not reported" if r["hits"] is None else f"{r['hits']} / {r['misses']}",
+                                 spread_text(r["cached_tokens"]), spread_text(r["ttft_ms"]),
+                                 r["latency_ms_median"])))
     console.print(table)
     if runs[0]["cached_tokens"] is None:
         console.print(NOT_REPORTED)
@@ -183,6 +188,7 @@ def main(argv: list[str] | None = None) -> dict:
     console.print(f"a class of {burst['students']} asking at once: the first answer after "
                   f"{burst['first_answer_ms']:,.0f} ms, the last after {burst['last_answer_ms']:,.0f} ms")
     results = {"machine": platform.platform(), "cpu_cores": os.cpu_count(), "url": server.url, "model": server.model,
+               "prompts": PROMPT_RULE,
                "batching": None if args.url else not args.no_batching,
                "caching": None if args.url else not args.no_caching,
                "runs": runs,
