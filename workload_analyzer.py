@@ -4,9 +4,11 @@ must the pool be? It reads a request log, tokenizes it with the model's tokenize
 replays it through this course's allocator, offline, on a CPU.
 
     python prefix_caching.py --analyze LOG [--model M] [--block-size 16] [--num-blocks N] [--plot FILE.png]
+        [--like vllm|sglang|llamacpp|engine] [--kv-model NAME|CONFIG --concurrency N --context TOKENS]
 
-Read request_logs.py (what a log holds) and prefix_caching.py (the allocator it replays
-through) first. In this file:
+Read request_logs.py (what a log holds), prefix_caching.py (the allocator it replays
+through) and caching_models.py (its steps in a fast form, and two other servers' caches)
+first; kv_memory.py turns the working set into GiB. In this file:
 
     1. tokenize        every prompt with the model's tokenizer, thousands in one call
     2. replay          one request after another through PrefixCachingAllocator: the tokens
@@ -14,7 +16,7 @@ through) first. In this file:
     3. the curve       hit rate and prefill saved from the smallest pool to one that never
                        evicts; the working set, where the curve flattens
     4. what to act on  the prefixes behind the hits (a tree), the block size, warnings
-    5. the command
+    5. the command     the report; with --kv-model, the memory to buy (kv_memory.py)
 
 What the replay is, and is not. It sends the log's requests one after another, each freed
 before the next, and decodes nothing: the engine of this course, given the same requests in
@@ -25,8 +27,10 @@ than the replay counts; and it holds many running requests' blocks at once, whic
 of a small pool for the cache. By default the pool is replayed as vLLM v1 runs one:
 num_blocks counts vLLM's num_gpu_blocks, one of which is the null block BlockPool sets aside
 at start-up (vllm/v1/core/block_pool.py), and freed blocks without a hash go to the head of the
-free queue (free_uncached_first=True). --like-engine replays this course's Engine instead:
-every block usable, those blocks to the tail (the design doc's order, Engine's default).
+free queue (free_uncached_first=True). --like engine replays this course's Engine instead:
+every block usable, those blocks to the tail (the design doc's order, Engine's default);
+--like sglang and --like llamacpp replay those servers' caches (caching_models.py says how,
+and where a serial replay of them is approximate).
 A file of ShareGPT conversations lists each one's turns back to back; --conversations-at-once
 N replays N of them taking turns, as users chatting at the same time.
 
@@ -49,10 +53,11 @@ from rich.console import Console
 from rich.table import Table
 from rich.tree import Tree
 
+from caching_models import ENGINE, EVICTION_POLICIES, VLLM, LlamaCpp, RadixTree, SGLang, block_hash_ids
 from engine import positive_int, tokenize_prompts
+from kv_memory import KNOWN_MODELS, UnsupportedModel, kv_shape, memory_to_buy, server_flags
 from model_loader import DEFAULT_MODEL, load_tokenizer
-from prefix_caching import PrefixCachingAllocator, compute_block_hashes
-from request_logs import LoggedRequest, LogError, interleave, read_log
+from request_logs import Log, LoggedRequest, LogError, add_log_arguments, interleave
 
 # -----------------------------------------------------------------------------
 # 1. Tokenize
@@ -78,13 +83,13 @@ def tokenize_log(requests: list[LoggedRequest], tokenizer) -> list[array]:
 # -----------------------------------------------------------------------------
 # 2. Replay
 #
-# The allocator is the one the engine uses: allocate_with_prefix (lookup, touch, take,
-# cache), then free, request after request. One request id serves them all, since each is
-# freed before the next. With watch=True the replay also records which cached blocks were
-# hit (for the tree of section 4) and every time a block many requests had hit was missed
-# because LRU had evicted it.
+# The steps are the allocator's, the one the engine uses: allocate_with_prefix (lookup,
+# touch, take, cache), then free, request after request, each freed before the next. They
+# run in caching_models.py's fast form of PrefixCachingAllocator (the tests check the two
+# agree on every request), on the prompts' block hashes numbered once per block size. With
+# watch=True the replay also records which cached blocks were hit (for the tree of section
+# 4) and every time a block many requests had hit was missed because LRU had evicted it.
 
-NULL_BLOCKS = 1  # vLLM's BlockPool keeps block 0 aside as the null block: never cached, never freed
 HOT = 5  # a block hit by this many requests is a hot prefix: its eviction is worth a warning
 
 
@@ -92,7 +97,7 @@ HOT = 5  # a block hit by this many requests is a hot prefix: its eviction is wo
 class PrefixBlock:
     """A cached block some request hit: where it sits in the chain, and how often it served."""
 
-    parent: bytes | None  # the block hash before it in the prompt (None: the first block)
+    parent: int | None  # the block (hash, numbered) before it in the prompt (None: the first block)
     token_ids: list[int]  # its tokens, to show the prefix as text
     hits: int = 0  # requests that found it cached
     last_hit: int = 0  # the index of the last of them
@@ -108,14 +113,18 @@ class HotMiss:
     tokens: int  # prompt tokens it computed again that were cached before (the hot blocks from there on)
 
 
+CacheModel = VLLM | SGLang | LlamaCpp
+LIKE = {"vllm": VLLM(), "sglang": SGLang(), "llamacpp": LlamaCpp(), "engine": ENGINE}  # --like, at the defaults
+
+
 @dataclass
 class Replay:
-    num_blocks: int  # the pool, as given (with vLLM's null block in it, unless like_engine)
+    num_blocks: int  # the pool, as given (with vLLM's null block in it, if the model has one)
     block_size: int
     cached: array  # num_cached_tokens of each request, in log order
     prompt_tokens: int
     evictions: int
-    prefix_blocks: dict[bytes, PrefixBlock] = field(default_factory=dict)  # watch=True only
+    prefix_blocks: dict[int, PrefixBlock] = field(default_factory=dict)  # by block hash number; watch=True only
     hot_misses: list[HotMiss] = field(default_factory=list)  # watch=True only
 
     @property
@@ -127,63 +136,65 @@ class Replay:
         return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
-def usable_blocks(num_blocks: int, like_engine: bool) -> int:
-    return num_blocks if like_engine else num_blocks - NULL_BLOCKS
-
-
-def smallest_pool(prompts: list[array], block_size: int, like_engine: bool = False) -> int:
+def smallest_pool(prompts: list[array], block_size: int, model: CacheModel = LIKE["vllm"]) -> int:
     """The fewest blocks that hold the longest prompt (and vLLM's null block)."""
     longest = max(-(-len(p) // block_size) for p in prompts)
-    return longest if like_engine else longest + NULL_BLOCKS
+    return longest + (isinstance(model, VLLM) and model.null_block)
 
 
 def replay(prompts: list[array], salts: list[str | None], num_blocks: int, block_size: int,
-           *, like_engine: bool = False, watch: bool = False) -> Replay:
-    """Send the prompts one after another through a fresh allocator of `num_blocks` blocks.
+           *, model: CacheModel = LIKE["vllm"], watch: bool = False, hash_ids: list[array] | None = None) -> Replay:
+    """Send the prompts one after another through a fresh cache of `num_blocks` blocks of
+    `block_size` tokens: vLLM's pool, SGLang's tree of num_blocks x block_size tokens, or
+    llama.cpp's slots with a prompt cache of that many tokens (caching_models.py).
+    `hash_ids`: the prompts' block hashes at this block size, when the caller has them.
 
     >>> shared = list(range(40))                               # 2 full blocks of 16 and 8 over
-    >>> prompts = [shared + [100], shared + [200], list(range(50, 90))]
+    >>> prompts = [array("I", p) for p in (shared + [100], shared + [200], list(range(50, 90)))]
     >>> replay(prompts, [None] * 3, num_blocks=8, block_size=16).cached.tolist()
     [0, 32, 0]
+    >>> replay(prompts, [None] * 3, num_blocks=8, block_size=16, model=LIKE["sglang"]).cached.tolist()
+    [0, 40, 0]
     """
-    if num_blocks < smallest_pool(prompts, block_size, like_engine):
+    if num_blocks < smallest_pool(prompts, block_size, model):
         raise ValueError(f"a pool of {num_blocks} blocks cannot hold the longest prompt; "
-                         f"give at least {smallest_pool(prompts, block_size, like_engine)}")
-    # xxhash: the same hits as SHA256 (a hit compares the tokens too), in less time.
-    alloc = PrefixCachingAllocator(usable_blocks(num_blocks, like_engine), block_size, hash_algo="xxhash",
-                                   free_uncached_first=not like_engine)
-    cached = array("I")
-    result = Replay(num_blocks, block_size, cached, sum(map(len, prompts)), 0)
-    for i, (prompt, salt) in enumerate(zip(prompts, salts)):
-        cached.append(alloc.allocate_with_prefix("replay", prompt, salt).num_cached_tokens)
-        if watch:
-            watch_request(alloc, i, cached[-1] // block_size, result)
-        alloc.free("replay")
-    result.evictions = alloc.stats.evictions
+                         f"give at least {smallest_pool(prompts, block_size, model)}")
+    result = Replay(num_blocks, block_size, array("I"), sum(map(len, prompts)), 0)
+    if watch and not isinstance(model, VLLM):
+        raise ValueError("the prefix tree and the hot misses are read from vLLM's block hashes: use VLLM or ENGINE")
+    if isinstance(model, VLLM):
+        hash_ids = hash_ids if hash_ids is not None else block_hash_ids(prompts, salts, block_size)
+        watcher = (lambda i, num_hits: watch_request(prompts[i], hash_ids[i], i, num_hits, result)) if watch else None
+        counts = model.replay(hash_ids, [len(p) for p in prompts], num_blocks, block_size, watch=watcher)
+    elif isinstance(model, SGLang):
+        counts = model.replay(prompts, salts, num_blocks * block_size)
+    else:  # llama.cpp has no cache_salt: salted prompts share like any others
+        counts = model.replay(prompts, num_blocks * block_size)
+    result.cached, result.evictions = counts.cached, counts.evictions
     return result
 
 
-def watch_request(alloc: PrefixCachingAllocator, index: int, num_hits: int, result: Replay) -> None:
-    """Count the hits on each cached block of the running request, and note a hot miss."""
-    table = alloc.block_tables["replay"]
-    hashes = [alloc.block_hash(block_id) for block_id in table]  # hit blocks, then the ones it just cached
+def watch_request(prompt: array, hash_ids: array, index: int, num_hits: int, result: Replay) -> None:
+    """Count the hits on each cached block of the request, and note a hot miss."""
+    block_size = result.block_size
     for i in range(num_hits):
-        block = result.prefix_blocks.get(hashes[i])
+        block = result.prefix_blocks.get(hash_ids[i])
         if block is None:
-            parent = hashes[i - 1] if i else None
-            block = result.prefix_blocks[hashes[i]] = PrefixBlock(parent, list(alloc.blocks[table[i]].token_ids))
+            parent = hash_ids[i - 1] if i else None
+            tokens = prompt[i * block_size : (i + 1) * block_size]
+            block = result.prefix_blocks[hash_ids[i]] = PrefixBlock(parent, list(tokens))
         block.hits += 1
         block.last_hit = index
     # The last block of a prompt that is all cached prefix is computed again on purpose (a
     # request computes at least one token): not a miss.
-    could_hit = (alloc.num_tokens("replay") - 1) // alloc.block_size
-    first_miss = result.prefix_blocks.get(hashes[num_hits]) if num_hits < could_hit else None
+    could_hit = (len(prompt) - 1) // block_size
+    first_miss = result.prefix_blocks.get(hash_ids[num_hits]) if num_hits < could_hit else None
     if first_miss is not None and first_miss.hits >= HOT:  # it was cached, hit often, and is gone
         lost = 0
-        while num_hits + lost < len(hashes) and hashes[num_hits + lost] in result.prefix_blocks:
+        while num_hits + lost < len(hash_ids) and hash_ids[num_hits + lost] in result.prefix_blocks:
             lost += 1
         since = index - first_miss.last_hit - 1
-        result.hot_misses.append(HotMiss(index, first_miss.hits, since, lost * alloc.block_size))
+        result.hot_misses.append(HotMiss(index, first_miss.hits, since, lost * block_size))
 
 
 # -----------------------------------------------------------------------------
@@ -194,6 +205,9 @@ def watch_request(alloc: PrefixCachingAllocator, index: int, num_hits: int, resu
 # head) the replay never evicts there, and every full block is found by every later request
 # that starts with it. One pass of hashing counts those blocks (no allocator needed). In the
 # design doc's order a partly filled block freed to the tail can still push a cached one out.
+# SGLang's tree never evicts with room for every distinct token it ends up holding (one
+# replay on an unbounded pool counts them), llama.cpp's prompt cache with room for every
+# prompt. The prompts are hashed once per block size, for every replay at that size.
 # The curve replays the log at CURVE_POINTS pool sizes from the smallest that holds the
 # longest prompt up to that one, each about the same factor above the last; the working set
 # is the smallest pool that saves at least FLAT (95 %) of what the largest saves, narrowed
@@ -211,19 +225,26 @@ class Footprint:
     whole_log_pool: int  # blocks for every distinct full block and the longest prompt
 
 
-def footprint(prompts: list[array], salts: list[str | None], block_size: int, like_engine: bool = False) -> Footprint:
-    """Count the log's distinct and shared full blocks by hashing every prompt once."""
-    seen: set[bytes] = set()
-    shared: set[bytes] = set()
-    for prompt, salt in zip(prompts, salts):
-        hashes = compute_block_hashes(prompt, block_size, salt, algo="xxhash")
-        for block_hash in hashes[: (len(prompt) - 1) // block_size]:
+def footprint(prompts: list[array], salts: list[str | None], block_size: int, model: CacheModel = LIKE["vllm"],
+              hash_ids: list[array] | None = None) -> Footprint:
+    """Count the log's distinct and shared full blocks from every prompt's block hashes."""
+    hash_ids = hash_ids if hash_ids is not None else block_hash_ids(prompts, salts, block_size)
+    seen: set[int] = set()
+    shared: set[int] = set()
+    for prompt, ids in zip(prompts, hash_ids):
+        for block_hash in ids[: (len(prompt) - 1) // block_size]:
             if block_hash not in seen:
                 break
             shared.add(block_hash)
-        seen.update(hashes)
-    pool = len(seen) + smallest_pool(prompts, block_size, like_engine)
-    return Footprint(len(seen), len(shared), pool)
+        seen.update(ids)
+    smallest = smallest_pool(prompts, block_size, model)
+    if isinstance(model, SGLang):
+        tree = RadixTree(model, capacity=sum(map(len, prompts)))  # room for everything: it never evicts
+        tree.replay(prompts, salts)
+        return Footprint(len(seen), len(shared), -(-tree.size // block_size) + smallest)
+    if isinstance(model, LlamaCpp):
+        return Footprint(len(seen), len(shared), -(-sum(map(len, prompts)) // block_size) + smallest)
+    return Footprint(len(seen), len(shared), len(seen) + smallest)
 
 
 def pool_sizes(smallest: int, largest: int, points: int = CURVE_POINTS) -> list[int]:
@@ -249,13 +270,14 @@ class Curve:
         return next((r for r in self.replays if r.num_blocks == num_blocks), None)
 
 
-def hit_rate_curve(prompts, salts, block_size: int, like_engine: bool = False) -> Curve:
+def hit_rate_curve(prompts, salts, block_size: int, model: CacheModel = LIKE["vllm"]) -> Curve:
     """Replay the log at every pool size of the curve; find the working set."""
-    prints = footprint(prompts, salts, block_size, like_engine)
-    sizes = pool_sizes(smallest_pool(prompts, block_size, like_engine), prints.whole_log_pool)
+    hash_ids = block_hash_ids(prompts, salts, block_size)
+    prints = footprint(prompts, salts, block_size, model, hash_ids)
+    sizes = pool_sizes(smallest_pool(prompts, block_size, model), prints.whole_log_pool)
     replays = []
     for num_blocks in sizes:
-        replays.append(replay(prompts, salts, num_blocks, block_size, like_engine=like_engine))
+        replays.append(replay(prompts, salts, num_blocks, block_size, model=model, hash_ids=hash_ids))
     enough = FLAT * replays[-1].cached_tokens
     first = next(i for i, r in enumerate(replays) if r.cached_tokens >= enough)
     low, high = (sizes[first - 1], sizes[first]) if first else (sizes[0], sizes[0])
@@ -263,7 +285,7 @@ def hit_rate_curve(prompts, salts, block_size: int, like_engine: bool = False) -
         middle = round(math.sqrt(low * high))
         if not low < middle < high:
             break
-        replays.append(replay(prompts, salts, middle, block_size, like_engine=like_engine))
+        replays.append(replay(prompts, salts, middle, block_size, model=model, hash_ids=hash_ids))
         low, high = (low, middle) if replays[-1].cached_tokens >= enough else (middle, high)
     replays.sort(key=lambda r: r.num_blocks)
     return Curve(replays, high, prints)
@@ -276,12 +298,12 @@ def hit_rate_curve(prompts, salts, block_size: int, like_engine: bool = False) -
 def prefix_tree(result: Replay, decode, top: int = 3, depth: int = 4) -> Tree:
     """The hit blocks as a tree of prefixes: runs of blocks hit by the same requests become one
     node, labelled with their text; at each level the `top` that saved the most tokens."""
-    children: dict[bytes | None, list[bytes]] = {}
+    children: dict[int | None, list[int]] = {}
     for block_hash, block in result.prefix_blocks.items():
         children.setdefault(block.parent, []).append(block_hash)
-    saved: dict[bytes, int] = {}
+    saved: dict[int, int] = {}
 
-    def total(block_hash: bytes) -> int:  # tokens its subtree saved, iteratively (chains are long)
+    def total(block_hash: int) -> int:  # tokens its subtree saved, iteratively (chains are long)
         order, todo = [], [block_hash]
         while todo:
             node = todo.pop()
@@ -298,7 +320,7 @@ def prefix_tree(result: Replay, decode, top: int = 3, depth: int = 4) -> Tree:
     tree = Tree(f"[bold]prefixes that were hit[/] (pool of {result.num_blocks:,} blocks of {result.block_size}; "
                 f"tokens saved by a prefix and all that follows it; requests that hit it)")
 
-    def add(parent_node: Tree, heads: list[bytes], level: int) -> None:
+    def add(parent_node: Tree, heads: list[int], level: int) -> None:
         heads = sorted(heads, key=lambda h: -saved[h])
         for head in heads[:top]:
             run = [head]  # follow the chain while every block was hit by the same requests
@@ -325,7 +347,7 @@ def prefix_tree(result: Replay, decode, top: int = 3, depth: int = 4) -> Tree:
 BLOCK_SIZES = (8, 16, 32)  # vLLM's CacheConfig: on CUDA, block sizes up to 32 (vllm/config/cache.py)
 
 
-def block_size_effect(prompts, salts, studied: Replay, like_engine: bool = False) -> list[Replay]:
+def block_size_effect(prompts, salts, studied: Replay, model: VLLM = LIKE["vllm"]) -> list[Replay]:
     """The studied replay beside the same log on pools of the same memory (num_blocks x
     block_size tokens) cut into the other BLOCK_SIZES: smaller blocks reuse more of a
     prefix's partly shared last block; bigger ones mean fewer, larger units to look up and
@@ -333,8 +355,8 @@ def block_size_effect(prompts, salts, studied: Replay, like_engine: bool = False
     replays = [studied]
     for size in BLOCK_SIZES:
         blocks = studied.num_blocks * studied.block_size // size
-        if size != studied.block_size and blocks >= smallest_pool(prompts, size, like_engine):
-            replays.append(replay(prompts, salts, blocks, size, like_engine=like_engine))
+        if size != studied.block_size and blocks >= smallest_pool(prompts, size, model):
+            replays.append(replay(prompts, salts, blocks, size, model=model))
     return sorted(replays, key=lambda r: r.block_size)
 
 
@@ -457,22 +479,44 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="prefix_caching.py --analyze", description="Replay a request log through the allocator: hit rate and "
         "prefill saved vs pool size, the working set, the prefixes behind the hits, warnings.")
-    parser.add_argument("log", type=Path, help="JSONL (or a JSON array, plain, .gz or .xz) of OpenAI request bodies "
-                        "(messages or prompt) or ShareGPT conversations")
+    add_log_arguments(parser)
     parser.add_argument("--model", default=None,
                         help=f"whose tokenizer and chat template (default: {DEFAULT_MODEL}, offline)")
     parser.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block (default: 16, vLLM's)")
     parser.add_argument("--num-blocks", type=positive_int, default=None,
                         help="your deployment's pool (vLLM logs its KV cache size in tokens at start-up: divide by the "
                         "block size); default: the working set")
-    parser.add_argument("--like-engine", action="store_true",
-                        help="replay this course's Engine: no null block, hashless freed blocks to the tail")
+    parser.add_argument("--like", choices=list(LIKE), default="vllm",
+                        help="whose prefix cache to replay (caching_models.py): vllm (block hashes, the default), "
+                        "sglang (a radix tree; --page-size, --eviction-policy), llamacpp (slots and a prompt cache "
+                        "of num_blocks x block_size tokens; --parallel, --slot-prompt-similarity), engine (this "
+                        "course's Engine: no null block, hashless freed blocks to the tail)")
+    parser.add_argument("--like-engine", dest="like", action="store_const", const="engine",
+                        help="the same as --like engine")
+    parser.add_argument("--page-size", type=positive_int, default=1, metavar="N",
+                        help="sglang: tokens per page, the unit it matches and caches (default 1: token by token)")
+    parser.add_argument("--eviction-policy", choices=EVICTION_POLICIES, default="lru",
+                        help="sglang: which leaves its tree evicts first (default lru)")
+    parser.add_argument("--parallel", type=positive_int, default=None, metavar="N",
+                        help="llamacpp: slots (default: llama-server's auto, 4 with a unified KV cache)")
+    parser.add_argument("--slot-prompt-similarity", type=float, default=0.1, metavar="F",
+                        help="llamacpp: the share of a prompt a slot must hold to be chosen (default 0.1; 0: LRU only)")
+    parser.add_argument("--ctx-size", type=positive_int, default=None, metavar="N",
+                        help="llamacpp: -c, the context split across the slots (default: no limit)")
     parser.add_argument("--conversations-at-once", type=positive_int, default=1, metavar="N",
                         help="replay N conversations of the log at a time, taking turns (default 1: each one's turns "
                         "back to back, as the file lists them)")
     parser.add_argument("--plot", type=Path, default=None, help="write the hit rate curve to this PNG file")
     parser.add_argument("--top", type=positive_int, default=3,
                         help="prefixes shown at each level of the tree (default 3)")
+    memory = parser.add_argument_group("the memory to buy (kv_memory.py)")
+    memory.add_argument("--kv-model", default=None, metavar="NAME|CONFIG",
+                        help=f"the model to size the KV cache for: a config.json, or one of {', '.join(KNOWN_MODELS)}")
+    memory.add_argument("--kv-dtype", default=None, help="the KV cache's dtype, if not the model's (e.g. fp8)")
+    memory.add_argument("--concurrency", type=positive_int, default=1,
+                        help="requests running at once, each holding its own KV besides the cache (default 1)")
+    memory.add_argument("--context", type=positive_int, default=None,
+                        help="tokens a running request holds, prompt and reply (default: the log's longest prompt)")
     return parser
 
 
@@ -487,15 +531,53 @@ class Summary:
     seconds: float  # the whole run
 
 
+def cache_model(args: argparse.Namespace) -> CacheModel:
+    """The caching model the flags describe."""
+    if args.like == "sglang":
+        return SGLang(args.page_size, args.eviction_policy)
+    if args.like == "llamacpp":
+        if not 0 <= args.slot_prompt_similarity <= 1:
+            raise ValueError(f"--slot-prompt-similarity must be between 0 and 1, got {args.slot_prompt_similarity}")
+        # llama-server: an automatic --parallel is 4 slots on one unified KV cache (tools/server/server.cpp)
+        return LlamaCpp(args.parallel or 4, args.slot_prompt_similarity, kv_unified=args.parallel is None,
+                        n_ctx=args.ctx_size)
+    return LIKE[args.like]
+
+
+MODEL_NAMES = {"vllm": "vLLM's block pool", "engine": "this course's Engine", "sglang": "SGLang's radix tree",
+               "llamacpp": "llama.cpp's slots and prompt cache"}
+
+
+def print_memory_to_buy(console: Console, shape, args: argparse.Namespace, working_set: int, context: int) -> None:
+    """The working set and the running requests' own KV in GiB for the --kv-model, and the flags."""
+    m = memory_to_buy(shape, args.block_size, working_set, args.concurrency, context)
+    per_block = shape.bytes_per_block(args.block_size)
+    console.print(
+        f"\n[bold]Memory to buy[/] for {shape.name} (KV in {shape.dtype}: {shape.bytes_per_token() / 1024:,.0f} KiB a "
+        f"token, {per_block / 2**20:,.2f} MiB a block of {args.block_size}): the working set, {m.cache_blocks:,} "
+        f"blocks, is {m.gib(m.cache_blocks):,.2f} GiB; {m.concurrency:,} running request(s) of {m.context:,} tokens "
+        f"hold {m.gib(m.running_blocks):,.2f} GiB more: [bold]{m.gib():,.2f} GiB[/] of KV cache in all"
+        + (". (Blocks of the default model's tokens: give --model, the deployed model's tokenizer, for its own.)"
+           if args.model is None else "."))
+    for server, flags in server_flags(m).items():
+        console.print(f"  {server}: {flags}")
+
+
 def main(argv: list[str] | None = None, console: Console | None = None) -> Summary:
     parser = build_parser()
     args = parser.parse_args(argv)
+    try:
+        model = cache_model(args)
+        shape = kv_shape(args.kv_model, args.kv_dtype) if args.kv_model else None
+    except (ValueError, UnsupportedModel) as err:
+        parser.error(str(err))
     console = console or Console()
     start = time.perf_counter()
     try:
-        requests = interleave(read_log(args.log), args.conversations_at_once)
+        log = Log.read(args.log, args.max_log_bytes, args.skip_bad)
     except LogError as err:
         parser.error(str(err))
+    requests = interleave(log.requests, args.conversations_at_once)
     try:
         tokenizer = load_tokenizer(args.model)
     except OSError as err:
@@ -506,16 +588,15 @@ def main(argv: list[str] | None = None, console: Console | None = None) -> Summa
     total = sum(map(len, prompts))
     console.print(f"{args.log}: {len(requests):,} requests, {total:,} prompt tokens "
                   f"({total / len(requests):,.0f} a request), read and tokenized in {tokenized - start:.1f} s")
-    smallest = smallest_pool(prompts, args.block_size, args.like_engine)
+    smallest = smallest_pool(prompts, args.block_size, model)
     if args.num_blocks is not None and args.num_blocks < smallest:
         parser.error(f"--num-blocks {args.num_blocks} cannot hold the longest prompt; give at least {smallest}")
 
     with console.status(f"replaying {len(requests):,} requests at {CURVE_POINTS + NARROWING_STEPS} pool sizes"):
-        curve = hit_rate_curve(prompts, salts, args.block_size, args.like_engine)
+        curve = hit_rate_curve(prompts, salts, args.block_size, model)
     most = curve.replays[-1]
     table = Table("num_blocks", "tokens", "hit rate", "prefill tokens saved", "evictions",
-                  title=f"the log replayed at each pool size "
-                        f"({'this course' if args.like_engine else 'vLLM'}'s free order)")
+                  title=f"the log replayed at each pool size ({MODEL_NAMES[args.like]})")
     for r in curve.replays:
         mark = " [bold](working set)[/]" if r.num_blocks == curve.working_set else ""
         table.add_row(f"{r.num_blocks:,}{mark}", f"{r.num_blocks * r.block_size:,}", f"{r.hit_rate:.1%}",
@@ -529,22 +610,29 @@ def main(argv: list[str] | None = None, console: Console | None = None) -> Summa
         f"The article's rule, shared blocks x 1.2, gives "
         f"{curve.footprint.shared_blocks:,} x 1.2 = {rule:,} blocks ({curve.footprint.distinct_blocks:,} distinct "
         f"full blocks in the log).")
+    if shape is not None:
+        print_memory_to_buy(console, shape, args, curve.working_set, args.context or max(map(len, prompts)))
 
     studied_size = args.num_blocks or curve.working_set
-    studied = replay(prompts, salts, studied_size, args.block_size, like_engine=args.like_engine, watch=True)
+    by_blocks = isinstance(model, VLLM)  # the tree, the hot misses and the block sizes are read from block hashes
+    studied = replay(prompts, salts, studied_size, args.block_size, model=model, watch=by_blocks)
     console.print(f"\nAt {studied_size:,} blocks{' (--num-blocks)' if args.num_blocks else ''}: hit rate "
                   f"{studied.hit_rate:.1%}, {studied.cached_tokens:,} of {studied.prompt_tokens:,} prompt tokens "
                   f"not computed again, {studied.evictions:,} evictions.")
-    console.print(prefix_tree(studied, tokenizer.decode, top=args.top))
+    if by_blocks:
+        console.print(prefix_tree(studied, tokenizer.decode, top=args.top))
+        table = Table("block size", "num_blocks", "hit rate", "prefill tokens saved",
+                      title=f"the same memory ({studied_size * args.block_size:,} tokens) in other block sizes",
+                      caption="a size is left out when its pool cannot hold the longest prompt")
+        for r in block_size_effect(prompts, salts, studied, model):
+            table.add_row(str(r.block_size), f"{r.num_blocks:,}", f"{r.hit_rate:.1%}", f"{r.cached_tokens:,}")
+        console.print(table)
+    else:
+        console.print(f"(the prefix tree, hot misses and block sizes are vLLM's: see them with --like vllm) "
+                      f"{MODEL_NAMES[args.like]} is replayed one request at a time: where that is approximate, "
+                      f"see caching_models.py.")
 
-    table = Table("block size", "num_blocks", "hit rate", "prefill tokens saved",
-                  title=f"the same memory ({studied_size * args.block_size:,} tokens) in other block sizes",
-                  caption="a size is left out when its pool cannot hold the longest prompt")
-    for r in block_size_effect(prompts, salts, studied, args.like_engine):
-        table.add_row(str(r.block_size), f"{r.num_blocks:,}", f"{r.hit_rate:.1%}", f"{r.cached_tokens:,}")
-    console.print(table)
-
-    notes = warnings(requests, tokenizer, curve, studied)
+    notes = log.notes() + warnings(requests, tokenizer, curve, studied)
     for note in notes:
         console.print(f"[yellow]warning:[/] {note}")
     if args.plot:

@@ -4,19 +4,27 @@
     python prefix_caching.py --bench analyzer --sizes 10000     # only the first
     python prefix_caching.py --bench analyzer --quick           # 1,000: a check that it runs
     python prefix_caching.py --bench analyzer --sizes 10000 --logs /tmp/logs   # keep the log to analyse it again
+    git worktree add /tmp/base HEAD~3 && python prefix_caching.py --bench analyzer --baseline /tmp/base
 
 For each size it writes a log of chat requests (OpenAI bodies: one of 20 system prompts of
 about 300 tokens, the popular ones more often, then a question of 50 to 350 tokens: about 500
 prompt tokens a request) to a temporary file, and times `python prefix_caching.py --analyze`
 on it from reading the file to the last line of its report, tokenizing with the default
-model's tokenizer included. The log is made before the clock starts.
+model's tokenizer included. The log is made before the clock starts. With --baseline DIR (a
+checkout of another commit) the same log then goes through DIR's own `python prefix_caching.py
+--analyze`, whose report says how long it took (reading and tokenizing apart, as here), and
+both reports' curves must be equal: a faster replay must find the same.
 """
 
 from __future__ import annotations
 
 import argparse
 import io
+import os
 import platform
+import re
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -40,16 +48,33 @@ def chat_log(num_requests: int, seed: int = 0) -> list[dict]:
     return [chat(w.rng.choices(systems, popularity)[0], w.sentence(50, 350)) for _ in range(num_requests)]
 
 
-def time_analysis(num_requests: int, folder: Path) -> dict:
+def time_analysis(num_requests: int, folder: Path, baseline: Path | None = None) -> dict:
     path = folder / f"chat_{num_requests}.jsonl"
     write_log(path, chat_log(num_requests))
     start = time.perf_counter()
     report = Console(file=io.StringIO(), width=120)  # the report is not what is measured
     summary = workload_analyzer.main([str(path)], console=report)
     seconds = time.perf_counter() - start
-    return {"requests": num_requests, "prompt_tokens": summary.prompt_tokens, "seconds": round(seconds, 1),
-            "reading_and_tokenizing_s": round(summary.tokenize_seconds, 1), "working_set_blocks": summary.working_set,
-            "log_mib": round(path.stat().st_size / 2**20, 1)}
+    result = {"requests": num_requests, "prompt_tokens": summary.prompt_tokens, "seconds": round(seconds, 1),
+              "reading_and_tokenizing_s": round(summary.tokenize_seconds, 1),
+              "working_set_blocks": summary.working_set, "log_mib": round(path.stat().st_size / 2**20, 1)}
+    if baseline is not None:
+        start = time.perf_counter()
+        theirs = subprocess.run([sys.executable, "prefix_caching.py", "--analyze", str(path)], cwd=baseline,
+                                capture_output=True, text=True, env={**os.environ, "COLUMNS": "120"}, check=True)
+        result["baseline_seconds"] = round(time.perf_counter() - start, 1)
+        # Its own last line: "N requests analysed in T s (R s reading and tokenizing)."
+        seconds, reading = re.search(r"analysed in ([\d.]+) s \(([\d.]+) s reading", theirs.stdout).groups()
+        result["baseline_analysis_s"], result["baseline_reading_and_tokenizing_s"] = float(seconds), float(reading)
+        ours = curve_rows(report.file.getvalue())
+        result["same_curve"] = bool(ours) and curve_rows(theirs.stdout) == ours
+    return result
+
+
+def curve_rows(report: str) -> list[tuple[str, ...]]:
+    """The (pool size, hit rate, tokens saved, evictions) rows of a report's curve table."""
+    row = r"^│ ([\d,]+)[^│]*│ [\d,]+ +│ ([\d.]+%) +│ ([\d,]+) +│ ([\d,]+) +│$"
+    return re.findall(row, report, re.MULTILINE)
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -58,23 +83,28 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--quick", action="store_true", help="one log of 1,000 requests")
     parser.add_argument("--logs", type=Path, default=None,
                         help="keep the logs in this folder (default: a temporary one)")
+    parser.add_argument("--baseline", type=Path, default=None,
+                        help="a checkout of another commit: time its analyzer on the same logs, check the same curve")
     parser.add_argument("--json", default=None, help="also write the results to this JSON file")
     args = parser.parse_args(argv)
     sizes = [1_000] if args.quick else args.sizes
     console = Console()
     console.print(f"{platform.machine()}, {platform.python_version()}; the default model's tokenizer")
     table = Table("requests", "prompt tokens", "log", "reading + tokenizing", "whole analysis", "working set",
+                  *(["baseline's whole analysis (reading + tokenizing)", "same curve"] if args.baseline else []),
                   title="python prefix_caching.py --analyze LOG, timed")
     results = []
     with tempfile.TemporaryDirectory() as folder:
         if args.logs:
             args.logs.mkdir(parents=True, exist_ok=True)
         for n in sizes:
-            r = time_analysis(n, args.logs or Path(folder))
+            r = time_analysis(n, args.logs or Path(folder), args.baseline)
             results.append(r)
             table.add_row(f"{n:,}", f"{r['prompt_tokens']:,}", f"{r['log_mib']} MiB",
                           f"{r['reading_and_tokenizing_s']} s", f"{r['seconds']} s",
-                          f"{r['working_set_blocks']:,} blocks")
+                          f"{r['working_set_blocks']:,} blocks",
+                          *([f"{r['baseline_analysis_s']} s ({r['baseline_reading_and_tokenizing_s']} s)",
+                             "yes" if r["same_curve"] else "[red]NO[/]"] if args.baseline else []))
     console.print(table)
     save_json(args.json, results, console)
     return results

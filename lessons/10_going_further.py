@@ -10,17 +10,21 @@ as text in lessons/data/ (written by `python request_logs.py`), tokenized by Smo
 tokenizer. It is seeded: every run prints the same hit rates. Section 6 starts a second
 server of this course (SmolLM2, batching) and measures it only through its URL and the OpenAI
 API, as it would a remote deployment (benchmarks/cache_probe.py), then says how to point the
-same commands at a real vLLM.
+same commands at a real vLLM. Section 7 replays one log as vLLM, SGLang and llama.cpp cache
+it (caching_models.py) and turns each working set into the GiB of KV cache to buy for an 8B
+model, with the flags that give a server that much (kv_memory.py).
 
 New in this stage (marked # NEW): workloads.replay, lru_burst, RadixTree, radix_vs_hash,
-the analyzer's read_log, tokenize_log, hit_rate_curve, variable_starts, and cache_probe.
+the analyzer's read_log, tokenize_log, hit_rate_curve, variable_starts, and cache_probe;
+the caching models (LIKE) and memory_to_buy.
 
 Read: lessons/radix_tree.py: RadixTree.match_prefix and .insert (printed when the stage
       starts).
 
-Run:  python lessons/10_going_further.py
+Run:  python lessons/10_going_further.py   (section 6 runs SmolLM2-135M; run times: lessons/README.md)
 """
 
+import argparse
 import logging
 import sys
 from pathlib import Path
@@ -42,7 +46,8 @@ from radix_tree import RadixTree
 from reading import show_code
 from words import Words
 from workloads import WORKLOADS, hit_rate_table, lru_burst, radix_vs_hash
-from workload_analyzer import hit_rate_curve, tokenize_log, variable_starts
+from kv_memory import KNOWN_MODELS, memory_to_buy, server_flags
+from workload_analyzer import LIKE, hit_rate_curve, tokenize_log, variable_starts
 
 # What the long-form article on vLLM v1 prefix caching (README, Sources) reports for the
 # same kinds of traffic.
@@ -73,8 +78,8 @@ VLLM_TODAY = [
     ("a hit trusts the hash",
      "find_longest_cache_hit takes the block its hash names without looking at the tokens: with SHA256 a "
      "collision is not expected in practice. Here a hit also compares the stored token ids (nano-vllm does the "
-     "same: BlockManager.can_allocate in nanovllm/engine/block_manager.py, at commit 06005bd), and a request "
-     "whose hash matched other tokens caches none of its later blocks.",
+     "same: BlockManager.can_allocate in nanovllm/engine/block_manager.py, at commit bb823b3 of its main "
+     "branch), and a request whose hash matched other tokens caches none of its later blocks.",
      "vllm/v1/core/single_type_kv_cache_manager.py"),
     ("a full pool waits",
      "The scheduler admits a request only when its blocks fit and preempts a running one when a decode step "
@@ -107,7 +112,9 @@ attach_router); without it both benchmarks open each cold prompt with a fresh fi
 before you buy it: python prefix_caching.py --analyze your_requests.jsonl --model MODEL --num-blocks N."""
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.parse_args(argv)  # no flags: --help prints the docstring above and exits
     console = Console()
     show_code(console, RadixTree.match_prefix, RadixTree.insert)
 
@@ -201,9 +208,52 @@ def main() -> None:
     engine.warm_up()
     url, server = serve_in_background(create_app(engine))  # NEW: from here on, only its URL is used
     console.print(f"A second server of this course listens on {url}; the probe knows nothing else about it.")
-    cache_probe.main(["--url", url, "--repeats", "3", "--seed", "0"])  # NEW
+    results = cache_probe.main(["--url", url, "--repeats", "3", "--seed", "0"])  # NEW
     server.shutdown()
+    hits = {kind: [replies[name]["cached_tokens"] for name in cache_probe.NAMES]
+            for kind, replies in results["side_channel"].items()}
+    right = cache_probe.NAMES.index(cache_probe.VICTIM)
+    wrong = sorted({hit for i, hit in enumerate(hits["open"]) if i != right})
+    console.print(
+        f"Why a wrong guess shows cached tokens too: the letters of one experiment all begin with the same "
+        f"fresh first line, and the name comes after it, so the whole blocks before the name are alike in every "
+        f"letter. With no salt, tenant B's wrong guesses find those {' or '.join(map(str, wrong))} tokens in "
+        f"tenant A's letter, and the right guess finds {hits['open'][right]}: the letter's whole blocks before its "
+        f"last token. With a salt per tenant, his first guess ({cache_probe.NAMES[0]}) finds {hits['salted'][0]}: "
+        f"tenant A's blocks are named with her salt. His later guesses find "
+        f"{' or '.join(map(str, sorted(set(hits['salted'][1:]))))}: the blocks before the name that his own first "
+        f"guess cached under his salt. A salt keeps one tenant's blocks from another, not from himself, and the "
+        f"right guess finds no more than the wrong ones."
+    )
     console.print(VLLM_HOWTO, soft_wrap=True, highlight=False, markup=False)
+
+    console.print(Rule("7. The memory to buy: three servers' caches, one log, GiB for an 8B model"))
+    requests = interleave(read_log(LOGS / "multi_turn.jsonl.xz"), CONVERSATIONS_AT_ONCE)
+    prompts, salts = tokenize_log(requests, tokenizer), [r.cache_salt for r in requests]
+    shape = KNOWN_MODELS["Llama-3.1-8B"]  # NEW: 32 layers x 8 KV heads x 128 x 2 (K and V) x 2 bytes a token
+    table = Table("caching model", "hit rate, never evicting", "working set", "the cache", "+ 16 running x 4,096",
+                  "KV to buy", title=f"multi_turn, blocks of 16, sized for {shape.name} "
+                                     f"({shape.bytes_per_block(16) / 2**20:.0f} MiB a block)")
+    for like in ("vllm", "sglang", "llamacpp"):
+        curve = hit_rate_curve(prompts, salts, block_size=16, model=LIKE[like])  # NEW: --like
+        m = memory_to_buy(shape, 16, curve.working_set, concurrency=16, context=4096)  # NEW
+        table.add_row(like, f"{curve.replays[-1].hit_rate:.1%}", f"{curve.working_set:,} blocks",
+                      f"{m.gib(m.cache_blocks):.2f} GiB", f"{m.gib(m.running_blocks):.2f} GiB", f"{m.gib():.2f} GiB")
+        if like == "vllm":
+            flags = server_flags(m)
+    console.print(table)
+    console.print("The same 40 conversations, eight at a time, replayed through each server's cache, one request "
+                  "at a time. SGLang's tree matches token by token, so it also reuses the partly shared block at the "
+                  "end of each prefix; llama.cpp keeps one sequence per slot and cuts the rest of a slot's sequence "
+                  "away when a request shares only part of it (eight users take turns on four slots), while its "
+                  "prompt cache (host memory, --cache-ram) brings whole sequences back. The cache is the small part: "
+                  "16 requests of 4,096 tokens hold 8 GiB of their own. Counted in SmolLM2's tokens; give the "
+                  "analyzer --model for your model's tokenizer:")
+    console.print("  python prefix_caching.py --analyze LOG --like sglang --kv-model Llama-3.1-8B --concurrency 16 "
+                  "--context 4096", soft_wrap=True, highlight=False, markup=False)
+    console.print("The flags that give a server vLLM's working set and the 16 running requests:")
+    for server_name, line in flags.items():
+        console.print(f"  {server_name}: {line}", soft_wrap=True, highlight=False, markup=False)
 
 
 if __name__ == "__main__":

@@ -18,8 +18,9 @@ ROOT = Path(__file__).resolve().parents[1]
 # Bottom to top: the order of the README's table.
 ORDER = [
     "prefix_caching", "walkthrough", "model_loader", "kv_pool", "sampling", "outputs", "cpu_threads",
-    "one_request", "scheduler", "step_budget", "batch_attention", "batch_engine", "engine", "demo", "request_logs",
-    "workload_analyzer", "server_requests", "server_views", "server_connections", "server_routes", "server", "cli",
+    "one_request", "scheduler", "step_budget", "batch_attention", "batch_engine", "engine_loop", "engine", "demo",
+    "request_logs", "caching_models", "kv_memory", "workload_analyzer", "server_requests", "server_views",
+    "server_connections", "server_routes", "server", "cli",
 ]
 TOP_LEVEL = {path.stem for path in ROOT.glob("*.py")}
 LESSONS = {path.stem for path in (ROOT / "lessons").glob("*.py")}

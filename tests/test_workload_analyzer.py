@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from request_logs import LogError, Writer, interleave, read_log, write_log
-from workload_analyzer import footprint, hit_rate_curve, prefix_tree, replay, tokenize_log, variable_starts
+from workload_analyzer import LIKE, footprint, hit_rate_curve, prefix_tree, replay, tokenize_log, variable_starts
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -49,7 +49,7 @@ def test_the_replay_counts_the_cached_tokens_the_engine_reports(make_engine, tok
     prompts = tokenize_log(requests, tokenizer)
     salts = [r.cache_salt for r in requests]
     num_blocks = 40
-    replayed = replay(prompts, salts, num_blocks, block_size=4, like_engine=like_engine)
+    replayed = replay(prompts, salts, num_blocks, block_size=4, model=LIKE["engine" if like_engine else "vllm"])
     # vLLM's order: one block of the pool is the null block, hashless freed blocks go first.
     engine = make_engine(num_blocks=num_blocks if like_engine else num_blocks - 1, free_uncached_first=not like_engine)
     served = [engine.generate(r.prompt, max_tokens=1, cache_salt=r.cache_salt).cached_tokens for r in requests]
@@ -61,7 +61,7 @@ def test_replies_add_blocks_a_log_does_not_have(make_engine, tokenizer, log):
     """With replies the engine decodes into blocks the replay never sees: on a tight pool
     they evict what the replay keeps, so its counts are those of max_tokens=1."""
     requests = read_log(log)
-    replayed = replay(tokenize_log(requests, tokenizer), [r.cache_salt for r in requests], 40, 4, like_engine=True)
+    replayed = replay(tokenize_log(requests, tokenizer), [r.cache_salt for r in requests], 40, 4, model=LIKE["engine"])
     engine = make_engine(num_blocks=40)
     served = [engine.generate(r.prompt, max_tokens=24, cache_salt=r.cache_salt).cached_tokens for r in requests]
     assert replayed.cached.tolist() != served
@@ -106,10 +106,10 @@ def test_lru_evicting_a_hot_prefix_in_a_burst_is_recorded(tokenizer):
     chats = [system + " " + w.sentence(3, 6) for _ in range(12)]
     burst = [w.words(70) for _ in range(6)]
     prompts = [tokenizer.encode(p) for p in chats[:10] + burst + chats[10:]]
-    tight = replay(prompts, [None] * len(prompts), 40, 4, like_engine=True, watch=True)
+    tight = replay(prompts, [None] * len(prompts), 40, 4, model=LIKE["engine"], watch=True)
     (miss,) = tight.hot_misses
     assert miss.request == 16 and miss.hits_before == 9 and miss.since_last_hit == 6
-    roomy = replay(prompts, [None] * len(prompts), 400, 4, like_engine=True, watch=True)
+    roomy = replay(prompts, [None] * len(prompts), 400, 4, model=LIKE["engine"], watch=True)
     assert roomy.hot_misses == []
 
 
@@ -142,7 +142,7 @@ def test_sharegpt_conversations_give_one_request_per_user_turn_and_interleave(tm
 @pytest.mark.parametrize("line, message", [
     ("{not json", "line 2: not valid JSON"),
     ('{"model": "m"}', "line 2: no 'messages', 'prompt' or 'conversations'"),
-    ('{"messages": [{"role": "tool", "content": "x"}]}', "line 2: unknown chat role 'tool'"),
+    ('{"messages": [{"role": "robot", "content": "x"}]}', "line 2: unknown chat role 'robot'"),
     ('{"prompt": "Hi", "cache_salt": "a/b"}', "line 2: cache_salt must not contain '/'"),
     ('{"conversations": [{"from": "gpt", "value": "Hi"}]}', "line 2: the conversation has no human turn"),
     ('{"body": {"prompt": ""}}', "line 2: the prompt is empty"),
@@ -189,9 +189,12 @@ def test_the_example_logs_are_what_the_command_writes(tmp_path):
 def test_the_analyzer_benchmark_times_a_log_it_keeps(tmp_path):
     from benchmarks import analyzer
 
-    results = analyzer.main(["--quick", "--logs", str(tmp_path), "--json", str(tmp_path / "out.json")])
+    # This checkout as its own baseline: the same curve, and its own report's times read back.
+    results = analyzer.main(["--quick", "--logs", str(tmp_path), "--json", str(tmp_path / "out.json"),
+                             "--baseline", str(ROOT)])
     (run,) = json.loads((tmp_path / "out.json").read_text())
     assert run["requests"] == 1_000 and 400_000 < run["prompt_tokens"] < 600_000  # about 500 tokens a request
     assert run["seconds"] >= run["reading_and_tokenizing_s"] > 0 and run["working_set_blocks"] > 0
+    assert run["same_curve"] and run["baseline_analysis_s"] >= run["baseline_reading_and_tokenizing_s"] > 0
     assert len(read_log(tmp_path / "chat_1000.jsonl")) == 1_000
     assert results == [run]

@@ -1,0 +1,480 @@
+"""
+Three servers' prefix caches, replayed request after request: what each would find cached.
+
+The workload analyzer (workload_analyzer.py) replays a log through one of these. Read
+prefix_caching.py first: vLLM's cache is the one this course builds. The other two keep the
+same K/V for the same reason but decide differently what to keep and what a prompt finds:
+
+    1. vLLM       blocks named by chained hashes; the free queue evicts the least recently
+                  freed block (PrefixCachingAllocator, here in a fast form for the serial case)
+    2. SGLang     a radix tree of token ids: a prompt finds every token it shares with an
+                  earlier one (page_size 1), or whole pages; leaves are evicted by a policy
+    3. llama.cpp  a few slots, each keeping one sequence: a request takes the slot whose
+                  sequence shares the longest prefix with it, and the rest of that slot's
+                  sequence is cut away; a prompt cache in host memory keeps whole sequences
+
+Where each replay is approximate. All three send one request at a time and decode nothing
+(max_tokens=1), as the analyzer's replay does. A server runs many requests at once: running
+requests hold blocks a serial replay hands to the cache (all three), and llama.cpp picks only
+among the slots that are idle, which a serial replay cannot see (all of them are idle here).
+SGLang's scheduler may also reorder a waiting queue (longest prefix first); here the log's
+order is kept.
+
+Every function takes token ids as arrays and returns `Counts`: the tokens each request found
+cached, in log order, and how many cached units were evicted.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from array import array
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Sequence
+
+
+
+@dataclass
+class Counts:
+    cached: array  # cached tokens of each request, in log order
+    evictions: int  # blocks (vLLM), tree nodes (SGLang) or prompt-cache entries (llama.cpp) evicted
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many tokens `a` and `b` share from the start, comparing slices (C speed) by halves.
+
+    >>> common_prefix(array("I", [1, 2, 3, 4]), array("I", [1, 2, 9]))
+    2
+    """
+    low, high = 0, min(len(a), len(b))
+    if a[:high] == b[:high]:
+        return high
+    while low + 1 < high:  # a[:low] == b[:low] and a[:high] != b[:high]
+        middle = (low + high) // 2
+        if a[low:middle] == b[low:middle]:
+            low = middle
+        else:
+            high = middle
+    return low
+
+
+# -----------------------------------------------------------------------------
+# 1. vLLM: the block pool
+#
+# In a serial replay every block is free between two requests, so the allocator's state is
+# the free queue and the map of cached hashes; its checks, stats and block objects are not
+# needed. This is PrefixCachingAllocator's allocate_with_prefix then free, step for step, on
+# plain dicts: an OrderedDict as the free queue (O(1) removal from the middle, as vLLM's
+# FreeKVCacheBlockQueue), and each block hash replaced by a small int, numbered once per
+# block size for every replay of the log. tests/test_caching_models.py checks it against the
+# allocator, request by request.
+
+
+def block_hash_ids(prompts: list[array], salts: list[str | None], block_size: int) -> list[array]:
+    """Each prompt's full blocks as ints: two blocks get the same int when they hold the same
+    tokens after the same blocks, under the same salt. That is what a chained block hash
+    names (prefix_caching.compute_block_hashes); numbering the blocks in a dict keyed by
+    (the parent's number, the block's tokens) names them exactly, in a third of the time.
+
+    >>> block_hash_ids([array("I", range(10)), array("I", range(9))], [None, None], 4)
+    [array('I', [0, 1]), array('I', [0, 1])]
+    """
+    ids: dict[tuple, int] = {}
+    result = []
+    for prompt, salt in zip(prompts, salts):
+        raw = (prompt if isinstance(prompt, array) and prompt.typecode == "I" else array("I", prompt)).tobytes()
+        step = block_size * 4  # bytes a block: 4 a token id
+        parent: object = ("cache_salt", salt)  # the first block's parent: the salt, as in block_extra_keys
+        row = array("I")
+        for start in range(0, len(raw) - step + 1, step):
+            key = (parent, raw[start : start + step])
+            parent = ids.get(key)
+            if parent is None:
+                parent = ids[key] = len(ids)
+            row.append(parent)
+        result.append(row)
+    return result
+
+
+@dataclass(frozen=True)
+class VLLM:
+    """vLLM v1's pool: one block is the null block; freed blocks without a hash go first."""
+
+    null_block: bool = True  # vllm/v1/core/block_pool.py keeps block 0 aside
+    free_uncached_first: bool = True
+
+    def replay(self, hash_ids: list[array], lengths: Sequence[int], num_blocks: int, block_size: int,
+               watch: Callable[[int, int], None] | None = None) -> Counts:
+        """`num_blocks` counts vLLM's num_gpu_blocks (the null block among them, if any);
+        `watch(i, num_hits)` is called for each request, once its hits are known."""
+        usable = num_blocks - self.null_block
+        free = OrderedDict.fromkeys(range(usable))  # the free queue, head first
+        block_hash = [-1] * usable  # -1: no hash
+        holders: dict[int, dict[int, None]] = {}  # hash -> the blocks holding it, first cached first
+        cached = array("I")
+        evictions = 0
+        for index, (ids, length) in enumerate(zip(hash_ids, lengths)):
+            table = []
+            for h in ids[: (length - 1) // block_size]:  # lookup: at least one token is computed
+                held = holders.get(h)
+                if held is None:
+                    break
+                b = next(iter(held))
+                del free[b]  # touch: out of the free queue, so taking blocks below cannot evict it
+                table.append(b)
+            num_hits = len(table)
+            if watch is not None:
+                watch(index, num_hits)
+            for _ in range(num_hits, -(-length // block_size)):  # take from the head, evicting
+                b = free.popitem(last=False)[0]
+                h = block_hash[b]
+                if h >= 0:
+                    held = holders[h]
+                    del held[b]
+                    if not held:
+                        del holders[h]
+                    block_hash[b] = -1
+                    evictions += 1
+                table.append(b)
+            for i in range(num_hits, len(ids)):  # cache the full blocks
+                b, h = table[i], ids[i]
+                block_hash[b] = h
+                held = holders.get(h)
+                if held is None:
+                    holders[h] = {b: None}
+                else:
+                    held[b] = None
+            cached.append(num_hits * block_size)
+            table.reverse()  # free: last block first
+            if self.free_uncached_first and length % block_size:  # the partial last block, hashless: to the head
+                free[table[0]] = None
+                free.move_to_end(table[0], last=False)
+                del table[0]
+            free.update(dict.fromkeys(table))
+        return Counts(cached, evictions)
+
+
+ENGINE = VLLM(null_block=False, free_uncached_first=False)  # this course's Engine: the design doc's order
+
+
+# -----------------------------------------------------------------------------
+# 2. SGLang: the radix tree
+#
+# python/sglang/srt/mem_cache/radix_cache.py (RadixCache, as released in sglang 0.5.23; the
+# same file at commit 95769b2 of its main branch): a node holds a run of token ids
+# and their K/V; its children are keyed by their first token (or first page). A request
+# matches at most all its tokens but one (schedule_batch.py, _compute_max_prefix_len), cut
+# down to whole pages; the match splits a node where it ends inside one and touches the
+# path. Its new tokens need room: when the pool has too little, evict() pops the evictable
+# leaves (nothing running holds them) in the policy's order until enough tokens are freed,
+# a parent left childless joining the heap (evict_policy.py: lru by last access, lfu by hit
+# count then last access, fifo by creation, mru and filo the reverse). A finished request
+# inserts its tokens (page-aligned), which counts a hit on every node it passes. Time is a
+# counter here: one tick for each call and each new node, where SGLang reads a clock. SGLang
+# builds its heap from every evictable leaf at each eviction; over a long log that is a walk
+# of the whole tree per request, so here one heap lives on: a leaf is pushed whenever a
+# request touches it, and an entry whose node has changed since is skipped when popped.
+
+EVICTION_POLICIES = ("lru", "lfu", "fifo", "mru", "filo")
+
+
+class RadixNode:
+    __slots__ = ("key", "children", "parent", "last_access", "created", "hits", "lock")
+
+    def __init__(self, key: array, parent: RadixNode | None, now: int) -> None:
+        self.key = key  # the token ids this node adds to its parent's
+        self.children: dict = {}
+        self.parent = parent
+        self.last_access = self.created = now
+        self.hits = 0
+        self.lock = 0  # running requests that use it
+
+
+@dataclass(frozen=True)
+class SGLang:
+    page_size: int = 1  # SGLang's --page-size
+    eviction_policy: str = "lru"  # --radix-eviction-policy
+
+    def __post_init__(self) -> None:
+        if self.eviction_policy not in EVICTION_POLICIES:
+            raise ValueError(f"eviction_policy must be one of {EVICTION_POLICIES}, got {self.eviction_policy!r}")
+
+    def replay(self, prompts: list[array], salts: list[str | None], max_total_tokens: int) -> Counts:
+        """`max_total_tokens`: the pool in tokens, SGLang's --max-total-tokens."""
+        return RadixTree(self, max_total_tokens).replay(prompts, salts)
+
+
+@dataclass
+class RadixTree:
+    model: SGLang
+    capacity: int
+    roots: dict = field(default_factory=dict)  # one root per cache_salt: salted prompts never share
+    size: int = 0  # tokens held by the tree
+    clock: int = 0
+    evictions: int = 0
+    heap: list = field(default_factory=list)  # (priority, created, push number, node), stale entries too
+    pushes: Iterator[int] = field(default_factory=itertools.count)
+    touched: list = field(default_factory=list)  # the nodes the running request touched
+
+    def tick(self) -> int:
+        self.clock += 1
+        return self.clock
+
+    def child_key(self, key: array, start: int = 0):
+        return key[start] if self.model.page_size == 1 else tuple(key[start : start + self.model.page_size])
+
+    def aligned(self, key: array) -> array:
+        return key[: len(key) // self.model.page_size * self.model.page_size]
+
+    def shared(self, a: array, b: array) -> int:
+        """RadixKey.match: the common prefix, cut down to whole pages."""
+        n = common_prefix(a, b)
+        return n - n % self.model.page_size
+
+    def priority(self, node: RadixNode):
+        policy = self.model.eviction_policy
+        if policy == "lru":
+            return (node.last_access,)
+        if policy == "lfu":
+            return node.hits, node.last_access
+        if policy == "fifo":
+            return (node.created,)
+        if policy == "mru":
+            return (-node.last_access,)
+        return (-node.created,)
+
+    def replay(self, prompts: list[array], salts: list[str | None]) -> Counts:
+        cached = array("I")
+        for prompt, salt in zip(prompts, salts):
+            root = self.roots.get(salt)
+            if root is None:
+                root = self.roots[salt] = RadixNode(array("I"), None, self.tick())
+                root.lock = 1
+            matched, last = self.match(root, self.aligned(prompt[: len(prompt) - 1]))
+            self.lock(last, +1)
+            for node in self.touched:  # a node the match split: its lower half, unlocked, may be evicted
+                self.offer(node)
+            self.touched.append(last)  # a leaf again when unlocked, if eviction took its children
+            need = -(-(len(prompt) - matched) // self.model.page_size) * self.model.page_size
+            shortfall = need - (self.capacity - self.size)
+            if shortfall > 0:
+                self.evict(shortfall)
+            self.insert(root, self.aligned(prompt))
+            self.lock(last, -1)
+            for node in self.touched:
+                self.offer(node)
+            self.touched.clear()
+            cached.append(matched)
+        return Counts(cached, self.evictions)
+
+    def match(self, node: RadixNode, key: array) -> tuple[int, RadixNode]:
+        """_match_prefix_helper: the tokens of `key` the tree holds, and the node they end in."""
+        now = self.tick()
+        node.last_access = now
+        matched = 0
+        while matched < len(key):
+            child = node.children.get(self.child_key(key, matched))
+            if child is None:
+                break
+            child.last_access = now
+            self.touched.append(child)
+            shared = self.shared(child.key, key[matched:])
+            matched += shared
+            if shared < len(child.key):
+                node = self.split(child, shared)
+                break
+            node = child
+        return matched, node
+
+    def split(self, child: RadixNode, at: int) -> RadixNode:
+        """_split_node: the first `at` tokens of `child` become a new node above it."""
+        parent = child.parent
+        top = RadixNode(child.key[:at], parent, self.tick())
+        top.hits, top.lock = child.hits, child.lock
+        parent.children[self.child_key(child.key)] = top
+        child.key = child.key[at:]
+        child.parent = top
+        top.children[self.child_key(child.key)] = child
+        return top
+
+    def insert(self, node: RadixNode, key: array) -> None:
+        """_insert_helper: walk the shared part (a hit on each node), add the rest as a new leaf."""
+        now = self.tick()
+        node.last_access = now
+        done = 0
+        while done < len(key):
+            child = node.children.get(self.child_key(key, done))
+            if child is None:
+                break
+            child.last_access = now
+            self.touched.append(child)
+            shared = self.shared(child.key, key[done:])
+            node = self.split(child, shared) if shared < len(child.key) else child
+            done += shared
+            node.hits += 1
+            self.touched.append(node)
+        if done < len(key):
+            leaf = RadixNode(key[done:], node, self.tick())
+            leaf.hits = 1
+            node.children[self.child_key(leaf.key)] = leaf
+            self.size += len(leaf.key)
+            self.touched.append(leaf)
+
+    def lock(self, node: RadixNode, delta: int) -> None:
+        while node.parent is not None:
+            node.lock += delta
+            node = node.parent
+
+    def offer(self, node: RadixNode) -> None:
+        """Push `node` on the heap if it is an evictable leaf: in the tree, childless, unused."""
+        if node.parent is not None and not node.children and node.lock == 0:
+            heapq.heappush(self.heap, (self.priority(node), node.created, next(self.pushes), node))
+
+    def evict(self, num_tokens: int) -> None:
+        """Pop the evictable leaves in the policy's order until `num_tokens` are freed; a parent
+        left childless becomes a leaf to pop in its turn."""
+        freed = 0
+        while freed < num_tokens and self.heap:
+            priority, _, _, leaf = heapq.heappop(self.heap)
+            if leaf.parent is None or leaf.children or leaf.lock or priority != self.priority(leaf):
+                continue  # evicted, no longer a leaf, in use, or touched since it was pushed
+            parent = leaf.parent
+            del parent.children[self.child_key(leaf.key)]
+            leaf.parent = None
+            freed += len(leaf.key)
+            self.size -= len(leaf.key)
+            self.evictions += 1
+            self.offer(parent)
+
+
+# -----------------------------------------------------------------------------
+# 3. llama.cpp: slots and the prompt cache
+#
+# tools/server/server-context.cpp, at commit 001d906 of llama.cpp's master branch (the
+# llama-server checked against it is build 7e4c0a9). --parallel N slots (auto: 4 with a
+# unified KV cache, server.cpp), each holding the token ids of its last sequence; -c split
+# among them unless the KV cache is unified (src/llama-context.cpp). get_available_slot: among
+# the idle slots that hold something, the one whose sequence shares the largest fraction of
+# the new prompt, if that fraction is above --slot-prompt-similarity (0.10); else the least
+# recently used idle slot. When the slot came by LRU, or keeps under half of its sequence,
+# the slot's sequence is saved to the prompt cache (--cache-ram MiB, 8192 by default) and
+# the cached prompt that keeps the most is loaded instead (server-task.cpp,
+# server_prompt_cache::load: never one that would keep under a quarter of itself). Then
+# --cache-idle-slots (on by default) saves every other idle slot to the prompt cache and,
+# with a unified KV cache, clears it. The request finds the common prefix of the slot's
+# sequence and its prompt, all but the last token at most; the rest of the sequence is cut.
+# The prompt cache drops its oldest entries past its size (server_prompt_cache::alloc and
+# update); here its size is counted in tokens, not bytes. It is searched entry by entry, as
+# llama.cpp searches it: on a long log with a big cache the replay slows with the square of
+# the log's length (10,000 chat requests: about 25 s for the analyzer's curve).
+
+
+@dataclass
+class Slot:
+    tokens: array = field(default_factory=lambda: array("I"))
+    last_used: int = -1
+
+
+@dataclass(frozen=True)
+class LlamaCpp:
+    parallel: int = 4  # -np; auto is 4, with --kv-unified
+    slot_prompt_similarity: float = 0.1  # -sps
+    kv_unified: bool = True
+    cache_idle_slots: bool = True
+    n_ctx: int | None = None  # -c: prompts of n_ctx_slot tokens or more are refused (None: no limit)
+
+    def n_ctx_slot(self) -> int | None:
+        """src/llama-context.cpp: each sequence gets all of -c with a unified KV cache, else an
+        equal part; both rounded up to a multiple of 256."""
+        if self.n_ctx is None:
+            return None
+        n_ctx = -(-self.n_ctx // 256) * 256
+        return n_ctx if self.kv_unified else -(-(n_ctx // self.parallel) // 256) * 256
+
+    def replay(self, prompts: list[array], cache_tokens: int) -> Counts:
+        """`cache_tokens`: the prompt cache's room in tokens (--cache-ram over the bytes a token
+        of K/V takes); 0 turns it off, as --cache-ram 0 does."""
+        return SlotServer(self, cache_tokens).replay(prompts)
+
+
+@dataclass
+class SlotServer:
+    model: LlamaCpp
+    cache_tokens: int
+    slots: list[Slot] = field(default_factory=list)
+    prompt_cache: list[array] = field(default_factory=list)  # oldest first
+    held: int = 0  # tokens in the prompt cache
+    evictions: int = 0
+
+    def replay(self, prompts: list[array]) -> Counts:
+        self.slots = [Slot() for _ in range(self.model.parallel)]
+        cached = array("I")
+        limit = self.model.n_ctx_slot()
+        for now, prompt in enumerate(prompts):
+            if limit is not None and len(prompt) >= limit:
+                cached.append(0)  # refused: "exceeds the available context size"
+                continue
+            slot = self.available_slot(prompt)
+            if self.cache_tokens and self.model.cache_idle_slots:
+                for other in self.slots:
+                    if other is not slot:
+                        self.save(other)
+                        if self.model.kv_unified:
+                            other.tokens = array("I")
+            n_past = common_prefix(slot.tokens, prompt)
+            cached.append(min(n_past, len(prompt) - 1))
+            slot.tokens = prompt
+            slot.last_used = now
+        return Counts(cached, self.evictions)
+
+    def available_slot(self, prompt: array) -> Slot:
+        chosen, best, update_cache = None, 0.0, False
+        if self.model.slot_prompt_similarity != 0:
+            for slot in self.slots:
+                if not slot.tokens:
+                    continue
+                similarity = common_prefix(slot.tokens, prompt) / len(prompt)
+                if similarity > best and similarity > self.model.slot_prompt_similarity:
+                    chosen, best = slot, similarity
+            if chosen is not None:
+                update_cache = best * len(prompt) / len(chosen.tokens) < 0.5
+        if chosen is None:
+            for slot in self.slots:  # the least recently used; on a tie, the later slot
+                if chosen is None or slot.last_used <= chosen.last_used:
+                    chosen = slot
+            update_cache = True
+        if update_cache and self.cache_tokens:
+            self.save(chosen)
+            self.load(chosen, prompt)
+        return chosen
+
+    def save(self, slot: Slot) -> None:
+        """server_prompt_cache::alloc (then update): a copy of the slot's sequence."""
+        tokens = slot.tokens
+        if not tokens or len(tokens) > self.cache_tokens:
+            return
+        if any(common_prefix(entry, tokens) == len(tokens) for entry in self.prompt_cache):
+            return  # already held by an entry that starts with it
+        self.prompt_cache = [e for e in self.prompt_cache if common_prefix(e, tokens) < len(e)]
+        self.held = sum(map(len, self.prompt_cache))
+        while self.prompt_cache and self.held + len(tokens) > self.cache_tokens:
+            self.held -= len(self.prompt_cache.pop(0))
+            self.evictions += 1
+        self.prompt_cache.append(tokens)
+        self.held += len(tokens)
+
+    def load(self, slot: Slot, prompt: array) -> None:
+        """server_prompt_cache::load: an entry that keeps more of itself and covers more of the
+        prompt than the slot does replaces the slot's sequence, and leaves the cache."""
+        shared = common_prefix(slot.tokens, prompt)
+        keep_best = shared / len(slot.tokens) if slot.tokens else -1.0
+        similarity_best = shared / len(prompt)
+        best = None
+        for i, entry in enumerate(self.prompt_cache):
+            shared = common_prefix(entry, prompt)
+            keep, similarity = shared / len(entry), shared / len(prompt)
+            if keep >= 0.25 and keep_best < keep and similarity_best < similarity:
+                best, keep_best, similarity_best = i, keep, similarity
+        if best is not None:
+            slot.tokens = self.prompt_cache.pop(best)

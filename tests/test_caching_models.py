@@ -1,0 +1,167 @@
+"""The three caching models of caching_models.py, each against a hand replay of its rules:
+vLLM's fast replay gives what the allocator gives, SGLang's tree matches token by token (or by
+page) and evicts in its policy's order, llama.cpp's slots keep one sequence each and its
+prompt cache brings back a whole one. (Against the real servers: benchmarks/caching_models.py.)"""
+
+import random
+from array import array
+
+import pytest
+
+from caching_models import ENGINE, VLLM, LlamaCpp, SGLang, block_hash_ids, common_prefix
+from prefix_caching import PrefixCachingAllocator
+from workload_analyzer import LIKE, hit_rate_curve, replay, smallest_pool
+
+
+def ids(*runs) -> array:
+    """ids((1, 3), (2, 2)) -> [1, 1, 1, 2, 2]: runs of (token, count)."""
+    return array("I", [token for token, count in runs for _ in range(count)])
+
+
+def random_log(seed: int, n: int = 120) -> tuple[list[array], list]:
+    """Prompts that share starts of many lengths (a tree of prefixes), some salted."""
+    rng = random.Random(seed)
+    starts = [array("I", [rng.randrange(50) for _ in range(rng.randint(1, 40))]) for _ in range(8)]
+    prompts, salts = [], []
+    for _ in range(n):
+        prompt = array("I", rng.choice(starts))
+        prompt += array("I", [rng.randrange(50) for _ in range(rng.randint(1, 30))])
+        if rng.random() < 0.3:  # a later turn: an earlier prompt and more
+            prompt = rng.choice(prompts or [prompt]) + prompt[:10]
+        prompts.append(prompt)
+        salts.append("b" if rng.random() < 0.1 else None)
+    return prompts, salts
+
+
+def test_common_prefix_counts_the_shared_start():
+    assert common_prefix(ids((1, 9), (2, 1)), ids((1, 9), (3, 4))) == 9
+    assert common_prefix(ids((1, 5)), ids((1, 7))) == 5
+    assert common_prefix(ids(), ids((1, 2))) == 0
+
+
+def allocator_replay(prompts, salts, num_blocks: int, block_size: int, model: VLLM) -> tuple[list[int], int]:
+    """The reference: the log through PrefixCachingAllocator itself, one request at a time."""
+    alloc = PrefixCachingAllocator(num_blocks - model.null_block, block_size,
+                                   free_uncached_first=model.free_uncached_first)
+    cached = []
+    for prompt, salt in zip(prompts, salts):
+        cached.append(alloc.allocate_with_prefix("r", prompt, salt).num_cached_tokens)
+        alloc.free("r")
+    return cached, alloc.stats.evictions
+
+
+@pytest.mark.parametrize("model", [VLLM(), ENGINE], ids=["vllm", "engine"])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_the_fast_vllm_replay_is_the_allocators_request_by_request(model, seed):
+    prompts, salts = random_log(seed)
+    for block_size in (1, 4, 16):
+        smallest = smallest_pool(prompts, block_size, model)
+        for num_blocks in (smallest, smallest + 3, 2 * smallest, 10 * smallest):
+            fast = replay(prompts, salts, num_blocks, block_size, model=model, watch=num_blocks == smallest)
+            assert (fast.cached.tolist(), fast.evictions) == allocator_replay(prompts, salts, num_blocks,
+                                                                              block_size, model)
+
+
+def test_block_hashes_are_numbered_once_for_all_replays():
+    shared = ids((7, 8))
+    numbered = block_hash_ids([shared + ids((1, 4)), shared + ids((2, 4)), shared], [None, None, "t"], 4)
+    assert numbered[0][:2] == numbered[1][:2] and numbered[0][2] != numbered[1][2]
+    assert set(numbered[2]).isdisjoint(numbered[0])  # a salt changes every hash after it
+
+
+# -----------------------------------------------------------------------------
+# SGLang: by hand, [1,2,3,4,5] then [1,2,3,9,9] then [1,2,3,4,7]. Page 1: the second finds
+# [1,2,3] (the node [1,2,3,4,5] is split there), the third [1,2,3,4] (split again); a
+# request never finds its last token. Page 2: only whole pages, [1,2] then [1,2,3,4].
+
+
+@pytest.mark.parametrize("page_size, cached", [(1, [0, 3, 4]), (2, [0, 2, 4])])
+def test_sglang_matches_token_by_token_or_by_page(page_size, cached):
+    prompts = [array("I", p) for p in ([1, 2, 3, 4, 5], [1, 2, 3, 9, 9], [1, 2, 3, 4, 7])]
+    assert SGLang(page_size).replay(prompts, [None] * 3, max_total_tokens=100).cached.tolist() == cached
+
+
+# A pool of 8 tokens: [1]*4 twice (the second hit splits it: [1,1,1] and [1], each hit
+# twice), then [2]*4 (the pool is full), then [3]*4 must evict 4 tokens. LRU and FIFO drop
+# the older [1]-branch (the [1] leaf, then its parent), LFU the less used [2]*4: only under
+# LFU does [1]*4 find 3 tokens at the end.
+@pytest.mark.parametrize("policy, cached", [("lru", [0, 3, 0, 0, 0]), ("fifo", [0, 3, 0, 0, 0]),
+                                            ("lfu", [0, 3, 0, 0, 3])])
+def test_sglang_evicts_leaves_in_its_policys_order(policy, cached):
+    prompts = [ids((1, 4)), ids((1, 4)), ids((2, 4)), ids((3, 4)), ids((1, 4))]
+    assert SGLang(eviction_policy=policy).replay(prompts, [None] * 5, max_total_tokens=8).cached.tolist() == cached
+
+
+def test_sglang_keeps_salted_prompts_apart_and_refuses_unknown_policies():
+    prompts = [ids((1, 6)), ids((1, 6)), ids((1, 6))]
+    assert SGLang().replay(prompts, [None, "a", "a"], 100).cached.tolist() == [0, 0, 5]
+    with pytest.raises(ValueError, match="eviction_policy must be one of"):
+        SGLang(eviction_policy="random")
+
+
+# -----------------------------------------------------------------------------
+# llama.cpp, two slots and no prompt cache, by hand. [1]*10 goes to the later slot (LRU,
+# all unused), [2]*10 to the other; [1]*5+[3]*5 shares half of itself with the first slot
+# (above the 0.1 threshold), finds 5 tokens and cuts [1]*5 from that slot's sequence, so
+# [1]*10 again finds only 5 (a radix tree would find 9).
+
+
+def test_llamacpp_picks_the_slot_with_the_longest_common_prefix_and_cuts_the_rest():
+    prompts = [ids((1, 10)), ids((2, 10)), ids((1, 5), (3, 5)), ids((1, 10))]
+    model = LlamaCpp(parallel=2, kv_unified=False)
+    assert model.replay(prompts, cache_tokens=0).cached.tolist() == [0, 0, 5, 5]
+    assert SGLang().replay(prompts, [None] * 4, 100).cached.tolist() == [0, 0, 5, 9]
+
+
+def test_llamacpp_below_the_similarity_threshold_takes_the_least_recently_used_slot():
+    # [1]*2+[4]*18 shares 2 of 20 tokens (0.1, not above it) with the slot of [1]*10: the
+    # other slot, least recently used, is taken, and nothing is found.
+    prompts = [ids((2, 10)), ids((1, 10)), ids((1, 2), (4, 18))]
+    assert LlamaCpp(parallel=2, kv_unified=False).replay(prompts, 0).cached.tolist() == [0, 0, 0]
+    looser = LlamaCpp(parallel=2, slot_prompt_similarity=0.05, kv_unified=False)
+    assert looser.replay(prompts, 0).cached.tolist() == [0, 0, 2]
+
+
+# One slot: [2]*10 takes the slot of [1]*10 by LRU, which saves [1]*10 to the prompt cache;
+# [1]*10 again takes the slot by LRU, saves [2]*10 and loads [1]*10 back: 9 tokens found.
+# A prompt cache of 15 tokens has no room for both: the older, [1]*10, is dropped.
+@pytest.mark.parametrize("cache_tokens, cached, evictions", [(0, [0, 0, 0], 0), (100, [0, 0, 9], 0),
+                                                             (15, [0, 0, 0], 1)])
+def test_llamacpps_prompt_cache_brings_back_a_whole_sequence(cache_tokens, cached, evictions):
+    counts = LlamaCpp(parallel=1).replay([ids((1, 10)), ids((2, 10)), ids((1, 10))], cache_tokens)
+    assert counts.cached.tolist() == cached and counts.evictions == evictions
+
+
+def test_llamacpp_refuses_prompts_longer_than_a_slots_context():
+    # -c 1000 (1,024, a multiple of 256) over 4 slots without a unified KV cache: 256 tokens a
+    # slot, and a prompt of 256 is refused; with one, every slot may use all 1,024.
+    prompts = [ids((1, 256)), ids((1, 255)), ids((1, 255))]
+    assert LlamaCpp(parallel=4, kv_unified=False, n_ctx=1000).replay(prompts, 0).cached.tolist() == [0, 0, 254]
+    assert LlamaCpp(parallel=4, n_ctx=1000).replay(prompts, 0).cached.tolist() == [0, 254, 254]
+
+
+# -----------------------------------------------------------------------------
+# In the analyzer: every model's curve ends on a pool that never evicts and saves the most.
+
+
+@pytest.mark.parametrize("like", ["sglang", "llamacpp"])
+def test_every_models_curve_ends_on_a_pool_that_never_evicts(like):
+    prompts, salts = random_log(3)
+    curve = hit_rate_curve(prompts, salts, block_size=4, model=LIKE[like])
+    last = curve.replays[-1]
+    assert last.evictions == 0 and last.cached_tokens >= max(r.cached_tokens for r in curve.replays)
+    assert curve.at(curve.working_set).cached_tokens >= 0.95 * last.cached_tokens
+
+
+def test_the_command_names_each_model_and_keeps_the_old_flag():
+    from workload_analyzer import build_parser, cache_model
+
+    parser = build_parser()
+    assert parser.parse_args(["log.jsonl", "--like-engine"]).like == "engine"
+    args = parser.parse_args(["log.jsonl", "--like", "sglang", "--page-size", "16", "--eviction-policy", "lfu"])
+    assert cache_model(args) == SGLang(16, "lfu")
+    args = parser.parse_args(["log.jsonl", "--like", "llamacpp", "--parallel", "2"])
+    assert cache_model(args) == LlamaCpp(parallel=2, kv_unified=False)  # an explicit --parallel: no unified KV
+    assert cache_model(parser.parse_args(["log.jsonl", "--like", "llamacpp"])) == LlamaCpp()
+    with pytest.raises(ValueError, match="--slot-prompt-similarity must be between 0 and 1"):
+        cache_model(parser.parse_args(["log.jsonl", "--like", "llamacpp", "--slot-prompt-similarity", "2"]))
