@@ -132,7 +132,8 @@ class PagedKVPool:
         device), one block after another: (K/V, len(block_ids) * block_size, kv heads, dim).
 
         The copy lands in a buffer the pool keeps for it, grown to the largest read so far and
-        overwritten by the next read: use the result before reading again. A fresh tensor each
+        overwritten by the next read: use the result before reading again, and read from one
+        thread at a time (batch_engine.py's steps hold the engine's lock, so they never overlap). A fresh tensor each
         time can cost more than the copy itself once it is big: memory that large comes straight
         from the operating system, and the first write to each of its pages faults.
 
