@@ -32,6 +32,7 @@ import time
 from typing import Callable, Iterator, Sequence
 
 import torch
+from jinja2 import TemplateError
 
 from batch_engine import BatchRunner
 from cpu_threads import ThreadChooser
@@ -114,11 +115,26 @@ def tokenize_prompts(tokenizer, prompts: Sequence, vocab_size: int | None = None
             ids[i] = encoded
     chats = [i for i, kind in enumerate(kinds) if kind == "messages"]
     if chats:
-        rendered = tokenizer.apply_chat_template([list(prompts[i]) for i in chats], add_generation_prompt=True,
-                                                 return_dict=False)
+        try:
+            rendered = tokenizer.apply_chat_template([list(prompts[i]) for i in chats], add_generation_prompt=True,
+                                                     return_dict=False)
+        except TemplateError:
+            raise ValueError(refused_by_template(tokenizer, prompts, chats)) from None
         for i, encoded in zip(chats, rendered):
             ids[i] = list(encoded)
     return ids
+
+
+def refused_by_template(tokenizer, prompts: Sequence, chats: list[int]) -> str:
+    """Why the model's chat template refused a batch: the first prompt it refuses alone, and
+    the template's own words (a template may demand alternating roles, or no system turn)."""
+    for i in chats:
+        try:
+            tokenizer.apply_chat_template(list(prompts[i]), add_generation_prompt=True)
+        except TemplateError as err:
+            where = f"prompt {i}" if len(prompts) > 1 else "the messages"
+            return f"the model's chat template refused {where}: {err}; change the roles or their order"
+    return "the model's chat template refused the messages"
 
 
 class Engine:
@@ -345,7 +361,7 @@ class Engine:
         check_step_size(options["max_num_seqs"], options["max_num_batched_tokens"])
         if isinstance(prompts, str) or not isinstance(prompts, Sequence) or not prompts:
             raise ValueError("prompts must be a non-empty list of prompts (str, messages or token ids)")
-        all_ids = [self.tokenize(prompt) for prompt in prompts]
+        all_ids = tokenize_prompts(self.tokenizer, prompts, self.model.get_input_embeddings().num_embeddings)
         for ids in all_ids:
             self._check_fits(len(ids), max_tokens)
         request_ids = [f"batch-{next(self._request_counter)}" for _ in all_ids]

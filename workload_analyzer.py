@@ -75,8 +75,17 @@ def tokenize_log(requests: list[LoggedRequest], tokenizer) -> list[array]:
     """The token ids of every logged prompt, as Engine.tokenize makes them."""
     ids = []
     for start in range(0, len(requests), TOKENIZE_BATCH):
-        batch = [r.prompt for r in requests[start : start + TOKENIZE_BATCH]]
-        ids.extend(array("I", prompt_ids) for prompt_ids in tokenize_prompts(tokenizer, batch))
+        batch = requests[start : start + TOKENIZE_BATCH]
+        try:
+            tokenized = tokenize_prompts(tokenizer, [r.prompt for r in batch])
+        except ValueError:  # the model's chat template refused one: name it by its place in the log
+            for r in batch:
+                try:
+                    tokenize_prompts(tokenizer, [r.prompt])
+                except ValueError as err:
+                    raise LogError(f"{r.where}: {err}") from None
+            raise
+        ids.extend(array("I", prompt_ids) for prompt_ids in tokenized)
     return ids
 
 
@@ -582,7 +591,10 @@ def main(argv: list[str] | None = None, console: Console | None = None) -> Summa
         tokenizer = load_tokenizer(args.model)
     except OSError as err:
         parser.error(str(err))
-    prompts = tokenize_log(requests, tokenizer)
+    try:
+        prompts = tokenize_log(requests, tokenizer)
+    except LogError as err:
+        parser.error(str(err))
     salts = [r.cache_salt for r in requests]
     tokenized = time.perf_counter()
     total = sum(map(len, prompts))

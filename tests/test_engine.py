@@ -5,6 +5,7 @@ full forward pass. Most tests use the tiny random model of conftest.py, in float
 """
 
 
+import copy
 from dataclasses import replace
 
 import pytest
@@ -382,6 +383,23 @@ def test_engine_arguments_are_checked(tiny_model, tokenizer):
         Engine(model=tiny_model, tokenizer=tokenizer, num_blocks=4, kv_memory_gb=1)
     with pytest.raises(ValueError, match="dtype must be one of"):
         Engine("anything", dtype="float8")
+
+
+def test_messages_a_chat_template_refuses_are_a_value_error_naming_the_prompt(tiny_model, tokenizer):
+    """Some models' templates raise on roles they do not take (a system turn, roles out of
+    order): that is the caller's input, refused like any other, before anything runs."""
+    strict = copy.deepcopy(tokenizer)
+    strict.chat_template = ("{% for m in messages %}{% if m['role'] == 'developer' %}"
+                            "{{ raise_exception('no developer turns here') }}{% endif %}{{ m['content'] }}{% endfor %}")
+    engine = Engine(model=tiny_model, tokenizer=strict, block_size=4, num_blocks=16)
+    ok = [{"role": "user", "content": "Hi"}]
+    refused = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    with pytest.raises(ValueError, match="chat template refused the messages: no developer turns here"):
+        engine.generate(refused, max_tokens=2)
+    with pytest.raises(ValueError, match="refused prompt 1: no developer turns here"):
+        engine.generate_batch([ok, refused], max_tokens=2)
+    assert_pool_whole(engine)
+    assert engine.generate(ok, max_tokens=2).finish_reason == "length"
 
 
 def test_a_model_that_cannot_be_loaded_names_the_offline_default():

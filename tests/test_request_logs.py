@@ -4,6 +4,7 @@ decompresses (never more than --max-log-bytes of it), and names every bad record
 or with --skip-bad leaves it out and counts it."""
 
 import bz2
+import copy
 import gzip
 import itertools
 import json
@@ -15,6 +16,7 @@ from rich.console import Console
 
 from engine import CHAT_ROLES, check_prompt, tokenize_prompts
 from request_logs import MAX_TOKEN_ID, JSONArray, Log, LogError, lines, read_log, requests_from_record
+from workload_analyzer import tokenize_log
 
 TOOL_CHAT = [  # a developer message, content parts, a tool call with null content, the tool's answer
     {"role": "developer", "content": "Answer in one line."},
@@ -223,3 +225,17 @@ def test_the_analyzer_refuses_a_log_past_max_log_bytes_without_a_traceback(tmp_p
     with pytest.raises(SystemExit) as exit_:
         main([str(path), "--max-log-bytes", "1KiB"])
     assert exit_.value.code == 2 and "more than 1,024 bytes decompressed" in capsys.readouterr().err
+
+
+def test_a_record_the_chat_template_refuses_is_named_by_its_line(tmp_path, tokenizer):
+    """A model's template may refuse a role or an order of roles: the analyzer names the record."""
+    strict = copy.deepcopy(tokenizer)
+    strict.chat_template = ("{% for m in messages %}{% if m['role'] == 'developer' %}"
+                            "{{ raise_exception('no developer turns here') }}{% endif %}{{ m['content'] }}{% endfor %}")
+    records = [{"messages": [{"role": "user", "content": "Hi"}]},
+               {"messages": [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hi"}]}]
+    path = tmp_path / "log.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    with pytest.raises(LogError, match="line 2: the model's chat template refused the messages: no developer turns"):
+        tokenize_log(read_log(path), strict)
+    assert len(tokenize_log(read_log(path)[:1], strict)) == 1
