@@ -2,7 +2,7 @@
 The command line of `python prefix_caching.py`: --walkthrough, --demo, --analyze LOG, --bench NAME.
 
 prefix_caching.py is the allocator, at the bottom of the course; the modes are built on it
-(walkthrough.py, demo.py, benchmarks/), so the dispatch that imports them lives here, above
+(walkthrough.py, demo.py, analyzer/, benchmarks/), so the dispatch that imports them lives here, above
 them all. prefix_caching.py's `if __name__ == "__main__":` calls main().
 """
 
@@ -33,14 +33,14 @@ def main(argv: list[str] | None = None) -> None:
     if args.help and (args.demo or args.bench or args.analyze):
         rest.append("--help")  # the mode's own parser lists its flags
     if args.analyze:
-        import workload_analyzer
+        from analyzer import workload_analyzer  # no torch: a log needs only a tokenizer
 
         workload_analyzer.main([args.analyze, *rest])
     elif args.bench:
         importlib.import_module(f"benchmarks.{args.bench}").main(rest)
     elif args.demo:
         import demo  # the modes import torch and the model: only the one asked for is loaded
-        from engine import add_model_arguments
+        from model_flags import add_model_arguments
 
         demo_parser = argparse.ArgumentParser(prog="prefix_caching.py --demo", description=demo.__doc__.strip().split("\n")[0])
         demo_parser.add_argument("--no-cache", action="store_true", help="the same requests with prefix caching off")

@@ -14,7 +14,8 @@ from rich.console import Console
 from rich.table import Table
 
 from cpu_threads import ThreadChooser, cores_used_by_others, cpu_sample
-from engine import Engine, Generation, pool_arguments
+from engine import Engine, Generation
+from model_flags import pool_arguments
 from model_loader import DEFAULT_MODEL
 from walkthrough import render_free_queue, render_stats
 

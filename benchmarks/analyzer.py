@@ -32,10 +32,10 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-import workload_analyzer
+from analyzer import workload_analyzer
+from analyzer.request_logs import Writer, chat, write_log
 from benchmarks import save_json
-from engine import positive_int
-from request_logs import Writer, chat, write_log
+from flags import positive_int
 
 NUM_SYSTEM_PROMPTS = 20
 

@@ -53,7 +53,9 @@ from batch_attention import POOL_ATTENTION, pool_attention
 from batch_engine import BatchRunner
 from benchmarks import save_json
 from benchmarks.engines import open_engine
-from engine import Engine, add_model_arguments, positive_int
+from engine import Engine
+from flags import positive_int
+from model_flags import add_model_arguments
 from model_loader import DEFAULT_MODEL
 from benchmarks.throughput import TOPICS, questions
 from demo import DEMO_SYSTEM_PROMPT

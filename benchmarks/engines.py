@@ -9,7 +9,8 @@ import sys
 import torch
 from rich.console import Console
 
-from engine import Engine, pool_arguments
+from engine import Engine
+from model_flags import pool_arguments
 
 
 def open_engine(args) -> tuple[Console, Engine, str]:

@@ -40,7 +40,9 @@ from batch_engine import BatchRunner
 from benchmarks import save_json
 from benchmarks.attention import floor_ms, timed_attention
 from benchmarks.engines import open_engine
-from engine import Engine, add_model_arguments, positive_int
+from engine import Engine
+from flags import positive_int
+from model_flags import add_model_arguments
 from sampling import SamplingParams
 
 

@@ -42,7 +42,9 @@ import threading
 import time
 
 from benchmarks import save_json
-from engine import Engine, add_model_arguments, pool_arguments, positive_int
+from engine import Engine
+from flags import positive_int
+from model_flags import add_model_arguments, pool_arguments
 
 SYSTEM_PROMPT = (
     "You are a patient teaching assistant in a course about large language model serving. "

@@ -36,7 +36,9 @@ from benchmarks.engines import open_engine
 from benchmarks.openai_api import start_server
 from benchmarks.throughput import TOPICS
 from demo import DEMO_SYSTEM_PROMPT
-from engine import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_TARGET_STEP_MS, Engine, add_model_arguments, positive_int
+from engine import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_TARGET_STEP_MS, Engine
+from flags import positive_int
+from model_flags import add_model_arguments
 from model_loader import DEFAULT_MODEL
 
 SYSTEM = {"role": "system", "content": DEMO_SYSTEM_PROMPT}

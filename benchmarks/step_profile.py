@@ -34,7 +34,8 @@ from batch_engine import BatchRunner
 from benchmarks import save_json
 from benchmarks.engines import open_engine
 from benchmarks.throughput import questions
-from engine import add_model_arguments, positive_int
+from flags import positive_int
+from model_flags import add_model_arguments
 from model_loader import DEFAULT_MODEL
 from sampling import SamplingParams
 

@@ -36,7 +36,8 @@ from benchmarks.engines import open_engine
 from benchmarks.measure import TokenCounter
 from cpu_threads import one_pass
 from demo import DEMO_SYSTEM_PROMPT
-from engine import Engine, add_model_arguments
+from engine import Engine
+from model_flags import add_model_arguments
 from model_loader import DEFAULT_MODEL
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"

@@ -27,7 +27,8 @@ import statistics
 from pathlib import Path
 
 from benchmarks import save_json
-from engine import Engine, add_model_arguments, pool_arguments
+from engine import Engine
+from model_flags import add_model_arguments, pool_arguments
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 

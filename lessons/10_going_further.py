@@ -5,14 +5,14 @@ would the cache save on your own traffic?
 
 Sections 1 to 4 run the real PrefixCachingAllocator on simulated workloads
 (lessons/workloads.py) and a tiny radix tree (lessons/radix_tree.py). Section 5 runs the
-workload analyzer (workload_analyzer.py) on request logs shaped like the article's workloads,
-as text in lessons/data/ (written by `python request_logs.py`), tokenized by SmolLM2's
+workload analyzer (analyzer/) on request logs shaped like the article's workloads, as text
+in lessons/data/ (written by `python -m analyzer.request_logs`), tokenized by SmolLM2's
 tokenizer. It is seeded: every run prints the same hit rates. Section 6 starts a second
 server of this course (SmolLM2, batching) and measures it only through its URL and the OpenAI
 API, as it would a remote deployment (benchmarks/cache_probe.py), then says how to point the
 same commands at a real vLLM. Section 7 replays one log as vLLM, SGLang and llama.cpp cache
-it (caching_models.py) and turns each working set into the GiB of KV cache to buy for an 8B
-model, with the flags that give a server that much (kv_memory.py).
+it (analyzer/caching_models.py) and turns each working set into the GiB of KV cache to buy for
+an 8B model, with the flags that give a server that much (analyzer/kv_memory.py).
 
 New in this stage (marked # NEW): workloads.replay, lru_burst, RadixTree, radix_vs_hash,
 the analyzer's read_log, tokenize_log, hit_rate_curve, variable_starts, and cache_probe;
@@ -36,18 +36,18 @@ from rich.padding import Padding
 from rich.rule import Rule
 from rich.table import Table
 
+from analyzer.kv_memory import KNOWN_MODELS, memory_to_buy, server_flags
+from analyzer.request_logs import EXAMPLE_LOGS, interleave, read_log
+from analyzer.workload_analyzer import LIKE, hit_rate_curve, tokenize_log, variable_starts
 from benchmarks import cache_probe
 from engine import Engine
 from figures import POOL_SIZES
-from model_loader import load_tokenizer
-from request_logs import EXAMPLE_LOGS, interleave, read_log
+from model_files import load_tokenizer
 from server import create_app, serve_in_background
 from radix_tree import RadixTree
 from reading import show_code
 from words import Words
 from workloads import WORKLOADS, hit_rate_table, lru_burst, radix_vs_hash
-from kv_memory import KNOWN_MODELS, memory_to_buy, server_flags
-from workload_analyzer import LIKE, hit_rate_curve, tokenize_log, variable_starts
 
 # What the long-form article on vLLM v1 prefix caching (README, Sources) reports for the
 # same kinds of traffic.

@@ -19,7 +19,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find prefix_caching.py from anywhere
 
 from cpu_threads import ThreadChooser
-from engine import Engine, add_model_arguments, pool_arguments
+from engine import Engine
+from model_flags import add_model_arguments, pool_arguments
 from model_loader import DEFAULT_MODEL, DTYPES, default_model_dir, load_model, resolve_device, resolve_dtype
 
 
@@ -41,7 +42,7 @@ def tiny_llama(tokenizer):
 
 def add_arguments(parser: argparse.ArgumentParser, engine: bool = False) -> None:
     """--model, --device, --dtype and --tiny; with engine=True also the KV pool's
-    --block-size and --num-blocks (engine.add_model_arguments)."""
+    --block-size and --num-blocks (model_flags.add_model_arguments)."""
     if engine:
         add_model_arguments(parser)
     else:

@@ -1,4 +1,4 @@
-"""The three caching models of caching_models.py, each against a hand replay of its rules:
+"""The three caching models of analyzer/caching_models.py, each against a hand replay of its rules:
 vLLM's fast replay gives what the allocator gives, SGLang's tree matches token by token (or by
 page) and evicts in its policy's order, llama.cpp's slots keep one sequence each and its
 prompt cache brings back a whole one. (Against the real servers: benchmarks/caching_models.py.)"""
@@ -8,9 +8,9 @@ from array import array
 
 import pytest
 
-from caching_models import ENGINE, VLLM, LlamaCpp, SGLang, block_hash_ids, common_prefix
+from analyzer.caching_models import ENGINE, VLLM, LlamaCpp, SGLang, block_hash_ids, common_prefix
+from analyzer.workload_analyzer import LIKE, hit_rate_curve, replay, smallest_pool
 from prefix_caching import PrefixCachingAllocator
-from workload_analyzer import LIKE, hit_rate_curve, replay, smallest_pool
 
 
 def ids(*runs) -> array:
@@ -154,7 +154,7 @@ def test_every_models_curve_ends_on_a_pool_that_never_evicts(like):
 
 
 def test_the_command_names_each_model_and_keeps_the_old_flag():
-    from workload_analyzer import build_parser, cache_model
+    from analyzer.workload_analyzer import build_parser, cache_model
 
     parser = build_parser()
     assert parser.parse_args(["log.jsonl", "--like-engine"]).like == "engine"

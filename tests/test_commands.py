@@ -18,7 +18,7 @@ import walkthrough
 from benchmarks import attention, busy, chunked_prefill, paged, stalls, step_profile, throughput, ttft
 from benchmarks.allocator import free_order_hit_rates
 from demo import run_demo
-from engine import add_model_arguments, pool_arguments
+from model_flags import add_model_arguments, pool_arguments
 
 ROOT = Path(__file__).resolve().parents[1]
 

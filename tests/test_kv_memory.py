@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from kv_memory import KNOWN_MODELS, UnsupportedModel, kv_shape, memory_to_buy, server_flags
-from request_logs import Writer, chat, write_log
+from analyzer.kv_memory import KNOWN_MODELS, UnsupportedModel, kv_shape, memory_to_buy, server_flags
+from analyzer.request_logs import Writer, chat, write_log
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -71,7 +71,7 @@ def test_the_working_set_and_the_running_requests_become_gib_and_flags():
 
 
 def test_the_analyzer_prints_the_memory_to_buy_for_each_caching_model(tmp_path):
-    import workload_analyzer
+    from analyzer import workload_analyzer
 
     w = Writer(0)
     system = "You are a tutor. " + w.words(40)
@@ -87,7 +87,7 @@ def test_the_analyzer_prints_the_memory_to_buy_for_each_caching_model(tmp_path):
 
 
 def test_the_analyzer_refuses_a_model_it_cannot_size_without_a_traceback(tmp_path, capsys):
-    import workload_analyzer
+    from analyzer import workload_analyzer
 
     config = write_config(tmp_path, kv_lora_rank=512) / "config.json"
     with pytest.raises(SystemExit) as exit_info:
@@ -98,8 +98,8 @@ def test_the_analyzer_refuses_a_model_it_cannot_size_without_a_traceback(tmp_pat
 def test_stage_10s_worked_example(tokenizer):
     """The multi-turn log, eight users at a time, sized for Llama-3.1-8B with 16 running
     requests of 4,096 tokens: the figures stage 10 and the README print."""
-    from request_logs import interleave, read_log
-    from workload_analyzer import LIKE, hit_rate_curve, tokenize_log
+    from analyzer.request_logs import interleave, read_log
+    from analyzer.workload_analyzer import LIKE, hit_rate_curve, tokenize_log
 
     requests = interleave(read_log(ROOT / "lessons/data/multi_turn.jsonl.xz"), 8)
     prompts, salts = tokenize_log(requests, tokenizer), [r.cache_salt for r in requests]

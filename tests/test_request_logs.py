@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from engine import CHAT_ROLES, check_prompt, tokenize_prompts
-from request_logs import MAX_TOKEN_ID, JSONArray, Log, LogError, lines, read_log, requests_from_record
-from workload_analyzer import tokenize_log
+from analyzer.request_logs import MAX_TOKEN_ID, JSONArray, Log, LogError, lines, read_log, requests_from_record
+from analyzer.workload_analyzer import tokenize_log
+from prompts import CHAT_ROLES, check_prompt, tokenize_prompts
 
 TOOL_CHAT = [  # a developer message, content parts, a tool call with null content, the tool's answer
     {"role": "developer", "content": "Answer in one line."},
@@ -207,7 +207,7 @@ def test_skip_bad_leaves_bad_records_out_and_counts_them(tmp_path):
 
 
 def test_the_analyzer_says_what_it_skipped(tmp_path):
-    from workload_analyzer import main
+    from analyzer.workload_analyzer import main
 
     records = [{"messages": TOOL_CHAT}, {"prompt": "a short prompt " * 8}] * 3
     path = write(tmp_path / "log.jsonl", records + ["not a record"])
@@ -219,7 +219,7 @@ def test_the_analyzer_says_what_it_skipped(tmp_path):
 
 
 def test_the_analyzer_refuses_a_log_past_max_log_bytes_without_a_traceback(tmp_path, capsys):
-    from workload_analyzer import main
+    from analyzer.workload_analyzer import main
 
     path = write(tmp_path / "log.jsonl", [{"prompt": "Hi"}] * 100)
     with pytest.raises(SystemExit) as exit_:

@@ -10,8 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from request_logs import LogError, Writer, interleave, read_log, write_log
-from workload_analyzer import LIKE, footprint, hit_rate_curve, prefix_tree, replay, tokenize_log, variable_starts
+from analyzer.request_logs import LogError, Writer, interleave, read_log, write_log
+from analyzer.workload_analyzer import (
+    LIKE, footprint, hit_rate_curve, prefix_tree, replay, tokenize_log, variable_starts,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -82,7 +84,7 @@ def test_the_curves_last_pool_holds_the_whole_log_never_evicts_and_saves_the_mos
 
 
 def test_a_timestamp_early_in_a_shared_system_prompt_is_found(tokenizer, tmp_path):
-    from request_logs import chatbot_with_timestamp
+    from analyzer.request_logs import chatbot_with_timestamp
 
     path = tmp_path / "stamped.jsonl"
     write_log(path, chatbot_with_timestamp(n=20))
@@ -94,7 +96,7 @@ def test_a_timestamp_early_in_a_shared_system_prompt_is_found(tokenizer, tmp_pat
 
 def test_prompts_that_differ_after_a_shared_start_are_not_a_warning(tmp_path):
     path = tmp_path / "rag.jsonl"
-    from request_logs import rag
+    from analyzer.request_logs import rag
 
     write_log(path, rag(n=20, num_documents=2))
     assert variable_starts(read_log(path), tokenizer=None) == []
@@ -178,9 +180,11 @@ def test_the_command_refuses_what_it_cannot_use_without_a_traceback(args, messag
 
 
 def test_the_example_logs_are_what_the_command_writes(tmp_path):
-    from request_logs import EXAMPLE_LOGS, main
+    from analyzer.request_logs import EXAMPLE_LOGS
 
-    main(["--out", str(tmp_path)])
+    result = subprocess.run([sys.executable, "-m", "analyzer.request_logs", "--out", str(tmp_path)],
+                            capture_output=True, text=True, timeout=120, cwd=ROOT)  # the command the README gives
+    assert result.returncode == 0, result.stderr
     for name in EXAMPLE_LOGS:
         assert (tmp_path / name).read_bytes() == (ROOT / "lessons" / "data" / name).read_bytes(), name
     assert sum((ROOT / "lessons" / "data" / name).stat().st_size for name in EXAMPLE_LOGS) < 500_000  # small in git

@@ -53,11 +53,12 @@ from rich.console import Console
 from rich.table import Table
 from rich.tree import Tree
 
-from caching_models import ENGINE, EVICTION_POLICIES, VLLM, LlamaCpp, RadixTree, SGLang, block_hash_ids
-from engine import positive_int, tokenize_prompts
-from kv_memory import KNOWN_MODELS, UnsupportedModel, kv_shape, memory_to_buy, server_flags
-from model_loader import DEFAULT_MODEL, load_tokenizer
-from request_logs import Log, LoggedRequest, LogError, add_log_arguments, interleave
+from analyzer.caching_models import ENGINE, EVICTION_POLICIES, VLLM, LlamaCpp, RadixTree, SGLang, block_hash_ids
+from analyzer.kv_memory import KNOWN_MODELS, UnsupportedModel, kv_shape, memory_to_buy, server_flags
+from analyzer.request_logs import Log, LoggedRequest, LogError, add_log_arguments, interleave
+from flags import positive_int
+from model_files import DEFAULT_MODEL, load_tokenizer
+from prompts import tokenize_prompts
 
 # -----------------------------------------------------------------------------
 # 1. Tokenize

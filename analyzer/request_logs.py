@@ -2,9 +2,9 @@
 Request logs: a deployment's traffic as it is kept on disk, read into prompts; and example
 logs shaped like the workloads of the long vLLM article (README, Sources).
 
-Read engine.py's tokenize_prompts first: a logged prompt is what the engine takes (a text,
-chat messages, or token ids). The workload analyzer (workload_analyzer.py) tokenizes and
-replays what this file reads.
+Read prompts.py first: a logged prompt is what the engine takes (a text, chat messages, or
+token ids), checked by the same check_prompt. The workload analyzer (workload_analyzer.py)
+tokenizes and replays what this file reads.
 
     1. reading a log    read_log(path), Log.read(path, max_bytes, skip_bad): JSONL or a JSON
                         array (plain, .gz, .xz or .bz2, read as it decompresses) of OpenAI
@@ -15,7 +15,7 @@ replays what this file reads.
                         interleave(requests, n): n conversations at a time, taking turns
     2. example logs     chatbot, multi-turn chat, RAG, code completion, batch summarisation,
                         random prompts, and a chatbot whose system prompt opens with a
-                        timestamp: `python request_logs.py --out DIR` writes them
+                        timestamp: `python -m analyzer.request_logs --out DIR` writes them
 
     >>> [r.prompt for r in requests_from_record({"prompt": ["Hi", "Hello"]}, "line 1")]
     ['Hi', 'Hello']
@@ -41,8 +41,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
-from engine import check_prompt
 from prefix_caching import check_cache_salt
+from prompts import check_prompt
 
 # -----------------------------------------------------------------------------
 # 1. Reading a log
@@ -362,7 +362,7 @@ def chat_messages(messages, where: str, skipped_parts: Counter) -> list[dict]:
     """OpenAI chat messages as vLLM's server hands them to the chat template
     (vllm/entrypoints/chat_utils.py, _parse_chat_message_content): the content one string
     (its text parts joined, null as ""), an assistant's tool_calls with their arguments
-    parsed, a tool message's tool_call_id and a message's name kept. engine.check_prompt
+    parsed, a tool message's tool_call_id and a message's name kept. prompts.check_prompt
     checks the roles, the same check the server makes.
 
     >>> skipped = Counter()
@@ -656,8 +656,8 @@ def write_log(path: Path, records: list[dict]) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="request_logs.py", description="Write the example request logs (seeded).")
-    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "lessons" / "data",
+    parser = argparse.ArgumentParser(prog="python -m analyzer.request_logs", description="Write the example request logs (seeded).")
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "lessons" / "data",
                         help="folder for the logs (default: lessons/data)")
     out = parser.parse_args(argv).out
     out.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,25 @@
+"""
+The workload analyzer: how much would prefix caching save on your own traffic, and how big
+must the pool be? A request log read, tokenized and replayed through the allocator, offline,
+on a CPU, without torch:
+
+    python prefix_caching.py --analyze LOG        (cli.py calls workload_analyzer.main)
+    python -m analyzer.request_logs --out DIR     the example logs of lessons/data/
+
+Read prefix_caching.py (the allocator it replays through) and prompts.py (what a prompt may
+be, tokenized as the engine does) first; then, in this order, each file importing only
+those above it (tests/test_layers.py checks it):
+
+    request_logs.py       a request log read into prompts (OpenAI request bodies, ShareGPT
+                          conversations), and example logs shaped like the article's workloads
+    caching_models.py     three servers' prefix caches replayed request after request: vLLM's
+                          block pool (the allocator's steps, fast), SGLang's radix tree,
+                          llama.cpp's slots and prompt cache
+    kv_memory.py          the memory to buy: a model's KV shape, bytes per block as vLLM
+                          counts them, the flags of vLLM, SGLang and llama.cpp
+    workload_analyzer.py  the command: hit rate vs pool size, the working set, the prefixes
+                          behind the hits, warnings
+
+Nothing here imports torch or the engine (tests/test_layers.py checks that too): a log needs
+a tokenizer (model_files.py), never the weights, so the analyzer never waits for torch to load.
+"""
