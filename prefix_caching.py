@@ -331,7 +331,9 @@ class _Request:
     token_ids: list[int]
     cache_salt: str | None
     extra_keys: tuple
-    block_hashes: list[BlockHash]  # of the request's cached full blocks, in order
+    # Of the request's full blocks, in order: at least those it holds (a caller's list may
+    # run ahead, with blocks its next chunks will fill).
+    block_hashes: list[BlockHash]
     # False after a hash collision: the request's later blocks would be named by a chain that
     # already names other tokens, so none of them is cached (see allocate_with_prefix).
     cacheable: bool = True
@@ -452,15 +454,45 @@ class PrefixCachingAllocator:
             hits.append(block)
         return hits, False
 
-    def peek(self, token_ids: Sequence[int], cache_salt: str | None = None, extra_keys=()) -> int:
-        """How many prompt tokens would hit right now, changing nothing."""
+    def hash_blocks(self, token_ids: list[int], cache_salt: str | None,
+                    block_hashes: list[BlockHash]) -> list[BlockHash]:
+        """Extend `block_hashes`, the chained hashes of the first full blocks of token_ids,
+        to every full block, hashing only the new ones, and return it: a request keeps its
+        list and never hashes a block twice (vLLM's Request.block_hashes, extended by its
+        block_hasher). Trusts its caller: token_ids are ids, the salt checked (the engine's
+        front did both).
+
+        >>> alloc, hashes = PrefixCachingAllocator(num_blocks=4, block_size=4), []
+        >>> len(alloc.hash_blocks([1, 2, 3, 4, 5], None, hashes))
+        1
+        >>> alloc.hash_blocks([1, 2, 3, 4, 5, 6, 7, 8], None, hashes) == compute_block_hashes(range(1, 9), 4)
+        True
+        """
+        if not self.enable_caching:
+            return block_hashes
+        done, size = len(block_hashes), self.block_size
+        if done == 0:
+            block_hashes.extend(compute_block_hashes(token_ids, size, cache_salt, (), self.hash_algo))
+            return block_hashes
+        for i in range(done, len(token_ids) // size):
+            keys = block_extra_keys(i, cache_salt, ())
+            block_hashes.append(hash_block_tokens(block_hashes[-1], token_ids[i * size : (i + 1) * size], keys,
+                                                  self.hash_algo))
+        return block_hashes
+
+    def peek(self, token_ids: Sequence[int], cache_salt: str | None = None, extra_keys=(),
+             block_hashes: list[BlockHash] | None = None) -> int:
+        """How many prompt tokens would hit right now, changing nothing. block_hashes: the
+        prompt's full blocks' hashes, if the caller keeps them (hash_blocks), so none is
+        hashed again."""
         token_ids = _check_tokens(token_ids, "token_ids")
         if not self.enable_caching or not token_ids:
             return 0
-        hashes = compute_block_hashes(
-            token_ids, self.block_size, check_cache_salt(cache_salt), tuple(extra_keys), self.hash_algo
-        )
-        hits, _ = self.find_longest_cache_hit(token_ids, hashes)
+        if block_hashes is None:
+            block_hashes = compute_block_hashes(
+                token_ids, self.block_size, check_cache_salt(cache_salt), tuple(extra_keys), self.hash_algo
+            )
+        hits, _ = self.find_longest_cache_hit(token_ids, block_hashes)
         return len(hits) * self.block_size
 
     # --- allocate ----------------------------------------------------------------------------
@@ -471,12 +503,17 @@ class PrefixCachingAllocator:
         token_ids: Sequence[int],
         cache_salt: str | None = None,
         extra_keys: Sequence = (),
+        block_hashes: list[BlockHash] | None = None,
     ) -> Allocation:
         """Give a new request blocks for its prompt, reusing the longest cached prefix.
 
         All or nothing: if the pool cannot hold the prompt, OutOfBlocksError is raised and
         nothing has changed. The five steps of vLLM's "new request" workflow:
         lookup, room, touch, take, cache.
+
+        block_hashes: the caller's list of the request's full blocks' hashes (hash_blocks),
+        if it keeps one: used instead of hashing the prompt again, and the blocks that fill
+        later (append_token) take their hash from it while it has one.
         """
         token_ids, cache_salt, extra_keys = self._check_new_request(request_id, token_ids, cache_salt, extra_keys)
         num_needed = -(-len(token_ids) // self.block_size)  # ceil division
@@ -486,7 +523,9 @@ class PrefixCachingAllocator:
         hits: list[KVCacheBlock] = []
         collided = False
         if self.enable_caching:
-            hashes = compute_block_hashes(token_ids, self.block_size, cache_salt, extra_keys, self.hash_algo)
+            if block_hashes is None:
+                block_hashes = compute_block_hashes(token_ids, self.block_size, cache_salt, extra_keys, self.hash_algo)
+            hashes = block_hashes
             hits, collided = self.find_longest_cache_hit(token_ids, hashes)
         # 2. room: check before changing anything, so a refusal leaves no trace.
         self._check_room(request_id, num_needed - len(hits), hits)
@@ -499,11 +538,12 @@ class PrefixCachingAllocator:
             # The chain from here on names other tokens: a block cached under it could be
             # "hit" by a request whose earlier blocks differ. Cache none of this request.
             hashes = hashes[: len(hits)]
+        num_full = len(token_ids) // self.block_size
         for i in range(len(hits), num_needed):
             block = self.blocks[table[i]]
             block.token_ids = token_ids[i * self.block_size : (i + 1) * self.block_size]
             block.cache_salt = cache_salt
-            if i < len(hashes):
+            if i < min(len(hashes), num_full):
                 self._cache_block(block, hashes[i])
 
         self.block_tables[request_id] = table
@@ -617,12 +657,12 @@ class PrefixCachingAllocator:
         block = self.blocks[table[-1]]
         block.token_ids.append(token_id)
         if self.enable_caching and request.cacheable and len(block.token_ids) == self.block_size:
-            index = len(table) - 1
-            parent = request.block_hashes[-1] if request.block_hashes else None
-            keys = block_extra_keys(index, request.cache_salt, request.extra_keys)
-            block_hash = hash_block_tokens(parent, block.token_ids, keys, self.hash_algo)
-            request.block_hashes.append(block_hash)
-            self._cache_block(block, block_hash)
+            index, hashes = len(table) - 1, request.block_hashes
+            if index == len(hashes):  # not hashed yet (a caller's list may hold it already)
+                parent = hashes[-1] if hashes else None
+                keys = block_extra_keys(index, request.cache_salt, request.extra_keys)
+                hashes.append(hash_block_tokens(parent, block.token_ids, keys, self.hash_algo))
+            self._cache_block(block, hashes[index])
 
     def append_tokens(self, request_id: str, token_ids: Sequence[int]) -> None:
         """Add several tokens whose K/V are about to be computed, in one step: the next chunk

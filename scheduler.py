@@ -1,7 +1,8 @@
 """
 The scheduler: which requests run in the next forward pass, and how many tokens each.
 
-Read prefix_caching.py (the allocator) first; batch_engine.py runs what this file plans.
+Read prefix_caching.py (the allocator) and request.py (a request's state) first;
+batch_engine.py runs what this file plans.
 Pure Python, like the allocator: the rules below are tested without a model.
 
 There is no prefill phase and no decode phase, as in vLLM v1's Scheduler.schedule
@@ -25,9 +26,22 @@ max_num_batched_tokens:
 
 A step allocates slots only for the tokens it schedules, and a block is cached the moment
 its last token gets a slot: so another request can find a block from the step that computes
-its K/V on, never earlier. Within that step it may: batch_engine.py writes every new K/V of
-the step into the pool before anything attends, so a request admitted in the same step as
-another can hit the blocks the other computes in that very step.
+its K/V on, never earlier. Within that step it may: the step's attention (batch_attention.py,
+pool_attention) writes every new K/V of the step into the pool before anything attends, so a
+request admitted in the same step as another can hit the blocks the other computes in that
+very step.
+
+A request's block hashes are computed once and kept on it (request.py: Request.block_hashes,
+extended through the allocator's hash_blocks), so a request that waits at the head of a full
+pool, or comes back after a preemption, is never hashed again. The scheduler trusts what it
+is given (the Engine's front checked the request); the allocator keeps its own checks, as the
+public API the lessons teach.
+
+How many tokens a step may compute, and how many of them each request may take, is a budget
+policy's to say (step_budget.py): schedule(budget) takes a Budget (a total, and a cap per
+request if the policy wants one), and candidates() is what a policy sees before it decides:
+each running request and each waiting one that could be admitted, with its cached, computed
+and remaining tokens and its tenant.
 
 enable_chunked_prefill=False restores the older rule, for comparison: a prompt is prefilled
 whole in one step, its uncached tokens counted against the budget, and one longer than the
@@ -39,39 +53,14 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
 
 from prefix_caching import OutOfBlocksError, PrefixCachingAllocator
+from request import FINISHED, RUNNING, WAITING, Request
 
-WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048  # tokens one step computes at most (vLLM's flag of that name)
 
-
-@dataclass(eq=False)
-class Request:
-    """One request's life: its tokens, where it stands, and what the scheduler did to it."""
-
-    request_id: str
-    prompt_ids: list[int]
-    cache_salt: str | None = None
-    max_tokens: int = 64
-    output_ids: list[int] = field(default_factory=list)  # sampled so far
-    status: str = WAITING
-    num_computed_tokens: int = 0  # of prompt_ids + output_ids, tokens whose K/V are in the pool
-    num_cached_tokens: int = 0  # prompt tokens hit at first admission (what the client is told)
-    num_preemptions: int = 0
-    admitted: bool = False  # ever admitted (num_cached_tokens is set)
-    payload: Any = None  # whatever the engine keeps with it (sampling state, the reply)
-
-    @property
-    def token_ids(self) -> list[int]:
-        """Prompt and reply: what a resumed request recomputes, minus what the pool still holds."""
-        return self.prompt_ids + self.output_ids
-
-    @property
-    def num_prefill_left(self) -> int:
-        """Tokens still to compute before it can sample again, beyond the one it decodes next:
-        above 0 while a prompt (or a resumed request's text) comes in chunks."""
-        return max(0, len(self.token_ids) - (1 if self.output_ids else 0) - self.num_computed_tokens)
+__all__ = ["Budget", "DEFAULT_MAX_NUM_BATCHED_TOKENS", "Candidate", "FINISHED", "RUNNING", "Request",
+           "ScheduledRequest", "Scheduler", "StepPlan", "WAITING", "check_step_size"]
 
 
 @dataclass
@@ -103,6 +92,35 @@ class StepPlan:
         return sum(s.end - s.start for s in self.scheduled)
 
 
+@dataclass(frozen=True)
+class Candidate:
+    """A request the next step could run, as a budget policy sees it (Scheduler.candidates).
+
+    num_cached_tokens: tokens it finds in the pool (waiting: what a lookup finds now; running:
+    what it hit when admitted). num_computed_tokens: where its next chunk starts (waiting: at
+    its hit). num_remaining_tokens: what it still has to compute before it samples again (a
+    decode: 1)."""
+
+    request: Request
+    running: bool
+    num_cached_tokens: int
+    num_computed_tokens: int
+    num_remaining_tokens: int
+
+    @property
+    def tenant(self) -> str | None:
+        return self.request.tenant
+
+
+@dataclass(frozen=True)
+class Budget:
+    """What one step may compute: `tokens` in all, and at most chunks[request_id] for a
+    request the policy caps (absent: no cap of its own; 0: not this step)."""
+
+    tokens: int
+    chunks: dict[str, int] = field(default_factory=dict)
+
+
 def check_step_size(max_num_seqs, max_num_batched_tokens) -> None:
     """Refuse (ValueError) a step size that cannot work."""
     for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens)):
@@ -131,7 +149,8 @@ class Scheduler:
     """
 
     def __init__(self, allocator: PrefixCachingAllocator, *, max_num_seqs: int = 64,
-                 max_num_batched_tokens: int = 2048, enable_chunked_prefill: bool = True) -> None:
+                 max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
+                 enable_chunked_prefill: bool = True) -> None:
         check_step_size(max_num_seqs, max_num_batched_tokens)
         self.allocator = allocator
         self.max_num_seqs = max_num_seqs
@@ -147,20 +166,43 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self, budget: int | None = None) -> StepPlan:
-        """The next step's plan. budget: the tokens this step may compute, at most
-        max_num_batched_tokens (the default); step_budget.py picks one from a target step time."""
+    def candidates(self) -> list[Candidate]:
+        """The running requests, then as many waiting ones as could be admitted, in order."""
+        found = []
+        for request in self.running:
+            remaining = len(request.token_ids) - request.num_computed_tokens
+            found.append(Candidate(request, True, request.num_cached_tokens, request.num_computed_tokens, remaining))
+        for request in list(self.waiting)[: self.max_num_seqs - len(self.running)]:
+            num_cached = self._lookup(request)
+            found.append(Candidate(request, False, num_cached, num_cached, len(request.token_ids) - num_cached))
+        return found
+
+    def _lookup(self, request: Request) -> int:
+        """Tokens of the request the pool holds now; its block hashes extended, never redone."""
+        request.block_hashes = self.allocator.hash_blocks(request.token_ids, request.cache_salt, request.block_hashes)
+        return self.allocator.peek(request.token_ids, request.cache_salt, block_hashes=request.block_hashes)
+
+    def schedule(self, budget: int | Budget | None = None) -> StepPlan:
+        """The next step's plan. budget: the tokens this step may compute (at most
+        max_num_batched_tokens, the default), or a Budget that also caps single requests;
+        step_budget.py's policies pick one."""
         alloc = self.allocator
         scheduled: list[ScheduledRequest] = []
         preempted: list[Request] = []
-        budget = self.max_num_batched_tokens if budget is None else min(budget, self.max_num_batched_tokens)
+        if not isinstance(budget, Budget):
+            budget = Budget(self.max_num_batched_tokens if budget is None else budget)
+        caps = budget.chunks
+        left = min(budget.tokens, self.max_num_batched_tokens)
 
         # 1. Running requests: a decode takes 1 token, a prompt still prefilling its next chunk.
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and left > 0:
             request = self.running[i]
             start = request.num_computed_tokens
-            end = min(len(request.token_ids), start + budget)
+            end = min(len(request.token_ids), start + min(left, caps.get(request.request_id, left)))
+            if end == start:  # its policy's cap is 0: not this step
+                i += 1
+                continue
             try:
                 alloc.append_tokens(request.request_id, request.token_ids[start:end])
             except OutOfBlocksError:
@@ -169,23 +211,26 @@ class Scheduler:
                 preempted.append(victim)
                 continue  # retry `request`, unless it was the victim (then the loop ends)
             scheduled.append(ScheduledRequest(request, start, end))
-            budget -= end - start
+            left -= end - start
             i += 1
 
         # 2. Waiting requests, in arrival order, while there is room. A request preempted in
         # this very step waits for the next one: the pool was just too small for it.
-        while (self.waiting and len(self.running) < self.max_num_seqs and budget > 0
+        while (self.waiting and len(self.running) < self.max_num_seqs and left > 0
                and self.waiting[0] not in preempted):
             request = self.waiting[0]
             tokens = request.token_ids
-            num_cached = alloc.peek(tokens, request.cache_salt)
+            num_cached = self._lookup(request)
             num_new = len(tokens) - num_cached
             if self.enable_chunked_prefill:
-                num_new = min(num_new, budget)  # the rest in later steps
-            elif num_new > budget and scheduled:
+                num_new = min(num_new, left, caps.get(request.request_id, left))  # the rest in later steps
+                if num_new == 0:
+                    break  # its policy's cap is 0: it waits, and nobody overtakes it
+            elif num_new > left and scheduled:
                 break  # over the token budget: next step (alone in a step, any length runs)
             try:
-                alloc.allocate_with_prefix(request.request_id, tokens[: num_cached + num_new], request.cache_salt)
+                alloc.allocate_with_prefix(request.request_id, tokens[: num_cached + num_new], request.cache_salt,
+                                           block_hashes=request.block_hashes)
             except OutOfBlocksError:
                 break  # the pool is full for now: wait until running requests finish
             self.waiting.popleft()
@@ -195,7 +240,7 @@ class Scheduler:
             if not request.admitted:
                 request.admitted, request.num_cached_tokens = True, num_cached
             scheduled.append(ScheduledRequest(request, num_cached, num_cached + num_new))
-            budget -= num_new
+            left -= num_new
         return StepPlan(scheduled, preempted)
 
     def _preempt(self, request: Request) -> None:

@@ -2,9 +2,9 @@
 What the starters are given: the types and plain parts around the code you write.
 
 The grading tests run your files in a process of their own, where the reference modules
-(prefix_caching.py, kv_pool.py, scheduler.py) cannot be imported (exercises/README.md says
-why). So the pieces a starter builds on live here, in the shapes the reference gives them:
-the same names and fields, none of the code an exercise asks for.
+(prefix_caching.py, kv_pool.py, request.py, scheduler.py) cannot be imported
+(exercises/README.md says why). So the pieces a starter builds on live here, in the shapes
+the reference gives them: the same names and fields, none of the code an exercise asks for.
 
     KVCacheBlock, OutOfBlocksError, Allocation   the allocator's types (prefix_caching.py)
     LinkedFreeQueue    the free queue's sentinels, length and iteration; exercise 3 adds
@@ -13,15 +13,18 @@ the same names and fields, none of the code an exercise asks for.
                        exercise 2 until exercise 3's queue replaces it
     PoolBase           the K/V pool's tensor and shape (kv_pool.py); exercise 5 adds gather
     Request, ScheduledRequest, StepPlan, SchedulerBase
-                       the scheduler's types and queues (scheduler.py); exercise 6 adds
-                       schedule and _preempt
+                       the scheduler's types and queues (request.py, scheduler.py);
+                       exercise 6 adds schedule and _preempt
+
+tests/test_given_types.py checks that each of these matches the reference's, and lists
+what is left out on purpose.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Iterator, NamedTuple
+from typing import Iterator, NamedTuple
 
 # --- the allocator's types -----------------------------------------------------------------
 
@@ -153,24 +156,38 @@ WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
 
 @dataclass(eq=False)
 class Request:
-    """One request's life: its tokens, where it stands, and what the scheduler did to it."""
+    """One request's life: its tokens, where it stands, and what the scheduler did to it
+    (request.py's Request, less the engine's side: its sampling, its reply, its events).
+
+    token_ids is prompt_ids then output_ids, one list that grows: add a sampled token with
+    append_output, never by appending to output_ids alone. block_hashes: the chained hashes
+    of its full blocks, kept so a scheduler need not hash them again (allocator.hash_blocks
+    extends it and returns it); a scheduler may also leave it alone."""
 
     request_id: str
     prompt_ids: list[int]
     cache_salt: str | None = None
-    max_tokens: int = 64
     output_ids: list[int] = field(default_factory=list)  # sampled so far
     status: str = WAITING
-    num_computed_tokens: int = 0  # of prompt_ids + output_ids, tokens whose K/V are in the pool
+    num_computed_tokens: int = 0  # of token_ids, tokens whose K/V are in the pool
     num_cached_tokens: int = 0  # prompt tokens hit at first admission (what the client is told)
     num_preemptions: int = 0
     admitted: bool = False  # ever admitted (num_cached_tokens is set)
-    payload: Any = None
+    token_ids: list[int] = field(init=False)  # prompt_ids + output_ids, appended to
+    block_hashes: list[bytes] = field(init=False, default_factory=list)  # of its full blocks
+
+    def __post_init__(self):
+        self.token_ids = [*self.prompt_ids, *self.output_ids]
+
+    def append_output(self, token: int) -> None:
+        self.output_ids.append(token)
+        self.token_ids.append(token)
 
     @property
-    def token_ids(self) -> list[int]:
-        """Prompt and reply: what a resumed request recomputes, minus what the pool still holds."""
-        return self.prompt_ids + self.output_ids
+    def num_prefill_left(self) -> int:
+        """Tokens still to compute before it can sample again, beyond the one it decodes next:
+        above 0 while a prompt (or a resumed request's text) comes in chunks."""
+        return max(0, len(self.token_ids) - (1 if self.output_ids else 0) - self.num_computed_tokens)
 
 
 @dataclass
@@ -186,6 +203,10 @@ class ScheduledRequest:
 
     def __post_init__(self):
         self.samples = self.end == len(self.request.token_ids)
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.end - self.start > 1 or self.start < len(self.request.prompt_ids)
 
 
 @dataclass
@@ -220,7 +241,9 @@ class SchedulerBase:
         """Take a request out (finished, or its client left) and free its blocks."""
         if request.status == RUNNING:
             self.running.remove(request)
-            self.allocator.free(request.request_id)
+            # Normally every token it holds was computed (its last sampled token is never
+            # appended). After a failed step, blocks past what was computed lose their hash.
+            self.allocator.free(request.request_id, num_computed_tokens=request.num_computed_tokens)
         elif request.status == WAITING:
             self.waiting.remove(request)
         request.status = FINISHED

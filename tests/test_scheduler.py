@@ -12,6 +12,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from prefix_caching import PrefixCachingAllocator
 from scheduler import FINISHED, RUNNING, WAITING, Request, Scheduler
+from request import SamplingParams
 
 
 def run_step(scheduler: Scheduler, token: int = 7) -> list[tuple[str, int, int]]:
@@ -21,7 +22,7 @@ def run_step(scheduler: Scheduler, token: int = 7) -> list[tuple[str, int, int]]
     for s in plan.scheduled:
         s.request.num_computed_tokens = s.end
         if s.samples:
-            s.request.output_ids.append(token)
+            s.request.append_output(token)
     return [(s.request.request_id, s.start, s.end) for s in plan.scheduled]
 
 
@@ -178,7 +179,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         if len(prompt + tail) + max_tokens - 1 > alloc.num_blocks * alloc.block_size:
             return  # the engine refuses at once what could never fit, however empty the pool
         self.count += 1
-        self.scheduler.add(Request(f"r{self.count}", prompt + tail, max_tokens=max_tokens))
+        self.scheduler.add(Request(f"r{self.count}", prompt + tail, params=SamplingParams(max_tokens=max_tokens)))
 
     def check_and_write(self, plan) -> None:
         alloc, size = self.scheduler.allocator, self.scheduler.allocator.block_size
@@ -210,11 +211,11 @@ class SchedulerMachine(RuleBasedStateMachine):
         for s in plan.scheduled:
             s.request.num_computed_tokens = s.end
             if s.samples:
-                s.request.output_ids.append(token)
+                s.request.append_output(token)
         for s in plan.scheduled:
             r = s.request
             assert len(r.output_ids) == before[r.request_id] + s.samples  # a chunk part-way samples nothing
-            if len(r.output_ids) == r.max_tokens:
+            if len(r.output_ids) == r.params.max_tokens:
                 scheduler.finish(r)
         assert plan.num_tokens <= scheduler.max_num_batched_tokens or (
             not scheduler.enable_chunked_prefill and len(plan.scheduled) == 1)  # a long prompt alone

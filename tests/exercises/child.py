@@ -396,8 +396,8 @@ def op_gather_count(spec, block_ids_list):
 class RemoteAllocator:
     """The scheduler's allocator. It lives in the grader: every call is a question to it."""
 
-    METHODS = ("peek", "allocate_with_prefix", "append_tokens", "append_token", "free", "num_tokens", "ref_count",
-               "slot")
+    METHODS = ("peek", "hash_blocks", "allocate_with_prefix", "append_tokens", "append_token", "free", "num_tokens",
+               "ref_count", "slot")
     VALUES = ("num_free_blocks", "num_blocks", "block_size", "block_tables", "num_blocks_in_use",
               "num_cached_blocks")
 
@@ -412,7 +412,9 @@ class RemoteAllocator:
                                  f"reads {', '.join(self.VALUES)}")
 
         def call(*args, **kwargs):
-            answer = ask({"handle": self._handle, "method": name, "args": list(args), "kwargs": kwargs})
+            answer = ask({"handle": self._handle, "method": name, "args": encode(list(args)), "kwargs": encode(kwargs)})
+            if name == "hash_blocks":  # block hashes travel as {"$bytes": hex}
+                return [bytes.fromhex(h["$bytes"]) for h in answer]
             if name == "allocate_with_prefix":
                 from exercises.given import Allocation
 
@@ -457,7 +459,7 @@ def op_scheduler_step(handle, budget, token):
     for r in plan.scheduled:  # play the model: the tokens are computed, the last one samples
         r.request.num_computed_tokens = r.end
         if r.samples:
-            r.request.output_ids.append(token)
+            r.request.append_output(token)
     return {"plan": scheduled, "preempted": [r.request_id for r in plan.preempted], "state": scheduler_state(s)}
 
 

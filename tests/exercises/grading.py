@@ -604,8 +604,8 @@ def scheduler_observables(plan, preempted, state, alloc) -> dict:
 class RemoteScheduler(Twin):
     """The student's Scheduler, in the child, over an allocator here; and the reference's twin."""
 
-    ALLOCATOR_METHODS = {"peek", "allocate_with_prefix", "append_tokens", "append_token", "free", "num_tokens",
-                         "ref_count", "slot"}
+    ALLOCATOR_METHODS = {"peek", "hash_blocks", "allocate_with_prefix", "append_tokens", "append_token", "free",
+                         "num_tokens", "ref_count", "slot"}
     ALLOCATOR_VALUES = {"num_free_blocks", "num_blocks", "block_size", "block_tables", "num_blocks_in_use",
                         "num_cached_blocks"}
 
@@ -641,7 +641,10 @@ class RemoteScheduler(Twin):
             return getattr(self.allocator, question["value"])
         if question.get("method") not in self.ALLOCATOR_METHODS:
             raise AttributeError(f"the allocator has no {question.get('method') or question.get('value')!r}")
-        result = getattr(self.allocator, question["method"])(*question["args"], **question["kwargs"])
+        args, kwargs = decode(question["args"]), decode(question["kwargs"])  # block hashes came as {"$bytes": hex}
+        result = getattr(self.allocator, question["method"])(*args, **kwargs)
+        if question["method"] == "hash_blocks":
+            return [{"$bytes": h.hex()} for h in result]
         return list(result) if isinstance(result, tuple) else result
 
     def add(self, request) -> None:
@@ -667,7 +670,7 @@ class RemoteScheduler(Twin):
         for r in plan.scheduled:
             r.request.num_computed_tokens = r.end
             if r.samples:
-                r.request.output_ids.append(token)
+                r.request.append_output(token)
         expected_state = {"running": [request_view(r) for r in ref.running],
                           "waiting": [request_view(r) for r in ref.waiting]}
         self.compare(answer["plan"], answer["preempted"], self.state,
