@@ -2,78 +2,45 @@
 Many requests, one forward pass: the step that runs what scheduler.py plans, on the paged pool.
 
 Read one_request.py first (stage 7: one request at a time, its cached prefix copied out of
-the pool into a private DynamicCache), scheduler.py (what runs in the next step) and
-batch_attention.py (how one forward pass attends for every request). Here no DynamicCache
-is kept between steps: in every layer, the model's attention copies each request's blocks out
-of the pool through its block table, whole blocks, padded to the longest context of its group,
-into one buffer the pool reuses (StepFigures counts the slots a layer needs, attends over and
-copies). vLLM's kernels copy nothing: flash_attn_varlen_func gets the paged cache and the
-block table (vllm/v1/attention/backends/flash_attn.py).
+the pool into a private DynamicCache), scheduler.py (what runs in the next step),
+step_budget.py (how much it may compute) and model_runner.py (plan in, logits out). Here no
+DynamicCache is kept between steps: in every layer, the model's attention copies each
+request's blocks out of the pool through its block table, whole blocks, padded to the
+longest context of its group, into one buffer the pool reuses (StepFigures counts the slots
+a layer needs, attends over and copies). vLLM's kernels copy nothing: flash_attn_varlen_func
+gets the paged cache and the block table (vllm/v1/attention/backends/flash_attn.py).
 
-    _State, StepFigures  what the runner keeps with each request; how big a step was
-    BatchRunner          schedule, run the step, sample a token per request, finish requests
+    BatchRunner   step: schedule, run the model, sample, finish; add and run for callers
+                  who step it themselves (generate_batch, the lessons)
+
+The step reads as nano-vllm's (nanovllm/engine/llm_engine.py at bb823b3: schedule, run,
+postprocess). What it may compute is a budget policy's to say, how many threads a pass runs
+with the model runner's thread policy: objects handed in, not branches of the step.
+A failure in one request's bookkeeping (its reply builder) ends that request only; a
+failure of the step itself (the model, the sampler) raises, for the caller to end the
+step's requests (engine_loop.py does).
 
 A runner takes the EngineParts it runs on (one_request.py), not the Engine. engine_loop.py
-steps one for callers in many threads (Engine(batching=True): the server's clients). How many
-threads a step runs with on a CPU is cpu_threads.py's to choose.
+steps one for callers in many threads (Engine(batching=True): the server's clients).
 """
 
 from __future__ import annotations
 
-import queue
 import time
-from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
-from batch_attention import StepInputs, build_step, use_pool_attention
-from cpu_threads import ThreadChooser, one_pass
+from cpu_threads import ThreadChooser
+from model_runner import ModelRunner, StepFigures
 from one_request import EngineParts
 from outputs import Generation, ReplyBuilder
 from prefix_caching import OutOfBlocksError
-from sampling import SamplingParams, sample_batch
-from scheduler import FINISHED, Request, Scheduler, StepPlan
-from step_budget import StepBudget
+from request import FINISHED, Request, SamplingParams
+from sampling import sample_batch
+from scheduler import Scheduler, StepPlan
+from step_budget import FixedBudget, StepBudget
 
-
-@dataclass
-class _State:
-    """What the runner keeps with each request (Request.payload)."""
-
-    params: SamplingParams
-    generator: torch.Generator | None
-    builder: ReplyBuilder  # the reply, and its text as the tokens come (outputs.py)
-    arrival: float
-    admitted_at: float | None = None
-    new_text: str = ""  # what the last sampled token added to the reply's text
-    events: queue.SimpleQueue | None = None  # where an EngineLoop (engine_loop.py) sends its StreamEvents
-    gone: Callable[[], bool] | None = None  # an EngineLoop's check: has the caller left?
-
-    @property
-    def reply(self) -> Generation:
-        return self.builder.reply
-
-
-@dataclass(frozen=True)
-class StepFigures:
-    """How big one step was: its requests, the tokens of its forward pass, how many of those
-    were prefill (a prompt's uncached part, or a resumed request's text again), and the pool
-    slots its attention needed, read (padding included) and copied out of the pool (whole
-    blocks), in each layer."""
-
-    num_requests: int
-    num_tokens: int
-    num_prefill_tokens: int
-    num_slots_needed: int
-    num_slots_read: int
-    num_slots_copied: int
-
-    @classmethod
-    def of(cls, plan: StepPlan, inputs: StepInputs) -> StepFigures:
-        prefill = sum(s.end - s.start for s in plan.scheduled if s.is_prefill)
-        return cls(len(plan.scheduled), plan.num_tokens, prefill, inputs.slots_needed, inputs.slots_read,
-                   inputs.slots_copied)
+__all__ = ["BatchRunner", "StepFigures"]
 
 
 class BatchRunner:
@@ -88,121 +55,146 @@ class BatchRunner:
                  choose_threads: bool = True, step_budget: StepBudget | None = None, **scheduler_options) -> None:
         """cascade_attention: decodes that share a long prefix's blocks may attend over them
         once (shared_prefix_attention), where counted work says it pays (decode_groups);
-        False: never. threads: the ThreadChooser to use (one that has measured
-        already, as the Engine's), or None for a new one; choose_threads=False keeps torch's
-        own thread count for every step. step_budget: picks each step's token budget from a
-        target step time (step_budget.py), up to max_num_batched_tokens; None: the budget is
-        max_num_batched_tokens every step. scheduler_options: Scheduler's max_num_seqs,
+        False: never. threads: the ThreadChooser to use (one that has measured already, as
+        the Engine's), or None for a new one; choose_threads=False keeps torch's own thread
+        count for every step. step_budget: the budget policy (step_budget.py's StepBudget,
+        or any object with its budget, record and describe); None: max_num_batched_tokens
+        every step (FixedBudget). scheduler_options: Scheduler's max_num_seqs,
         max_num_batched_tokens and enable_chunked_prefill."""
         self.parts = parts
-        self.cascade_attention = cascade_attention
+        self.scheduler = Scheduler(parts.allocator, **scheduler_options)
+        self.budget = step_budget or FixedBudget(self.scheduler.max_num_batched_tokens)
         # On a GPU the CPU only launches kernels: nothing to choose there.
         cpu = parts.device.type == "cpu"
-        self.threads = (threads or ThreadChooser()) if cpu and choose_threads else None
-        self.step_budget = step_budget
-        use_pool_attention(parts.model)
-        self.scheduler = Scheduler(parts.allocator, **scheduler_options)
+        self.model_runner = ModelRunner(parts, cascade_attention,
+                                        (threads or ThreadChooser()) if cpu and choose_threads else None)
         self.last_plan: StepPlan | None = None  # the latest step's plan; None while one is being made
         self.num_steps = 0  # steps that scheduled anything: one forward pass each
-        self.last_step: StepFigures | None = None  # the latest of them, maybe running now
+        self.block_tables: dict[str, list[int]] = {}  # the latest plan's requests' tables, as planned
 
-    def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams, cache_salt: str | None,
-            stop: tuple[str, ...] = ()) -> Request:
-        request = self.new_request(request_id, prompt_ids, params, cache_salt, stop)
+    @property
+    def last_step(self) -> StepFigures | None:
+        """The latest step's figures (maybe running now)."""
+        return self.model_runner.last_step
+
+    @property
+    def threads(self) -> ThreadChooser | None:
+        return self.model_runner.threads
+
+    def thread_count(self, chosen: bool):
+        return self.model_runner.thread_count(chosen)
+
+    # --- requests in ---------------------------------------------------------------------
+
+    def new_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                    cache_salt: str | None = None, **request_fields) -> Request:
+        """A Request with its reply builder and sampler; request_fields: Request's (tenant,
+        events, gone). Trusts its caller: the Engine's front checked every argument."""
+        generator = None if params.seed is None else torch.Generator().manual_seed(params.seed)
+        reply = Generation(request_id, prompt_tokens=len(prompt_ids))
+        builder = ReplyBuilder(reply, self.parts.tokenizer, self.parts.stop_token_ids, params.stop, params.max_tokens)
+        return Request(request_id, list(prompt_ids), cache_salt, params, builder=builder, generator=generator,
+                       **request_fields)
+
+    def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams, cache_salt: str | None = None,
+            **request_fields) -> Request:
+        request = self.new_request(request_id, prompt_ids, params, cache_salt, **request_fields)
         self.scheduler.add(request)
         return request
 
-    def new_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams, cache_salt: str | None,
-                    stop: tuple[str, ...] = ()) -> Request:
-        generator = None if params.seed is None else torch.Generator().manual_seed(params.seed)
-        reply = Generation(request_id, prompt_tokens=len(prompt_ids))
-        builder = ReplyBuilder(reply, self.parts.tokenizer, self.parts.stop_token_ids, stop, params.max_tokens)
-        state = _State(params, generator, builder, time.perf_counter())
-        return Request(request_id, list(prompt_ids), cache_salt, params.max_tokens, payload=state)
+    # --- the step ------------------------------------------------------------------------
 
     def step(self) -> list[Request]:
-        """Schedule, run one forward pass, sample; returns the requests that finished (their
-        blocks freed, their replies complete).
+        """Schedule, run one forward pass, sample, finish; returns the requests that finished
+        (their blocks freed, their replies complete, their last event sent).
 
-        Holds parts.lock for the step (so it never interleaves with another caller's steps)
-        and parts.allocator_lock around the allocator's bookkeeping only. If it raises, the
-        requests of last_plan (all of them, if that is None) are the ones it left half done."""
-        parts, scheduler = self.parts, self.scheduler
-        self.last_plan = None
-        with parts.lock:
-            with parts.allocator_lock:
-                budget = None
-                if self.step_budget is not None:
-                    threads = self.thread_count(chosen=False)
-                    budget = self.step_budget.tokens(scheduler.running, scheduler.waiting, threads)
-                plan = self.last_plan = scheduler.schedule(budget)
-                block_tables = {s.request.request_id: list(parts.allocator.block_tables[s.request.request_id])
-                                for s in plan.scheduled}
+        If it raises, the requests of last_plan (all of them, if that is None) are the ones
+        it left half done."""
+        with self.parts.lock:
+            plan = self.schedule()
             if not plan.scheduled:
                 return []
             started = time.perf_counter()
-            inputs = build_step(plan, parts.kv, block_tables, parts.device, self.cascade_attention)
-            self.num_steps += 1
-            self.last_step = StepFigures.of(plan, inputs)
-            now = time.perf_counter()
-            for s in plan.scheduled:
-                if s.request.payload.admitted_at is None:  # its first admission: its hit is known
-                    s.request.payload.admitted_at = now
-                    s.request.payload.reply.cached_tokens = s.request.num_cached_tokens
-            prefill = self.last_step.num_prefill_tokens > 0
-            kind = (prefill, plan.num_tokens.bit_length())  # steps about as big are timed together
-            with one_pass(self.threads, parts.device, kind, may_probe=not prefill), torch.inference_mode():
-                logits = parts.model(
-                    input_ids=inputs.input_ids, position_ids=inputs.positions, use_cache=False,
-                    logits_to_keep=inputs.last_token, pool_step=inputs,
-                ).logits[0]  # (requests that sample, vocab)
-            for s in plan.scheduled:
-                s.request.num_computed_tokens = s.end  # its K/V are in the pool now
-            # Every request samples before any finishes: a failure in one leaves them all as
-            # they were, for the caller to fail together.
+            logits = self.model_runner.run(plan, self.block_tables)
             sampling = [s.request for s in plan.scheduled if s.samples]
-            tokens = sample_batch(logits, [r.payload.params for r in sampling], [r.payload.generator for r in sampling])
-            if self.step_budget is not None:  # sampling waited for the device: the step is done
-                seconds = time.perf_counter() - started
-                with parts.allocator_lock:  # what snapshot() reads the learned costs under
-                    self.step_budget.record(self.thread_count(chosen=True), plan, seconds)
-            finished = [request for request, token in zip(sampling, tokens) if self._add_token(request, token)]
-            with parts.allocator_lock:
-                for request in finished:
-                    scheduler.finish(request)
+            tokens = sample_batch(logits, [r.params for r in sampling], [r.generator for r in sampling])
+            with self.parts.allocator_lock:  # what snapshot() reads the learned costs under
+                self.budget.record(self.thread_count(chosen=True), plan, time.perf_counter() - started)
+            return self.postprocess(plan, tokens)
+
+    def schedule(self) -> StepPlan:
+        """The budget policy's budget, the scheduler's plan, and the block tables it runs on."""
+        self.last_plan = None
+        with self.parts.allocator_lock:
+            budget = self.budget.budget(self.scheduler.candidates(), self.thread_count(chosen=False))
+            plan = self.last_plan = self.scheduler.schedule(budget)
+            tables = self.parts.allocator.block_tables
+            self.block_tables = {s.request.request_id: list(tables[s.request.request_id]) for s in plan.scheduled}
+        if plan.scheduled:
+            self.num_steps += 1
+        now = time.perf_counter()
+        for s in plan.scheduled:
+            if s.request.admitted_at is None:  # its first admission: its hit is known
+                s.request.admitted_at = now
+                s.request.reply.cached_tokens = s.request.num_cached_tokens
+        return plan
+
+    def postprocess(self, plan: StepPlan, tokens: list[int]) -> list[Request]:
+        """Each request's K/V are in the pool now; each that sampled takes its token (its
+        reply builder may finish it); the finished give their blocks back, then every
+        sampled token's event goes out (the last one after the free, so whoever sees a
+        finish reason sees the pool whole)."""
+        sampled = iter(tokens)
+        news, failed = [], []
+        for s in plan.scheduled:
+            s.request.num_computed_tokens = s.end
+            if s.samples:
+                try:
+                    news.append((s.request, *self._add_token(s.request, next(sampled))))
+                except Exception as err:  # this request's bookkeeping: it alone fails
+                    failed.append((s.request, err))
+        finished = [request for request, _, _, finish_reason in news if finish_reason is not None]
+        with self.parts.allocator_lock:
+            for request in finished + [request for request, _ in failed]:
+                self.scheduler.finish(request)
         end = time.perf_counter()
         for request in finished:
             self.close_reply(request, end)
+        for request, token, text, _ in news:
+            if request.events is not None:
+                request.events.put(request.reply.event(token, text))
+        for request, err in failed:
+            self.fail(request, err)
         return finished
 
-    def thread_count(self, chosen: bool):
-        """What step costs are learned under: None on a GPU; on a CPU the thread count the
-        next step will likely run with (chosen=False), or the one the latest ran with."""
-        if self.parts.device.type != "cpu":
-            return None
-        if self.threads is None:
-            return torch.get_num_threads()
-        return self.threads.used if chosen else (self.threads.threads or torch.get_num_threads())
+    def _add_token(self, request: Request, token: int) -> tuple[int, str, str | None]:
+        """Add the request's sampled token to it and to its reply: (token, new text, finish reason)."""
+        request.append_output(token)
+        if len(request.output_ids) == 1:
+            request.reply.ttft_ms = (time.perf_counter() - request.arrival) * 1e3
+        return token, *request.builder.add(token)
 
     @staticmethod
     def close_reply(request: Request, end: float) -> None:
         """A finished request's reply gets its times and preemptions."""
-        state, reply = request.payload, request.payload.reply
-        reply.total_ms = (end - state.arrival) * 1e3
-        reply.wait_ms = (state.admitted_at - state.arrival) * 1e3
+        reply = request.reply
+        reply.total_ms = (end - request.arrival) * 1e3
+        reply.wait_ms = ((request.admitted_at or end) - request.arrival) * 1e3
         reply.num_preemptions = request.num_preemptions
 
-    def _add_token(self, request: Request, token: int) -> bool:
-        """Add the request's sampled token to it and to its reply; whether that finished it."""
-        state = request.payload
-        request.output_ids.append(token)
-        if len(request.output_ids) == 1:
-            state.reply.ttft_ms = (time.perf_counter() - state.arrival) * 1e3
-        state.new_text, finish_reason = state.builder.add(token)
-        return finish_reason is not None
+    @staticmethod
+    def fail(request: Request, err: BaseException) -> None:
+        """The request ended with `err` (already out of the scheduler): its caller gets it
+        instead of its next event."""
+        request.status, request.error = FINISHED, err
+        if request.events is not None:
+            request.events.put(err)
+
+    # --- stepping it yourself ------------------------------------------------------------
 
     def run(self, requests: list[Request]) -> list[Generation]:
-        """Step until every one of `requests` has finished; their replies, in order.
+        """Step until every one of `requests` has finished; their replies, in order. A
+        request that failed raises its error once the others are done.
 
         The runner's scheduler sees only its own requests. If a step can run none of them
         while none runs, the pool is held by someone else (a stream of the same engine): that
@@ -215,4 +207,7 @@ class BatchRunner:
                     f"the KV pool is held by other requests of this engine ({self.parts.allocator.num_free_blocks} "
                     f"blocks free): use Engine(batching=True) to queue every caller's requests together"
                 )
-        return [r.payload.reply for r in requests]
+        for request in requests:
+            if request.error is not None:
+                raise request.error
+        return [r.reply for r in requests]

@@ -14,7 +14,9 @@ request id) before any work, and hands the request to one of the two engines. No
 under it imports it.
 
     1. the Engine          Engine(...), tokenize, generate, stream, generate_batch, snapshot
-    2. command-line flags  the model and pool flags the demo, benchmarks and server share
+
+A prompt is checked and tokenized by prompts.py; the flags that make an Engine from a
+command line are model_flags.py's.
 
 References: vLLM v1 (vllm/v1/engine/llm_engine.py and core.py: an EngineCore composing a
 Scheduler and a model executor, with an output processor beside it); nano-vllm
@@ -24,117 +26,126 @@ ModelRunner, and its step is schedule, run, postprocess).
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import math
 import threading
 import time
+import weakref
+from dataclasses import dataclass, fields, replace
 from typing import Callable, Iterator, Sequence
 
 import torch
-from jinja2 import TemplateError
 
 from batch_engine import BatchRunner
 from cpu_threads import ThreadChooser
-from engine_loop import ClientGoneError, EngineLoop, EngineStoppedError, LoopSnapshot, QueueFullError
+from engine_loop import (
+    ClientGoneError, EngineLoop, EngineStoppedError, LoopSnapshot, QueueFullError, thaw_startup_heap,
+)
 from kv_pool import PagedKVPool
-from model_loader import DTYPES, DEFAULT_MODEL, load_model
+from model_loader import load_model
 from one_request import EngineParts, run_request
-from outputs import Generation, StreamEvent, check_stop
+from outputs import Generation, StreamEvent
 from prefix_caching import PrefixCachingAllocator, check_cache_salt, check_text
-from sampling import SamplingParams
-from scheduler import FINISHED, check_step_size
+from prompts import tokenize_prompts
+from request import FINISHED, SamplingParams
+from scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS, check_step_size
 from step_budget import DEFAULT_TARGET_STEP_MS, ModelShape, StepBudget
 
 # -----------------------------------------------------------------------------
 # 1. The Engine
 
-CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")  # OpenAI's chat API's roles
 DEFAULT_KV_MEMORY_GB = 0.5  # the pool's size when neither num_blocks nor kv_memory_gb is given
 DEFAULT_MAX_NUM_SEQS = 64  # batching: requests in one step at most (vLLM's --max-num-seqs)
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048  # batching: tokens one step computes at most (vLLM's flag of that name)
 
 
-def check_request(max_tokens, temperature, top_p, seed, cache_salt, stop):
-    """The arguments every request takes, checked (ValueError): (SamplingParams, salt, stop)."""
-    params = SamplingParams(max_tokens, temperature, top_p, seed)
+@dataclass(frozen=True)
+class EngineConfig:
+    """Every option of an Engine but its model, checked once when made (ValueError).
+
+    The pool: block_size, and num_blocks or kv_memory_gb (DEFAULT_KV_MEMORY_GB GiB when
+    neither is given); enable_caching, hash_algo, free_uncached_first (the allocator's).
+    batching: False runs one request at a time (one_request.py); True submits every
+    caller's requests to one engine loop (engine_loop.py). A batched step: max_num_seqs
+    requests at most, and a token budget that is max_num_batched_tokens every step when it
+    is given (vLLM's meaning), or else as many tokens as fit in target_step_ms (step_budget.py,
+    DEFAULT_TARGET_STEP_MS unless given), at most DEFAULT_MAX_NUM_BATCHED_TOKENS.
+    enable_chunked_prefill, cascade_attention (decodes sharing a long prefix read it once,
+    where it pays), choose_threads (False keeps torch's thread count on a CPU).
+    """
+
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_memory_gb: float | None = None
+    enable_caching: bool = True
+    hash_algo: str = "sha256"
+    free_uncached_first: bool = False
+    batching: bool = False
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
+    max_num_batched_tokens: int | None = None
+    target_step_ms: float | None = None
+    enable_chunked_prefill: bool = True
+    cascade_attention: bool = True
+    choose_threads: bool = True
+
+    def __post_init__(self):
+        if self.num_blocks is not None and self.kv_memory_gb is not None:
+            raise ValueError("size the pool by num_blocks or by kv_memory_gb, not both")
+        if self.max_num_batched_tokens is not None and self.target_step_ms is not None:
+            raise ValueError("give max_num_batched_tokens (the same budget every step) or target_step_ms (a budget "
+                             "from a step time), not both")
+        target = self.target_step_ms
+        number = isinstance(target, (int, float)) and not isinstance(target, bool)
+        if target is not None and not (number and 0 < target < math.inf):
+            raise ValueError(f"target_step_ms must be a number of milliseconds above 0, got {target!r:.40}")
+        check_step_size(self.max_num_seqs, self.token_cap)
+
+    @property
+    def token_cap(self) -> int:
+        """The most tokens a batched step computes."""
+        return DEFAULT_MAX_NUM_BATCHED_TOKENS if self.max_num_batched_tokens is None else self.max_num_batched_tokens
+
+    @property
+    def step_target_ms(self) -> float | None:
+        """The target step time the budget comes from; None: the budget is fixed."""
+        if self.max_num_batched_tokens is not None:
+            return None
+        return DEFAULT_TARGET_STEP_MS if self.target_step_ms is None else self.target_step_ms
+
+    @property
+    def scheduler_options(self) -> dict:
+        return {"max_num_seqs": self.max_num_seqs, "max_num_batched_tokens": self.token_cap,
+                "enable_chunked_prefill": self.enable_chunked_prefill}
+
+
+CONFIG_FIELDS = tuple(f.name for f in fields(EngineConfig))
+SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingParams))
+
+
+def sampling_params(params: SamplingParams | None, sampling: dict) -> SamplingParams:
+    """One SamplingParams from params= or from its fields as keywords (max_tokens=8, ...)."""
+    if params is None:
+        unknown = sorted(set(sampling) - set(SAMPLING_FIELDS))
+        if unknown:
+            raise TypeError(f"unknown argument {unknown[0]!r}; a request's sampling takes {', '.join(SAMPLING_FIELDS)}")
+        return SamplingParams(**sampling)
+    if not isinstance(params, SamplingParams):
+        raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+    if sampling:
+        raise ValueError(f"give params= or its fields ({', '.join(sorted(sampling))}), not both")
+    return params
+
+
+def checked_salt(cache_salt) -> str | None:
+    """cache_salt checked at the front (ValueError): None, or a short printable str."""
     try:
         cache_salt = check_cache_salt(cache_salt)
     except TypeError as err:
         raise ValueError(str(err)) from None
-    stop = check_stop(stop)
-    for text, what in [(cache_salt or "", "cache_salt"), *((s, "a stop string") for s in stop)]:
-        check_text(text, what)
-    return params, cache_salt, stop
+    return None if cache_salt is None else check_text(cache_salt, "cache_salt")
 
 
-def check_prompt(prompt, vocab_size: int | None = None) -> str:
-    """Refuse a prompt no tokenizer should see (ValueError); its kind: "text", "messages" or "ids".
-
-    >>> check_prompt("Hi"), check_prompt([{"role": "user", "content": "Hi"}]), check_prompt([1, 2])
-    ('text', 'messages', 'ids')
-    """
-    if isinstance(prompt, str):
-        if not prompt:
-            raise ValueError("the prompt is empty: give some text, messages or token ids")
-        check_text(prompt, "the prompt")
-        return "text"
-    if not isinstance(prompt, (list, tuple)) or not prompt:
-        raise ValueError(f"prompt must be a non-empty str, list of messages or list of token ids, got {prompt!r:.80}")
-    if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        bad = [t for t in prompt if t < 0 or (vocab_size is not None and t >= vocab_size)]
-        if bad:
-            bound = "be >= 0" if vocab_size is None else f"be in [0, {vocab_size}) for this model"
-            raise ValueError(f"token ids must {bound}; got {bad[:5]}")
-        return "ids"
-    for message in prompt:
-        if not (isinstance(message, dict) and isinstance(message.get("role"), str)
-                and isinstance(message.get("content"), str)):
-            raise ValueError(f'each chat message must be a dict {{"role": str, "content": str}}, got {message!r:.80}')
-        if message["role"] not in CHAT_ROLES:
-            raise ValueError(f"unknown chat role {message['role']!r:.40}; "
-                             f"a message's role is one of {', '.join(CHAT_ROLES)}")
-        check_text(message["content"], "a message's content")
-    return "messages"
-
-
-def tokenize_prompts(tokenizer, prompts: Sequence, vocab_size: int | None = None) -> list[list[int]]:
-    """Token ids of each prompt (see check_prompt for the kinds), every one checked first.
-
-    Texts are encoded as they are; messages go through the chat template with the
-    assistant's turn opened. Both in one batch call each: the tokenizer's Rust code then
-    works through thousands of prompts at a time (a workload log) instead of one by one.
-    """
-    kinds = [check_prompt(prompt, vocab_size) for prompt in prompts]
-    if "messages" in kinds and not tokenizer.chat_template:
-        raise ValueError("this tokenizer has no chat template: pass the prompt as a str instead of messages")
-    ids: list[list[int] | None] = [list(p) if kind == "ids" else None for p, kind in zip(prompts, kinds)]
-    texts = [i for i, kind in enumerate(kinds) if kind == "text"]
-    if texts:
-        for i, encoded in zip(texts, tokenizer([prompts[i] for i in texts])["input_ids"]):
-            ids[i] = encoded
-    chats = [i for i, kind in enumerate(kinds) if kind == "messages"]
-    if chats:
-        try:
-            rendered = tokenizer.apply_chat_template([list(prompts[i]) for i in chats], add_generation_prompt=True,
-                                                     return_dict=False)
-        except TemplateError:
-            raise ValueError(refused_by_template(tokenizer, prompts, chats)) from None
-        for i, encoded in zip(chats, rendered):
-            ids[i] = list(encoded)
-    return ids
-
-
-def refused_by_template(tokenizer, prompts: Sequence, chats: list[int]) -> str:
-    """Why the model's chat template refused a batch: the first prompt it refuses alone, and
-    the template's own words (a template may demand alternating roles, or no system turn)."""
-    for i in chats:
-        try:
-            tokenizer.apply_chat_template(list(prompts[i]), add_generation_prompt=True)
-        except TemplateError as err:
-            where = f"prompt {i}" if len(prompts) > 1 else "the messages"
-            return f"the model's chat template refused {where}: {err}; change the roles or their order"
-    return "the model's chat template refused the messages"
+class EngineClosedError(RuntimeError):
+    """The Engine was closed: its pool, model and thread are given back. Make a new one."""
 
 
 class Engine:
@@ -143,12 +154,13 @@ class Engine:
         engine = Engine()                        # the offline default, SmolLM2-135M-Instruct
         engine = Engine("HuggingFaceTB/SmolLM2-360M-Instruct", device="cuda")
         engine = Engine(model=model, tokenizer=tokenizer, num_blocks=64)   # objects you already have
+        with Engine(batching=True) as engine: ...                       # closed at the end
 
+    Options are EngineConfig's, as keywords or as config=EngineConfig(...) (engine.config).
     engine.model, engine.tokenizer, engine.allocator (the block bookkeeping) and engine.kv
-    (the K/V memory its block ids point into). The pool is sized by num_blocks or by a
-    memory budget, kv_memory_gb (0.5 GiB when neither is given). engine.parts bundles them
-    with the locks and the stop tokens (one_request.EngineParts): what every runner of the
-    engine is handed, and what those attributes read.
+    (the K/V memory its block ids point into). engine.parts bundles them with the locks and
+    the stop tokens (one_request.EngineParts): what every runner of the engine is handed,
+    and what those attributes read.
 
     One request at a time (the default): stream and generate run one_request.py's steps in
     the caller's thread, gathering the cached prefix into a DynamicCache (what stage 7
@@ -156,41 +168,26 @@ class Engine:
     (engine_loop.py) that runs every caller's requests in the same forward passes, each
     layer's attention copying every request's context out of the pool by its block table
     (batch_engine.py says how much); a busy pool makes requests wait instead of refusing them.
-    generate_batch batches either way.
+    generate_batch batches either way. A request's sampling is one SamplingParams, given as
+    params= or as its fields (max_tokens=32, temperature=0.7, stop=["\n"], ...).
 
-    A batched step's token budget: by default as many tokens as fit in target_step_ms (400 ms
-    unless given; step_budget.py learns what a step costs on this machine), at most 2,048, so
-    a long prompt arriving is prefilled in chunks that keep every stream moving.
-    max_num_batched_tokens=N makes it N every step instead (vLLM's meaning), the same plans on
-    every machine: the lessons and tests pass one.
+    Every argument is checked here, at the front, before any work; the layers under it
+    trust what it hands them.
+
+    close() (or the end of a `with` block, or dropping the last reference) stops the loop's
+    thread and lets the pool and the model go: nothing else keeps a dropped Engine alive.
 
     Two locks. engine.lock is held for every step (a request's allocation and prefill
     together, or one decoded token); hold it yourself to read the pool between two steps.
     engine.allocator_lock is held only around the allocator's bookkeeping, microseconds at a
     time and never across a forward pass: hold it to read the allocator while a step runs.
     """
-    def __init__(
-        self,
-        model_name_or_path: str | None = None,
-        *,
-        model=None,
-        tokenizer=None,
-        device=None,
-        dtype=None,
-        block_size: int = 16,
-        num_blocks: int | None = None,
-        kv_memory_gb: float | None = None,
-        enable_caching: bool = True,
-        hash_algo: str = "sha256",
-        free_uncached_first: bool = False,
-        batching: bool = False,
-        max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
-        max_num_batched_tokens: int | None = None,
-        target_step_ms: float | None = None,
-        enable_chunked_prefill: bool = True,
-        cascade_attention: bool = True,
-        choose_threads: bool = True,
-    ):
+    def __init__(self, model_name_or_path: str | None = None, *, model=None, tokenizer=None, device=None, dtype=None,
+                 config: EngineConfig | None = None, **options):
+        unknown = sorted(set(options) - set(CONFIG_FIELDS))
+        if unknown:
+            raise TypeError(f"unknown option {unknown[0]!r}; an Engine takes {', '.join(CONFIG_FIELDS)}")
+        config = EngineConfig(**options) if config is None else replace(config, **options)
         if model is None and tokenizer is None:
             model, tokenizer = load_model(model_name_or_path, device=device, dtype=dtype)
         elif model is None or tokenizer is None:
@@ -200,65 +197,84 @@ class Engine:
                 "model= is already loaded: move and cast it yourself (model.to(device, dtype)) "
                 "instead of passing model_name_or_path, device or dtype"
             )
-        if num_blocks is not None and kv_memory_gb is not None:
-            raise ValueError("size the pool by num_blocks or by kv_memory_gb, not both")
-
+        self.config = config
         device, self.dtype = model.device, model.dtype
         shape = PagedKVPool.shape_from_config(model.config)
+        num_blocks = config.num_blocks
         if num_blocks is None:
-            per_block = PagedKVPool.bytes_per_block(**shape, block_size=block_size, dtype=self.dtype)
-            budget = DEFAULT_KV_MEMORY_GB if kv_memory_gb is None else kv_memory_gb
+            per_block = PagedKVPool.bytes_per_block(**shape, block_size=config.block_size, dtype=self.dtype)
+            budget = DEFAULT_KV_MEMORY_GB if config.kv_memory_gb is None else config.kv_memory_gb
             num_blocks = int(budget * 2**30 // per_block)
             if num_blocks < 1:
                 raise ValueError(f"kv_memory_gb={budget} is less than one block ({per_block:,} bytes)")
-        allocator = PrefixCachingAllocator(
-            num_blocks, block_size, hash_algo=hash_algo,
-            enable_caching=enable_caching, free_uncached_first=free_uncached_first,
-        )
-        kv = PagedKVPool(**shape, num_blocks=num_blocks, block_size=block_size, dtype=self.dtype, device=device)
+        allocator = PrefixCachingAllocator(num_blocks, config.block_size, hash_algo=config.hash_algo,
+                                           enable_caching=config.enable_caching,
+                                           free_uncached_first=config.free_uncached_first)
+        kv = PagedKVPool(**shape, num_blocks=num_blocks, block_size=config.block_size, dtype=self.dtype, device=device)
 
         eos = model.generation_config.eos_token_id
         eos = tokenizer.eos_token_id if eos is None else eos
         stop_token_ids = frozenset({eos} if isinstance(eos, int) else eos or ())
         self.max_model_len = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+        self.vocab_size = model.get_input_embeddings().num_embeddings
         self._request_counter = itertools.count()
-        self.batching = batching
-        # The token budget of a batched step: a fixed max_num_batched_tokens (vLLM's meaning), or,
-        # when none is given, as many tokens as fit in target_step_ms (step_budget.py), up to
-        # DEFAULT_MAX_NUM_BATCHED_TOKENS.
-        if max_num_batched_tokens is not None and target_step_ms is not None:
-            raise ValueError("give max_num_batched_tokens (the same budget every step) or target_step_ms (a budget "
-                             "from a step time), not both")
-        number = isinstance(target_step_ms, (int, float)) and not isinstance(target_step_ms, bool)
-        if target_step_ms is not None and not (number and 0 < target_step_ms < math.inf):
-            raise ValueError(f"target_step_ms must be a number of milliseconds above 0, got {target_step_ms!r:.40}")
-        if max_num_batched_tokens is None:
-            max_num_batched_tokens = DEFAULT_MAX_NUM_BATCHED_TOKENS
-            target_step_ms = target_step_ms or DEFAULT_TARGET_STEP_MS
-        check_step_size(max_num_seqs, max_num_batched_tokens)
-        self.scheduler_options = {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
-                                  "enable_chunked_prefill": enable_chunked_prefill}
-        self.target_step_ms = target_step_ms  # None: the budget is max_num_batched_tokens every step
-        self.step_budget = None if target_step_ms is None else StepBudget(
-            ModelShape.of(model), target_step_ms, max_num_batched_tokens)
-        self.cascade_attention = cascade_attention  # decodes sharing a long prefix read it once, where it pays
+        target = config.step_target_ms  # None: the budget is max_num_batched_tokens every step
+        self.step_budget = None if target is None else StepBudget(ModelShape.of(model), target, config.token_cap)
         # Every forward pass on a CPU picks its thread count by measuring (cpu_threads.ThreadChooser):
         # one request's, and each batched step's. choose_threads=False keeps torch's.
-        threads = ThreadChooser() if choose_threads else None
+        threads = ThreadChooser() if config.choose_threads else None
         # One lock around every step that touches the pool or the model, so several streams
         # (a server's clients) interleave their steps token by token. Reentrant: a caller that
         # holds it can still close() a stream, whose cleanup takes it again.
-        self.parts = EngineParts(model, tokenizer, stop_token_ids, allocator, kv, device,
-                                 lock=threading.RLock(), allocator_lock=threading.RLock(), threads=threads)
-        batch_options = {"cascade_attention": cascade_attention, "threads": threads,
-                         "choose_threads": choose_threads, "step_budget": self.step_budget, **self.scheduler_options}
+        self._parts: EngineParts | None = EngineParts(model, tokenizer, stop_token_ids, allocator, kv, device,
+                                                      lock=threading.RLock(), allocator_lock=threading.RLock(),
+                                                      threads=threads)
         # batching=True: the engine's one scheduler, in a thread started by the first request.
-        self.loop = EngineLoop(self.parts, **batch_options) if batching else None
+        self.loop = EngineLoop(self.parts, **self._runner_options()) if config.batching else None
+        # Stops the loop's thread when the engine is closed or dropped; holds the loop, never the engine.
+        self._finalizer = weakref.finalize(self, _close_loop, self.loop)
+
+    def _runner_options(self, **given) -> dict:
+        """BatchRunner's options from the config; given: a generate_batch's own step size."""
+        step_budget = None if "max_num_batched_tokens" in given else self.step_budget  # given: a fixed budget
+        return {"cascade_attention": self.config.cascade_attention, "threads": self.threads,
+                "choose_threads": self.config.choose_threads, "step_budget": step_budget,
+                **self.config.scheduler_options, **given}
+
+    # --- the configuration, read from self.config ---------------------------------------------
+
+    @property
+    def batching(self) -> bool:
+        return self.config.batching
+
+    @property
+    def scheduler_options(self) -> dict:
+        """max_num_seqs, max_num_batched_tokens and enable_chunked_prefill of a batched step."""
+        return self.config.scheduler_options
+
+    @property
+    def target_step_ms(self) -> float | None:
+        """The step time a batched step's budget comes from; None: max_num_batched_tokens every step."""
+        return self.config.step_target_ms
+
+    @property
+    def cascade_attention(self) -> bool:
+        return self.config.cascade_attention
 
     # --- the parts: read from self.parts, so the engine and its runners never disagree --------
     # To run on other parts (another pool, other stop tokens), replace the bundle:
     # engine.parts = dataclasses.replace(engine.parts, kv=...). A runner made before, and the
     # engine loop (made with the engine), keep the parts they were given.
+
+    @property
+    def parts(self) -> EngineParts:
+        if self._parts is None:
+            raise EngineClosedError("this Engine was closed (its pool and model are given back); make a new one")
+        return self._parts
+
+    @parts.setter
+    def parts(self, parts: EngineParts) -> None:
+        self._parts = parts
 
     @property
     def model(self):
@@ -296,13 +312,31 @@ class Engine:
     def threads(self) -> ThreadChooser | None:
         return self.parts.threads
 
+    # --- closing -------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop the engine loop's thread (after the step it runs) and let go of the pool and
+        the model: a closed engine refuses every call with EngineClosedError. Idempotent."""
+        self._finalizer()
+        self._parts, self.loop = None, None
+
+    @property
+    def closed(self) -> bool:
+        return self._parts is None
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     # --- prompts -----------------------------------------------------------------------------
 
     def tokenize(self, prompt) -> list[int]:
         """Token ids of a prompt: a str (tokenized as is), a list of chat messages
         ({"role", "content"}: the chat template with the assistant's turn opened), or a list
         of token ids (used as they are)."""
-        (ids,) = tokenize_prompts(self.tokenizer, [prompt], self.model.get_input_embeddings().num_embeddings)
+        (ids,) = tokenize_prompts(self.tokenizer, [prompt], self.vocab_size)
         return ids
 
     def _check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
@@ -324,18 +358,16 @@ class Engine:
 
     # --- running a request ---------------------------------------------------------------
 
-    def generate(self, prompt, max_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0,
-                 seed: int | None = None, cache_salt: str | None = None, request_id: str | None = None,
-                 stop: str | Sequence[str] | None = None) -> Generation:
+    def generate(self, prompt, params: SamplingParams | None = None, *, cache_salt: str | None = None,
+                 request_id: str | None = None, **sampling) -> Generation:
         """Run one request to the end and return its Generation (see stream for the arguments)."""
-        for event in self.stream(prompt, max_tokens, temperature, top_p, seed, cache_salt, request_id, stop):
+        for event in self.stream(prompt, params, cache_salt=cache_salt, request_id=request_id, **sampling):
             pass
         return event.generation
 
-    def generate_batch(self, prompts: Sequence, max_tokens: int = 64, temperature: float = 0.0,
-                       top_p: float = 1.0, seed: int | None = None, cache_salt: str | None = None,
-                       stop: str | Sequence[str] | None = None, *, max_num_seqs: int | None = None,
-                       max_num_batched_tokens: int | None = None) -> list[Generation]:
+    def generate_batch(self, prompts: Sequence, params: SamplingParams | None = None, *,
+                       cache_salt: str | None = None, max_num_seqs: int | None = None,
+                       max_num_batched_tokens: int | None = None, **sampling) -> list[Generation]:
         """Run many requests together, one forward pass per step for all of them (continuous
         batching on the paged pool: batch_engine.py); their Generations, in the order given.
 
@@ -347,9 +379,10 @@ class Engine:
         error. Without batching, a runner of their own steps them (with the engine's settings
         unless given), and fails with OutOfBlocksError if other streams hold the pool.
         """
-        params, cache_salt, stop = check_request(max_tokens, temperature, top_p, seed, cache_salt, stop)
+        params, cache_salt = sampling_params(params, sampling), checked_salt(cache_salt)
         given = {name: value for name, value in [("max_num_seqs", max_num_seqs),
-                                                 ("max_num_batched_tokens", max_num_batched_tokens)] if value is not None}
+                                                 ("max_num_batched_tokens", max_num_batched_tokens)]
+                 if value is not None}
         for name, value in given.items():
             fixed = name != "max_num_batched_tokens" or self.target_step_ms is None
             if self.batching and (value != self.scheduler_options[name] or not fixed):
@@ -361,16 +394,14 @@ class Engine:
         check_step_size(options["max_num_seqs"], options["max_num_batched_tokens"])
         if isinstance(prompts, str) or not isinstance(prompts, Sequence) or not prompts:
             raise ValueError("prompts must be a non-empty list of prompts (str, messages or token ids)")
-        all_ids = tokenize_prompts(self.tokenizer, prompts, self.model.get_input_embeddings().num_embeddings)
+        all_ids = tokenize_prompts(self.tokenizer, prompts, self.vocab_size)
         for ids in all_ids:
-            self._check_fits(len(ids), max_tokens)
+            self._check_fits(len(ids), params.max_tokens)
         request_ids = [f"batch-{next(self._request_counter)}" for _ in all_ids]
         if self.batching:
-            return self._run_in_loop(request_ids, all_ids, params, cache_salt, stop)
-        step_budget = None if "max_num_batched_tokens" in given else self.step_budget  # given: a fixed budget
-        runner = BatchRunner(self.parts, cascade_attention=self.cascade_attention, threads=self.threads,
-                             choose_threads=self.threads is not None, step_budget=step_budget, **options)
-        requests = [runner.add(rid, ids, params, cache_salt, stop) for rid, ids in zip(request_ids, all_ids)]
+            return self._run_in_loop(request_ids, all_ids, params, cache_salt)
+        runner = BatchRunner(self.parts, **self._runner_options(**given))
+        requests = [runner.add(rid, ids, params, cache_salt) for rid, ids in zip(request_ids, all_ids)]
         try:
             return runner.run(requests)
         finally:
@@ -378,9 +409,9 @@ class Engine:
                 for request in requests:  # after a failure: give every block back
                     runner.scheduler.finish(request)
 
-    def _run_in_loop(self, request_ids, all_ids, params, cache_salt, stop) -> list[Generation]:
+    def _run_in_loop(self, request_ids, all_ids, params, cache_salt) -> list[Generation]:
         """generate_batch on a batching engine: submit every request at once, wait for each."""
-        requests = [self.loop.new_request(rid, ids, params, cache_salt, stop) for rid, ids in zip(request_ids, all_ids)]
+        requests = [self.loop.new_request(rid, ids, params, cache_salt) for rid, ids in zip(request_ids, all_ids)]
         self.loop.submit(requests)
         replies = []
         try:
@@ -394,33 +425,35 @@ class Engine:
                     self.loop.cancel(request)
         return replies
 
-    def stream(self, prompt, max_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0,
-               seed: int | None = None, cache_salt: str | None = None, request_id: str | None = None,
-               stop: str | Sequence[str] | None = None, *, gone: Callable[[], bool] | None = None,
-               max_waiting: int | None = None, timeout: float | None = None) -> Iterator[StreamEvent]:
-        """Yield a StreamEvent per generated token.
+    def stream(self, prompt, params: SamplingParams | None = None, *, cache_salt: str | None = None,
+               request_id: str | None = None, tenant: str | None = None, gone: Callable[[], bool] | None = None,
+               max_waiting: int | None = None, timeout: float | None = None, **sampling) -> Iterator[StreamEvent]:
+        """Yield a StreamEvent per generated token; the last one holds the finished Generation.
 
         Every argument is checked here, at the call, before anything runs: a bad one raises
         ValueError. The request takes its blocks when iteration starts and gives them back
         when it ends, fails, or is closed early (a client that disconnects: close() the
         iterator). A request id still running raises ValueError here too, or at the first
         next() if another request takes it in between.
+        params: a SamplingParams, or its fields as keywords (max_tokens, temperature, top_p,
+            seed, stop: a str or a list of them; the reply ends before the first one it
+            contains, with finish_reason "stop", and the stop text is not part of it).
         cache_salt: requests hit each other's blocks only when their salts are equal
             (None and "" are the public cache).
-        stop: a str or a list of them; the reply ends before the first one it contains,
-            with finish_reason "stop", and the stop text is not part of it.
         A server's guards, for a batching engine only (the engine loop's, engine_loop.py):
+        tenant: who asks (a budget policy may share steps by it);
         gone: a check the loop calls while the request waits and before each of its prefill
-            steps; True drops the request, and iteration raises ClientGoneError.
-        max_waiting: QueueFullError at the first next() if more requests would then wait.
+            steps; True drops the request, and iteration raises ClientGoneError (a check that
+            raises ends its own request with that error);
+        max_waiting: QueueFullError at the first next() if more requests would then wait;
         timeout: seconds the whole request may take; then iteration raises TimeoutError.
         """
         arrival = time.perf_counter()
-        params, cache_salt, stop = check_request(max_tokens, temperature, top_p, seed, cache_salt, stop)
+        params, cache_salt = sampling_params(params, sampling), checked_salt(cache_salt)
         prompt_ids = self.tokenize(prompt)
-        self._check_fits(len(prompt_ids), max_tokens)
-        guards = {name: value for name, value in [("gone", gone), ("max_waiting", max_waiting), ("timeout", timeout)]
-                  if value is not None}
+        self._check_fits(len(prompt_ids), params.max_tokens)
+        guards = {name: value for name, value in [("tenant", tenant), ("gone", gone), ("max_waiting", max_waiting),
+                                                  ("timeout", timeout)] if value is not None}
         if guards and not self.batching:
             raise ValueError(f"{next(iter(guards))} is a guard of the batching engine's queue; this engine has none")
         if request_id is not None and (not isinstance(request_id, str) or not request_id):
@@ -433,17 +466,18 @@ class Engine:
             elif self._running(request_id):
                 raise ValueError(f"request id {request_id!r} is already running; pick another id")
         if self.batching:
-            request = self.loop.new_request(request_id, prompt_ids, params, cache_salt, stop, gone)
+            request = self.loop.new_request(request_id, prompt_ids, params, cache_salt, gone, tenant)
             return self._stream_in_loop(request, max_waiting, timeout)
-        return run_request(self.parts, request_id, prompt_ids, params, cache_salt, stop, arrival)
+        return run_request(self.parts, request_id, prompt_ids, params, cache_salt, arrival)
 
     def _running(self, request_id: str) -> bool:
         return request_id in self.allocator.requests or (self.loop is not None and request_id in self.loop.live)
 
     def _stream_in_loop(self, request, max_waiting: int | None, timeout: float | None) -> Iterator[StreamEvent]:
         """Submit to the engine loop when iteration starts; its events as they come."""
-        self.loop.submit([request], max_waiting)
-        yield from self.loop.events(request, timeout)
+        loop = self.loop
+        loop.submit([request], max_waiting)
+        yield from loop.events(request, timeout)
 
     def snapshot(self) -> LoopSnapshot | None:
         """The batching engine's queues and steps (who runs, who waits, the last step), read
@@ -463,48 +497,10 @@ class Engine:
             self.model(input_ids=torch.zeros(1, 16, dtype=torch.long, device=self.device), logits_to_keep=1)
 
 
-# -----------------------------------------------------------------------------
-# 2. Command-line flags: the model and the pool, shared by the demo, benchmarks and server
-
-
-def positive_int(text: str) -> int:
-    """An argparse type: an int >= 1, refused with a usage error otherwise."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def positive_float(text: str) -> float:
-    """An argparse type: a finite number > 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 0 < value < math.inf:
-        raise argparse.ArgumentTypeError(f"must be a number above 0, got {text}")
-    return value
-
-
-def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    """The flags that choose the model and size its KV pool (shared by the demo and benchmarks)."""
-    group = parser.add_argument_group("model")
-    group.add_argument("--model", default=None, help=f"Hugging Face id or local path (default: {DEFAULT_MODEL}, offline)")
-    group.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda when there is a GPU)")
-    group.add_argument("--dtype", default=None, choices=list(DTYPES), help="default: fp32 on CPU, bf16 on CUDA")
-    group.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block (default: 16)")
-    size = group.add_mutually_exclusive_group()
-    size.add_argument("--num-blocks", type=positive_int, default=None,
-                      help=f"blocks in the KV pool (default: as many as fit in {DEFAULT_KV_MEMORY_GB} GiB)")
-    size.add_argument("--kv-memory-gb", type=positive_float, default=None,
-                      help="size the KV pool by memory instead: as many blocks as fit in this many GiB")
-
-
-def pool_arguments(args: argparse.Namespace) -> dict:
-    """Engine keyword arguments from the pool flags of add_model_arguments."""
-    return {"block_size": args.block_size, "num_blocks": args.num_blocks,
-            "kv_memory_gb": getattr(args, "kv_memory_gb", None)}  # a hand-made Namespace may leave it out
+def _close_loop(loop: EngineLoop | None) -> None:
+    """An Engine's finalizer: stop its loop's thread. The heap frozen for the loop's steps is
+    thawed, so a collection can take the dropped engine's objects that sit in cycles."""
+    if loop is not None:
+        loop.stop()
+        thaw_startup_heap()
 

@@ -22,15 +22,14 @@ import logging
 import queue
 import threading
 import time
+import weakref
 from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
 from batch_engine import BatchRunner, StepFigures
 from one_request import EngineParts
-from outputs import StreamEvent
-from sampling import SamplingParams
-from scheduler import FINISHED, Request
+from request import FINISHED, Request, SamplingParams
 
 # -----------------------------------------------------------------------------
 # 1. The loop's pieces: its errors, its snapshot, the heap it freezes
@@ -48,6 +47,12 @@ def freeze_startup_heap() -> None:
     if gc.get_freeze_count() == 0:
         gc.collect()  # garbage first: what is frozen is never collected
         gc.freeze()
+
+
+def thaw_startup_heap() -> None:
+    """Undo freeze_startup_heap (an engine closed): what was frozen may be garbage now, and
+    a frozen object in a reference cycle is never collected. The next loop freezes again."""
+    gc.unfreeze()
 
 
 class QueueFullError(RuntimeError):
@@ -123,11 +128,10 @@ class EngineLoop:
         return self.runner.scheduler
 
     def new_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams, cache_salt: str | None,
-                    stop: tuple[str, ...] = (), gone: Callable[[], bool] | None = None) -> Request:
-        request = self.runner.new_request(request_id, prompt_ids, params, cache_salt, stop)
-        request.payload.events = queue.SimpleQueue()
-        request.payload.gone = gone
-        return request
+                    gone: Callable[[], bool] | None = None, tenant: str | None = None) -> Request:
+        """A Request whose events come to its caller through a queue of its own."""
+        return self.runner.new_request(request_id, prompt_ids, params, cache_salt, events=queue.SimpleQueue(),
+                                       gone=gone, tenant=tenant)
 
     def submit(self, requests: list[Request], max_waiting: int | None = None) -> None:
         """Queue `requests` in this order, behind everything submitted before; all of them or,
@@ -150,7 +154,8 @@ class EngineLoop:
             if self._thread is None:
                 freeze_startup_heap()
                 self._start_thread()
-                atexit.register(self.stop)
+                # At exit, by a weak reference: nothing here keeps a dropped engine's loop alive.
+                atexit.register(_stop_at_exit, weakref.ref(self))
             self._wake.notify()
 
     def cancel(self, request: Request) -> None:
@@ -165,7 +170,7 @@ class EngineLoop:
         try:
             while True:
                 try:
-                    event = request.payload.events.get(timeout=POLL_S)
+                    event = request.events.get(timeout=POLL_S)
                 except queue.Empty:
                     self.check_alive()
                     if deadline is not None and time.monotonic() > deadline:
@@ -261,29 +266,32 @@ class EngineLoop:
                         scheduler.finish(request)
                         self._forget(request)
                 departed = self._departed()
-            for request in departed:
-                self._end(request, ClientGoneError("the client hung up before its request was done"))
+            for request, err in departed:
+                self._end(request, err)
             try:
-                finished = set(self.runner.step())
+                self.runner.step()  # sends each sampled token's event, and a failed request's error
             except Exception as err:
                 self._fail(err)
                 continue
             for s in self.runner.last_plan.scheduled:
-                if not s.samples:
-                    continue  # a chunk of a prompt: nothing to tell its caller yet
-                request, state = s.request, s.request.payload
-                if request in finished:
-                    self._forget(request)
-                event = StreamEvent(request.output_ids[-1], state.new_text, state.reply.finish_reason, state.reply)
-                state.events.put(event)
+                if s.request.status == FINISHED:
+                    self._forget(s.request)
 
-    def _departed(self) -> list[Request]:
+    def _departed(self) -> list[tuple[Request, BaseException]]:
         """Requests whose caller has gone, among those that wait or have prompt left to
-        compute, finished here (under allocator_lock) before the next step spends on them."""
-        scheduler = self.scheduler
-        candidates = [*scheduler.waiting, *(r for r in scheduler.running if r.num_prefill_left)]
-        departed = [r for r in candidates if r.payload.gone is not None and r.payload.gone()]
-        for request in departed:
+        compute, finished here (under allocator_lock) before the next step spends on them,
+        with what their callers get: ClientGoneError, or the error their check raised
+        (a check that fails ends its own request only)."""
+        scheduler, departed = self.scheduler, []
+        for request in [*scheduler.waiting, *(r for r in scheduler.running if r.num_prefill_left)]:
+            if request.gone is None:
+                continue
+            try:
+                if request.gone():
+                    departed.append((request, ClientGoneError("the client hung up before its request was done")))
+            except Exception as err:
+                departed.append((request, err))
+        for request, _ in departed:
             scheduler.finish(request)
         return departed
 
@@ -302,7 +310,7 @@ class EngineLoop:
     def _end(self, request: Request, err: BaseException) -> None:
         """The request's caller gets `err` instead of its next event."""
         self._forget(request)
-        request.payload.events.put(err)
+        request.events.put(err)
 
     def _forget(self, request: Request) -> None:
         with self._wake:
@@ -327,12 +335,11 @@ class EngineLoop:
                     self.scheduler.finish(request)
         end = time.perf_counter()
         for request in running:
-            state = request.payload
-            text = state.builder.abort()
+            text = request.builder.abort()
             self.runner.close_reply(request, end)
             self._forget(request)
             last_token = request.output_ids[-1] if request.output_ids else -1  # -1: cut before its first token
-            state.events.put(StreamEvent(last_token, text, "abort", state.reply))
+            request.events.put(request.reply.event(last_token, text))
         self.stop()
 
     def _end_waiting(self) -> bool:
@@ -356,9 +363,10 @@ class EngineLoop:
         active exception"), since torch's C++ frames cannot be unwound under it."""
         with self._wake:
             self._stopping = True
-            self._closed = self._closed or "the engine loop has stopped: the process is exiting"
+            self._closed = self._closed or ("the engine loop has stopped: its engine was closed, or the process "
+                                            "is exiting")
             self._wake.notify()
-        if self._thread is not None:
+        if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join()
 
     def snapshot(self) -> LoopSnapshot:
@@ -378,5 +386,12 @@ class EngineLoop:
                 last_step=self.runner.last_step,
                 num_restarts=self.num_restarts,
                 failure=None if self.failure is None else repr(self.failure),
-                step_budget=None if self.runner.step_budget is None else self.runner.step_budget.describe(),
+                step_budget=self.runner.budget.describe(),
             )
+
+
+def _stop_at_exit(loop_ref: weakref.ref) -> None:
+    """Stop a loop still alive at exit (a weak reference: a dropped engine's loop is gone)."""
+    loop = loop_ref()
+    if loop is not None:
+        loop.stop()

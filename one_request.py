@@ -39,7 +39,8 @@ from cpu_threads import ThreadChooser, one_pass
 from kv_pool import PagedKVPool
 from outputs import Generation, ReplyBuilder, StreamEvent
 from prefix_caching import OutOfBlocksError, PrefixCachingAllocator
-from sampling import SamplingParams, sample
+from request import SamplingParams
+from sampling import sample
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -109,7 +110,7 @@ def forward(model, token_ids: list[int], past_key_values, threads: ThreadChooser
 
 
 def run_request(parts: EngineParts, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                cache_salt: str | None, stop: tuple[str, ...], arrival: float) -> Iterator[StreamEvent]:
+                cache_salt: str | None, arrival: float) -> Iterator[StreamEvent]:
     """Yield a StreamEvent per generated token of one request, run in the caller's thread.
 
     parts: what it runs on (EngineParts). It holds parts.lock for every step (a prefill, or
@@ -118,7 +119,7 @@ def run_request(parts: EngineParts, request_id: str, prompt_ids: list[int], para
     alloc, kv, model = parts.allocator, parts.kv, parts.model
     block_size = alloc.block_size
     reply = Generation(request_id, prompt_tokens=len(prompt_ids))
-    builder = ReplyBuilder(reply, parts.tokenizer, parts.stop_token_ids, stop, params.max_tokens)
+    builder = ReplyBuilder(reply, parts.tokenizer, parts.stop_token_ids, params.stop, params.max_tokens)
     generator = None if params.seed is None else torch.Generator().manual_seed(params.seed)
     allocated = False
     num_computed = 0  # tokens whose K/V are in the pool
@@ -152,7 +153,7 @@ def run_request(parts: EngineParts, request_id: str, prompt_ids: list[int], para
             text, finish_reason = builder.add(token)
             if finish_reason:
                 break
-            yield StreamEvent(token, text, None, reply)
+            yield reply.event(token, text)
             with parts.lock, torch.inference_mode():
                 with parts.allocator_lock:
                     alloc.append_token(request_id, token)  # its K/V is computed right below
@@ -169,4 +170,4 @@ def run_request(parts: EngineParts, request_id: str, prompt_ids: list[int], para
                 alloc.free(request_id, num_computed_tokens=num_computed)
     # The last event comes after the free, so whoever sees finish_reason sees the pool whole.
     reply.total_ms = (time.perf_counter() - arrival) * 1e3
-    yield StreamEvent(token, text, finish_reason, reply)
+    yield reply.event(token, text)

@@ -2,7 +2,7 @@
 What a request gives back, and the one place its text is made.
 
     Generation     one reply: its tokens and text, why it finished, and what caching did for it
-    StreamEvent    one generated token, as a stream yields it
+    StreamEvent    one generated token, as a stream yields it: a value, the reply in the last
     ReplyBuilder   sampled token in, new text and finish reason out: detokenizing (a few
                    tokens at a time), stop strings, EOS, max_tokens, and the text held back
 
@@ -50,14 +50,23 @@ class Generation:
         """Prompt tokens the model had to run: the uncached suffix."""
         return self.prompt_tokens - self.cached_tokens
 
+    def event(self, token_id: int, text: str) -> StreamEvent:
+        """The StreamEvent of its newest token: a value of its own, with this reply in it
+        only once the reply has finished (nothing writes a finished reply again)."""
+        finished = self.finish_reason is not None
+        return StreamEvent(token_id, text, self.finish_reason, self if finished else None,
+                           len(self.token_ids), self.cached_tokens)
 
-@dataclass
+
+@dataclass(frozen=True)
 class StreamEvent:
-    """One generated token, as Engine.stream yields it."""
-    token_id: int
+    """One generated token, as Engine.stream yields it (Generation.event makes it)."""
+    token_id: int  # -1 on an "abort" that came before the first token
     text: str  # the text this token adds ("" while it is held back)
     finish_reason: str | None  # None until the last event: then "stop", "length" or "abort"
-    generation: Generation  # the reply being built (one object, filled in as the stream goes)
+    generation: Generation | None  # the finished reply, on the last event only
+    num_tokens: int = 0  # tokens generated so far, this one included
+    cached_tokens: int = 0  # prompt tokens whose K/V came from the pool
 
 
 # -----------------------------------------------------------------------------

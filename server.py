@@ -43,12 +43,10 @@ from __future__ import annotations
 import argparse
 import logging
 
-from engine import (
-    DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, DEFAULT_TARGET_STEP_MS, Engine, add_model_arguments,
-    pool_arguments, positive_float, positive_int,
-)
+from engine import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, DEFAULT_TARGET_STEP_MS, Engine, EngineConfig
+from flags import positive_float, positive_int
+from model_flags import add_model_arguments, pool_arguments
 from model_loader import DEFAULT_MODEL
-from scheduler import check_step_size
 from server_connections import ClassServer, drain, serve_in_background
 from server_requests import (
     DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_CONNECTIONS_PER_CLIENT, DEFAULT_MAX_PROMPT_TOKENS,
@@ -140,8 +138,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.no_batching and scheduler_options:
         flag = "--" + next(iter(scheduler_options)).replace("_", "-")
         parser.error(f"{flag} is a setting of the batching engine: leave it out, or leave out --no-batching")
-    try:  # before the model loads
-        check_step_size(args.max_num_seqs or DEFAULT_MAX_NUM_SEQS, args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS)
+    try:  # every engine option checked at once, before the model loads
+        config = EngineConfig(**pool_arguments(args), batching=not args.no_batching, **scheduler_options)
     except ValueError as err:
         parser.error(str(err).replace("max_num_", "--max-num-").replace("batched_tokens", "batched-tokens"))
 
@@ -152,8 +150,7 @@ def main(argv: list[str] | None = None) -> None:
     console = Console(stderr=True)
     console.print(f"loading {args.model or DEFAULT_MODEL}…")  # the default's first load converts its GGUF file, and says so
     try:
-        engine = Engine(args.model, device=args.device, dtype=args.dtype, **pool_arguments(args),
-                        batching=not args.no_batching, **scheduler_options)
+        engine = Engine(args.model, device=args.device, dtype=args.dtype, config=config)
     except (OSError, ValueError) as err:
         parser.exit(2, f"error: {err}\n")
     engine.warm_up()

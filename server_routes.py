@@ -45,6 +45,7 @@ from engine import (
     ClientGoneError, Engine, EngineStoppedError, Generation, QueueFullError, StreamEvent,
 )
 from prefix_caching import OutOfBlocksError
+from request import SamplingParams
 from server_connections import AFTER_BODY_LIMIT, HangUpCheck, connection_of
 from server_requests import (
     CHAT, COMPLETIONS, DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_MAX_TOKENS_LIMIT, DEFAULT_MAX_WAITING,
@@ -75,20 +76,21 @@ def start(server: ServerState, req: GenerationRequest, request_id: str,
     engine, settings = server.engine, server.settings
     guards = {}
     if engine.batching:  # the engine loop's guards (engine_loop.py, EngineLoop)
-        guards = {"gone": gone, "max_waiting": settings.max_waiting, "timeout": settings.request_timeout}
+        guards = {"tenant": req.cache_salt, "gone": gone, "max_waiting": settings.max_waiting,
+                  "timeout": settings.request_timeout}
     try:
+        params = SamplingParams(req.max_tokens, req.temperature, req.top_p, req.seed, req.stop)
         prompt_ids = engine.tokenize(req.prompt)
         if len(prompt_ids) > settings.max_prompt_tokens:
             raise APIError(400, f"the prompt is {len(prompt_ids):,} tokens, over this server's limit of "
                                 f"{settings.max_prompt_tokens:,} (--max-prompt-tokens); send a shorter one")
-        events = engine.stream(prompt_ids, req.max_tokens, req.temperature, req.top_p, req.seed,
-                               req.cache_salt, request_id, stop=req.stop, **guards)
+        events = engine.stream(prompt_ids, params, cache_salt=req.cache_salt, request_id=request_id, **guards)
         first = next(events)
     except ValueError as err:  # the engine checks every argument at the call, before any work
         raise APIError(400, str(err))
     except REFUSALS as err:
         raise refusal(err)
-    server.count(req.cache_salt, first.generation)
+    server.count(req.cache_salt, len(prompt_ids), first.cached_tokens)
     return events, first
 
 
@@ -128,7 +130,7 @@ def run_to_end(events: Iterator[StreamEvent], event: StreamEvent, path: str, gon
         while event.finish_reason is None:
             if gone():
                 log.info("%s: the client hung up after %d tokens; stopped its request and freed its blocks",
-                         path, len(event.generation.token_ids))
+                         path, event.num_tokens)
                 raise APIError(400, HUNG_UP)
             event = next(events)
     except REFUSALS as err:  # --no-batching: a decode step found no free block; or its deadline
@@ -193,8 +195,7 @@ def stream_response(events: Iterator[StreamEvent], first: StreamEvent, request_i
             refused = refusal(err, replying=True)
             yield sse(error_json(refused.status, refused.message))
         except GeneratorExit:  # the client hung up: the server's next write failed and closed us
-            log.info("%s: the client left after %d tokens; freeing its blocks", route.path,
-                     len(event.generation.token_ids))
+            log.info("%s: the client left after %d tokens; freeing its blocks", route.path, event.num_tokens)
             raise
         except Exception as err:  # a bug: the traceback goes to the log, a 500 event to the client
             log.exception("%s: the stream failed", route.path)

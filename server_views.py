@@ -44,7 +44,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from engine import Engine, Generation
+from engine import Engine
 from prefix_caching import KVCacheBlock, short_hash
 from server_requests import Settings, is_admin, tenant_of
 
@@ -99,14 +99,14 @@ class ServerState:
             return Viewer(tenant_of(headers, True), admin=True)
         return Viewer(tenant_of(headers, True), keyed=True)
 
-    def count(self, tenant: str | None, gen: Generation) -> None:
+    def count(self, tenant: str | None, prompt_tokens: int, cached_tokens: int) -> None:
         if not self.settings.salt_by_api_key:
             return  # no tenants to keep apart: /health shows the allocator's own counters
         with self.tenants_lock:
             counters = self.tenants.setdefault(tenant, TenantCounters())
             counters.requests += 1
-            counters.queried_tokens += gen.prompt_tokens
-            counters.hit_tokens += gen.cached_tokens
+            counters.queried_tokens += prompt_tokens
+            counters.hit_tokens += cached_tokens
 
     def failure(self) -> str | None:
         """Why the engine takes no requests any more (its loop failed for good), or None."""

@@ -3,7 +3,7 @@ Each step's token budget, picked from a target step time (stage 8).
 
 Read scheduler.py first: Scheduler.schedule(budget) hands out `budget` tokens a step, decodes
 first, then chunks of prompts. vLLM's budget is a fixed number, max_num_batched_tokens
-(2,048 by default here as there), sized for a GPU. On a laptop's CPU a 2,048-token step takes
+(2,048 by default here as there), sized for a GPU. On a laptop's CPU a step that size takes
 seconds, and every stream waits for it: four students' replies freeze while a fifth
 student's long prompt is prefilled. So here the budget comes from a time instead, the idea
 of Sarathi-Serve's stall-free batching (Agrawal et al., "Taming Throughput-Latency Tradeoff
@@ -18,6 +18,12 @@ in LLM Inference with Sarathi-Serve", OSDI 2024: pick the chunk size from a late
                   as keep the step within the target and within STALL times the decodes'
                   step (what a stream waits for its next token), never fewer than fit in as
                   long as the decodes take (so the prompt still gets half of each step)
+    FixedBudget   max_num_batched_tokens every step
+
+Both are budget policies, the objects a BatchRunner is handed (batch_engine.py): before each
+step budget(candidates, threads) says what the step may compute (scheduler.py's Budget:
+a total, and a cap per request where a policy wants one); after it, record(threads, plan,
+seconds) tells the policy what the step took; describe() is what /health shows.
 
 With max_num_batched_tokens given, the budget is that number every step (vLLM's meaning):
 lessons, exercises and tests pass one, so their plans are the same on every machine.
@@ -29,7 +35,7 @@ import math
 from collections import deque
 from dataclasses import dataclass
 
-from scheduler import Request, StepPlan
+from scheduler import Budget, Candidate, Request, StepPlan
 
 DEFAULT_TARGET_STEP_MS = 400.0  # a step never longer than this (the chunks it gives: README, "Measured")
 STALL = 2.2  # a step carrying a prompt's chunk: at most this many times the streams' own step
@@ -164,16 +170,24 @@ class StepBudget:
         self.predicted: float | None = None  # the latest step's seconds, predicted before it ran (None: nothing known)
         self.took: float | None = None  # ... and as timed
 
-    def tokens(self, running: list[Request], waiting, threads) -> int:
+    def budget(self, candidates: list[Candidate], threads) -> Budget:
+        """The policy's answer before a step (Scheduler.candidates): a total, no caps of
+        its own. A waiting prompt is priced from its cache hit on, where its chunk starts."""
+        running = [c.request for c in candidates if c.running]
+        waiting = [c for c in candidates if not c.running]
+        start = waiting[0].num_computed_tokens if waiting else 0
+        return Budget(self.tokens(running, [c.request for c in waiting], threads, start))
+
+    def tokens(self, running: list[Request], waiting, threads, waiting_start: int = 0) -> int:
         """The budget for a step whose scheduler holds `running` and `waiting`; threads: the
-        count the step will likely run with (the key its costs are learned under)."""
+        count the step will likely run with (the key its costs are learned under);
+        waiting_start: where the first waiting request's chunk would start (its cache hit)."""
         decodes = [r for r in running if not r.num_prefill_left]
         prefilling = [r for r in running if r.num_prefill_left]
         if not (prefilling or waiting):
             self.last = self.cap
             return self.cap
-        head = prefilling[0] if prefilling else waiting[0]
-        start = head.num_computed_tokens  # a waiting request's hit is not looked up here: 0, or where it was
+        start = prefilling[0].num_computed_tokens if prefilling else waiting_start
         if not self.costs.known(threads):
             chunk = FIRST_CHUNK
         else:
@@ -224,3 +238,21 @@ class StepBudget:
                              "ms_per_prompt_token": round(per_flop * 2 * self.shape.body_params * 1e3, 2),
                              "steps": len(self.costs.steps[threads])}
         return {"target_step_ms": self.target_ms, "last_budget": self.last, "learned": learned}
+
+
+class FixedBudget:
+    """The same budget every step, max_num_batched_tokens (vLLM's meaning): the policy of an
+    engine given that number, and of the lessons and tests, whose plans must not depend on
+    the machine."""
+
+    def __init__(self, tokens: int) -> None:
+        self.tokens = tokens
+
+    def budget(self, candidates: list[Candidate], threads) -> Budget:
+        return Budget(self.tokens)
+
+    def record(self, threads, plan: StepPlan, seconds: float) -> None:
+        """Nothing to learn: the budget is fixed."""
+
+    def describe(self) -> None:
+        return None

@@ -61,10 +61,11 @@ from rich.table import Table
 import models
 from batch_attention import attend, build_step, pool_attention, shared_prefix_attention
 from batch_engine import BatchRunner
+from model_runner import ModelRunner
 from batch_views import add_step_row, render_step, run_step, step_history
 from benchmarks.throughput import TOPICS, questions, run_ours, summary
 from demo import DEMO_SYSTEM_PROMPT
-from engine import Engine
+from engine import DEFAULT_MAX_NUM_BATCHED_TOKENS, Engine
 from sampling import SamplingParams
 from benchmarks.measure import Runs, TokenCounter, busy_note, how_much_faster
 from cpu_threads import cores_used_by_others, cpu_sample
@@ -74,8 +75,7 @@ from step_budget import DEFAULT_TARGET_STEP_MS, STALL, ModelShape, StepBudget, c
 
 USERS = ["alice", "bob", "carol", "dave"]
 MAX_TOKENS = 16
-BUDGET = 512  # max_num_batched_tokens of scenes 1-2 (generate_batch's default is 2,048)
-TARGET_MS = 400.0  # scene 2d: a target step time instead of a fixed budget
+BUDGET = 512  # max_num_batched_tokens of scenes 1-2 (scene 2d shows what an engine picks by default)
 SMALL_POOL_EXTRA = 6  # scene 3: blocks beyond the system prompt's, too few for four replies
 THROUGHPUT_REQUESTS = 8  # scene 4 (the benchmark runs 16 and 32, 32 tokens each)
 
@@ -288,8 +288,9 @@ def step_time_budget(console: Console, engine: Engine, prompts: dict[str, list[i
     """Scene 2d: scene 2 again, each step's budget picked from a target step time instead of a
     fixed BUDGET (step_budget.py, what Engine(batching=True) and python server.py run)."""
     assert engine.allocator.reset_prefix_cache()
-    budget = StepBudget(ModelShape.of(engine.model), TARGET_MS, 2048)  # NEW: a time, and a hard cap
-    runner = BatchRunner(engine.parts, step_budget=budget, max_num_batched_tokens=2048)  # NEW
+    target_ms, cap = DEFAULT_TARGET_STEP_MS, DEFAULT_MAX_NUM_BATCHED_TOKENS  # the engine's defaults
+    budget = StepBudget(ModelShape.of(engine.model), target_ms, cap)  # NEW: a time, and a hard cap
+    runner = BatchRunner(engine.parts, step_budget=budget, max_num_batched_tokens=cap)  # NEW
     requests = [runner.add(user, ids, SamplingParams(max_tokens=MAX_TOKENS), None) for user, ids in prompts.items()]
     # The four prompts (in as many steps as their budgets take: the first step, with nothing
     # timed yet, gets FIRST_CHUNK tokens), then four decode steps: what a step costs is learned from them.
@@ -302,7 +303,7 @@ def step_time_budget(console: Console, engine: Engine, prompts: dict[str, list[i
     erin_ids = engine.tokenize(ERIN)
     requests.append(runner.add("erin", erin_ids, SamplingParams(max_tokens=MAX_TOKENS), None))
     table = Table("step", "budget", "decodes", "erin's chunk", "predicted", "took", title_justify="left",
-                  title=f"erin's {len(erin_ids):,} tokens beside the four decodes, a target of {TARGET_MS:g} ms a step")
+                  title=f"erin's {len(erin_ids):,} tokens beside the four decodes, a target of {target_ms:g} ms a step")
     number, chunks, sizes = decode_numbers[-1] + 1, [], []
     while any(r.request_id == "erin" for r in runner.scheduler.waiting) or any(
             r.request_id == "erin" and r.num_prefill_left for r in runner.scheduler.running):
@@ -328,9 +329,9 @@ def step_time_budget(console: Console, engine: Engine, prompts: dict[str, list[i
     console.print(
         f"What a step costs here, learned from the steps run: {fixed * 1e3:,.0f} ms whatever its size, and "
         f"{per_token * 1e3:,.1f} ms a token through the weights (plus each key it attends to: step_flops counts "
-        f"both). With a fixed budget of 2,048 tokens a step, erin's whole prompt would be one step of about "
+        f"both). With a fixed budget of {cap:,} tokens a step, erin's whole prompt would be one step of about "
         f"{whole * 1e3:,.0f} ms by the same costs, and each of the four would wait that long for its next token. With "
-        f"a target of {TARGET_MS:g} ms, a step gives her as many tokens as keep it within the target and within "
+        f"a target of {target_ms:g} ms, a step gives her as many tokens as keep it within the target and within "
         f"{STALL:g} times the four's own step ({decoding} alone, steps {decode_numbers[0]}-{decode_numbers[-1]}), "
         f"and never fewer than fit in as long as theirs: {len(chunks)} chunks, steps of {took} (median, "
         f"{took.median / decoding.median:.1f}x theirs).{shrink} This is Sarathi-Serve's stall-free batching "
@@ -453,7 +454,8 @@ def main(argv: list[str] | None = None) -> None:
     console = Console()
     for name in ("schedule", "_preempt"):
         show_exercise(console, 6, "exercises/scheduler.py", f"Scheduler.{name}", getattr(Scheduler, name))
-    show_code(console, pool_attention, shared_prefix_attention, build_step, BatchRunner.step)
+    show_code(console, pool_attention, shared_prefix_attention, build_step, BatchRunner.step, BatchRunner.schedule,
+              ModelRunner.run, BatchRunner.postprocess)
     # A fixed budget for scene 4's generate_batch: its counts (forward passes) are then the same
     # on every machine. Scene 2d shows the budget a batching engine picks by default instead.
     engine = models.make_engine(args, max_num_batched_tokens=2048)

@@ -44,7 +44,7 @@ def test_chunked_prefill_on_the_real_model_equals_generate_on_each_prompt_alone(
         scheduled = runner.last_plan.scheduled
         chunks += [(s.request.request_id, s.start, s.end) for s in scheduled if s.is_prefill]
         shared_steps.append(sum(s.is_prefill for s in scheduled) > 1)
-    assert [r.payload.reply.token_ids for r in requests] == expected
+    assert [r.reply.token_ids for r in requests] == expected
     assert_pool_whole(smollm)
     if budget < len(prompts[0]):
         assert any(end < len(prompts[0]) for rid, _, end in chunks if rid == "r0"), "r0 was chunked"

@@ -143,7 +143,7 @@ def test_openai_chat_plain_and_streaming(engine, url):
     assert cold.usage.prompt_tokens == prompt_tokens and cold.usage.completion_tokens == 8
     assert cold.usage.prompt_tokens_details.cached_tokens == 0
     assert warm.usage.prompt_tokens_details.cached_tokens == (prompt_tokens - 1) // 4 * 4
-    assert warm.choices[0].message.content == cold.choices[0].message.content == engine.generate(CHAT, 8).text
+    assert warm.choices[0].message.content == cold.choices[0].message.content == engine.generate(CHAT, max_tokens=8).text
 
     chunks = list(oa.chat.completions.create(model=model, messages=CHAT, max_tokens=8, temperature=0,
                                              stream=True, stream_options={"include_usage": True}))
@@ -158,7 +158,7 @@ def test_openai_chat_plain_and_streaming(engine, url):
 def test_openai_completions_plain_and_streaming(engine, url):
     oa, model, prompt = client(url), MODEL, SYSTEM + "Why?"
     plain = oa.completions.create(model=model, prompt=prompt, max_tokens=6, temperature=0)
-    assert plain.object == "text_completion" and plain.choices[0].text == engine.generate(prompt, 6).text
+    assert plain.object == "text_completion" and plain.choices[0].text == engine.generate(prompt, max_tokens=6).text
     chunks = list(oa.completions.create(model=model, prompt=prompt, max_tokens=6, temperature=0, stream=True))
     assert "".join(c.choices[0].text for c in chunks) == plain.choices[0].text
     assert chunks[-1].choices[0].finish_reason == "length" and chunks[-1].usage is None  # no include_usage

@@ -9,13 +9,13 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import batch_attention
-import batch_engine
+import model_runner
 from batch_engine import BatchRunner
 from engine import DEFAULT_MAX_NUM_BATCHED_TOKENS, Engine
 from helpers import call, hf_greedy, serve
 from prefix_caching import PrefixCachingAllocator
 from sampling import SamplingParams
-from scheduler import Request, Scheduler
+from scheduler import Budget, Request, Scheduler
 from server import create_app
 from step_budget import (DEFAULT_TARGET_STEP_MS, FIRST_CHUNK, MIN_CHUNK, STALL, ModelShape, StepBudget, StepCosts,
                          chunk_flops, keys_attended)
@@ -162,11 +162,11 @@ class Scripted:
     def __init__(self, budgets):
         self.budgets, self.steps, self.handed = list(budgets), 0, []
 
-    def tokens(self, running, waiting, threads):
+    def budget(self, candidates, threads):
         budget = self.budgets[self.steps % len(self.budgets)]
         self.steps += 1
         self.handed.append(budget)
-        return budget
+        return Budget(budget)
 
     def record(self, threads, plan, seconds):
         assert plan.num_tokens <= self.handed[-1]
@@ -207,7 +207,7 @@ def test_replies_are_exact_whatever_budget_each_step_gets(tiny_model, tokenizer,
         shared.extend(group.prefix_blocks is not None for group in inputs.groups)
         return inputs
 
-    monkeypatch.setattr(batch_engine, "build_step", build_step)
+    monkeypatch.setattr(model_runner, "build_step", build_step)
     replies = runner.run(requests)
     assert [r.token_ids for r in replies] == [expected(tiny_model, p) for p in PROMPTS]
     assert not engine.allocator.block_tables

@@ -1,0 +1,161 @@
+"""An Engine's lifetime and its one way to fail.
+
+A closed or dropped batching Engine gives back its pool, its model and its loop's thread
+(nothing else keeps them alive: no atexit reference, no frozen cycle), so a notebook cell run
+again does not grow the process. A failure in one request's bookkeeping (its reply builder,
+its caller's hang-up check) ends that request only; the others in its step finish exactly.
+Tiny random model, float32.
+"""
+
+import gc
+import os
+import threading
+import weakref
+
+import pytest
+
+from engine import Engine, EngineClosedError
+from helpers import assert_pool_whole, hf_greedy
+from models import tiny_llama
+from outputs import ReplyBuilder
+from request import SamplingParams
+
+PROMPTS = [list(range(10, 30)), list(range(40, 57)), list(range(70, 95))]
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def used_engine(tokenizer, **options) -> Engine:
+    """A batching engine over a model of its own, that has served requests (its loop runs)."""
+    engine = Engine(model=tiny_llama(tokenizer), tokenizer=tokenizer, batching=True, block_size=4,
+                    max_num_batched_tokens=256, **options)
+    engine.generate_batch(PROMPTS, max_tokens=4)
+    return engine
+
+
+def parts_of(engine: Engine) -> list[weakref.ref]:
+    return [weakref.ref(engine.kv), weakref.ref(engine.model), weakref.ref(engine.loop._thread),
+            weakref.ref(engine.loop)]
+
+
+@pytest.mark.parametrize("how", ["del", "close", "with"])
+def test_a_dropped_or_closed_engine_frees_its_pool_model_and_thread(tokenizer, how):
+    if how == "with":
+        with used_engine(tokenizer, num_blocks=64) as engine:
+            refs = parts_of(engine)
+            thread = engine.loop._thread
+    else:
+        engine = used_engine(tokenizer, num_blocks=64)
+        refs, thread = parts_of(engine), engine.loop._thread
+        if how == "close":
+            engine.close()
+            engine.close()  # twice is fine
+            with pytest.raises(EngineClosedError, match="closed"):
+                engine.generate([1, 2, 3], max_tokens=1)
+        del engine
+    thread.join(timeout=30)
+    assert not thread.is_alive(), "the loop's thread should have stopped"
+    del thread
+    gc.collect()
+    alive = [name for name, ref in zip(["pool", "model", "thread", "loop"], refs) if ref() is not None]
+    assert not alive, f"still alive after the engine went: {alive}"
+
+
+def test_three_engines_made_and_dropped_do_not_grow_the_process(tokenizer):
+    pool_bytes = 96 * 2**20  # each engine's KV pool: far more than the tiny model itself
+    gc.collect()
+    sizes = []
+    for _ in range(4):
+        engine = used_engine(tokenizer, kv_memory_gb=pool_bytes / 2**30)
+        assert engine.kv.data.numel() * engine.kv.data.element_size() > pool_bytes * 0.9
+        del engine
+        gc.collect()
+        sizes.append(rss_bytes())
+    grown = sizes[-1] - sizes[0]  # after the first cycle: what a re-run cell adds
+    assert grown < pool_bytes, f"three more engines grew the process by {grown / 2**20:.0f} MiB"
+
+
+def failing_builder(monkeypatch, request_id: str):
+    """ReplyBuilder.add raises for one request's reply, on its second token."""
+    real = ReplyBuilder.add
+
+    def add(self, token):
+        if self.reply.request_id == request_id and len(self.reply.token_ids) == 1:
+            raise RuntimeError(f"the reply builder of {request_id} broke")
+        return real(self, token)
+
+    monkeypatch.setattr(ReplyBuilder, "add", add)
+
+
+def test_a_raising_reply_builder_fails_only_its_request_in_the_loop(make_engine, tiny_model, monkeypatch):
+    engine = make_engine(batching=True)
+    loop = engine.loop
+    failing_builder(monkeypatch, "r1")
+    requests = [loop.new_request(f"r{i}", p, SamplingParams(max_tokens=6), None) for i, p in enumerate(PROMPTS)]
+    loop.submit(requests)  # one submit: the three share every step
+    results = {}
+    for request in requests:
+        try:
+            *_, last = loop.events(request)
+            results[request.request_id] = last.generation.token_ids
+        except RuntimeError as err:
+            results[request.request_id] = err
+    assert isinstance(results["r1"], RuntimeError) and "r1 broke" in str(results["r1"])
+    for i in (0, 2):
+        assert results[f"r{i}"] == hf_greedy(tiny_model, PROMPTS[i], 6)
+    assert loop.num_restarts == 0 and loop.failure is None
+    assert engine.generate(PROMPTS[1], max_tokens=3).token_ids == hf_greedy(tiny_model, PROMPTS[1], 3)
+
+
+def test_a_raising_reply_builder_fails_only_its_request_in_generate_batch(make_engine, tiny_model, monkeypatch):
+    engine = make_engine()
+    failing_builder(monkeypatch, "batch-1")
+    with pytest.raises(RuntimeError, match="batch-1 broke"):
+        engine.generate_batch(PROMPTS, max_tokens=6)  # the others ran to their end first
+    assert_pool_whole(engine)
+    monkeypatch.undo()
+    assert [g.token_ids for g in engine.generate_batch(PROMPTS, max_tokens=6)] == [
+        hf_greedy(tiny_model, p, 6) for p in PROMPTS]
+
+
+def test_a_raising_hang_up_check_fails_only_its_request(make_engine, tiny_model):
+    engine = make_engine(batching=True, max_num_seqs=4, max_num_batched_tokens=8)  # prompts in chunks
+
+    def broken():
+        raise OSError("the hang-up check broke")
+
+    streams = [engine.stream(p, max_tokens=5, gone=broken if i == 1 else (lambda: False))
+               for i, p in enumerate(PROMPTS)]
+    outcomes = []
+    gate = threading.Barrier(len(streams))
+
+    def run(stream):
+        gate.wait()
+        try:
+            *_, last = stream
+            outcomes.append(last.generation.token_ids)
+        except OSError as err:
+            outcomes.append(err)
+
+    threads = [threading.Thread(target=run, args=(s,)) for s in streams]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    errors = [o for o in outcomes if isinstance(o, OSError)]
+    assert len(errors) == 1 and "check broke" in str(errors[0])
+    assert sorted(o for o in outcomes if not isinstance(o, OSError)) == sorted(
+        [hf_greedy(tiny_model, PROMPTS[0], 5), hf_greedy(tiny_model, PROMPTS[2], 5)])
+    assert engine.loop.num_restarts == 0 and engine.loop.failure is None
+
+
+def test_the_loop_is_not_kept_by_atexit(tokenizer):
+    engine = used_engine(tokenizer, num_blocks=32)
+    loop_ref = weakref.ref(engine.loop)
+    engine.close()
+    del engine
+    gc.collect()
+    assert loop_ref() is None
