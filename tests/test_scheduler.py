@@ -11,14 +11,14 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from prefix_caching import PrefixCachingAllocator
-from scheduler import FINISHED, RUNNING, WAITING, Request, Scheduler
+from scheduler import FINISHED, RUNNING, WAITING, Budget, Request, Scheduler
 from request import SamplingParams
 
 
-def run_step(scheduler: Scheduler, token: int = 7) -> list[tuple[str, int, int]]:
+def run_step(scheduler: Scheduler, token: int = 7, budget=None) -> list[tuple[str, int, int]]:
     """Schedule a step and pretend the model ran it: each request that reached the end of its
     tokens samples `token` (a chunk part-way through a prompt samples nothing)."""
-    plan = scheduler.schedule()
+    plan = scheduler.schedule(budget)
     for s in plan.scheduled:
         s.request.num_computed_tokens = s.end
         if s.samples:
@@ -249,3 +249,22 @@ class SchedulerMachine(RuleBasedStateMachine):
 
 SchedulerMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=40, deadline=None)
 test_scheduler_invariants_hold_under_random_workloads = SchedulerMachine.TestCase
+
+
+def test_a_budget_policy_caps_single_requests_and_sees_what_each_would_compute():
+    """What the next step's budget policy sees (candidates) and what it may say (a Budget with
+    a cap per request): a capped prompt gets its cap, a cap of 0 waits and nobody overtakes it."""
+    s = Scheduler(PrefixCachingAllocator(num_blocks=16, block_size=4), max_num_seqs=4, max_num_batched_tokens=64)
+    s.add(Request("a", list(range(20)), tenant="t1"))
+    run_step(s)  # a's prompt, whole; its 4 full blocks cached
+    s.add(Request("b", list(range(16)) + [90, 91, 92], tenant="t2"))  # hits a's 4 blocks
+    s.add(Request("c", [7] * 10))
+    seen = [(c.request.request_id, c.running, c.num_cached_tokens, c.num_computed_tokens, c.num_remaining_tokens,
+             c.tenant) for c in s.candidates()]
+    assert seen == [("a", True, 0, 20, 1, "t1"), ("b", False, 16, 16, 3, "t2"), ("c", False, 0, 0, 10, None)]
+    assert run_step(s, budget=Budget(64, {"b": 2, "c": 4})) == [("a", 20, 21), ("b", 16, 18), ("c", 0, 4)]
+    assert run_step(s, budget=Budget(64, {"a": 0, "c": 0})) == [("b", 18, 19)]  # a sits this step out
+    s.add(Request("d", [8] * 5))
+    assert run_step(s, budget=Budget(64, {"d": 0})) == [("a", 21, 22), ("b", 19, 20), ("c", 4, 10)]
+    assert [r.request_id for r in s.waiting] == ["d"]
+    s.check_invariants()
