@@ -4,16 +4,18 @@ ways of running it.
 
 Read prefix_caching.py (the allocator) first. The files under this one, each with one role,
 are listed in the README's reading-order table ("The code, in reading order"): the pool, the
-sampler, the one finisher of reply text, the thread policy, stage 7's one-request engine (and
-EngineParts, what both engines are handed instead of the Engine), and stage 8's scheduler,
-step budget, attention, batch runner and engine loop.
+one finisher of reply text, a request (request.py), the sampler, the thread policy, stage 7's
+one-request engine (and EngineParts, what both engines are handed instead of the Engine),
+and stage 8's scheduler, budget policies, attention, model runner, batch runner and loop.
 
-This file builds the model, the allocator and the pool (bundled once as EngineParts),
-checks what callers send (the prompt, the sampling arguments, the stop strings, the
-request id) before any work, and hands the request to one of the two engines. Nothing
-under it imports it.
+This file builds the model, the allocator and the pool (bundled once as EngineParts) from
+one EngineConfig, checks what callers send (the prompt, the SamplingParams, the salt, the
+request id) once, before any work, and hands the request to one of the two engines, which
+trust it. Nothing under it imports it.
 
-    1. the Engine          Engine(...), tokenize, generate, stream, generate_batch, snapshot
+    EngineConfig       every option but the model, checked when made
+    Engine             Engine(...), tokenize, generate, stream, generate_batch, snapshot,
+                       close (and `with Engine(...) as engine:`)
 
 A prompt is checked and tokenized by prompts.py; the flags that make an Engine from a
 command line are model_flags.py's.
@@ -52,7 +54,7 @@ from scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS, check_step_size
 from step_budget import DEFAULT_TARGET_STEP_MS, ModelShape, StepBudget
 
 # -----------------------------------------------------------------------------
-# 1. The Engine
+# The Engine and its configuration
 
 DEFAULT_KV_MEMORY_GB = 0.5  # the pool's size when neither num_blocks nor kv_memory_gb is given
 DEFAULT_MAX_NUM_SEQS = 64  # batching: requests in one step at most (vLLM's --max-num-seqs)
