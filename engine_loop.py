@@ -49,10 +49,17 @@ def freeze_startup_heap() -> None:
         gc.freeze()
 
 
+_LOOPS: weakref.WeakSet = weakref.WeakSet()  # every EngineLoop whose thread was started
+
+
 def thaw_startup_heap() -> None:
-    """Undo freeze_startup_heap (an engine closed): what was frozen may be garbage now, and
-    a frozen object in a reference cycle is never collected. The next loop freezes again."""
+    """Undo freeze_startup_heap after an engine closed: what was frozen may be garbage now,
+    and a frozen object in a reference cycle is never collected. Collected, then frozen
+    again if another loop still serves (the next loop to start freezes otherwise)."""
     gc.unfreeze()
+    gc.collect()
+    if any(loop._thread.is_alive() for loop in list(_LOOPS)):
+        gc.freeze()
 
 
 class QueueFullError(RuntimeError):
@@ -189,8 +196,12 @@ class EngineLoop:
     # --- the thread, and its supervision ---
 
     def _start_thread(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
-        self._thread.start()
+        # Started before it is published: a caller's check_alive must never see a thread that
+        # has not started yet and take it for one that died.
+        thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        thread.start()
+        self._thread = thread
+        _LOOPS.add(self)
 
     def _run(self) -> None:
         """The thread: serve until stopped; after a failure outside a step, start over."""

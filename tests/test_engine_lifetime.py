@@ -159,3 +159,12 @@ def test_the_loop_is_not_kept_by_atexit(tokenizer):
     del engine
     gc.collect()
     assert loop_ref() is None
+
+
+def test_closing_one_engine_keeps_the_heap_frozen_for_another_that_serves(tokenizer, tiny_model):
+    serving = used_engine(tokenizer, num_blocks=32)
+    closing = used_engine(tokenizer, num_blocks=32)
+    closing.close()
+    assert gc.get_freeze_count() > 0, "a full collection would walk the serving engine's heap inside its steps"
+    assert serving.generate(PROMPTS[0], max_tokens=2).token_ids == hf_greedy(serving.model, PROMPTS[0], 2)
+    serving.close()
