@@ -26,8 +26,11 @@ more than over one (the weights are read once either way). Two files do it:
                      step attends over and copies. vLLM's kernels copy nothing: flash_attn_varlen_func gets the
                      paged cache and the block table and reads the blocks where they lie
                      (vllm/v1/attention/backends/flash_attn.py).
-    batch_engine.py  the step: schedule, one forward pass, one sampled token per request
-                     (BatchRunner.step).
+    model_runner.py  a step's plan in, logits out (ModelRunner.run), as nano-vllm's
+                     ModelRunner
+    batch_engine.py  the step: schedule (a budget policy's Budget, then the scheduler's
+                     plan), run the model, sample, and postprocess: one token per request,
+                     the finished ones' blocks freed (BatchRunner.step).
 
 In every layer, the step's new K/V are written into the pool before any request attends.
 So a request admitted in the same step as another hits the blocks the other is computing
@@ -40,7 +43,8 @@ New in this stage (marked # NEW): a BatchRunner driven one step at a time, its p
 scheduler's queues, and Engine.generate_batch.
 
 Read: batch_attention.py: pool_attention, shared_prefix_attention, build_step;
-      batch_engine.py: BatchRunner.step (printed when the stage starts). The scheduler's
+      batch_engine.py: BatchRunner.step, schedule and postprocess; model_runner.py:
+      ModelRunner.run (all printed when the stage starts). The scheduler's
       schedule and _preempt are exercise 6: the stage prints them from exercises/scheduler.py
       in place of scheduler.py's; write them first, then read the reference.
 
