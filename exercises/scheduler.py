@@ -18,6 +18,12 @@ allocator, self.allocator, is prefix_caching's; the four calls a scheduler makes
 allocate_with_prefix and append_tokens raise OutOfBlocksError, changing nothing, when too
 few blocks are free.
 
+(scheduler.py's answer also keeps each request's block hashes on it, so a request waiting at
+the head of a full pool is not hashed again every step: request.block_hashes =
+allocator.hash_blocks(request.token_ids, request.cache_salt, request.block_hashes), then
+block_hashes=request.block_hashes to peek and allocate_with_prefix. Optional here: the plans
+and the pool come out the same either way, and that is what is graded.)
+
 The rules a step keeps (vLLM v1's Scheduler.schedule; stage 8 shows them at work):
   - Budget: a step computes at most `budget` tokens (max_num_batched_tokens, or less when
     schedule is given one). Every token computed counts: a decode's one, a chunk's, a resumed
