@@ -89,7 +89,7 @@ class BatchRunner:
     def new_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                     cache_salt: str | None = None, **request_fields) -> Request:
         """A Request with its reply builder and sampler; request_fields: Request's (tenant,
-        events, gone). Trusts its caller: the Engine's front checked every argument."""
+        events). Trusts its caller: the Engine's front checked every argument."""
         generator = None if params.seed is None else torch.Generator().manual_seed(params.seed)
         reply = Generation(request_id, prompt_tokens=len(prompt_ids))
         builder = ReplyBuilder(reply, self.parts.tokenizer, self.parts.stop_token_ids, params.stop, params.max_tokens)

@@ -119,6 +119,8 @@ class EngineLoop:
         self._inbox: deque[Request] = deque()
         self._cancelled: list[Request] = []
         self.live: dict[str, Request] = {}  # submitted and not finished, by request id
+        # Each request's caller's hang-up check, asked while it waits or prefills (none: never asked).
+        self._gone: weakref.WeakKeyDictionary[Request, Callable[[], bool]] = weakref.WeakKeyDictionary()
         self._thread: threading.Thread | None = None
         self._restarting = threading.Lock()  # one caller restarts a dead thread, not many
         self._stopping = False  # stop(): the thread ends after its step
@@ -137,8 +139,12 @@ class EngineLoop:
     def new_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams, cache_salt: str | None,
                     gone: Callable[[], bool] | None = None, tenant: str | None = None) -> Request:
         """A Request whose events come to its caller through a queue of its own."""
-        return self.runner.new_request(request_id, prompt_ids, params, cache_salt, events=queue.SimpleQueue(),
-                                       gone=gone, tenant=tenant)
+        request = self.runner.new_request(request_id, prompt_ids, params, cache_salt, events=queue.SimpleQueue(),
+                                          tenant=tenant)
+        if gone is not None:
+            with self._wake:
+                self._gone[request] = gone
+        return request
 
     def submit(self, requests: list[Request], max_waiting: int | None = None) -> None:
         """Queue `requests` in this order, behind everything submitted before; all of them or,
@@ -295,10 +301,11 @@ class EngineLoop:
         (a check that fails ends its own request only)."""
         scheduler, departed = self.scheduler, []
         for request in [*scheduler.waiting, *(r for r in scheduler.running if r.num_prefill_left)]:
-            if request.gone is None:
+            gone = self._gone.get(request)
+            if gone is None:
                 continue
             try:
-                if request.gone():
+                if gone():
                     departed.append((request, ClientGoneError("the client hung up before its request was done")))
             except Exception as err:
                 departed.append((request, err))
@@ -326,6 +333,7 @@ class EngineLoop:
     def _forget(self, request: Request) -> None:
         with self._wake:
             self.live.pop(request.request_id, None)
+            self._gone.pop(request, None)
 
     # --- shutting down ---
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from outputs import Generation, ReplyBuilder, check_stop
 from prefix_caching import BlockHash, check_text
@@ -98,8 +98,8 @@ class Request:
     The scheduler's side: status, num_computed_tokens (of token_ids, those whose K/V are in
     the pool), num_cached_tokens (its prompt's hit at first admission), num_preemptions.
     The engine's side: the builder of its reply (outputs.ReplyBuilder), its sampler's
-    generator, its times, where its StreamEvents go (events: a queue, or None when nobody
-    streams it) and gone, its caller's hang-up check (None: never asked).
+    generator, its times, and where its StreamEvents go (events: a queue, or None when nobody
+    streams it). (A caller's hang-up check is the engine loop's to keep: engine_loop.py.)
 
     >>> r = Request("a", [1, 2, 3]); r.append_output(7); r.token_ids, r.output_ids
     ([1, 2, 3, 7], [7])
@@ -119,7 +119,6 @@ class Request:
     builder: ReplyBuilder | None = None  # its reply, and its text as the tokens come
     generator: Any = None  # a seeded torch.Generator, or None
     events: Any = None  # a queue.SimpleQueue its StreamEvents (or its error) go to, or None
-    gone: Callable[[], bool] | None = None
     arrival: float = field(default_factory=time.perf_counter)
     admitted_at: float | None = None  # first admission: when its wait ended
     error: BaseException | None = None  # why it ended early, if it failed

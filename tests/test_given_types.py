@@ -81,7 +81,7 @@ OMITTED_PARAMETERS = {
 # Fields of a reference dataclass that given.py leaves out: (given name, field) -> why.
 OMITTED_FIELDS = {
     ("Request", "tenant"): "a budget policy's fair share (step_budget.py); exercise 6's tests give a budget",
-    **{("Request", name): ENGINE_SIDE for name in ("params", "builder", "generator", "events", "gone", "arrival", "admitted_at",
+    **{("Request", name): ENGINE_SIDE for name in ("params", "builder", "generator", "events", "arrival", "admitted_at",
                                                    "error")},
 }
 
