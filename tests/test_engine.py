@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import one_request
-from engine import Engine
+from engine import Engine, EngineClosedError, EngineConfig
 from helpers import EmbeddingCounter, assert_pool_whole, hf_greedy
 from kv_pool import PagedKVPool
 from prefix_caching import OutOfBlocksError
@@ -264,6 +264,9 @@ def test_engine_shapes_its_pool_from_the_model(make_engine):
         ("hi", {"request_id": ""}, "request_id"),
         ("hi", {"stop": 5}, "stop"),
         ("hi", {"stop": ["ok", ""]}, "stop"),
+        ("hi", {"stop": ["\ud800"]}, "surrogate"),
+        ("hi", {"params": "greedy"}, "SamplingParams"),
+        ("hi", {"params": SamplingParams(max_tokens=2), "max_tokens": 3}, "not both"),
         ("bad \ud800 text", {}, "surrogate"),
         ([{"role": "user", "content": "\udfff"}], {}, "surrogate"),
         ([{"role": "robot", "content": "beep"}], {}, "unknown chat role"),
@@ -377,6 +380,12 @@ def test_a_memory_budget_sizes_the_pool_in_whole_blocks(make_engine):
 def test_engine_arguments_are_checked(tiny_model, tokenizer):
     with pytest.raises(ValueError, match="both"):
         Engine(model=tiny_model)
+    with pytest.raises(TypeError, match="unknown option 'block_sise'; an Engine takes block_size"):
+        Engine(model=tiny_model, tokenizer=tokenizer, block_sise=4)
+    with pytest.raises(ValueError, match="target_step_ms must be a number"):
+        Engine(model=tiny_model, tokenizer=tokenizer, config=EngineConfig(), target_step_ms=-5)
+    with pytest.raises(ValueError, match="not both"):
+        EngineConfig(max_num_batched_tokens=512, target_step_ms=100)
     with pytest.raises(ValueError, match="model.to"):
         Engine(model=tiny_model, tokenizer=tokenizer, dtype="bf16")
     with pytest.raises(ValueError, match="not both"):
@@ -431,3 +440,25 @@ def test_default_model_answers_like_hf_generate_and_a_warm_request_hits(smollm):
 # --- the demo and the benchmark, run on the tiny model -------------------------------------
 
 
+
+
+def test_a_sampling_argument_with_a_wrong_name_is_a_type_error_naming_the_right_ones(make_engine):
+    engine = make_engine()
+    with pytest.raises(TypeError, match="unknown argument 'max_new_tokens'; a request's sampling takes max_tokens"):
+        engine.generate("hi", max_new_tokens=3)
+    assert engine.allocator.stats.requests == 0
+
+
+def test_a_closed_engine_refuses_every_call_and_one_config_makes_the_same_engine(tiny_model, tokenizer):
+    config = EngineConfig(block_size=4, num_blocks=32, max_num_batched_tokens=64)
+    engine = Engine(model=tiny_model, tokenizer=tokenizer, config=config)
+    by_keywords = Engine(model=tiny_model, tokenizer=tokenizer, block_size=4, num_blocks=32, max_num_batched_tokens=64)
+    assert engine.config == by_keywords.config and engine.scheduler_options["max_num_batched_tokens"] == 64
+    params = SamplingParams(max_tokens=4)
+    assert engine.generate([1, 2, 3], params).token_ids == by_keywords.generate([1, 2, 3], max_tokens=4).token_ids
+    engine.close()
+    assert engine.closed
+    for call in (lambda: engine.generate([1, 2, 3], params), lambda: engine.generate_batch([[1, 2]]),
+                 lambda: engine.allocator):
+        with pytest.raises(EngineClosedError, match="make a new one"):
+            call()
