@@ -245,11 +245,11 @@ class FixedBudget:
     engine given that number, and of the lessons and tests, whose plans must not depend on
     the machine."""
 
-    def __init__(self, tokens: int) -> None:
-        self.tokens = tokens
+    def __init__(self, num_tokens: int) -> None:
+        self.num_tokens = num_tokens
 
     def budget(self, candidates: list[Candidate], threads) -> Budget:
-        return Budget(self.tokens)
+        return Budget(self.num_tokens)
 
     def record(self, threads, plan: StepPlan, seconds: float) -> None:
         """Nothing to learn: the budget is fixed."""
