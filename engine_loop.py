@@ -107,9 +107,9 @@ class EngineLoop:
 
     Callers (a server's request threads, generate_batch) submit requests and read each one's
     StreamEvents from a queue; a caller that gives up cancels, and the request's blocks are
-    freed before the next step. A request may carry a `gone` check (its client hung up?): the
-    loop asks it while the request waits and before each of its prefill steps, and drops the
-    request when it says yes.
+    freed before the next step. A request may come with a `gone` check (its client hung up?),
+    which the loop keeps beside it and asks while the request waits and before each of its
+    prefill steps: yes drops the request; a check that raises ends that request alone.
     """
 
     def __init__(self, parts: EngineParts, **options) -> None:
