@@ -4,8 +4,9 @@ The model runner: a step's plan in, the logits of every request that samples out
 Read batch_attention.py first (how one forward pass attends for every request over the
 pool). The runner knows nothing of queues, budgets or replies: batch_engine.py's BatchRunner
 hands it a plan and gets logits back, as nano-vllm's LLMEngine hands its ModelRunner the
-scheduled sequences (nanovllm/engine/model_runner.py at bb823b3: prepare the inputs, run
-the model, return logits).
+scheduled sequences (nanovllm/engine/model_runner.py at bb823b3: prepare_prefill or
+prepare_decode builds the inputs, run_model returns the logits; its run also samples,
+which here stays with the step).
 
     StepFigures   how big one step was: requests, tokens, slots attended over and copied
     ModelRunner   prepare (the step's inputs, a decode step's in buffers it keeps), run
@@ -13,8 +14,9 @@ the model, return logits).
 
 A decode-only step's token ids, positions, slots and sampled rows go into tensors the runner
 allocates once and keeps, so a decode step's inputs live at the same addresses every step:
-what capturing it as a CUDA graph needs (vLLM's GPUModelRunner keeps persistent input
-buffers for the same reason, vllm/v1/worker/gpu_model_runner.py).
+what replaying it as a CUDA graph needs (nano-vllm's run_model copies a decode step's
+input_ids, positions, slot_mapping, context_lens and block_tables into the graph_vars its
+capture_cudagraph allocated, then replays the graph).
 """
 
 from __future__ import annotations
