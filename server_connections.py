@@ -18,6 +18,8 @@ What a connection may hold, and for how long:
                                from one address (0: no such cap); beyond either a 503 from the
                                accepting thread at once, and no thread
     after its body             nothing but its end: see HangUpCheck
+    after its reply            AFTER_BODY_LIMIT bytes, discarded within read_timeout; then it is
+                               closed (a body refused unread is discarded until its deadline)
 
 werkzeug answers every request with `Connection: close`, so nothing a client sends after its
 body can be a next request. Read server_views.py before, server_routes.py after.
@@ -26,6 +28,7 @@ body can be a next request. Read server_views.py before, server_routes.py after.
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import logging
 import selectors
@@ -43,7 +46,7 @@ from server_requests import (
     RETRY_AFTER_S, error_json,
 )
 
-AFTER_BODY_LIMIT = 4096  # bytes a client may send after its body before it counts as gone
+AFTER_BODY_LIMIT = 4096  # bytes a client may send after its body: more is a hang-up, and after its reply, the end
 WATCH_EVERY_S = 0.1  # how often the watchdog looks for requests past their deadline
 CLOSE_S = 5.0  # after the grace of a Ctrl+C: how long connections get to end before they are cut
 
@@ -102,7 +105,77 @@ class HangUpCheck:
 
 
 # -----------------------------------------------------------------------------
-# 2. One connection, its handler, and the server
+# 2. What a request's body, and what follows its reply, may cost
+
+
+class ContinueFirst(io.RawIOBase):
+    """A request's body that says "100 Continue" before its first byte is read.
+
+    A client that sends `Expect: 100-continue` waits for that word before it sends its body
+    (RFC 9110 section 10.1.1). The app reads a body only once its head passed every check
+    (Host, key, Content-Type, a Content-Length within the limit), so saying it at the first
+    read says it only for a head that will be served; a refused head gets its 4xx instead,
+    and its client never sends the 3 MB it announced.
+    """
+
+    def __init__(self, body, say_continue):
+        super().__init__()
+        self.body, self.say_continue = body, say_continue
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        if self.say_continue is not None:
+            self.say_continue()
+            self.say_continue = None
+        if hasattr(self.body, "readinto"):
+            return self.body.readinto(buffer)
+        data = self.body.read(len(buffer))
+        buffer[: len(data)] = data
+        return len(data)
+
+
+class AfterReply:
+    """What werkzeug reads once a reply is sent: it discards what the client sends next, so
+    that a client still sending sees its reply rather than a reset (a socket closed on
+    unread bytes is reset, RFC 9293 section 3.6). Alone it reads up to 10 MB a time and waits
+    for them, each read with a fresh timeout: a client that drips a byte every few seconds
+    after its reply held its connection and thread for ever.
+
+    Here: once the body was read (or there was none), at most AFTER_BODY_LIMIT bytes, what has
+    come by then, within read_timeout of the reply; then end of stream, and werkzeug closes
+    the connection. A body refused unread (a 413 on its Content-Length, a 415) is still the
+    request's: it is discarded until the request's own deadline, when the watchdog cuts it.
+    """
+
+    def __init__(self, rfile, connection: Connection, read_timeout: float):
+        self.rfile, self.connection, self.read_timeout = rfile, connection, read_timeout
+        self.deadline: float | None = None  # set at the first read after the reply
+        self.discarded = 0
+
+    def read(self, size: int = -1) -> bytes:
+        if self.connection.reading:  # a body refused unread: the watchdog ends it at its deadline
+            return self.rfile.read(size)
+        if self.deadline is None:
+            self.deadline = time.monotonic() + self.read_timeout
+        left, wait = AFTER_BODY_LIMIT - self.discarded, self.deadline - time.monotonic()
+        if left <= 0 or wait <= 0:
+            return b""
+        try:
+            self.connection.sock.settimeout(wait)
+            data = self.rfile.read1(left if size < 0 else min(size, left))  # what has come, not 10 MB
+        except OSError:  # its timeout, or a reset: either way the end
+            return b""
+        self.discarded += len(data)
+        return data
+
+    def close(self) -> None:
+        self.rfile.close()
+
+
+# -----------------------------------------------------------------------------
+# 3. One connection, its handler, and the server
 
 
 @dataclass(eq=False)
@@ -155,6 +228,7 @@ class RequestHandler(WSGIRequestHandler):
 
     def handle_one_request(self) -> None:
         self.connection.settimeout(self.idle_timeout)
+        self.expects_continue = False
         super().handle_one_request()
 
     def parse_request(self) -> bool:  # called once the request line has come
@@ -163,14 +237,37 @@ class RequestHandler(WSGIRequestHandler):
         if self.tracked.cut_off:  # its head did not come by the deadline: it is no request
             self.close_connection = True
             return False
+        if parsed and "Expect" in self.headers:
+            # http.server answered none (handle_expect_100 below); werkzeug would answer one
+            # more, before the app has seen the head: ContinueFirst answers it, once.
+            self.expects_continue = self.headers["Expect"].strip(" \t").lower() == "100-continue"
+            del self.headers["Expect"]
         return parsed
+
+    def handle_expect_100(self) -> bool:
+        """http.server's answer to `Expect: 100-continue` comes as soon as the head is in,
+        whatever the head says; here the body's first read says it (ContinueFirst)."""
+        return True
+
+    def say_continue(self) -> None:
+        # RFC 9110 section 10.1.1: a client that sends this expectation in HTTP/1.0 gets no 100.
+        if self.request_version >= "HTTP/1.1":
+            self.wfile.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            self.wfile.flush()
 
     def make_environ(self) -> dict:
         environ = super().make_environ()
         environ[CONNECTION] = self.tracked
-        chunked = "chunked" in environ.get("HTTP_TRANSFER_ENCODING", "")
-        if environ.get("CONTENT_LENGTH") in (None, "", "0") and not chunked:
+        # werkzeug reads a chunked body (wsgi.input_terminated) when Transfer-Encoding names
+        # chunked in any case, as RFC 9112 section 7 says a coding's name is matched: the
+        # deadline holds for exactly the bodies it reads.
+        if environ.get("CONTENT_LENGTH") in (None, "", "0") and not environ.get("wsgi.input_terminated"):
             self.tracked.body_read()  # no body to wait for
+        elif self.expects_continue:
+            environ["wsgi.input"] = ContinueFirst(environ["wsgi.input"], self.say_continue)
+        # wsgi.input holds the socket's reader now; werkzeug's own reads from here on are what
+        # follows the reply.
+        self.rfile = AfterReply(self.rfile, self.tracked, self.read_timeout)
         return environ
 
 

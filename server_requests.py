@@ -159,8 +159,9 @@ def check_prompt_size(prompt: str | list, bounds: PromptBounds, max_prompt_token
 
 def read_body(stream, content_length: int | None, limit: int) -> bytes:
     """At most `limit` bytes of the body, or 413, refused on its Content-Length before a byte
-    of it is read. A chunked body announces no length, so read one byte past the limit: that
-    byte tells "exactly at the limit" from "over it"."""
+    of it is read. A chunked body (content_length None) announces no length, so read one byte
+    past the limit: that byte tells "exactly at the limit" from "over it"; a chunk that breaks
+    the chunked framing is a 400."""
     if content_length is not None and content_length > limit:
         raise APIError(413, f"the body is {content_length:,} bytes, over this server's limit of {limit:,} "
                             f"(what --max-prompt-tokens could ever accept); send a shorter prompt")
@@ -169,7 +170,14 @@ def read_body(stream, content_length: int | None, limit: int) -> bytes:
         try:
             chunk = stream.read(limit + 1 - size)
         except TimeoutError:  # the connection's read timeout: a chunked body that stopped coming
-            raise APIError(408, f"the body stopped arriving after {size:,} bytes; send it whole") from None
+            raise APIError(408, f"the body stopped arriving after {size:,} bytes (--read-timeout); "
+                                f"send it whole") from None
+        except OSError as err:  # werkzeug's dechunker: a size line that is not hex, a chunk without its CRLF
+            if content_length is not None or isinstance(err, ConnectionError):
+                raise  # not a chunked body, or the client left: not a malformed request
+            raise APIError(400, f"the chunked body is malformed after {size:,} bytes ({err}); send each chunk as "
+                                f"its size in hex, CRLF, its bytes, CRLF, and end with 0 CRLF CRLF "
+                                f"(RFC 9112 section 7.1), or send a Content-Length instead") from None
         if not chunk:
             break
         chunks.append(chunk)

@@ -232,12 +232,18 @@ def check_request_head():
 
 
 def read_raw_body() -> bytes:
+    connection = connection_of(request.environ)
+    late = APIError(408, "the body stopped arriving before its Content-Length (or its last chunk), or did not "
+                         "arrive within --read-timeout; send it whole, at once")
     try:
         raw = read_body(request.stream, request.content_length, served().settings.bounds.max_body_bytes)
     except ClientDisconnected:  # werkzeug's word for a body cut short: its deadline came, or the client left
-        raise APIError(408, "the body stopped arriving before its Content-Length, or did not arrive within "
-                            "--read-timeout; send it whole, at once") from None
-    connection = connection_of(request.environ)
+        raise late from None
+    except APIError as err:
+        # A chunked body cut at its deadline ends in the middle of a chunk: late, not malformed.
+        if err.status == 400 and connection is not None and connection.cut_off:
+            raise late from None
+        raise
     if connection is not None:
         connection.body_read()  # in: its read deadline no longer applies
     return raw
