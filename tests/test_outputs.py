@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from outputs import Generation, ReplyBuilder
+from outputs import Generation, ReplyBuilder, held_back
 
 # Texts whose tokens cut characters in pieces: emoji, CJK, accents, a family emoji joined by ZWJ.
 TEXTS = ["naïve café 🙂🎉 ok", "你好，世界！日本語のテキスト", "a family 👩‍👩‍👧 and ½ ✓ 𝔘𝔫𝔦", " Yes. No.! Q: A:"]
@@ -133,3 +133,33 @@ def test_decoding_a_token_costs_the_same_at_the_end_of_a_long_reply(tokenizer):
     # Decoding the whole reply at every token would be 2,000 tokens for the last one alone.
     assert max(per_token) <= 10
     assert streamed == decoded_reply(tokenizer, ids, ("🙂!",)) and builder.reply.finish_reason == "length"
+
+
+# --- the text held back for a stop string -----------------------------------------------------------
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=st.text("ab", max_size=12), stop=st.lists(st.text("ab", min_size=1, max_size=8), min_size=1, max_size=3))
+def test_held_back_is_the_longest_end_of_the_text_that_a_stop_string_starts_with(text, stop):
+    """The oracle: every length tried (two letters make many near-misses)."""
+    longest = max((n for s in stop for n in range(min(len(s) - 1, len(text)) + 1) if text.endswith(s[:n])), default=0)
+    assert held_back(text, tuple(stop)) == longest
+
+
+class CountingStop(str):
+    """A stop string that counts the characters read out of it."""
+
+    read = 0
+
+    def __getitem__(self, key):
+        part = str.__getitem__(self, key)
+        CountingStop.read += len(part)
+        return part
+
+
+def test_holding_back_reads_a_stop_string_a_few_times_not_once_per_length():
+    stop = CountingStop("ab" * 1000)  # ends only with a near-miss: the text ends with "a", nothing longer
+    CountingStop.read = 0
+    assert held_back("x" * 5000 + "a", (stop,)) == 1
+    # Trying each length in turn reads 1 + 2 + ... + 1,999 characters: two million.
+    assert CountingStop.read <= 10 * len(stop)
