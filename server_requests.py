@@ -101,21 +101,23 @@ SMOLLM2_TOKEN_BYTES = 81  # max_token_bytes of the default model's tokenizer
 class PromptBounds:
     """The most a prompt of at most max_prompt_tokens tokens could hold: each bound a prompt
     the server accepts never exceeds (for a tokenizer that drops no text: byte-level BPE,
-    SentencePiece with byte fallback).
+    SentencePiece with byte fallback). trims_content: the chat template trims a message's
+    content (Jinja's `trim`), so its whitespace costs no token and is not counted.
 
     >>> PromptBounds.of(max_prompt_tokens=4096, max_token_bytes=81)
-    PromptBounds(max_text_bytes=331776, max_messages=4096, max_body_bytes=2252800)
+    PromptBounds(max_text_bytes=331776, max_messages=4096, max_body_bytes=2252800, trims_content=False)
     """
 
     max_text_bytes: int  # UTF-8 bytes of the prompt's text (a chat: its messages' contents)
     max_messages: int
     max_body_bytes: int
+    trims_content: bool = False
 
     @classmethod
-    def of(cls, max_prompt_tokens: int, max_token_bytes: int) -> PromptBounds:
+    def of(cls, max_prompt_tokens: int, max_token_bytes: int, trims_content: bool = False) -> PromptBounds:
         text = max_prompt_tokens * max_token_bytes
         body = JSON_BYTES_PER_TEXT_BYTE * text + MESSAGE_JSON_BYTES * max_prompt_tokens + BODY_SLACK_BYTES
-        return cls(text, max_prompt_tokens, body)
+        return cls(text, max_prompt_tokens, body, trims_content)
 
 
 def max_token_bytes(token_texts) -> int:
@@ -131,7 +133,9 @@ def max_token_bytes(token_texts) -> int:
 
 def check_prompt_size(prompt: str | list, bounds: PromptBounds, max_prompt_tokens: int) -> None:
     """400 for a prompt no tokenizer could make max_prompt_tokens or fewer tokens of, before it
-    is templated or tokenized. A chat template may trim a message's content: so does this.
+    is templated or tokenized. A message's whitespace is counted as its chat template counts
+    it: trimmed only where the template trims (SmolLM2's keeps it: 2 MB of spaces are 34,000
+    tokens, seconds of tokenizing).
 
     >>> check_prompt_size("Hi" * 100, PromptBounds.of(2, 81), 2)  # doctest: +ELLIPSIS
     Traceback (most recent call last):
@@ -150,8 +154,10 @@ def check_prompt_size(prompt: str | list, bounds: PromptBounds, max_prompt_token
     else:  # a chat; the engine checks each message's shape
         if len(prompt) > bounds.max_messages:
             raise APIError(400, f"the chat has {len(prompt):,} messages, more than {limit}; send fewer")
-        size = sum(len(m["content"].strip().encode(errors="surrogatepass")) for m in prompt
-                   if isinstance(m, dict) and isinstance(m.get("content"), str))
+        contents = [m["content"] for m in prompt if isinstance(m, dict) and isinstance(m.get("content"), str)]
+        if bounds.trims_content:
+            contents = [content.strip() for content in contents]
+        size = sum(len(content.encode(errors="surrogatepass")) for content in contents)
     if size > bounds.max_text_bytes:
         raise APIError(400, f"the prompt's text is {size:,} bytes, more than {limit} "
                             f"({bounds.max_text_bytes:,} bytes); send a shorter one")
@@ -372,7 +378,11 @@ NO_OP_VALUES = {
     "tools": ([],), "functions": ([],), "tool_choice": ("none",), "response_format": ({"type": "text"},),
     "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,), "logit_bias": ({},),
 }
-MAX_STOP_STRINGS = 4  # OpenAI's limit
+# OpenAI's limit on the count: "Up to 4 sequences" (the openai client's completion_create_params.py).
+MAX_STOP_STRINGS = 4
+# This server's own choice (vLLM has none): a stop string is a marker ("\n\nQuestion:"), not a
+# page, and every token's check looks at the reply's last characters up to a stop's length.
+MAX_STOP_CHARS = 1000
 
 
 @dataclass
@@ -498,16 +508,20 @@ def take_bool(body: dict, key: str) -> bool:
 
 
 def take_stop(body: dict) -> str | list[str] | None:
-    """OpenAI's stop: a string or a list of up to 4, each non-empty; the reply ends before
-    the first one it would contain."""
+    """OpenAI's stop: a string or a list of up to 4, each non-empty and at most MAX_STOP_CHARS
+    characters; the reply ends before the first one it would contain."""
     stop = body.get("stop")
-    if stop is None or isinstance(stop, str) and stop:
+    if stop is None:
         return stop
-    if (isinstance(stop, list) and 1 <= len(stop) <= MAX_STOP_STRINGS
+    if not (isinstance(stop, str) and stop or isinstance(stop, list) and 1 <= len(stop) <= MAX_STOP_STRINGS
             and all(isinstance(s, str) and s for s in stop)):
-        return stop
-    raise APIError(400, f'stop must be a non-empty string or a list of 1 to {MAX_STOP_STRINGS} of them, such as '
-                        f'["\\n", "Question:"]; got {json.dumps(stop)[:60]}')
+        raise APIError(400, f'stop must be a non-empty string or a list of 1 to {MAX_STOP_STRINGS} of them, such as '
+                            f'["\\n", "Question:"]; got {json.dumps(stop)[:60]}')
+    longest = max([stop] if isinstance(stop, str) else stop, key=len)
+    if len(longest) > MAX_STOP_CHARS:
+        raise APIError(400, f"a stop string is {len(longest):,} characters, over this server's limit of "
+                            f"{MAX_STOP_CHARS:,}; send a shorter marker, such as its first line")
+    return stop
 
 
 def take_cache_salt(body: dict, salt_by_api_key: bool, headers: Mapping[str, str]) -> str | None:

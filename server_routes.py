@@ -440,7 +440,8 @@ def create_app(
         salt_by_api_key=salt_by_api_key,
         admin_key=admin_key,
         max_tokens_limit=max_tokens_limit,
-        bounds=PromptBounds.of(max_prompt_tokens, tokenizer_token_bytes(engine.tokenizer)),
+        bounds=PromptBounds.of(max_prompt_tokens, tokenizer_token_bytes(engine.tokenizer),
+                               trims_content=template_trims(engine.tokenizer)),
         allowed_hosts={*LOCAL_HOSTS, *(host.lower() for host in allowed_hosts)},
         api_keys=api_keys,
         max_prompt_tokens=max_prompt_tokens,
@@ -458,6 +459,13 @@ def create_app(
 def tokenizer_token_bytes(tokenizer) -> int:
     """max_token_bytes of a tokenizer's whole vocabulary (a quarter of a second: once each)."""
     return max_token_bytes(tokenizer.batch_decode([[i] for i in range(len(tokenizer))]))
+
+
+def template_trims(tokenizer) -> bool:
+    """Whether the tokenizer's chat template may trim a message's content (Jinja's `trim`
+    filter, as Llama 3's `message['content'] | trim`): then its whitespace costs no token,
+    and the early size check leaves it out. SmolLM2's template keeps every space."""
+    return "trim" in (getattr(tokenizer, "chat_template", None) or "")
 
 
 

@@ -4,6 +4,7 @@ against a batching Engine over conftest's tiny random model.
     1. what follows a reply: a few KiB discarded within --read-timeout, then the connection closes
     2. Transfer-Encoding as HTTP matches it: chunked in any case, its deadline, its malformed chunks
     3. Expect: 100-continue: one "100 Continue", and only for a head the server will read a body for
+    4. what a request may cost before any work: whitespace counted as the chat template counts it
 
 No sleep decides anything: a drip's pauses only give the server the chance to misbehave.
 """
@@ -32,7 +33,8 @@ def read_reply(sock: socket.socket) -> bytes:
     while b"\r\n\r\n" not in data:
         data += sock.recv(65536)
     head, _, body = data.partition(b"\r\n\r\n")
-    length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length"))
+    lines = head.lower().split(b"\r\n")
+    length = next(int(line.split(b":")[1]) for line in lines if line.startswith(b"content-length"))
     while len(body) < length:
         body += sock.recv(65536)
     return head + b"\r\n\r\n" + body
@@ -161,3 +163,14 @@ def test_a_head_refused_gets_its_refusal_and_no_100_continue(url, length, conten
 def test_an_expectation_is_not_a_body(url):
     status, reply = call(url, "/health", headers={"Expect": "100-continue"})
     assert status == 200 and reply["status"] == "ok"
+
+
+# --- 4. what a request may cost before any work --------------------------------------------------------
+
+
+def test_a_chat_of_spaces_is_counted_as_its_template_keeps_them(engine, url):
+    # SmolLM2's chat template keeps every space: 400,000 of them are thousands of tokens.
+    chat = {"messages": [{"role": "user", "content": " " * 400_000 + "Hi"}], "max_tokens": 2}
+    status, reply = call(url, "/generate", chat)
+    assert status == 400 and "the prompt's text is 400,002 bytes" in reply["error"]["message"]
+    assert engine.allocator.stats.requests == 0

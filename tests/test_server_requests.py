@@ -10,8 +10,8 @@ import json
 import pytest
 
 from server_requests import (
-    CHAT, COMPLETIONS, GENERATE, NO_OP_VALUES, APIError, Settings, check_admin, check_content_type, check_host,
-    parse_generation_request, parse_json_object, read_body, tenant_of,
+    CHAT, COMPLETIONS, GENERATE, MAX_STOP_CHARS, NO_OP_VALUES, APIError, PromptBounds, Settings, check_admin,
+    check_content_type, check_host, parse_generation_request, parse_json_object, read_body, tenant_of,
 )
 
 SETTINGS = Settings("tiny-llama", max_tokens_limit=300)
@@ -188,3 +188,25 @@ def test_errors_are_json_objects_an_openai_client_reads():
 
     assert json.loads(json.dumps(error_json(415, "m"))) == {"error": {"message": "m", "type": "invalid_request_error"}}
     assert error_json(403, "m")["error"]["type"] == "permission_error"
+
+
+# --- what a request may cost before any work ---------------------------------------------------------
+
+
+def test_a_stop_string_over_the_limit_is_a_400_before_any_work():
+    assert parse(HI | {"stop": ["x" * MAX_STOP_CHARS, "."]}).stop == ["x" * MAX_STOP_CHARS, "."]  # at the limit
+    for stop in ("x" * (MAX_STOP_CHARS + 1), [".", "x" * 1_000_000]):
+        err = refused(parse, HI | {"stop": stop})
+        assert err.status == 400 and f"over this server's limit of {MAX_STOP_CHARS:,}" in err.message
+
+
+@pytest.mark.parametrize("trims, refused_early", [(False, True), (True, False)])
+def test_whitespace_is_counted_as_the_chat_template_counts_it(trims, refused_early):
+    bounds = PromptBounds.of(max_prompt_tokens=16, max_token_bytes=81, trims_content=trims)  # 1,296 bytes of text
+    chat = {"messages": [{"role": "user", "content": " " * 2000 + "Hi"}]}
+    settings = Settings("tiny-llama", bounds=bounds, max_prompt_tokens=16)
+    if refused_early:  # kept by the template: 2,002 bytes, more than 16 tokens can hold
+        err = refused(parse, chat, settings=settings)
+        assert err.status == 400 and "the prompt's text is 2,002 bytes" in err.message
+    else:  # trimmed by the template: "Hi", for the engine to count
+        assert parse(chat, settings=settings).prompt == chat["messages"]
