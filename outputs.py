@@ -92,8 +92,8 @@ def held_back(text: str, stop: tuple[str, ...]) -> int:
 
     Knuth-Morris-Pratt's automaton reads the text's last len(s) - 1 characters once: at the
     end it stands at the longest of them that s starts with. Linear in the stop string's
-    length; trying each length in turn compared up to len(s) characters len(s) times, every
-    token (a 100,000-character stop string made a token cost a tenth of a second).
+    length; trying each length in turn copied up to len(s) characters len(s) times, every
+    token.
     """
     held = 0
     for s in stop:

@@ -134,8 +134,8 @@ def max_token_bytes(token_texts) -> int:
 def check_prompt_size(prompt: str | list, bounds: PromptBounds, max_prompt_tokens: int) -> None:
     """400 for a prompt no tokenizer could make max_prompt_tokens or fewer tokens of, before it
     is templated or tokenized. A message's whitespace is counted as its chat template counts
-    it: trimmed only where the template trims (SmolLM2's keeps it: 2 MB of spaces are 34,000
-    tokens, seconds of tokenizing).
+    it: trimmed only where the template trims (SmolLM2's keeps it: a message of spaces is
+    thousands of tokens, and seconds of tokenizing).
 
     >>> check_prompt_size("Hi" * 100, PromptBounds.of(2, 81), 2)  # doctest: +ELLIPSIS
     Traceback (most recent call last):
