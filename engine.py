@@ -72,7 +72,9 @@ class EngineConfig:
     is given (vLLM's meaning), or else as many tokens as fit in target_step_ms (step_budget.py,
     DEFAULT_TARGET_STEP_MS unless given), at most DEFAULT_MAX_NUM_BATCHED_TOKENS.
     enable_chunked_prefill, cascade_attention (decodes sharing a long prefix read it once,
-    where it pays), choose_threads (False keeps torch's thread count on a CPU).
+    where it pays), choose_threads (False keeps torch's thread count on a CPU), fair_share
+    (the waiting queue read least-served tenant first, and a tenant far ahead held to a
+    smaller share of a step: scheduler.py and step_budget.py; False: arrival order).
     """
 
     block_size: int = 16
@@ -88,6 +90,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     cascade_attention: bool = True
     choose_threads: bool = True
+    fair_share: bool = True
 
     def __post_init__(self):
         if self.num_blocks is not None and self.kv_memory_gb is not None:
@@ -116,7 +119,7 @@ class EngineConfig:
     @property
     def scheduler_options(self) -> dict:
         return {"max_num_seqs": self.max_num_seqs, "max_num_batched_tokens": self.token_cap,
-                "enable_chunked_prefill": self.enable_chunked_prefill}
+                "enable_chunked_prefill": self.enable_chunked_prefill, "fair_share": self.fair_share}
 
 
 CONFIG_FIELDS = tuple(f.name for f in fields(EngineConfig))

@@ -87,6 +87,8 @@ class LoopSnapshot:
     num_restarts: int  # failures outside a step the loop recovered from
     failure: str | None  # why the loop stopped for good (it refuses every request), or None
     step_budget: dict | None = None  # the target step time and the costs learned (StepBudget.describe)
+    served: dict = None  # tenant -> tokens computed for it (its fair-share counter), tenants with work or ahead
+    least_served: int | None = None  # the least-served tenant with work's count (None: nobody has work)
 
 
 
@@ -406,7 +408,15 @@ class EngineLoop:
                 num_restarts=self.num_restarts,
                 failure=None if self.failure is None else repr(self.failure),
                 step_budget=self.runner.budget.describe(),
+                served=dict(scheduler.served),
+                least_served=scheduler.least_served(),
             )
+
+    def charge(self, tenant: str | None, num_tokens: int) -> None:
+        """Count work done for a tenant outside a step (a prompt tokenized, then refused)
+        against its fair share (Scheduler.charge)."""
+        with self.parts.allocator_lock:
+            self.scheduler.charge(tenant, num_tokens)
 
 
 def _stop_at_exit(loop_ref: weakref.ref) -> None:

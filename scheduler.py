@@ -10,19 +10,37 @@ There is no prefill phase and no decode phase, as in vLLM v1's Scheduler.schedul
 the pool (num_computed_tokens), and each step hands out a token budget,
 max_num_batched_tokens:
 
-    1. running requests first, in admission order. One that is decoding takes 1 token (the
-       one it sampled last step); one still prefilling takes its next chunk, as much of the
-       rest of its prompt as the budget left allows. Its new tokens need slots; when that
-       takes a new block and the pool has none, the most recently admitted running request
-       is preempted: its blocks are freed (last block first; the full ones stay cached), and
-       it goes back to the front of the waiting queue. vLLM v1 calls this recompute
-       preemption: when it is admitted again, it usually finds most of its tokens still in
-       the pool.
-    2. then waiting requests, in arrival order, while the budget, max_num_seqs and the pool
+    1. decodes first: each running request that is decoding takes 1 token (the one it
+       sampled last step). Every running request, in admission order, gets its tokens'
+       slots; when that takes a new block and the pool has none, the most recently admitted
+       running request is preempted: its blocks are freed (last block first; the full ones
+       stay cached), and it goes back to the front of the waiting queue. vLLM v1 calls this
+       recompute preemption: when it is admitted again, it usually finds most of its tokens
+       still in the pool.
+    2. a prompt still prefilling takes only its share of what the decodes leave: the tokens
+       left are shared between it, the other prompts prefilling and the waiting requests
+       that could be admitted, each an equal share, and one that needs less than its share
+       (a short prompt, or one mostly cached) leaves the rest to the others (share_tokens:
+       smallest need first). So a short request that arrives behind a long prompt is
+       prefilled whole in the next step, beside the long prompt's next chunk, instead of
+       waiting for all of it; alone, the long prompt takes the whole budget. (vLLM v1 caps
+       one prompt's tokens a step with a fixed long_prefill_token_threshold, in the same
+       file; Sarathi-Serve's stall-free batching is the idea behind both.)
+    3. then waiting requests, in arrival order, while the budget, max_num_seqs and the pool
        allow. After its prefix hit, a request's uncached tokens are scheduled up to the
-       budget left; the rest come in later steps (chunked prefill). allocate_with_prefix does
-       the capacity check after the prefix hit and changes nothing when it refuses; the first
-       request that does not fit stops admission (no overtaking).
+       budget left; the rest come in later steps (chunked prefill). Its hit is looked up as
+       it comes, so requests behind one shared prefix admitted in the same step compute it
+       once: the first writes its blocks, the next ones hit them. allocate_with_prefix does
+       the capacity check after the prefix hit and changes nothing when it refuses; the
+       first request that does not fit stops admission (no overtaking).
+
+fair_share=True (the Engine's default) changes one thing: the waiting queue is read
+least-served tenant first, as the Virtual Token Counter does (Sheng et al., "Fairness in
+Serving Large Language Models", OSDI 2024): a counter per tenant of the tokens computed for
+it (served), a tenant that comes back after a pause lifted to the least-served active
+tenant's count (time away is not credit), and within one tenant arrival order. A budget
+policy sees each tenant's lead over the least-served one (Candidate.lead) and may hold a
+tenant that is far ahead to a smaller share (step_budget.py does).
 
 A step allocates slots only for the tokens it schedules, and a block is cached the moment
 its last token gets a slot: so another request can find a block from the step that computes
@@ -46,12 +64,12 @@ and remaining tokens and its tenant.
 enable_chunked_prefill=False restores the older rule, for comparison: a prompt is prefilled
 whole in one step, its uncached tokens counted against the budget, and one longer than the
 budget left waits for a step of its own, which comes only when every running request has
-finished.
+finished; prompts are not shared then (a prompt is all or nothing).
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from prefix_caching import OutOfBlocksError, PrefixCachingAllocator
@@ -60,7 +78,7 @@ from request import FINISHED, RUNNING, WAITING, Request
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048  # tokens one step computes at most (vLLM's flag of that name)
 
 __all__ = ["Budget", "DEFAULT_MAX_NUM_BATCHED_TOKENS", "Candidate", "FINISHED", "RUNNING", "Request",
-           "ScheduledRequest", "Scheduler", "StepPlan", "WAITING", "check_step_size"]
+           "ScheduledRequest", "Scheduler", "StepPlan", "WAITING", "check_step_size", "share_tokens"]
 
 
 @dataclass
@@ -99,13 +117,15 @@ class Candidate:
     num_cached_tokens: tokens it finds in the pool (waiting: what a lookup finds now; running:
     what it hit when admitted). num_computed_tokens: where its next chunk starts (waiting: at
     its hit). num_remaining_tokens: what it still has to compute before it samples again (a
-    decode: 1)."""
+    decode: 1). lead: tokens its tenant has been served beyond the least-served tenant with
+    work (0 without fair_share)."""
 
     request: Request
     running: bool
     num_cached_tokens: int
     num_computed_tokens: int
     num_remaining_tokens: int
+    lead: int = 0
 
     @property
     def tenant(self) -> str | None:
@@ -114,11 +134,30 @@ class Candidate:
 
 @dataclass(frozen=True)
 class Budget:
-    """What one step may compute: `tokens` in all, and at most chunks[request_id] for a
-    request the policy caps (absent: no cap of its own; 0: not this step)."""
+    """What one step may compute: `tokens` in all, and at most chunks[request_id] of a
+    prompt the policy caps (absent: no cap of its own; 0: not this step). A decode's one
+    token is never capped."""
 
     tokens: int
     chunks: dict[str, int] = field(default_factory=dict)
+
+
+def share_tokens(tokens: int, needs: dict[str, int]) -> dict[str, int]:
+    """Share `tokens` among requests that need needs[id] each: smallest need first, each at
+    most an equal share (rounded up) of what is still left, so what a small need leaves
+    goes to the larger ones.
+
+    >>> share_tokens(100, {"long": 2000, "short": 20, "mid": 50})   # short 20, mid 40 (of 80 left / 2), long 40
+    {'short': 20, 'mid': 40, 'long': 40}
+    >>> share_tokens(100, {"long": 2000})
+    {'long': 100}
+    """
+    given = {}
+    order = sorted(needs, key=needs.__getitem__)  # sorted() is stable: ties keep their order
+    for k, request_id in enumerate(order):
+        given[request_id] = min(needs[request_id], -(-tokens // (len(order) - k)))
+        tokens -= given[request_id]
+    return given
 
 
 def check_step_size(max_num_seqs, max_num_batched_tokens) -> None:
@@ -150,31 +189,80 @@ class Scheduler:
 
     def __init__(self, allocator: PrefixCachingAllocator, *, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
-                 enable_chunked_prefill: bool = True) -> None:
+                 enable_chunked_prefill: bool = True, fair_share: bool = False) -> None:
         check_step_size(max_num_seqs, max_num_batched_tokens)
         self.allocator = allocator
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
+        self.fair_share = fair_share
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last is preempted first
         self.num_preemptions = 0
+        # The Virtual Token Counter: tokens computed for each tenant (refused work charged
+        # too), and each tenant's requests waiting or running. Kept whether or not
+        # fair_share orders the queue by it, so /health can show a tenant its share.
+        self.served: dict[str | None, int] = {}
+        self.active: Counter = Counter()
 
     def add(self, request: Request) -> None:
+        self._arrive(request.tenant)
+        self.active[request.tenant] += 1
         self.waiting.append(request)
+
+    def _arrive(self, tenant: str | None) -> None:
+        """A tenant with no request in the scheduler is lifted to the least-served active
+        tenant's count: time away is not credit to spend later (VTC's counter lift)."""
+        if not self.active[tenant]:
+            floor = self.least_served()
+            self.served[tenant] = 0 if floor is None else max(self.served.get(tenant, 0), floor)
+
+    def least_served(self) -> int | None:
+        """The smallest count among tenants with work; None when nobody has any."""
+        return min((self.served.get(t, 0) for t, n in self.active.items() if n), default=None)
+
+    def lead(self, tenant: str | None) -> int:
+        """Tokens `tenant` has been served beyond the least-served tenant with work."""
+        floor = self.least_served()
+        return 0 if floor is None else max(0, self.served.get(tenant, 0) - floor)
+
+    def charge(self, tenant: str | None, num_tokens: int) -> None:
+        """Count work done for a tenant outside a step (a prompt tokenized, then refused)."""
+        self._arrive(tenant)
+        self.served[tenant] = self.served.get(tenant, 0) + num_tokens
+        self._forget_idle()
+
+    def _forget_idle(self) -> None:
+        """Drop the counts a lift would restore anyway (idle tenants at or below the least
+        served), and every count once nobody has work: the table stays as small as the class."""
+        floor = self.least_served()
+        if floor is None:
+            self.served.clear()
+            return
+        for tenant in [t for t, n in self.served.items() if not self.active[t] and n <= floor]:
+            del self.served[tenant]
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def waiting_order(self) -> list[Request]:
+        """The waiting queue in the order admission reads it: as it stands, or with
+        fair_share least-served tenant first (arrival order within a tenant)."""
+        if not self.fair_share:
+            return list(self.waiting)
+        return sorted(self.waiting, key=lambda r: self.served.get(r.tenant, 0))
 
     def candidates(self) -> list[Candidate]:
         """The running requests, then as many waiting ones as could be admitted, in order."""
         found = []
         for request in self.running:
             remaining = len(request.token_ids) - request.num_computed_tokens
-            found.append(Candidate(request, True, request.num_cached_tokens, request.num_computed_tokens, remaining))
-        for request in list(self.waiting)[: self.max_num_seqs - len(self.running)]:
+            found.append(Candidate(request, True, request.num_cached_tokens, request.num_computed_tokens, remaining,
+                                   self.lead(request.tenant) if self.fair_share else 0))
+        for request in self.waiting_order()[: self.max_num_seqs - len(self.running)]:
             num_cached = self._lookup(request)
-            found.append(Candidate(request, False, num_cached, num_cached, len(request.token_ids) - num_cached))
+            found.append(Candidate(request, False, num_cached, num_cached, len(request.token_ids) - num_cached,
+                                   self.lead(request.tenant) if self.fair_share else 0))
         return found
 
     def _lookup(self, request: Request) -> int:
@@ -191,16 +279,19 @@ class Scheduler:
         preempted: list[Request] = []
         if not isinstance(budget, Budget):
             budget = Budget(self.max_num_batched_tokens if budget is None else budget)
-        caps = budget.chunks
         left = min(budget.tokens, self.max_num_batched_tokens)
+        waiting = self.waiting_order()
+        coming = self._blocks_coming()
+        shares = self._prompt_shares(left, [r for r in waiting if not self._hit_coming(r, coming)], budget.chunks)
 
-        # 1. Running requests: a decode takes 1 token, a prompt still prefilling its next chunk.
+        # 1. Running requests, in admission order: a decode takes 1 token, a prompt still
+        # prefilling its share (what it would get if the waiting requests shared with it).
         i = 0
         while i < len(self.running) and left > 0:
             request = self.running[i]
             start = request.num_computed_tokens
-            end = min(len(request.token_ids), start + min(left, caps.get(request.request_id, left)))
-            if end == start:  # its policy's cap is 0: not this step
+            end = min(len(request.token_ids), start + min(left, shares.get(request.request_id, 1)))
+            if end == start:  # no share this step
                 i += 1
                 continue
             try:
@@ -214,18 +305,21 @@ class Scheduler:
             left -= end - start
             i += 1
 
-        # 2. Waiting requests, in arrival order, while there is room. A request preempted in
-        # this very step waits for the next one: the pool was just too small for it.
-        while (self.waiting and len(self.running) < self.max_num_seqs and left > 0
-               and self.waiting[0] not in preempted):
-            request = self.waiting[0]
+        # 2. Waiting requests, in order, while there is room. A request preempted in this
+        # very step waits for the next one: the pool was just too small for it.
+        coming = self._blocks_coming()  # what the prompts still prefilling after this step will write
+        for request in waiting:
+            if preempted or len(self.running) >= self.max_num_seqs or left <= 0:
+                break
+            if self._hit_coming(request, coming):
+                continue
             tokens = request.token_ids
-            num_cached = self._lookup(request)
+            num_cached = self._lookup(request)  # may have grown: a running request's chunk just got its slots
             num_new = len(tokens) - num_cached
             if self.enable_chunked_prefill:
-                num_new = min(num_new, left, caps.get(request.request_id, left))  # the rest in later steps
+                num_new = min(num_new, left, budget.chunks.get(request.request_id, left))  # the rest in later steps
                 if num_new == 0:
-                    break  # its policy's cap is 0: it waits, and nobody overtakes it
+                    break  # no share this step: it waits, and nobody overtakes it
             elif num_new > left and scheduled:
                 break  # over the token budget: next step (alone in a step, any length runs)
             try:
@@ -233,7 +327,7 @@ class Scheduler:
                                            block_hashes=request.block_hashes)
             except OutOfBlocksError:
                 break  # the pool is full for now: wait until running requests finish
-            self.waiting.popleft()
+            self.waiting.remove(request)
             self.running.append(request)
             request.status = RUNNING
             request.num_computed_tokens = num_cached
@@ -241,7 +335,45 @@ class Scheduler:
                 request.admitted, request.num_cached_tokens = True, num_cached
             scheduled.append(ScheduledRequest(request, num_cached, num_cached + num_new))
             left -= num_new
+        for s in scheduled:
+            self.served[s.request.tenant] = self.served.get(s.request.tenant, 0) + s.end - s.start
         return StepPlan(scheduled, preempted)
+
+    def _blocks_coming(self) -> set:
+        """The hashes of the blocks the prompts prefilling now have yet to get slots for."""
+        if not self.enable_chunked_prefill:
+            return set()
+        size = self.allocator.block_size
+        return {h for r in self.running if r.num_prefill_left for h in r.block_hashes[r.num_computed_tokens // size:]}
+
+    def _hit_coming(self, request: Request, coming: set) -> bool:
+        """Whether the block after the request's hit is one a prompt prefilling now will
+        write (coming): then it waits for that hit (admitted now, it would compute the
+        shared prefix a second time), without holding up the requests behind it."""
+        if not coming:
+            return False
+        nxt = self._lookup(request) // self.allocator.block_size
+        return nxt < len(request.block_hashes) and request.block_hashes[nxt] in coming
+
+    def _prompt_shares(self, tokens: int, waiting: list[Request], caps: dict[str, int]) -> dict[str, int]:
+        """The share of each running request still prefilling (share_tokens): what the
+        decodes leave of `tokens`, shared with the waiting requests that could be admitted
+        (one token each at least, so no more of them than there are tokens), each need at
+        most its policy's cap. The waiting requests' own shares are not handed out: they are
+        admitted in order with whatever is left, their hits looked up again as they come (a
+        chunk scheduled before them in this step may have written blocks they hit)."""
+        needs = {}
+        for request in self.running:
+            if request.num_prefill_left:
+                remaining = len(request.token_ids) - request.num_computed_tokens
+                needs[request.request_id] = min(remaining, caps.get(request.request_id, remaining))
+        left = tokens - sum(1 for r in self.running if not r.num_prefill_left)  # the decodes' tokens
+        for request in waiting[: self.max_num_seqs - len(self.running)]:
+            if len(needs) >= left:
+                break
+            remaining = len(request.token_ids) - self._lookup(request)
+            needs[request.request_id] = min(remaining, caps.get(request.request_id, remaining))
+        return share_tokens(max(0, left), needs)
 
     def _preempt(self, request: Request) -> None:
         # Every token the allocator holds for it has its K/V written (this step's token was
@@ -261,7 +393,13 @@ class Scheduler:
             self.allocator.free(request.request_id, num_computed_tokens=request.num_computed_tokens)
         elif request.status == WAITING:
             self.waiting.remove(request)
+        else:
+            return  # finished already
         request.status = FINISHED
+        self.active[request.tenant] -= 1
+        if not self.active[request.tenant]:
+            del self.active[request.tenant]
+            self._forget_idle()
 
     def shared_blocks(self) -> dict[int, list[str]]:
         """Blocks in more than one running request's table: block id -> those requests."""

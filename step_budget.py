@@ -32,15 +32,20 @@ lessons, exercises and tests pass one, so their plans are the same on every mach
 from __future__ import annotations
 
 import math
+import time
 from collections import deque
 from dataclasses import dataclass
 
-from scheduler import Budget, Candidate, Request, StepPlan
+from scheduler import Budget, Candidate, Request, StepPlan, share_tokens
 
 DEFAULT_TARGET_STEP_MS = 400.0  # a step never longer than this (the chunks it gives: README, "Measured")
 STALL = 2.2  # a step carrying a prompt's chunk: at most this many times the streams' own step
 FIRST_CHUNK = 16  # prompt tokens in a step before any step with its thread count has been timed
 MIN_CHUNK = 16  # prompt tokens a step gives a prompt at least: it always moves on
+FLOOR = 3.0  # a step's prompt tokens cost at least this many times its fixed cost: no crumbs
+GAP_MAX = 3.0  # ... unless that makes a stream wait more than this many times its own step
+FAIR_STALL = 1.3  # a step of a tenant far ahead's prompts beside others' decodes: at most this times theirs
+FAIR_SLACK = 4096  # "far ahead": served this many tokens more than the least-served tenant (a long prompt)
 
 
 # -----------------------------------------------------------------------------
@@ -90,9 +95,17 @@ def step_flops(shape: ModelShape, plan: StepPlan) -> float:
 
 
 class StepCosts:
-    """seconds = fixed + per_flop x flops, fitted by least squares to the last WINDOW steps
-    timed with the same thread count. `fixed` is what every step pays whatever its size (on a
-    CPU mostly reading the weights once); per_flop is the machine's speed.
+    """seconds = fixed + per_flop x flops, fitted to what steps of each size take on this
+    machine, one fit per thread count. `fixed` is what every step pays whatever its size (on
+    a CPU mostly reading the weights once); per_flop is the machine's speed.
+
+    A laptop is shared: for a minute another program takes a core, and every step is slower.
+    A fit to the last steps would follow that minute, and its plans with it. So the steps
+    are kept by size (a bucket for each half-doubling of flops), at most one a second per
+    bucket and the last KEEP of each, so a bucket spans minutes; each bucket counts as its
+    lower quartile (other programs only ever slow a step down: the quick steps are the
+    machine's own speed, and a slow minute that makes less than three quarters of a
+    bucket's steps leaves it unmoved); the line is a least-squares fit through the buckets.
 
     >>> costs = StepCosts()
     >>> costs.record(2, 1e9, 0.06); costs.record(2, 1e10, 0.15)   # two steps, 10x apart in work
@@ -100,32 +113,52 @@ class StepCosts:
     (0.1, (0.05, 1e-11))
     """
 
-    WINDOW = 32
-    SPREAD = 0.25  # the steps' work must vary this much (std / mean) to tell fixed from per_flop
+    KEEP = 128  # steps a bucket keeps
+    SPACING_S = 1.0  # a bucket keeps at most one step a second
+    QUANTILE = 0.25  # what a bucket counts as: this quantile of its steps' seconds
 
-    def __init__(self) -> None:
-        self.steps: dict[object, deque] = {}  # thread count (None on a GPU) -> (flops, seconds) of recent steps
+    def __init__(self, clock=time.monotonic) -> None:
+        self.clock = clock
+        self.buckets: dict[object, dict[int, deque]] = {}  # thread count (None: a GPU) -> bucket -> (flops, seconds)
+        self.kept_at: dict[tuple, float] = {}  # (thread count, bucket) -> when it last kept a step
         self.last_fit: dict[object, tuple[float, float]] = {}  # the latest fit that could tell them apart
 
     def record(self, threads, flops: float, seconds: float) -> None:
-        self.steps.setdefault(threads, deque(maxlen=self.WINDOW)).append((flops, seconds))
+        bucket = round(2 * math.log2(flops)) if flops > 0 else 0
+        now, key = self.clock(), (threads, bucket)
+        if key in self.kept_at and now - self.kept_at[key] < self.SPACING_S:
+            return
+        self.kept_at[key] = now
+        self.buckets.setdefault(threads, {}).setdefault(bucket, deque(maxlen=self.KEEP)).append((flops, seconds))
 
     def known(self, threads) -> bool:
-        return bool(self.steps.get(threads))
+        return bool(self.buckets.get(threads))
+
+    def num_steps(self, threads) -> int:
+        """Steps kept for this thread count."""
+        return sum(len(b) for b in self.buckets.get(threads, {}).values())
+
+    def points(self, threads) -> list[tuple[float, float]]:
+        """Each bucket as one point: its steps' median flops, and the QUANTILE of their seconds."""
+        found = []
+        for steps in self.buckets[threads].values():
+            flops, seconds = sorted(x for x, _ in steps), sorted(y for _, y in steps)
+            found.append((flops[len(flops) // 2], seconds[int(self.QUANTILE * (len(seconds) - 1))]))
+        return found
 
     def fit(self, threads) -> tuple[float, float]:
-        """(fixed seconds, seconds per flop). While the recent steps did about the same work
+        """(fixed seconds, seconds per flop). While the steps kept did about the same work
         (decodes only, or a long prompt's equal chunks), the two cannot be told apart: then
-        `fixed` is kept from the latest fit that could, and per_flop is what the recent steps
+        `fixed` is kept from the latest fit that could, and per_flop is what the steps
         leave beyond it. Before any such fit, all of the time is counted per flop, which
         overestimates a prompt's cost (a smaller chunk, never a longer stall)."""
-        points = self.steps[threads]
+        points = self.points(threads)
         n = len(points)
         mean_x = sum(x for x, _ in points) / n
         mean_y = sum(y for _, y in points) / n
         var_x = sum((x - mean_x) ** 2 for x, _ in points)
         slope = sum((x - mean_x) * (y - mean_y) for x, y in points) / var_x if var_x else 0.0
-        if var_x < (self.SPREAD * mean_x) ** 2 * n or slope <= 0:  # too alike, or noise swamped the work
+        if max(x for x, _ in points) < 2 * min(x for x, _ in points) or slope <= 0:  # too alike, or noise won
             fixed = min(self.last_fit.get(threads, (0.0, 0.0))[0], mean_y / 2)
             return fixed, (mean_y - fixed) / mean_x
         fit = self.last_fit[threads] = (round(max(0.0, mean_y - slope * mean_x), 9), slope)
@@ -144,17 +177,28 @@ class StepBudget:
     """Before each step, the token budget that keeps it near target_ms.
 
     The running requests that decode take a token each; a step of theirs alone would take
-    `decode_s` (predicted): the gap a stream sees between two tokens. The prompt at the head
-    of the line (a running request still prefilling, or else the first waiting one) gets the
-    tokens that fit in
+    `decode_s` (predicted): the gap a stream sees between two tokens. The prompts (the
+    running requests still prefilling and the waiting ones; the scheduler shares the
+    tokens among them) get the tokens that fit in
 
-        target - fixed                                   with no decodes running
-        max(decode_s, min(target - decode_s, (STALL - 1) x decode_s))   beside decodes
+        max(target - fixed, FLOOR x fixed)                          with no decodes running
+        max(decode_s, min(target - decode_s, (STALL - 1) x decode_s),
+            min(FLOOR x fixed, (GAP_MAX - 1) x decode_s))          beside decodes
 
     so a stream's gap grows at most STALL times (and never past the target, if that is
-    tighter), while the prompt still gets at least half of each step: beside the streams it
-    comes in at most about twice as late as alone. Never more than max_num_batched_tokens,
-    never fewer than MIN_CHUNK prompt tokens.
+    tighter), while the prompts still get at least half of each step. And never so few that
+    a step's fixed cost dominates: at least FLOOR times it, so a prompt alone comes in
+    within about (FLOOR + 1) / FLOOR of its time in one step, however slow the machine.
+    Where that floor and the streams' bound disagree, the floor wins, up to a gap of
+    GAP_MAX times the streams' own step. The prompts are priced at the latest position any
+    of them starts from (a turn that follows 3,900 cached tokens attends to all of them).
+    Never more than max_num_batched_tokens, never fewer than MIN_CHUNK prompt tokens.
+
+    A fair share (Scheduler(fair_share=True) counts what each tenant was served): while a
+    tenant within FAIR_SLACK tokens of the least served is decoding, the prompts of a tenant
+    further ahead share only what keeps that step within FAIR_STALL times the decodes' own
+    (their caps in the Budget): one student's back-to-back long prompts cannot make every
+    other student's tokens come STALL times slower.
 
     >>> budget = StepBudget(ModelShape(body_params=10**8, layers=30, heads=9, head_dim=64), 400, 2048)
     >>> for flops in (1e9, 1e11):   # two steps timed: 20 ms fixed, 20 ms a GFLOP
@@ -171,34 +215,51 @@ class StepBudget:
         self.took: float | None = None  # ... and as timed
 
     def budget(self, candidates: list[Candidate], threads) -> Budget:
-        """The policy's answer before a step (Scheduler.candidates): a total, no caps of
-        its own. A waiting prompt is priced from its cache hit on, where its chunk starts."""
+        """The policy's answer before a step (Scheduler.candidates): a total, and caps on the
+        prompts of tenants far ahead of the least served while others decode."""
         running = [c.request for c in candidates if c.running]
         waiting = [c for c in candidates if not c.running]
-        start = waiting[0].num_computed_tokens if waiting else 0
-        return Budget(self.tokens(running, [c.request for c in waiting], threads, start))
+        start = max((c.num_computed_tokens for c in waiting), default=0)
+        tokens = self.tokens(running, [c.request for c in waiting], threads, start)
+        behind_decoding = [c.request for c in candidates if c.running and not c.request.num_prefill_left
+                           and c.lead <= FAIR_SLACK]
+        ahead = [c for c in candidates if c.lead > FAIR_SLACK and (not c.running or c.request.num_prefill_left)]
+        if not (behind_decoding and ahead and self.costs.known(threads)):
+            return Budget(tokens)
+        fixed, per_flop = self.costs.fit(threads)
+        decodes = [r for r in running if not r.num_prefill_left]
+        decode_s = fixed + per_flop * self.decode_flops(decodes)
+        room = max(MIN_CHUNK, self.chunk_within(max(c.num_computed_tokens for c in ahead),
+                                                (FAIR_STALL - 1) * decode_s / per_flop))
+        caps = share_tokens(room, {c.request.request_id: c.num_remaining_tokens for c in ahead})
+        if len(ahead) == sum(1 for c in candidates if not c.running or c.request.num_prefill_left):
+            tokens = min(tokens, len(decodes) + room)  # every prompt is ahead: the step is no longer than theirs
+        return Budget(tokens, caps)
+
+    def decode_flops(self, decodes: list[Request]) -> float:
+        return sum(chunk_flops(self.shape, r.num_computed_tokens, r.num_computed_tokens + 1) for r in decodes)
 
     def tokens(self, running: list[Request], waiting, threads, waiting_start: int = 0) -> int:
         """The budget for a step whose scheduler holds `running` and `waiting`; threads: the
         count the step will likely run with (the key its costs are learned under);
-        waiting_start: where the first waiting request's chunk would start (its cache hit)."""
+        waiting_start: where the waiting requests' chunks would start (the latest hit)."""
         decodes = [r for r in running if not r.num_prefill_left]
         prefilling = [r for r in running if r.num_prefill_left]
         if not (prefilling or waiting):
             self.last = self.cap
             return self.cap
-        start = prefilling[0].num_computed_tokens if prefilling else waiting_start
+        start = max([r.num_computed_tokens for r in prefilling] + ([waiting_start] if waiting else []))
         if not self.costs.known(threads):
             chunk = FIRST_CHUNK
         else:
             fixed, per_flop = self.costs.fit(threads)
             target = self.target_ms / 1e3
             if decodes:
-                decode_s = fixed + per_flop * sum(
-                    chunk_flops(self.shape, r.num_computed_tokens, r.num_computed_tokens + 1) for r in decodes)
-                allowance = max(decode_s, min(target - decode_s, (STALL - 1) * decode_s))
+                decode_s = fixed + per_flop * self.decode_flops(decodes)
+                allowance = max(decode_s, min(target - decode_s, (STALL - 1) * decode_s),
+                                min(FLOOR * fixed, (GAP_MAX - 1) * decode_s))
             else:
-                allowance = target - fixed
+                allowance = max(target - fixed, FLOOR * fixed)
             chunk = self.chunk_within(start, max(0.0, allowance) / per_flop)
         self.last = min(self.cap, len(decodes) + max(MIN_CHUNK, chunk))
         return self.last
@@ -231,12 +292,12 @@ class StepBudget:
     def describe(self) -> dict:
         """The target and what has been learned, for /health."""
         learned = {}
-        for threads in self.costs.steps:
+        for threads in self.costs.buckets:
             fixed, per_flop = self.costs.fit(threads)
             name = "gpu" if threads is None else f"{threads} thread{'s' if threads > 1 else ''}"
             learned[name] = {"fixed_ms": round(fixed * 1e3, 1), "ms_per_gflop": round(per_flop * 1e12, 2),
                              "ms_per_prompt_token": round(per_flop * 2 * self.shape.body_params * 1e3, 2),
-                             "steps": len(self.costs.steps[threads])}
+                             "steps": self.costs.num_steps(threads)}
         return {"target_step_ms": self.target_ms, "last_budget": self.last, "learned": learned}
 
 

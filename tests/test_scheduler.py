@@ -69,9 +69,39 @@ def test_a_prompt_longer_than_the_budget_is_split_across_steps_beside_the_decode
     s.add(Request("long", list(range(100, 120))))  # 20 tokens
     s.add(Request("short", [5]))
     assert run_step(s) == [("a", 2, 3), ("long", 0, 7)]  # a decodes; the budget left is long's first chunk
-    assert run_step(s) == [("a", 3, 4), ("long", 7, 14)]  # short waits: no overtaking
-    assert run_step(s) == [("a", 4, 5), ("long", 14, 20), ("short", 0, 1)]  # long's last chunk samples
-    assert run_step(s) == [("a", 5, 6), ("long", 20, 21), ("short", 1, 2)]
+    # long now prefills, and shares what a's decode leaves with short: short needs 1 of the 7
+    assert run_step(s) == [("a", 3, 4), ("long", 7, 13), ("short", 0, 1)]
+    assert run_step(s) == [("a", 4, 5), ("long", 13, 19), ("short", 1, 2)]  # two decodes, 6 left
+    assert run_step(s) == [("a", 5, 6), ("long", 19, 20), ("short", 2, 3)]  # long's last chunk samples
+    s.check_invariants()
+
+
+def test_a_short_request_behind_a_long_prompt_starts_in_the_next_step():
+    """The rule that keeps a class moving: a prompt already prefilling shares the step's
+    tokens with the requests that arrive behind it, so a short one is prefilled whole at once."""
+    s = Scheduler(PrefixCachingAllocator(num_blocks=200, block_size=4), max_num_seqs=8, max_num_batched_tokens=64)
+    s.add(Request("long", list(range(1000, 1500))))
+    assert run_step(s) == [("long", 0, 64)]  # alone: the whole budget
+    s.add(Request("short", [5] * 10))
+    s.add(Request("mid", [6] * 40))
+    # short takes its 10 of an equal share, mid and long split the other 54
+    assert run_step(s) == [("long", 64, 91), ("short", 0, 10), ("mid", 0, 27)]
+    assert run_step(s) == [("long", 91, 141), ("short", 10, 11), ("mid", 27, 40)]  # mid's 13 are less than half
+
+
+def test_a_request_that_shares_a_prefilling_prompts_prefix_waits_for_its_hit():
+    """Admitted while the prompt ahead of it writes their common prefix, it would compute the
+    prefix again: it waits for the hit, and the requests behind it do not wait for it."""
+    s = Scheduler(PrefixCachingAllocator(num_blocks=100, block_size=4), max_num_seqs=8, max_num_batched_tokens=16)
+    shared = list(range(100, 140))
+    s.add(Request("first", shared + [1]))
+    assert run_step(s) == [("first", 0, 16)]
+    s.add(Request("second", shared + [2]))  # its next block is one first is about to write
+    s.add(Request("other", [9] * 6))
+    assert run_step(s) == [("first", 16, 26), ("other", 0, 6)]
+    assert run_step(s) == [("first", 26, 41), ("other", 6, 7)]  # second still waits: no tokens left
+    # first's prompt has all its slots: second is admitted and hits the 10 blocks of the prefix
+    assert run_step(s) == [("first", 41, 42), ("other", 7, 8), ("second", 40, 41)]
     s.check_invariants()
 
 
@@ -263,8 +293,50 @@ def test_a_budget_policy_caps_single_requests_and_sees_what_each_would_compute()
              c.tenant) for c in s.candidates()]
     assert seen == [("a", True, 0, 20, 1, "t1"), ("b", False, 16, 16, 3, "t2"), ("c", False, 0, 0, 10, None)]
     assert run_step(s, budget=Budget(64, {"b": 2, "c": 4})) == [("a", 20, 21), ("b", 16, 18), ("c", 0, 4)]
-    assert run_step(s, budget=Budget(64, {"a": 0, "c": 0})) == [("b", 18, 19)]  # a sits this step out
+    assert run_step(s, budget=Budget(64, {"a": 0, "c": 0})) == [("a", 21, 22), ("b", 18, 19)]  # a decode is never capped
     s.add(Request("d", [8] * 5))
-    assert run_step(s, budget=Budget(64, {"d": 0})) == [("a", 21, 22), ("b", 19, 20), ("c", 4, 10)]
+    assert run_step(s, budget=Budget(64, {"d": 0})) == [("a", 22, 23), ("b", 19, 20), ("c", 4, 10)]
     assert [r.request_id for r in s.waiting] == ["d"]
     s.check_invariants()
+
+
+# --- fair shares between tenants (the Virtual Token Counter) --------------------------------
+
+
+def test_fair_share_admits_the_least_served_tenant_first_and_lifts_a_returning_one():
+    s = Scheduler(PrefixCachingAllocator(num_blocks=100, block_size=4), max_num_seqs=2, max_num_batched_tokens=64,
+                  fair_share=True)
+    s.add(Request("heavy-1", [1] * 40, tenant="heavy"))
+    assert run_step(s) == [("heavy-1", 0, 40)]
+    assert s.served == {"heavy": 40}
+    s.add(Request("heavy-2", [2] * 40, tenant="heavy"))  # arrived first ...
+    s.add(Request("student-1", [3] * 8, tenant="student"))  # ... but student was served less
+    assert s.served["student"] == 40  # lifted to the least-served active tenant: time away is not credit
+    s.served["student"] = 0  # as if student had been here all along, served nothing
+    assert s.lead("heavy") == 40 and s.lead("student") == 0
+    assert run_step(s) == [("heavy-1", 40, 41), ("student-1", 0, 8)]  # max_num_seqs 2: heavy-2 waits
+    assert [c.lead for c in s.candidates()] == [33, 0]  # heavy-1 (41 served) and student-1 (8), running
+    s.check_invariants()
+
+
+def test_without_fair_share_the_queue_is_read_in_arrival_order():
+    s = Scheduler(PrefixCachingAllocator(num_blocks=100, block_size=4), max_num_seqs=2, max_num_batched_tokens=64)
+    s.add(Request("heavy-1", [1] * 40, tenant="heavy"))
+    run_step(s)
+    s.add(Request("heavy-2", [2] * 40, tenant="heavy"))
+    s.add(Request("student-1", [3] * 8, tenant="student"))
+    s.served["student"] = 0
+    assert run_step(s) == [("heavy-1", 40, 41), ("heavy-2", 0, 40)]
+
+
+def test_counters_are_forgotten_when_they_could_not_matter():
+    s = Scheduler(PrefixCachingAllocator(num_blocks=100, block_size=4), fair_share=True)
+    s.charge("refused", 500)  # a prompt tokenized, then refused: its sender pays for it
+    assert s.served == {}  # nobody has work: every tenant starts equal next time
+    a = Request("a", [1] * 8, tenant="a")
+    s.add(a)
+    s.charge("refused", 500)
+    assert s.lead("refused") == 500  # ahead of a, and remembered while a has work
+    run_step(s)
+    s.finish(a)
+    assert s.served == {} and not s.active

@@ -15,10 +15,10 @@ from engine import DEFAULT_MAX_NUM_BATCHED_TOKENS, Engine
 from helpers import call, hf_greedy, serve
 from prefix_caching import PrefixCachingAllocator
 from sampling import SamplingParams
-from scheduler import Budget, Request, Scheduler
+from scheduler import Budget, Candidate, Request, Scheduler
 from server import create_app
-from step_budget import (DEFAULT_TARGET_STEP_MS, FIRST_CHUNK, MIN_CHUNK, STALL, ModelShape, StepBudget, StepCosts,
-                         chunk_flops, keys_attended)
+from step_budget import (DEFAULT_TARGET_STEP_MS, FAIR_SLACK, FAIR_STALL, FIRST_CHUNK, FLOOR, GAP_MAX, MIN_CHUNK, STALL,
+                         ModelShape, StepBudget, StepCosts, chunk_flops, keys_attended)
 
 SMOL = ModelShape(body_params=106_000_000, layers=30, heads=9, head_dim=64)  # SmolLM2-135M's sizes
 
@@ -58,9 +58,49 @@ def test_the_fixed_part_is_kept_while_the_steps_are_too_alike_to_tell_it_apart()
     for flops in (1e9, 1e10, 2e10):
         costs.record(2, flops, 0.040 + flops * 5e-12)
     assert costs.fit(2) == pytest.approx((0.040, 5e-12))
-    for _ in range(StepCosts.WINDOW):  # a long prompt's equal chunks fill the window, each a little slower
-        costs.record(2, 1.2e10, 0.040 + 1.2e10 * 6e-12)
-    assert costs.fit(2) == pytest.approx((0.040, 6e-12))  # the fixed part kept, the rest per flop
+    alike = StepCosts()
+    alike.last_fit = costs.last_fit  # then only a long prompt's equal chunks, each a little slower
+    alike.record(2, 1.2e10, 0.040 + 1.2e10 * 6e-12)
+    assert alike.fit(2) == pytest.approx((0.040, 6e-12))  # the fixed part kept, the rest per flop
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_a_slow_minute_does_not_move_what_was_learned():
+    clock = Clock()
+    costs = StepCosts(clock)
+    for second in range(120):  # two quiet minutes of decodes and prompt chunks
+        clock.now = second
+        for flops in (1e9, 3e10):
+            costs.record(2, flops, 0.040 + flops * 5e-12)
+    quiet = costs.fit(2)
+    for second in range(120, 180):  # then a minute with another program on the cores: 2.5x slower
+        clock.now = second
+        for flops in (1e9, 3e10):
+            costs.record(2, flops, 2.5 * (0.040 + flops * 5e-12))
+    assert costs.fit(2) == pytest.approx(quiet)
+    for second in range(180, 400):  # a machine that stays busy is learned as busy
+        clock.now = second
+        for flops in (1e9, 3e10):
+            costs.record(2, flops, 2.5 * (0.040 + flops * 5e-12))
+    assert costs.fit(2) == pytest.approx((2.5 * 0.040, 2.5 * 5e-12))
+
+
+def test_a_bucket_keeps_one_step_a_second():
+    clock = Clock()
+    costs = StepCosts(clock)
+    for _ in range(50):  # fifty decode steps within one second: one is kept
+        costs.record(2, 1e9, 0.05)
+    assert costs.num_steps(2) == 1
+    clock.now = 1.0
+    costs.record(2, 1e9, 0.05)
+    assert costs.num_steps(2) == 2
 
 
 def decoding(request_id: str, context: int) -> Request:
@@ -99,12 +139,50 @@ def test_alone_a_prompt_fills_the_target():
 
 
 def test_beside_decodes_a_step_takes_at_most_stall_times_theirs():
-    budget = learned(0.05, 2e-11)
-    decodes = [decoding(f"s{i}", 300) for i in range(4)]
-    decode_s = predicted(budget, decodes, 0, 0)  # about 75 ms: the streams' gap between tokens
+    budget = learned(0.005, 5e-12)  # a small fixed cost: the floor is below the streams' bound
+    decodes = [decoding(f"s{i}", 300) for i in range(30)]
+    decode_s = predicted(budget, decodes, 0, 0)  # about 38 ms: the streams' gap between tokens
     chunk = budget.tokens(decodes, [Request("long", [1] * 4000)], threads=2) - len(decodes)
     assert predicted(budget, decodes, 0, chunk) <= STALL * decode_s < predicted(budget, decodes, 0, chunk + 1)
     assert STALL * decode_s < DEFAULT_TARGET_STEP_MS / 1e3  # here the streams' bound is the tighter one
+
+
+def test_a_chunk_is_never_crumbs_but_the_floor_stretches_a_gap_at_most_gap_max_times():
+    budget = learned(0.05, 2e-11)  # 50 ms a step whatever its size: FLOOR x that is 150 ms of prompt
+    decodes = [decoding(f"s{i}", 300) for i in range(4)]
+    decode_s = predicted(budget, decodes, 0, 0)  # about 69 ms: STALL would allow 82 ms of prompt
+    chunk = budget.tokens(decodes, [Request("long", [1] * 4000)], threads=2) - len(decodes)
+    prompt_s = predicted(budget, decodes, 0, chunk) - decode_s
+    assert (STALL - 1) * decode_s < prompt_s <= (GAP_MAX - 1) * decode_s  # the floor won, up to GAP_MAX
+    slow = learned(0.5, 1e-11)  # a machine where every step is over the target already
+    chunk = slow.tokens([], [Request("long", [1] * 4000)], threads=2)
+    fixed, per_flop = slow.costs.fit(2)
+    assert per_flop * chunk_flops(SMOL, 0, chunk) <= FLOOR * fixed < per_flop * chunk_flops(SMOL, 0, chunk + 1)
+
+
+def test_a_turn_after_a_long_cached_history_is_priced_at_its_positions():
+    budget = learned(0.01, 2e-11)
+    fresh = budget.budget(candidates_of(Request("new", [1] * 4000)), threads=2).tokens
+    turn = Request("turn", [1] * 4000)
+    later = budget.budget([Candidate(turn, False, 3900, 3900, 100)], threads=2).tokens
+    assert later < fresh  # its tokens attend to the 3,900 cached before them
+
+
+def candidates_of(*requests):
+    return [Candidate(r, False, 0, 0, len(r.token_ids)) for r in requests]
+
+
+def test_a_tenant_far_ahead_shares_little_beside_others_decodes():
+    budget = learned(0.005, 5e-12)
+    decodes = [decoding(f"s{i}", 300) for i in range(60)]  # about 69 ms a step: 21 ms of heavy's prompt beside it
+    honest = [Candidate(r, True, 0, 300, 1, lead=0) for r in decodes]
+    heavy = Candidate(Request("heavy", [1] * 4000), False, 0, 0, 4000, lead=FAIR_SLACK + 1)
+    plain = budget.budget(honest + [Candidate(heavy.request, False, 0, 0, 4000, lead=0)], threads=2)
+    fair = budget.budget(honest + [heavy], threads=2)
+    decode_s = predicted(budget, decodes, 0, 0)
+    assert not plain.chunks and fair.chunks["heavy"] < plain.tokens - len(decodes)
+    assert MIN_CHUNK < fair.chunks["heavy"] and predicted(budget, decodes, 0, fair.chunks["heavy"]) <= FAIR_STALL * decode_s
+    assert fair.tokens == len(decodes) + fair.chunks["heavy"]
 
 
 def test_beside_decodes_a_step_stays_within_the_target_when_that_is_tighter():
@@ -223,7 +301,7 @@ def test_the_engine_learns_its_costs_and_keeps_within_the_cap(make_engine):
     prompts = [list(range(1, 300)), list(range(1, 20)) + [5] * 30]
     replies = engine.generate_batch(prompts, max_tokens=5)
     assert [r.token_ids for r in replies] == [hf_greedy(engine.model, p, 5) for p in prompts]
-    assert engine.step_budget.costs.steps  # every step was timed
+    assert engine.step_budget.costs.buckets  # the steps were timed
     assert FIRST_CHUNK <= engine.step_budget.last <= 2048
 
 
