@@ -1,8 +1,10 @@
-"""Does the server stay fast for a class when one student attacks it?
+"""Does the server stay fast for a class when one student attacks it, or leans on it?
 
-    python prefix_caching.py --bench server_abuse                          # every attack, 15 s each
-    python prefix_caching.py --bench server_abuse --scenes drip,hang-up --repeat 3
-    python prefix_caching.py --bench server_abuse --fixed-budget --json out.json   # the default's cap, fixed
+    python prefix_caching.py --bench server_abuse                          # every scene, 15 s each
+    python prefix_caching.py --bench server_abuse --scenes attacks         # the attacks only
+    python prefix_caching.py --bench server_abuse --scenes long-prompt,long-alone --repeat 5
+    python prefix_caching.py --bench server_abuse --scenes long-alone --fixed-budget   # the default's cap, fixed
+    python prefix_caching.py --bench server_abuse --scenes class --json out.json       # the five class scenes
 
 It starts `python server.py` in a process of its own on a free port of 127.0.0.1, as a class
 meets it: at its defaults (batching, the default step budget, every limit) with
@@ -28,16 +30,37 @@ server learns what a step costs), then beside each scene in turn. The attacks co
     half-body     the headers and half the body, then nothing
     made-up-keys  GET /cache with a new made-up API key each time
 
-Reported for the honest students beside each attack: how many were served, their per-token
-latency, request time and TTFT (median and p90), against alone (the goal: at least 90 %
-served, within 1.5x). With --repeat N every scene (alone too) runs N times and each figure
-shown is the median of the N runs' figures. The load average at the start and the end says
-how busy the machine was besides.
+The class scenes are what students do to each other without meaning harm:
+
+    heavy-student  one student (from 127.0.0.3, a key of its own) runs --heavy-loops loops
+                   of ~--heavy-tokens-token chats back to back, max_tokens 4
+    many-streams   one student (from 127.0.0.3) keeps --streams streams of --stream-tokens
+                   tokens going, each started again when it ends
+    nat-class      --nat-students students (no other class beside them) and --nat-pages live
+                   pages, each polling GET /health and GET /cache once a second, all from
+                   127.0.0.1, as a class behind one NAT: what was served, what refused
+    long-prompt    a ~--long-tokens-token chat (max_tokens 1) is sent; 1 s later a stream (a
+                   short chat of 8 tokens) and an 8-token POST /generate: the stream's TTFT
+                   and the /generate's request time against the same two sent alone just
+                   before, and the long chat's request time (for one token, its TTFT)
+    long-alone     the long chat alone: its request time, under the budget the server runs
+
+The long chats are the course's demo system prompt and a pasted page of its words
+(stalls.long_chat), each sent opened by a fresh line, so nothing of it is ever cached; the
+long-prompt scene's requests each have a fresh key, so the two sent alone warm nothing for
+the two sent beside. Reported for the honest students of each scene: how many were served,
+their request time and TTFT (median and p90) and, beside an attack, their per-token
+latency, against alone (the goal: at least 90 % served, within 1.5x), and beside
+heavy-student and many-streams the fraction of their requests within 1.5x of alone's median
+request time. With --repeat N every scene (alone too) runs N times and each figure shown is
+the median of the N runs' figures. The load average at the start and the end says how busy
+the machine was besides.
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import contextlib
 import functools
 import http.client
@@ -59,6 +82,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from benchmarks import save_json
+from benchmarks.openai_api import fresh_line
 from engine import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from flags import positive_float, positive_int
 from model_flags import add_model_arguments
@@ -70,13 +94,17 @@ SYSTEM_PROMPT = (
     "Answer every question in one short sentence, in plain words, without code."
 )
 QUESTIONS = ["What is a KV cache?", "What is a block hash?", "What is the free queue for?", "What is a ref count?"]
-CLASS, ATTACKER = "127.0.0.1", "127.0.0.2"  # where each connects from
+CLASS, ATTACKER, OTHER_STUDENT = "127.0.0.1", "127.0.0.2", "127.0.0.3"  # where each connects from
 CHAT = "/v1/chat/completions"
 DRIP_CONNECTIONS = 130  # more than the server's --max-connections (128)
 DRIP_EVERY_S = 9.0
+SHORT_TOKENS = 8  # the long-prompt scene's stream and /generate
+HEAVY_MAX_TOKENS = 4  # the heavy student wants the prefill, not the reply
 
 ATTACKS = ("drip", "padding", "big-body", "half-close", "hang-up", "half-body", "made-up-keys")
-GROUPS = {"attacks": ATTACKS, "all": ATTACKS}
+CLASS_SCENES = ("long-prompt", "long-alone", "heavy-student", "many-streams", "nat-class")
+GROUPS = {"attacks": ATTACKS, "class": CLASS_SCENES, "all": ATTACKS + CLASS_SCENES}
+BESIDE_THE_CLASS = (*ATTACKS, "heavy-student", "many-streams")  # the scenes measured against alone
 
 
 # -----------------------------------------------------------------------------
@@ -251,8 +279,20 @@ def question(n: int, who: str, max_tokens: int, stream: bool = True) -> dict:
             "max_tokens": max_tokens, "temperature": 0, "stream": stream}
 
 
+def fresh(messages: list[dict], max_tokens: int) -> dict:
+    """A streamed chat of `messages` whose first message opens with a fresh line: under any
+    key, nothing of it is cached."""
+    first = {**messages[0], "content": f"{fresh_line()}\n{messages[0]['content']}"}
+    return {"messages": [first, *messages[1:]], "max_tokens": max_tokens, "temperature": 0, "stream": True}
+
+
+def fresh_key() -> str:
+    """A key no request used before: under --salt-by-api-key, a cache of its own, empty."""
+    return f"student-{secrets.token_hex(8)}"
+
+
 # -----------------------------------------------------------------------------
-# The class
+# The class, and the other student beside it
 
 
 def honest(server: Server, key: str, max_tokens: int, until: float, replies: list[Timed]) -> None:
@@ -265,6 +305,28 @@ def honest(server: Server, key: str, max_tokens: int, until: float, replies: lis
         replies.append(reply)
         if not reply.ok:
             time.sleep(1.0)
+
+
+def other_student(server: Server, key: str, body: Callable[[int], dict], until: float, replies: list[Timed]) -> None:
+    """One loop of the student on 127.0.0.3: request body(n) after body(n - 1), each cut at
+    `until`; after a refusal, a second's pause."""
+    for n in itertools.count():
+        if time.monotonic() >= until:
+            return
+        reply = send(server, "POST", CHAT, body(n), key=key, source=OTHER_STUDENT, until=until)
+        replies.append(reply)
+        if not reply.ok and time.monotonic() < until:
+            time.sleep(1.0)
+
+
+def page(server: Server, key: str, until: float, replies: dict[str, list[Timed]]) -> None:
+    """A student's browser tab on the live page: GET /health and GET /cache with its key, once
+    a second, until `until`."""
+    while time.monotonic() < until:
+        started = time.monotonic()
+        for path in replies:
+            replies[path].append(send(server, "GET", path, key=key))
+        time.sleep(max(0.0, 1.0 - (time.monotonic() - started)))
 
 
 def run_threads(targets: list[Callable[[], None]]) -> None:
@@ -396,6 +458,112 @@ def attack(server: Server, args, kind: str, alone: dict) -> dict:
 
 
 # -----------------------------------------------------------------------------
+# The class scenes
+
+
+@dataclass(frozen=True)
+class Prompts:
+    """The long chats of the class scenes (stalls.long_chat: real words), and their lengths in
+    tokens as the server's tokenizer counts them (before the fresh line each is sent with)."""
+
+    long: list[dict]
+    long_tokens: int
+    heavy: list[dict]
+    heavy_tokens: int
+
+
+def build_prompts(args) -> Prompts:
+    """The long chats, measured with the model's own tokenizer (its chat template included)."""
+    from benchmarks.stalls import long_chat
+    from model_files import load_tokenizer
+    from prompts import tokenize_prompts
+
+    tokenizer = load_tokenizer(args.model)
+
+    def tokenize(messages: list[dict]) -> list[int]:
+        return tokenize_prompts(tokenizer, [messages])[0]
+
+    long, heavy = long_chat(tokenize, args.long_tokens), long_chat(tokenize, args.heavy_tokens)
+    return Prompts(long, len(tokenize(long)), heavy, len(tokenize(heavy)))
+
+
+def long_prompt(server: Server, prompts: Prompts) -> dict:
+    """A stream and a /generate, alone; then the long chat, and 1 s later the same two again
+    (fresh keys: nothing of any of them cached)."""
+    def stream() -> Timed:
+        return send(server, "POST", CHAT, question(0, "stream", SHORT_TOKENS), key=fresh_key())
+
+    def generate() -> Timed:
+        return send(server, "POST", "/generate", question(1, "generate", SHORT_TOKENS, stream=False), key=fresh_key())
+
+    stream_alone, generate_alone = stream(), generate()
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        long = pool.submit(send, server, "POST", CHAT, fresh(prompts.long, 1), fresh_key())
+        time.sleep(1.0)
+        beside = pool.submit(stream), pool.submit(generate)
+        stream_beside, generate_beside = (future.result() for future in beside)
+        long_reply = long.result()
+    replies = [stream_alone, generate_alone, long_reply, stream_beside, generate_beside]
+    return {"requests": len(replies), "served": sum(r.ok for r in replies),
+            "stream_ttft_alone_ms": stream_alone.ttft_ms, "stream_ttft_beside_ms": stream_beside.ttft_ms,
+            "generate_alone_ms": generate_alone.total_ms, "generate_beside_ms": generate_beside.total_ms,
+            "long_ms": long_reply.total_ms}
+
+
+def long_alone(server: Server, prompts: Prompts) -> dict:
+    """The long chat alone: its request time, for one token its time to first token."""
+    reply = send(server, "POST", CHAT, fresh(prompts.long, 1), key=fresh_key())
+    return {"requests": 1, "served": int(reply.ok), "long_ms": reply.total_ms}
+
+
+def heavy_student(server: Server, args, prompts: Prompts, alone: dict) -> dict:
+    """The class beside --heavy-loops loops of one student's long chats, each fresh."""
+    replies: list[Timed] = []
+    loop = functools.partial(other_student, server, "heavy-student", lambda n: fresh(prompts.heavy, HEAVY_MAX_TOKENS),
+                             replies=replies)
+    figures = class_figures(with_class(server, args, args.seconds, [loop] * args.heavy_loops), alone)
+    return figures | {"other_student": tally(replies)}
+
+
+def many_streams(server: Server, args, alone: dict) -> dict:
+    """The class beside --streams streams of one student, each started again when it ends."""
+    replies: list[Timed] = []
+    loop = functools.partial(other_student, server, "many-streams",
+                             lambda n: question(n, "many-streams", args.stream_tokens), replies=replies)
+    figures = class_figures(with_class(server, args, args.seconds, [loop] * args.streams), alone)
+    return figures | {"other_student": tally(replies)}
+
+
+def nat_class(server: Server, args) -> dict:
+    """--nat-students students and --nat-pages live pages (each one of the students'), all
+    from 127.0.0.1 for --seconds: the students' figures, and every kind's counts."""
+    until = time.monotonic() + args.seconds
+    chats: list[Timed] = []
+    polls: dict[str, list[Timed]] = {"/health": [], "/cache": []}
+    targets = [functools.partial(honest, server, f"nat-{i}", args.max_tokens, until, chats)
+               for i in range(args.nat_students)]
+    targets += [functools.partial(page, server, f"nat-{i}", until, polls) for i in range(args.nat_pages)]
+    run_threads(targets)
+    kinds = {"POST " + CHAT: tally(chats)} | {f"GET {path}": tally(replies) for path, replies in polls.items()}
+    return class_figures(chats) | {"kinds": kinds}
+
+
+def run_scene(name: str, server: Server, args, prompts: Prompts | None, alone: dict | None) -> dict:
+    """One run of the scene `name`: its figures."""
+    if name in ATTACKS:
+        return attack(server, args, name, alone)
+    if name == "long-prompt":
+        return long_prompt(server, prompts)
+    if name == "long-alone":
+        return long_alone(server, prompts)
+    if name == "heavy-student":
+        return heavy_student(server, args, prompts, alone)
+    if name == "many-streams":
+        return many_streams(server, args, alone)
+    return nat_class(server, args)
+
+
+# -----------------------------------------------------------------------------
 # Figures
 
 
@@ -427,6 +595,14 @@ def class_figures(replies: list[Timed], alone: dict | None = None) -> dict:
         within = sum(r.total_ms <= 1.5 * alone["request_ms_median"] for r in served)
         figures["within_1_5x"] = round(within / len(replies), 3)
     return figures
+
+
+def tally(replies: list[Timed]) -> dict:
+    """How many were sent, served, refused with a 503 (a limit: the queue, the connections of
+    one address), and failed otherwise (no answer, another status, a stream cut)."""
+    served = sum(r.ok for r in replies)
+    refused = sum(r.status == 503 for r in replies)
+    return {"sent": len(replies), "served": served, "refused": refused, "failed": len(replies) - served - refused}
 
 
 def median_of(runs: list[dict]) -> dict:
@@ -481,6 +657,54 @@ def attacks_table(alone: dict, scenes: dict):
     return table
 
 
+def class_table(alone: dict | None, scenes: dict):
+    from rich.table import Table
+
+    table = Table(title="honest students' short chats: request time and TTFT, median / p90")
+    for column in ("run", "served", "request time", "vs alone", "TTFT", "vs alone", "within 1.5x",
+                   "the other student: served / refused / failed"):
+        table.add_column(column, justify="left" if column == "run" else "right")
+    for name, r in (({"alone": alone} if alone else {}) | scenes).items():
+        other = r.get("other_student")
+        table.add_row(name, f"{r['served']:g}/{r['honest_requests']:g}",
+                      f"{ms(r['request_ms_median'])} / {ms(r['request_ms_p90'])}", times(r.get("request_ms_ratio")),
+                      f"{ms(r['ttft_ms_median'])} / {ms(r['ttft_ms_p90'])}", times(r.get("ttft_ms_ratio")),
+                      "-" if r.get("within_1_5x") is None else f"{r['within_1_5x']:.0%}",
+                      f"{other['served']:g} / {other['refused']:g} / {other['failed']:g}" if other else "")
+    return table
+
+
+def long_table(scenes: dict, prompts: Prompts):
+    from rich.table import Table
+
+    table = Table(title=f"a {prompts.long_tokens:,}-token chat (max_tokens 1), and two short requests 1 s after it")
+    for column in ("request", "alone", f"beside the {prompts.long_tokens:,}-token chat", "vs alone"):
+        table.add_column(column, justify="left" if column == "request" else "right")
+    if "long-prompt" in scenes:
+        r = scenes["long-prompt"]
+        for name, before, after in ((f"stream of {SHORT_TOKENS} tokens: TTFT", "stream_ttft_alone_ms",
+                                     "stream_ttft_beside_ms"),
+                                    (f"POST /generate of {SHORT_TOKENS} tokens: request time", "generate_alone_ms",
+                                     "generate_beside_ms")):
+            ratio = r[after] / r[before] if r[after] and r[before] else None
+            table.add_row(name, ms(r[before]), ms(r[after]), times(ratio))
+        table.add_row("the long chat (1 token): request time", "", ms(r["long_ms"]), "")
+    if "long-alone" in scenes:
+        table.add_row("the long chat alone (1 token): request time", ms(scenes["long-alone"]["long_ms"]), "", "")
+    return table
+
+
+def nat_table(scene: dict):
+    from rich.table import Table
+
+    table = Table(title="a class behind one address (127.0.0.1)")
+    for column in ("request", "sent", "served", "refused (503)", "failed otherwise"):
+        table.add_column(column, justify="left" if column == "request" else "right")
+    for kind, c in scene["kinds"].items():
+        table.add_row(kind, *(f"{c[key]:g}" for key in ("sent", "served", "refused", "failed")))
+    return table
+
+
 # -----------------------------------------------------------------------------
 # The command
 
@@ -488,8 +712,8 @@ def attacks_table(alone: dict, scenes: dict):
 def scene_list(text: str) -> list[str]:
     """--scenes: names and groups, comma-separated, in the order the benchmark runs them.
 
-    >>> scene_list("hang-up,drip")
-    ['drip', 'hang-up']
+    >>> scene_list("nat-class,drip")
+    ['drip', 'nat-class']
     """
     names = set()
     for name in filter(None, (part.strip() for part in text.split(","))):
@@ -526,11 +750,18 @@ def parse(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argparse.Nam
                              f"(default: all)")
     parser.add_argument("--repeat", type=positive_int, default=1, help="runs of each scene; figures are their medians")
     parser.add_argument("--seconds", type=positive_float, default=15.0,
-                        help="how long alone and each attack last (default: 15)")
+                        help="how long alone and each scene with a class last (default: 15)")
     parser.add_argument("--honest", type=positive_int, default=16, help="honest students (default: 16)")
     parser.add_argument("--max-tokens", type=positive_int, default=32, help="tokens of each honest chat (default: 32)")
     parser.add_argument("--abusive", type=positive_int, default=16,
                         help="attackers beside them, each once a second (default: 16; drip: 130 connections)")
+    parser.add_argument("--long-tokens", type=positive_int, default=2000, help="the long chat (default: 2000)")
+    parser.add_argument("--heavy-tokens", type=positive_int, default=3800, help="each heavy chat (default: 3800)")
+    parser.add_argument("--heavy-loops", type=positive_int, default=8, help="the heavy student's loops (default: 8)")
+    parser.add_argument("--streams", type=positive_int, default=32, help="many-streams' streams (default: 32)")
+    parser.add_argument("--stream-tokens", type=positive_int, default=512, help="max_tokens of each (default: 512)")
+    parser.add_argument("--nat-students", type=positive_int, default=30, help="nat-class's students (default: 30)")
+    parser.add_argument("--nat-pages", type=positive_int, default=8, help="nat-class's live pages (default: 8)")
     parser.add_argument("--server-args", default="", metavar='"..."',
                         help='more flags for python server.py, in one word: --server-args="--max-num-seqs 16"')
     parser.add_argument("--fixed-budget", type=positive_int, nargs="?", const=DEFAULT_MAX_NUM_BATCHED_TOKENS,
@@ -542,22 +773,26 @@ def parse(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argparse.Nam
     return parser, parser.parse_args(argv)
 
 
-def run_all(server: Server, args, console) -> dict:
+def run_all(server: Server, args, prompts: Prompts | None, console) -> dict:
     """Every scene --repeat times, alone first in each round: {"alone", "scenes"}, each the
     median of its runs (the ratios against alone added), and "runs", each run's own."""
+    needs_alone = any(name in BESIDE_THE_CLASS for name in args.scenes)
     runs: dict[str, list[dict]] = {"alone": []} | {name: [] for name in args.scenes}
     for round_ in range(args.repeat):
-        wait_until_idle(server)
-        alone = class_figures(with_class(server, args, args.seconds, []))
-        runs["alone"].append(alone)
+        alone = None
+        if needs_alone:
+            wait_until_idle(server)
+            alone = class_figures(with_class(server, args, args.seconds, []))
+            runs["alone"].append(alone)
         for name in args.scenes:
             console.print(f"  run {round_ + 1}/{args.repeat}: {name}…")
             wait_until_idle(server)
-            runs[name].append(attack(server, args, name, alone))
-    alone = median_of(runs["alone"])
+            runs[name].append(run_scene(name, server, args, prompts, alone))
+    alone = median_of(runs["alone"]) if needs_alone else None
     scenes = {name: median_of(runs[name]) for name in args.scenes}
-    for scene in scenes.values():
-        add_ratios(scene, alone)
+    for name in BESIDE_THE_CLASS:
+        if name in scenes:
+            add_ratios(scenes[name], alone)
     return {"alone": alone, "scenes": scenes, "runs": runs}
 
 
@@ -570,24 +805,36 @@ def main(argv: list[str] | None = None) -> dict:
     console = Console()
     flags = server_arguments(parser, args)
     load_before = os.getloadavg()
+    needs_prompts = any(name in ("long-prompt", "long-alone", "heavy-student") for name in args.scenes)
+    prompts = build_prompts(args) if needs_prompts else None
     console.print(f"starting python server.py --salt-by-api-key {shlex.join(flags)}…")
     with serving(flags) as server:
         budget = budget_of(health(server))
         device = resolve_device(args.device).type
-        console.print(f"[bold]a class on the server under attack[/] on {platform.machine()}, {os.cpu_count()} CPU cores, {device}; "
+        console.print(f"[bold]a class on the server[/] on {platform.machine()}, {os.cpu_count()} CPU cores, {device}; "
                       f"budget {budget}; {args.honest} honest students streaming {args.max_tokens} tokens, "
                       f"{args.seconds:g} s a scene, {args.repeat} run(s) each; load average at the start: "
                       f"{' '.join(f'{x:.2f}' for x in load_before)}")
         with_class(server, args, min(5.0, args.seconds), [])  # warm: the step costs learned
-        measured = run_all(server, args, console)
+        measured = run_all(server, args, prompts, console)
     load_after = os.getloadavg()
     alone, scenes = measured["alone"], measured["scenes"]
-    console.print(attacks_table(alone, scenes))
+    attacks = {name: scenes[name] for name in ATTACKS if name in scenes}
+    if attacks:
+        console.print(attacks_table(alone, attacks))
+    heavy = {name: scenes[name] for name in ("heavy-student", "many-streams", "nat-class") if name in scenes}
+    if heavy:
+        console.print(class_table(alone, heavy))
+    if "long-prompt" in scenes or "long-alone" in scenes:
+        console.print(long_table(scenes, prompts))
+    if "nat-class" in scenes:
+        console.print(nat_table(scenes["nat-class"]))
     console.print(f"budget {budget}; load average at the end: {' '.join(f'{x:.2f}' for x in load_after)} "
                   f"({os.cpu_count()} CPU cores)")
     results = {"machine": platform.platform(), "cpu_cores": os.cpu_count(), "device": device, "budget": budget,
                "server_args": flags, "seconds": args.seconds, "repeat": args.repeat,
                "load_average": {"start": load_before, "end": load_after},
+               "prompt_tokens": prompts and {"long": prompts.long_tokens, "heavy": prompts.heavy_tokens},
                **measured}
     save_json(args.json, results, console)
     return results
