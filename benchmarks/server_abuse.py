@@ -599,7 +599,7 @@ def class_figures(replies: list[Timed], alone: dict | None = None) -> dict:
 
 def tally(replies: list[Timed]) -> dict:
     """How many were sent, served, refused with a 503 (a limit: the queue, the connections of
-    one address), and failed otherwise (no answer, another status, a stream cut)."""
+    one address), and failed otherwise (no answer, another status, cut at the scene's end)."""
     served = sum(r.ok for r in replies)
     refused = sum(r.status == 503 for r in replies)
     return {"sent": len(replies), "served": served, "refused": refused, "failed": len(replies) - served - refused}
@@ -662,7 +662,7 @@ def class_table(alone: dict | None, scenes: dict):
 
     table = Table(title="honest students' short chats: request time and TTFT, median / p90")
     for column in ("run", "served", "request time", "vs alone", "TTFT", "vs alone", "within 1.5x",
-                   "the other student: served / refused / failed"):
+                   "other student: served / 503 / cut or failed"):
         table.add_column(column, justify="left" if column == "run" else "right")
     for name, r in (({"alone": alone} if alone else {}) | scenes).items():
         other = r.get("other_student")
@@ -677,7 +677,8 @@ def class_table(alone: dict | None, scenes: dict):
 def long_table(scenes: dict, prompts: Prompts):
     from rich.table import Table
 
-    table = Table(title=f"a {prompts.long_tokens:,}-token chat (max_tokens 1), and two short requests 1 s after it")
+    two = ", and two short requests 1 s after it" if "long-prompt" in scenes else ""
+    table = Table(title=f"a {prompts.long_tokens:,}-token chat (max_tokens 1){two}")
     for column in ("request", "alone", f"beside the {prompts.long_tokens:,}-token chat", "vs alone"):
         table.add_column(column, justify="left" if column == "request" else "right")
     if "long-prompt" in scenes:
@@ -698,7 +699,7 @@ def nat_table(scene: dict):
     from rich.table import Table
 
     table = Table(title="a class behind one address (127.0.0.1)")
-    for column in ("request", "sent", "served", "refused (503)", "failed otherwise"):
+    for column in ("request", "sent", "served", "refused (503)", "cut or failed otherwise"):
         table.add_column(column, justify="left" if column == "request" else "right")
     for kind, c in scene["kinds"].items():
         table.add_row(kind, *(f"{c[key]:g}" for key in ("sent", "served", "refused", "failed")))
