@@ -316,10 +316,42 @@ def test_shutdown_ends_streams_with_a_last_event_and_done_and_waiting_requests_w
 def test_the_abuse_benchmark_times_honest_clients_alone_and_beside_each_attack(tiny_model_dir, tmp_path):
     from benchmarks import server_abuse
 
-    out = server_abuse.main(["--model", str(tiny_model_dir), "--honest", "2", "--abusive", "2", "--seconds", "2",
-                             "--max-tokens", "4", "--json", str(tmp_path / "abuse.json")])
-    assert out["alone"]["gaps"] > 0 and out["alone"]["success_rate"] == 1.0 and out["alone"]["abuse"]["sent"] == 0
-    assert list(out["beside"]) == list(server_abuse.ATTACKS)
-    for attack, run in out["beside"].items():
-        assert run["abuse"]["sent"] >= 1 and run["served"] >= 1 and run["ratio"] > 0, attack
-    assert json.loads((tmp_path / "abuse.json").read_text())["beside"]["drip"]["attack"] == "drip"
+    out = server_abuse.main(["--model", str(tiny_model_dir), "--scenes", "attacks", "--honest", "2", "--abusive", "2",
+                             "--seconds", "2", "--max-tokens", "4", "--json", str(tmp_path / "abuse.json")])
+    assert out["alone"]["gaps"] > 0 and out["alone"]["success_rate"] == 1.0
+    assert list(out["scenes"]) == list(server_abuse.ATTACKS)
+    for attack, run in out["scenes"].items():
+        assert run["abuse"]["sent"] >= 1 and run["served"] >= 1 and run["per_token_ms_ratio"] > 0, attack
+    assert json.loads((tmp_path / "abuse.json").read_text())["scenes"]["drip"]["abuse"]["sent"] >= 1
+
+
+def test_the_abuse_benchmark_runs_each_class_scene_and_takes_the_median_of_its_runs(tiny_model_dir, tmp_path):
+    """The class scenes at tiny sizes, twice each, on a server given a fixed budget and a flag
+    of its own: every figure is there (what they are is the benchmark's to say, not a test's)."""
+    from benchmarks import server_abuse
+
+    out = server_abuse.main([
+        "--model", str(tiny_model_dir), "--scenes", "class", "--repeat", "2", "--seconds", "1", "--honest", "2",
+        "--max-tokens", "4", "--long-tokens", "500", "--heavy-tokens", "600", "--heavy-loops", "2", "--streams", "3",
+        "--stream-tokens", "16", "--nat-students", "3", "--nat-pages", "2", "--fixed-budget", "128",
+        "--server-args", "--max-tokens-limit 64", "--json", str(tmp_path / "class.json")])
+    assert out["budget"] == "fixed: 128 tokens a step" and out["server_args"][-4:] == [
+        "--max-tokens-limit", "64", "--max-num-batched-tokens", "128"]
+    assert list(out["scenes"]) == list(server_abuse.CLASS_SCENES)
+    assert {name: len(runs) for name, runs in out["runs"].items()} == {"alone": 2} | dict.fromkeys(out["scenes"], 2)
+    assert len(out["load_average"]["start"]) == len(out["load_average"]["end"]) == 3
+    assert out["prompt_tokens"]["long"] >= 500 and out["prompt_tokens"]["heavy"] >= 600
+    long = out["scenes"]["long-prompt"]
+    assert long["served"] == long["requests"] == 5
+    assert all(long[figure] > 0 for figure in ("stream_ttft_alone_ms", "stream_ttft_beside_ms", "generate_alone_ms",
+                                               "generate_beside_ms", "long_ms"))
+    assert out["scenes"]["long-alone"]["served"] == 1 and out["scenes"]["long-alone"]["long_ms"] > 0
+    for name in ("heavy-student", "many-streams"):
+        scene = out["scenes"][name]
+        assert scene["served"] >= 1 and scene["request_ms_ratio"] > 0 and 0 <= scene["within_1_5x"] <= 1, name
+        assert scene["other_student"]["sent"] >= 1, name
+    kinds = out["scenes"]["nat-class"]["kinds"]
+    assert list(kinds) == ["POST /v1/chat/completions", "GET /health", "GET /cache"]
+    for kind, tally in kinds.items():
+        assert tally["sent"] >= 1 and tally["sent"] == tally["served"] + tally["refused"] + tally["failed"], kind
+    assert json.loads((tmp_path / "class.json").read_text())["scenes"]["nat-class"]["kinds"] == kinds
