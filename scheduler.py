@@ -302,13 +302,14 @@ class Scheduler:
                 preempted.append(victim)
                 continue  # retry `request`, unless it was the victim (then the loop ends)
             scheduled.append(ScheduledRequest(request, start, end))
+            self._count(request, end - start)
             left -= end - start
             i += 1
 
         # 2. Waiting requests, in order, while there is room. A request preempted in this
         # very step waits for the next one: the pool was just too small for it.
         coming = self._blocks_coming()  # what the prompts still prefilling after this step will write
-        for request in waiting:
+        for request in self.waiting_order():  # with fair_share, counting what step 1 just gave
             if preempted or len(self.running) >= self.max_num_seqs or left <= 0:
                 break
             if self._hit_coming(request, coming):
@@ -334,10 +335,12 @@ class Scheduler:
             if not request.admitted:
                 request.admitted, request.num_cached_tokens = True, num_cached
             scheduled.append(ScheduledRequest(request, num_cached, num_cached + num_new))
+            self._count(request, num_new)
             left -= num_new
-        for s in scheduled:
-            self.served[s.request.tenant] = self.served.get(s.request.tenant, 0) + s.end - s.start
         return StepPlan(scheduled, preempted)
+
+    def _count(self, request: Request, num_tokens: int) -> None:
+        self.served[request.tenant] = self.served.get(request.tenant, 0) + num_tokens
 
     def _blocks_coming(self) -> set:
         """The hashes of the blocks the prompts prefilling now have yet to get slots for."""

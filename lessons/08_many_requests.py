@@ -7,11 +7,12 @@ more than over one (the weights are read once either way). Two files do it:
 
     scheduler.py     each step, who runs and how many tokens (Scheduler.schedule): one
                      token budget for the step; running requests first, a decode taking one
-                     token and a prompt still coming in its next chunk; then waiting ones in
-                     arrival order, their uncached tokens up to the budget left, the rest in
-                     later steps (chunked prefill); when a request finds no free block for
-                     its tokens, the most recently admitted one is preempted: its blocks are
-                     freed, the full ones stay cached, and it waits at the front
+                     token and a prompt still coming its share of what the decodes leave
+                     (shared with the requests waiting behind it: share_tokens); then waiting
+                     ones in arrival order, their uncached tokens up to the budget left, the
+                     rest in later steps (chunked prefill); when a request finds no free block
+                     for its tokens, the most recently admitted one is preempted: its blocks
+                     are freed, the full ones stay cached, and it waits at the front
     batch_attention.py  every scheduled token packed into one sequence (build_step); the
                      attention takes each request's K/V from the pool through its block
                      table (pool_attention, registered with transformers' AttentionInterface):
@@ -75,11 +76,12 @@ from benchmarks.measure import Runs, TokenCounter, busy_note, how_much_faster
 from cpu_threads import cores_used_by_others, cpu_sample
 from reading import show_code, show_exercise
 from scheduler import Scheduler
-from step_budget import DEFAULT_TARGET_STEP_MS, STALL, ModelShape, StepBudget, chunk_flops
+from step_budget import DEFAULT_TARGET_STEP_MS, FLOOR, GAP_MAX, STALL, ModelShape, StepBudget, chunk_flops
 
 USERS = ["alice", "bob", "carol", "dave"]
 MAX_TOKENS = 16
 BUDGET = 512  # max_num_batched_tokens of scenes 1-2 (scene 2d shows what an engine picks by default)
+SHARE_BUDGET = 128  # scene 2e: a budget well under the long prompt, so that sharing it shows
 SMALL_POOL_EXTRA = 6  # scene 3: blocks beyond the system prompt's, too few for four replies
 THROUGHPUT_REQUESTS = 8  # scene 4 (the benchmark runs 16 and 32, 32 tokens each)
 
@@ -331,13 +333,16 @@ def step_time_budget(console: Console, engine: Engine, prompts: dict[str, list[i
     shrink = (f" Her chunks shrink as she goes ({sizes[0]} tokens first, {sizes[-2]} before the last): each of her "
               f"tokens attends to every one before it." if len(sizes) > 2 and sizes[-2] < sizes[0] else "")
     console.print(
-        f"What a step costs here, learned from the steps run: {fixed * 1e3:,.0f} ms whatever its size, and "
+        f"What a step costs here, learned from the steps run (StepCosts: the lower quartile of the steps of "
+        f"each size, so a busy minute does not move it): {fixed * 1e3:,.0f} ms whatever its size, and "
         f"{per_token * 1e3:,.1f} ms a token through the weights (plus each key it attends to: step_flops counts "
         f"both). With a fixed budget of {cap:,} tokens a step, erin's whole prompt would be one step of about "
         f"{whole * 1e3:,.0f} ms by the same costs, and each of the four would wait that long for its next token. With "
         f"a target of {target_ms:g} ms, a step gives her as many tokens as keep it within the target and within "
         f"{STALL:g} times the four's own step ({decoding} alone, steps {decode_numbers[0]}-{decode_numbers[-1]}), "
-        f"and never fewer than fit in as long as theirs: {len(chunks)} chunks, steps of {took} (median, "
+        f"never fewer than fit in as long as theirs, and never so few that the step's fixed cost is more than "
+        f"1/{FLOOR + 1:g} of it (FLOOR; up to a gap of {GAP_MAX:g} times theirs): {len(chunks)} chunks, steps of "
+        f"{took} (median, "
         f"{took.median / decoding.median:.1f}x theirs).{shrink} This is Sarathi-Serve's stall-free batching "
         f"(Agrawal et al., OSDI 2024): the chunk is sized from a latency target. vLLM's budget is a fixed "
         f"number of tokens instead, 2,048 for `vllm serve` (8,192 on a GPU with 70 GiB or more: get_batch_defaults "
@@ -453,6 +458,67 @@ def throughput(console: Console, engine: Engine, step_times: list[Runs]) -> None
     )
 
 
+def arrivals_behind_a_long_prompt(console: Console, engine: Engine, prompts: dict[str, list[int]]) -> None:
+    """Scene 2e: a short request arrives while a long prompt is coming in chunks; then two
+    tenants, one far ahead of the other, under fair_share."""
+    assert engine.allocator.reset_prefix_cache()
+    budget = SHARE_BUDGET
+    runner = BatchRunner(engine.parts, max_num_batched_tokens=budget)
+    erin_ids = engine.tokenize(ERIN)
+    erin = runner.add("erin", erin_ids, SamplingParams(max_tokens=MAX_TOKENS), None)
+    first = run_step(runner, 1)
+    frank_ids = engine.tokenize([{"role": "user", "content": "What is a block hash?"}])
+    frank = runner.add("frank", frank_ids, SamplingParams(max_tokens=MAX_TOKENS), None)  # NEW: arrives now
+    history = step_history(f"erin's prompt, and frank arriving after step 1 (a budget of {budget} tokens)")
+    add_step_row(history, first)
+    second = run_step(runner, 2)
+    add_step_row(history, second)
+    console.print(history)
+    step2 = {s.request.request_id: s.end - s.start for s in second.scheduled}
+    erin_left = len(erin_ids) - budget
+    frank_in = len(frank.output_ids) > 0  # he sampled in step 2: his whole prompt was in it
+    console.print(
+        f"Step 1 gave erin's {len(erin_ids):,}-token prompt the whole budget of {budget}: nobody else wanted "
+        f"any. Before step 2, frank was waiting with {len(frank_ids)} uncached tokens and erin had {erin_left:,} "
+        f"left. A prompt still prefilling takes only its share of what the decodes leave (Scheduler.schedule, "
+        f"share_tokens): the {budget} tokens shared between the two, smallest need first, each at most an equal "
+        f"share of what is left. frank got {step2.get('frank', 0)} and erin {step2.get('erin', 0)}"
+        + (f", and frank sampled his first token at the end of step 2." if frank_in else ".")
+        + f" Under the older rule the running prompt came first and took all it could, and frank would have "
+        f"waited for the last of erin's tokens: {-(-erin_left // budget)} more steps of {budget}. (vLLM v1 "
+        f"caps one prompt's chunk at a fixed number instead, long_prefill_token_threshold in "
+        f"vllm/v1/core/sched/scheduler.py; Sarathi-Serve's stall-free batching is the idea behind both.) A "
+        f"request whose next block is one a prefilling prompt is about to write waits for it instead "
+        f"(Scheduler._hit_coming): admitted now, it would compute that prefix a second time."
+    )
+    runner.run([erin, frank])
+
+    # NEW: fair shares. fair_share reads the queue least-served tenant first (the Virtual Token Counter).
+    assert engine.allocator.reset_prefix_cache()
+    fair = BatchRunner(engine.parts, max_num_batched_tokens=BUDGET, max_num_seqs=2, fair_share=True)
+    heavy = [fair.add(f"heavy-{i}", erin_ids[i * 50:], SamplingParams(max_tokens=2), None, tenant="heavy")
+             for i in range(2)]
+    run_step(fair, 1)
+    student = fair.add("student", prompts["bob"], SamplingParams(max_tokens=2), None, tenant="student")
+    served = dict(fair.scheduler.served)
+    step2 = run_step(fair, 2)
+    admitted = sorted(step2.admitted)
+    fair.run([*heavy, student])
+    console.print(
+        f"Under fair_share (the Engine's default) the scheduler counts the tokens it computes for each tenant, "
+        f"as the Virtual Token Counter does (Sheng et al., \"Fairness in Serving Large Language Models\", OSDI "
+        f"2024). Two of heavy's prompts came first; max_num_seqs is 2 here. After step 1 heavy had been served "
+        f"{served['heavy']:,} tokens, and student, arriving then, was lifted to the least-served active tenant's "
+        f"count, {served['student']:,} (time away is not credit). In step 2 heavy-0's next chunk was counted "
+        f"first, so when the queue was read for the one free place, student was the least served: admitted "
+        f"{admitted}, while heavy-1, which had arrived before student, waited. step_budget.py goes one "
+        f"further while a tenant within FAIR_SLACK tokens of the least served is decoding: the prompts of a "
+        f"tenant further ahead get only what keeps that step within FAIR_STALL times the decodes' own (scene "
+        f"2d's budget). Like VTC's, the bound is on tokens served: it says who goes first, not how long anyone "
+        f"waits."
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
     args = models.parse_args("Stage 8: many requests at once, one forward pass per step", argv, engine=True)
     console = Console()
@@ -477,6 +543,8 @@ def main(argv: list[str] | None = None) -> None:
     what_a_step_reads(console, engine, prompts)
     console.print(Rule("2d. A budget from a target step time: a long prompt without a stall"))
     step_time_budget(console, engine, prompts)
+    console.print(Rule("2e. A short request behind a long prompt; fair shares between tenants"))
+    arrivals_behind_a_long_prompt(console, engine, prompts)
     console.print(Rule("3. A small pool: preemption, and the return from the cache"))
     preemption(console, engine, prompts, replies)
     console.print(Rule("4. Throughput: one after another, batched, batched with caching"))
