@@ -45,6 +45,7 @@ MIN_CHUNK = 16  # prompt tokens a step gives a prompt at least: it always moves 
 FLOOR = 4.0  # a step's prompt tokens cost at least this many times its fixed cost: no crumbs
 GAP_MAX = 3.0  # ... unless that makes a stream wait more than this many times its own step
 FAIR_STALL = 1.3  # a step of a tenant far ahead's prompts beside others' decodes: at most this times theirs
+ARRIVAL_STALL = 1.3  # a new request's first step, beside prompts already prefilling: at most this times its own
 FAIR_SLACK = 4096  # "far ahead": served this many tokens more than the least-served tenant (a long prompt)
 
 
@@ -194,6 +195,11 @@ class StepBudget:
     of them starts from (a turn that follows 3,900 cached tokens attends to all of them).
     Never more than max_num_batched_tokens, never fewer than MIN_CHUNK prompt tokens.
 
+    A request that has just arrived waits for the step running now, then for its own first
+    step: that one is kept within ARRIVAL_STALL times what it would take without the prompts
+    already prefilling (they share what is left of that: their caps in the Budget), so a
+    question sent behind a long prompt gets its first token within a few of its own steps.
+
     A fair share (Scheduler(fair_share=True) counts what each tenant was served): while a
     tenant within FAIR_SLACK tokens of the least served is decoding, the prompts of a tenant
     further ahead share only what keeps that step within FAIR_STALL times the decodes' own
@@ -221,19 +227,39 @@ class StepBudget:
         waiting = [c for c in candidates if not c.running]
         start = max((c.num_computed_tokens for c in waiting), default=0)
         tokens = self.tokens(running, [c.request for c in waiting], threads, start)
-        behind_decoding = [c.request for c in candidates if c.running and not c.request.num_prefill_left
-                           and c.lead <= FAIR_SLACK]
-        ahead = [c for c in candidates if c.lead > FAIR_SLACK and (not c.running or c.request.num_prefill_left)]
-        if not (behind_decoding and ahead and self.costs.known(threads)):
+        if not self.costs.known(threads):
             return Budget(tokens)
         fixed, per_flop = self.costs.fit(threads)
         decodes = [r for r in running if not r.num_prefill_left]
         decode_s = fixed + per_flop * self.decode_flops(decodes)
-        room = max(MIN_CHUNK, self.chunk_within(max(c.num_computed_tokens for c in ahead),
-                                                (FAIR_STALL - 1) * decode_s / per_flop))
-        caps = share_tokens(room, {c.request.request_id: c.num_remaining_tokens for c in ahead})
-        if len(ahead) == sum(1 for c in candidates if not c.running or c.request.num_prefill_left):
-            tokens = min(tokens, len(decodes) + room)  # every prompt is ahead: the step is no longer than theirs
+        prompts = [c for c in candidates if not c.running or c.request.num_prefill_left]
+        caps: dict[str, int] = {}
+
+        # A request not yet admitted: the running prompts share what keeps its first step within
+        # ARRIVAL_STALL times what it would take without them (its time to first token).
+        arrivals = [c for c in waiting if not c.request.admitted]
+        prefilling = [c for c in prompts if c.running]
+        if arrivals and prefilling:
+            first_s = decode_s + per_flop * sum(
+                chunk_flops(self.shape, c.num_computed_tokens, c.num_computed_tokens + c.num_remaining_tokens)
+                for c in arrivals)
+            room = self.chunk_within(max(c.num_computed_tokens for c in prefilling),
+                                     (ARRIVAL_STALL - 1) * first_s / per_flop)
+            caps = share_tokens(room, {c.request.request_id: c.num_remaining_tokens for c in prefilling})
+
+        # A tenant far ahead, beside the decodes of one that is not: its prompts share what
+        # keeps the step within FAIR_STALL times the decodes' own.
+        behind_decoding = [c for c in candidates if c.running and not c.request.num_prefill_left
+                           and c.lead <= FAIR_SLACK]
+        ahead = [c for c in prompts if c.lead > FAIR_SLACK]
+        if behind_decoding and ahead:
+            room = max(MIN_CHUNK, self.chunk_within(max(c.num_computed_tokens for c in ahead),
+                                                    (FAIR_STALL - 1) * decode_s / per_flop))
+            for request_id, cap in share_tokens(room, {c.request.request_id: c.num_remaining_tokens
+                                                       for c in ahead}).items():
+                caps[request_id] = min(cap, caps.get(request_id, cap))
+            if len(ahead) == len(prompts):
+                tokens = min(tokens, len(decodes) + room)  # every prompt is ahead: the step is no longer than theirs
         return Budget(tokens, caps)
 
     def decode_flops(self, decodes: list[Request]) -> float:

@@ -17,7 +17,7 @@ from prefix_caching import PrefixCachingAllocator
 from sampling import SamplingParams
 from scheduler import Budget, Candidate, Request, Scheduler
 from server import create_app
-from step_budget import (DEFAULT_TARGET_STEP_MS, FAIR_SLACK, FAIR_STALL, FIRST_CHUNK, FLOOR, GAP_MAX, MIN_CHUNK, STALL,
+from step_budget import (ARRIVAL_STALL, DEFAULT_TARGET_STEP_MS, FAIR_SLACK, FAIR_STALL, FIRST_CHUNK, FLOOR, GAP_MAX, MIN_CHUNK, STALL,
                          ModelShape, StepBudget, StepCosts, chunk_flops, keys_attended)
 
 SMOL = ModelShape(body_params=106_000_000, layers=30, heads=9, head_dim=64)  # SmolLM2-135M's sizes
@@ -351,3 +351,17 @@ def test_a_step_is_learned_from_under_the_lock_snapshot_reads_it_under(make_engi
     engine.step_budget.record = recording
     engine.generate([1, 2, 3, 4, 5], max_tokens=3)
     assert held and all(held)
+
+
+def test_a_new_requests_first_step_stays_near_its_own_beside_a_long_prompt():
+    budget = learned(0.005, 5e-12)
+    long = Request("long", [1] * 4000)
+    long.num_computed_tokens, long.admitted = 500, True  # running, part-way through its prompt
+    question = Request("question", [2] * 30)
+    alone = budget.budget([Candidate(long, True, 0, 500, 3500)], threads=2)
+    beside = budget.budget([Candidate(long, True, 0, 500, 3500), Candidate(question, False, 0, 0, 30)], threads=2)
+    assert not alone.chunks
+    fixed, per_flop = budget.costs.fit(2)
+    own_s = fixed + per_flop * chunk_flops(SMOL, 0, 30)  # the question's first step with nothing beside it
+    with_long = own_s + per_flop * chunk_flops(SMOL, 500, 500 + beside.chunks["long"])
+    assert with_long <= ARRIVAL_STALL * own_s < with_long + per_flop * chunk_flops(SMOL, 500, 502)
