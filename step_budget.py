@@ -31,6 +31,7 @@ lessons, exercises and tests pass one, so their plans are the same on every mach
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from collections import deque
@@ -106,7 +107,9 @@ class StepCosts:
     bucket and the last KEEP of each, so a bucket spans minutes; each bucket counts as its
     lower quartile (other programs only ever slow a step down: the quick steps are the
     machine's own speed, and a slow minute that makes less than three quarters of a
-    bucket's steps leaves it unmoved); the line is a least-squares fit through the buckets.
+    bucket's steps leaves it unmoved); the line is the Theil-Sen fit through the buckets
+    (the median of the slopes between every two of them, then the median intercept), so
+    one bucket off the line (small prompts pay more than their flops say) does not tilt it.
 
     >>> costs = StepCosts()
     >>> costs.record(2, 1e9, 0.06); costs.record(2, 1e10, 0.15)   # two steps, 10x apart in work
@@ -153,16 +156,17 @@ class StepCosts:
         `fixed` is kept from the latest fit that could, and per_flop is what the steps
         leave beyond it. Before any such fit, all of the time is counted per flop, which
         overestimates a prompt's cost (a smaller chunk, never a longer stall)."""
-        points = self.points(threads)
-        n = len(points)
-        mean_x = sum(x for x, _ in points) / n
-        mean_y = sum(y for _, y in points) / n
-        var_x = sum((x - mean_x) ** 2 for x, _ in points)
-        slope = sum((x - mean_x) * (y - mean_y) for x, y in points) / var_x if var_x else 0.0
-        if max(x for x, _ in points) < 2 * min(x for x, _ in points) or slope <= 0:  # too alike, or noise won
+        points = sorted(self.points(threads))
+        slopes = sorted((y2 - y1) / (x2 - x1) for (x1, y1), (x2, y2) in itertools.combinations(points, 2)
+                        if x2 >= 2 * x1)  # buckets far enough apart to tell fixed from per_flop
+        slope = slopes[len(slopes) // 2] if slopes else 0.0
+        if slope <= 0:  # too alike, or noise won
+            mean_x = sum(x for x, _ in points) / len(points)
+            mean_y = sum(y for _, y in points) / len(points)
             fixed = min(self.last_fit.get(threads, (0.0, 0.0))[0], mean_y / 2)
             return fixed, (mean_y - fixed) / mean_x
-        fit = self.last_fit[threads] = (round(max(0.0, mean_y - slope * mean_x), 9), slope)
+        fixed = sorted(y - slope * x for x, y in points)[len(points) // 2]
+        fit = self.last_fit[threads] = (round(max(0.0, fixed), 9), slope)
         return fit
 
     def predict(self, threads, flops: float) -> float:
