@@ -51,7 +51,7 @@ from server_connections import ClassServer, drain, serve_in_background
 from server_requests import (
     DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_CONNECTIONS_PER_CLIENT, DEFAULT_MAX_PROMPT_TOKENS,
     DEFAULT_MAX_TOKENS_LIMIT, DEFAULT_MAX_WAITING, DEFAULT_READ_TIMEOUT, DEFAULT_REQUEST_TIMEOUT, JSON_HEADER,
-    read_api_keys,
+    MAX_CHAT_MESSAGES, read_api_keys,
 )
 from server_routes import EscapeControlCharacters, chat_completions, create_app, generate
 
@@ -95,7 +95,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--api-keys", metavar="FILE",
                         help="the keys a class may use, one per line: any other key gets a 401 "
                              "(default: any bearer key is taken, or none)")
-    limits = parser.add_argument_group("limits (docs/server.md)")
+    limits = parser.add_argument_group(
+        "limits (docs/server.md)",
+        f"besides these, fixed bounds checked before any work: a chat of at most {MAX_CHAT_MESSAGES} messages (400)")
     limits.add_argument("--max-tokens-limit", type=positive_int, default=DEFAULT_MAX_TOKENS_LIMIT,
                         help=f"the largest max_tokens a request may ask for (default: {DEFAULT_MAX_TOKENS_LIMIT})")
     limits.add_argument("--max-prompt-tokens", type=positive_int, default=DEFAULT_MAX_PROMPT_TOKENS,

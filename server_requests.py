@@ -95,6 +95,10 @@ JSON_BYTES_PER_TEXT_BYTE = 6
 MESSAGE_JSON_BYTES = 48  # {"role": "assistant", "content": ""}, and spaces: 38
 BODY_SLACK_BYTES = 64 * 1024
 SMOLLM2_TOKEN_BYTES = 81  # max_token_bytes of the default model's tokenizer
+# This server's own choice (vLLM has none): a chat template is rendered message by message,
+# so a chat of thousands of one-letter messages costs time before a token of it is counted.
+# A class's chats are a few turns; 256 leaves room for a long conversation.
+MAX_CHAT_MESSAGES = 256
 
 
 @dataclass(frozen=True)
@@ -132,10 +136,11 @@ def max_token_bytes(token_texts) -> int:
 
 
 def check_prompt_size(prompt: str | list, bounds: PromptBounds, max_prompt_tokens: int) -> None:
-    """400 for a prompt no tokenizer could make max_prompt_tokens or fewer tokens of, before it
-    is templated or tokenized. A message's whitespace is counted as its chat template counts
-    it: trimmed only where the template trims (SmolLM2's keeps it: a message of spaces is
-    thousands of tokens, and seconds of tokenizing).
+    """400 for a prompt no tokenizer could make max_prompt_tokens or fewer tokens of, or a chat
+    of more than MAX_CHAT_MESSAGES messages, before it is templated or tokenized. A message's
+    whitespace is counted as its chat template counts it: trimmed only where the template
+    trims (SmolLM2's keeps it: a message of spaces is thousands of tokens, and seconds of
+    tokenizing).
 
     >>> check_prompt_size("Hi" * 100, PromptBounds.of(2, 81), 2)  # doctest: +ELLIPSIS
     Traceback (most recent call last):
@@ -154,6 +159,9 @@ def check_prompt_size(prompt: str | list, bounds: PromptBounds, max_prompt_token
     else:  # a chat; the engine checks each message's shape
         if len(prompt) > bounds.max_messages:
             raise APIError(400, f"the chat has {len(prompt):,} messages, more than {limit}; send fewer")
+        if len(prompt) > MAX_CHAT_MESSAGES:
+            raise APIError(400, f"the chat has {len(prompt):,} messages, over this server's limit of "
+                                f"{MAX_CHAT_MESSAGES}; send fewer (a long conversation: its last turns)")
         contents = [m["content"] for m in prompt if isinstance(m, dict) and isinstance(m.get("content"), str)]
         if bounds.trims_content:
             contents = [content.strip() for content in contents]

@@ -19,6 +19,7 @@ import pytest
 from helpers import MODEL, call, raw_request, serve, wait_until_idle
 from server import create_app
 from server_connections import AFTER_BODY_LIMIT
+from server_requests import MAX_CHAT_MESSAGES
 
 BODY = json.dumps({"prompt": "Hi", "max_tokens": 2}).encode()
 
@@ -174,3 +175,24 @@ def test_a_chat_of_spaces_is_counted_as_its_template_keeps_them(engine, url):
     status, reply = call(url, "/generate", chat)
     assert status == 400 and "the prompt's text is 400,002 bytes" in reply["error"]["message"]
     assert engine.allocator.stats.requests == 0
+
+
+@pytest.fixture
+def tokenized(engine, monkeypatch):
+    """The prompts the engine tokenized during the test."""
+    calls = []
+    tokenize = engine.tokenize
+    monkeypatch.setattr(engine, "tokenize", lambda prompt: calls.append(prompt) or tokenize(prompt))
+    return calls
+
+
+def test_a_chat_of_more_messages_than_the_limit_is_refused_before_its_template(engine, url, tokenized):
+    # 257 one-letter messages: far within --max-prompt-tokens' bounds (4,096 messages, 331,776 bytes).
+    chat = {"messages": [{"role": "user", "content": "a"}] * (MAX_CHAT_MESSAGES + 1), "max_tokens": 2}
+    status, reply = call(url, "/generate", chat)
+    assert status == 400 and reply["error"]["message"].startswith(
+        f"the chat has {MAX_CHAT_MESSAGES + 1} messages, over this server's limit of {MAX_CHAT_MESSAGES}")
+    assert tokenized == [] and engine.allocator.stats.requests == 0
+    at_the_limit = {"messages": [{"role": "user", "content": "a"}] * MAX_CHAT_MESSAGES, "max_tokens": 1}
+    status, reply = call(url, "/generate", at_the_limit)  # past the bound: the tokenizer and the pool decide
+    assert tokenized and "over this server's limit of" not in reply.get("error", {}).get("message", "")
