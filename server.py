@@ -47,7 +47,7 @@ from engine import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, DEFAULT
 from flags import positive_float, positive_int
 from model_flags import add_model_arguments, pool_arguments
 from model_loader import DEFAULT_MODEL
-from server_connections import ClassServer, drain, serve_in_background
+from server_connections import MAX_HEAD_BYTES, MAX_HEADER_FIELDS, ClassServer, drain, serve_in_background
 from server_requests import (
     DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_CONNECTIONS_PER_CLIENT, DEFAULT_MAX_PROMPT_TOKENS,
     DEFAULT_MAX_TOKENS_LIMIT, DEFAULT_MAX_WAITING, DEFAULT_READ_TIMEOUT, DEFAULT_REQUEST_TIMEOUT, JSON_HEADER,
@@ -97,7 +97,8 @@ def main(argv: list[str] | None = None) -> None:
                              "(default: any bearer key is taken, or none)")
     limits = parser.add_argument_group(
         "limits (docs/server.md)",
-        f"besides these, fixed bounds checked before any work: a chat of at most {MAX_CHAT_MESSAGES} messages (400)")
+        f"besides these, fixed bounds checked before any work: a request head of at most {MAX_HEADER_FIELDS} header "
+        f"lines and {MAX_HEAD_BYTES // 1024} KiB of them (431), a chat of at most {MAX_CHAT_MESSAGES} messages (400)")
     limits.add_argument("--max-tokens-limit", type=positive_int, default=DEFAULT_MAX_TOKENS_LIMIT,
                         help=f"the largest max_tokens a request may ask for (default: {DEFAULT_MAX_TOKENS_LIMIT})")
     limits.add_argument("--max-prompt-tokens", type=positive_int, default=DEFAULT_MAX_PROMPT_TOKENS,

@@ -9,6 +9,8 @@ the server down, and a hang-up check that says whether a request's client is sti
 What a connection may hold, and for how long:
 
     a new connection           idle_timeout seconds to send its first byte
+    its request's head         MAX_HEADER_FIELDS header lines and MAX_HEAD_BYTES bytes of them;
+                               beyond either a 431 as soon as the bound is passed (RequestHead)
     its request's head & body  read_timeout seconds in all, from the moment it connected:
                                a deadline, not a timeout per read, so a client that sends one
                                byte every few seconds is cut off all the same (a watchdog
@@ -28,6 +30,7 @@ body can be a next request. Read server_views.py before, server_routes.py after.
 from __future__ import annotations
 
 import contextlib
+import http
 import io
 import json
 import logging
@@ -47,6 +50,11 @@ from server_requests import (
 )
 
 AFTER_BODY_LIMIT = 4096  # bytes a client may send after its body: more is a hang-up, and after its reply, the end
+# A request's head: a browser sends about 20 header lines and a few KiB of them (more with many
+# cookies). 16 KiB in all is the bound of h11 (uvicorn's parser) and of Node's http server;
+# http.server alone reads 100 lines of 64 KiB each, 6.4 MB, before the app sees a request.
+MAX_HEADER_FIELDS = 64
+MAX_HEAD_BYTES = 16 * 1024
 WATCH_EVERY_S = 0.1  # how often the watchdog looks for requests past their deadline
 CLOSE_S = 5.0  # after the grace of a Ctrl+C: how long connections get to end before they are cut
 
@@ -105,7 +113,69 @@ class HangUpCheck:
 
 
 # -----------------------------------------------------------------------------
-# 2. What a request's body, and what follows its reply, may cost
+# 2. What a request's head and body, and what follows its reply, may cost
+
+
+class HeadTooLarge(Exception):
+    """A request head over MAX_HEADER_FIELDS lines or MAX_HEAD_BYTES bytes: a 431."""
+
+
+class RequestHead:
+    """The reader http.server parses a request's header lines from, line by line
+    (http.client.parse_headers calls readline and nothing else), with the bounds counted as
+    the lines come: a head over either raises HeadTooLarge at the first line past it, having
+    read at most MAX_HEAD_BYTES + 2 bytes of header lines, whatever the client still sends.
+
+    >>> head = RequestHead(io.BytesIO(b"Host: a\\r\\nX-Pad: " + b"x" * 20_000 + b"\\r\\n\\r\\n"))
+    >>> head.readline(65537)
+    b'Host: a\\r\\n'
+    >>> head.readline(65537)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    server_connections.HeadTooLarge: the request's header lines are over 16 KiB, ...
+    """
+
+    def __init__(self, rfile):
+        self.rfile = rfile
+        self.fields = 0
+        self.size = 0  # bytes of header lines read, each with its line end
+
+    def readline(self, limit: int = -1) -> bytes:
+        most = MAX_HEAD_BYTES - self.size + 2  # room for the line end of the empty line that ends the head
+        line = self.rfile.readline(most if limit < 0 else min(limit, most))
+        if line in (b"\r\n", b"\n", b""):  # the end of the head (or of the stream)
+            return line
+        self.fields += 1
+        self.size += len(line)
+        if self.size > MAX_HEAD_BYTES:
+            raise HeadTooLarge(f"the request's header lines are over {MAX_HEAD_BYTES // 1024} KiB, this server's "
+                               f"limit; send fewer or shorter headers (a browser: its cookies for this host may be "
+                               f"many: open the page in a private window)")
+        if self.fields > MAX_HEADER_FIELDS:
+            raise HeadTooLarge(f"the request has more than {MAX_HEADER_FIELDS} header lines, this server's limit; "
+                               f"send fewer")
+        return line
+
+
+def http_reply(status: int, message: str, retry_after: int | None = None) -> bytes:
+    """A whole JSON error reply, for a connection the app never sees (refused when accepted,
+    or a head that broke a bound): the same body as the app's errors.
+
+    >>> http_reply(431, "too big").split(b"\\r\\n")[0]
+    b'HTTP/1.1 431 Request Header Fields Too Large'
+    """
+    body = json.dumps(error_json(status, message)).encode()
+    retry = "" if retry_after is None else f"Retry-After: {retry_after}\r\n"
+    head = (f"HTTP/1.1 {status} {http.HTTPStatus(status).phrase}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n{retry}Connection: close\r\n\r\n")
+    return head.encode() + body
+
+
+def discard_pending(sock: socket.socket) -> None:
+    """Read what the client has sent by now, unread: a socket closed on unread bytes is reset
+    (RFC 9293 section 3.6), and a reset can reach the client before the reply it was sent."""
+    with contextlib.suppress(OSError):
+        sock.setblocking(False)
+        sock.recv(1 << 16)
 
 
 class ContinueFirst(io.RawIOBase):
@@ -233,7 +303,14 @@ class RequestHandler(WSGIRequestHandler):
 
     def parse_request(self) -> bool:  # called once the request line has come
         self.connection.settimeout(self.read_timeout)
-        parsed = super().parse_request()  # reads the headers
+        rfile, self.rfile = self.rfile, RequestHead(self.rfile)
+        try:
+            parsed = super().parse_request()  # reads the headers
+        except HeadTooLarge as err:
+            self.answer(431, str(err))
+            return False
+        finally:
+            self.rfile = rfile
         if self.tracked.cut_off:  # its head did not come by the deadline: it is no request
             self.close_connection = True
             return False
@@ -243,6 +320,15 @@ class RequestHandler(WSGIRequestHandler):
             self.expects_continue = self.headers["Expect"].strip(" \t").lower() == "100-continue"
             del self.headers["Expect"]
         return parsed
+
+    def answer(self, status: int, message: str) -> None:
+        """Answer a head that never reaches the app, and end the connection."""
+        self.close_connection = True
+        with contextlib.suppress(OSError):
+            self.wfile.write(http_reply(status, message))
+            self.wfile.flush()
+        discard_pending(self.connection)
+        log.warning("%s: %d: %s", self.tracked.address, status, message)
 
     def handle_expect_100(self) -> bool:
         """http.server's answer to `Expect: 100-continue` comes as soon as the head is in,
@@ -336,14 +422,10 @@ class ClassServer(ThreadedWSGIServer):
         else:
             message = (f"this server has {self.max_connections} connections open, its most (--max-connections); "
                        f"try again in a moment")
-        body = json.dumps(error_json(503, message)).encode()
-        head = (f"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
-                f"Content-Length: {len(body)}\r\nRetry-After: {RETRY_AFTER_S}\r\nConnection: close\r\n\r\n")
         try:
             sock.setblocking(False)
-            sock.sendall(head.encode() + body)  # a few hundred bytes: the socket's buffer takes them at once
-            with contextlib.suppress(OSError):
-                sock.recv(1 << 16)  # what the client sent: closing on unread bytes would reset the connection
+            sock.sendall(http_reply(503, message, RETRY_AFTER_S))  # a few hundred bytes: the buffer takes them at once
+            discard_pending(sock)
         except OSError:
             pass
         finally:
