@@ -26,7 +26,9 @@ on its kind:
                             the pool has no room for is refused with a 503.
 
 A class leaning on it meets limits (queue length, prompt length, deadlines, connections in
-all and per address), each a flag with a default for a laptop; a client that hangs up costs
+all and per address, generation requests per API key), each a flag with a default for a
+laptop; a class behind one NAT or proxy is told apart by its keys (--api-keys) or by the
+proxy's X-Forwarded-For (--forwarded-allow-ips); a client that hangs up costs
 nothing more, and Ctrl+C lets running requests finish, then ends within --shutdown-grace + 5 s.
 docs/server.md lists the limits, says what a tenant can see, and where this server differs
 from vLLM's.
@@ -50,8 +52,8 @@ from model_loader import DEFAULT_MODEL
 from server_connections import MAX_HEAD_BYTES, MAX_HEADER_FIELDS, ClassServer, drain, serve_in_background
 from server_requests import (
     DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_CONNECTIONS_PER_CLIENT, DEFAULT_MAX_PROMPT_TOKENS,
-    DEFAULT_MAX_TOKENS_LIMIT, DEFAULT_MAX_WAITING, DEFAULT_READ_TIMEOUT, DEFAULT_REQUEST_TIMEOUT, JSON_HEADER,
-    MAX_CHAT_MESSAGES, read_api_keys,
+    DEFAULT_MAX_REQUESTS_PER_KEY, DEFAULT_MAX_TOKENS_LIMIT, DEFAULT_MAX_WAITING, DEFAULT_READ_TIMEOUT,
+    DEFAULT_REQUEST_TIMEOUT, JSON_HEADER, MAX_CHAT_MESSAGES, read_api_keys, trusted_proxies,
 )
 from server_routes import EscapeControlCharacters, chat_completions, create_app, generate
 
@@ -117,9 +119,19 @@ def main(argv: list[str] | None = None) -> None:
     limits.add_argument("--max-connections", type=positive_int, default=DEFAULT_MAX_CONNECTIONS,
                         help=f"open connections, a thread each; beyond it a 503 (default: {DEFAULT_MAX_CONNECTIONS})")
     limits.add_argument("--max-connections-per-client", type=int, default=DEFAULT_MAX_CONNECTIONS_PER_CLIENT,
-                        help=f"open connections from one IP address; beyond it a 503; 0: no such cap, for a class "
-                             f"that reaches the server through one NAT, tunnel or proxy, hence one address "
-                             f"(default: {DEFAULT_MAX_CONNECTIONS_PER_CLIENT})")
+                        help=f"open connections from one IP address that are not the live page's polls and show no "
+                             f"key of --api-keys (requests still coming in, requests without such a key); beyond it "
+                             f"a 503; 0: no such cap. A class behind one NAT, tunnel or proxy, hence one address, "
+                             f"needs --api-keys, a key each (default: {DEFAULT_MAX_CONNECTIONS_PER_CLIENT})")
+    limits.add_argument("--max-requests-per-key", type=positive_int, default=DEFAULT_MAX_REQUESTS_PER_KEY,
+                        help=f"generation requests one API key may have open at once (waiting, running or "
+                             f"streaming), where keys are in use (--api-keys, --salt-by-api-key); beyond it a 429 "
+                             f"with Retry-After, before any work (default: {DEFAULT_MAX_REQUESTS_PER_KEY})")
+    parser.add_argument("--forwarded-allow-ips", action="append", default=[], metavar="ADDR",
+                        help="a proxy in front of this server (an address or network: 10.0.0.5, 10.0.0.0/24; repeat "
+                             "it, or give a comma list): from it, a request's client is the last address of "
+                             "X-Forwarded-For, which that proxy appended (for --max-connections-per-client and, without keys, "
+                             "as who asks); from anyone else the header is ignored (default: no proxy is trusted)")
     limits.add_argument("--shutdown-grace", type=float, default=DEFAULT_SHUTDOWN_GRACE,
                         help=f"seconds running requests get to finish after Ctrl+C (default: {DEFAULT_SHUTDOWN_GRACE:g})")
     args = parser.parse_args(argv)
@@ -135,6 +147,10 @@ def main(argv: list[str] | None = None) -> None:
         api_keys = None if args.api_keys is None else read_api_keys(args.api_keys)
     except (OSError, UnicodeDecodeError, ValueError) as err:
         parser.error(f"--api-keys: {err}")
+    try:
+        proxies = trusted_proxies(args.forwarded_allow_ips)
+    except ValueError as err:
+        parser.error(f"--forwarded-allow-ips: {err}")
     scheduler_options = {name: value for name, value in vars(args).items()
                          if name in ("max_num_seqs", "max_num_batched_tokens", "target_step_ms", "enable_chunked_prefill")
                          and value is not None}
@@ -164,6 +180,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         server = ClassServer(args.host, args.port, app, max_connections=args.max_connections,
                              max_connections_per_client=args.max_connections_per_client,
+                             max_requests_per_key=args.max_requests_per_key, forwarded_allow_ips=proxies,
                              read_timeout=args.read_timeout, idle_timeout=args.idle_timeout)
     except OSError as err:
         parser.exit(2, f"error: cannot listen on {args.host}:{args.port} ({err}); pick another --port\n")
