@@ -96,7 +96,8 @@ def main(argv: list[str] | None = None) -> None:
                                             "(required for a reset under --salt-by-api-key)")
     parser.add_argument("--api-keys", metavar="FILE",
                         help="the keys a class may use, one per line: any other key gets a 401 "
-                             "(default: any bearer key is taken, or none)")
+                             "(default: any bearer key is taken, or none). With keys in use, open the live page as "
+                             "/#key=KEY: it keeps the key for its tab and takes it out of the address bar")
     limits = parser.add_argument_group(
         "limits (docs/server.md)",
         f"besides these, fixed bounds checked before any work: a request head of at most {MAX_HEADER_FIELDS} header "
@@ -197,7 +198,10 @@ def main(argv: list[str] | None = None) -> None:
     else:
         console.print("no batching: one request's step at a time; a full pool answers 503")
     console.print(f"[bold green]serving {app.extensions['server'].settings.model_name} on {url}[/]   (Ctrl+C stops)")
-    console.print(f"  watch the cache:  open {url}/ in a browser")
+    if args.salt_by_api_key or api_keys is not None:
+        console.print(f"  watch the cache:  open {url}/#key=YOUR-KEY in a browser (the key leaves the address bar)")
+    else:
+        console.print(f"  watch the cache:  open {url}/ in a browser")
     example = '{"messages": [{"role": "user", "content": "What is a cache?"}], "max_tokens": 32}'
     key = " -H 'Authorization: Bearer YOUR-KEY'" if args.salt_by_api_key else ""
     console.print(f"  try:  curl -s {url}/generate {JSON_HEADER}{key} -d '{example}'", soft_wrap=True, markup=False)
