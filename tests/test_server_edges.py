@@ -181,15 +181,6 @@ def test_a_chat_of_spaces_is_counted_as_its_template_keeps_them(engine, url):
     assert engine.allocator.stats.requests == 0
 
 
-@pytest.fixture
-def tokenized(engine, monkeypatch):
-    """The prompts the engine tokenized during the test."""
-    calls = []
-    tokenize = engine.tokenize
-    monkeypatch.setattr(engine, "tokenize", lambda prompt: calls.append(prompt) or tokenize(prompt))
-    return calls
-
-
 def test_a_chat_of_more_messages_than_the_limit_is_refused_before_its_template(engine, url, tokenized):
     # 257 one-letter messages: far within --max-prompt-tokens' bounds (4,096 messages, 331,776 bytes).
     chat = {"messages": [{"role": "user", "content": "a"}] * (MAX_CHAT_MESSAGES + 1), "max_tokens": 2}

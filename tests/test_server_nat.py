@@ -127,10 +127,7 @@ def test_requests_without_a_key_of_the_class_still_count_against_their_address(e
 # --- 2. a key's share -------------------------------------------------------------------------------
 
 
-def test_a_key_over_its_share_of_requests_gets_a_429_before_any_work(engine, monkeypatch):
-    tokenized = []
-    tokenize = engine.tokenize
-    monkeypatch.setattr(engine, "tokenize", lambda prompt: tokenized.append(prompt) or tokenize(prompt))
+def test_a_key_over_its_share_of_requests_gets_a_429_before_any_work(engine, tokenized):
     with serve(class_app(engine), max_requests_per_key=2) as url:
         alice, bob = bearer(STUDENTS[0]), bearer(STUDENTS[1])
         with concurrent.futures.ThreadPoolExecutor(3) as pool:
