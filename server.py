@@ -26,7 +26,9 @@ on its kind:
                             the pool has no room for is refused with a 503.
 
 A class leaning on it meets limits (queue length, prompt length, deadlines, connections in
-all and per address), each a flag with a default for a laptop; a client that hangs up costs
+all and per address, generation requests per API key), each a flag with a default for a
+laptop; a class behind one NAT or proxy is told apart by its keys (--api-keys) or by the
+proxy's X-Forwarded-For (--forwarded-allow-ips); a client that hangs up costs
 nothing more, and Ctrl+C lets running requests finish, then ends within --shutdown-grace + 5 s.
 docs/server.md lists the limits, says what a tenant can see, and where this server differs
 from vLLM's.
@@ -47,11 +49,11 @@ from engine import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, DEFAULT
 from flags import positive_float, positive_int
 from model_flags import add_model_arguments, pool_arguments
 from model_loader import DEFAULT_MODEL
-from server_connections import ClassServer, drain, serve_in_background
+from server_connections import MAX_HEAD_BYTES, MAX_HEADER_FIELDS, ClassServer, drain, serve_in_background
 from server_requests import (
     DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_CONNECTIONS_PER_CLIENT, DEFAULT_MAX_PROMPT_TOKENS,
-    DEFAULT_MAX_TOKENS_LIMIT, DEFAULT_MAX_WAITING, DEFAULT_READ_TIMEOUT, DEFAULT_REQUEST_TIMEOUT, JSON_HEADER,
-    read_api_keys,
+    DEFAULT_MAX_REQUESTS_PER_KEY, DEFAULT_MAX_TOKENS_LIMIT, DEFAULT_MAX_WAITING, DEFAULT_READ_TIMEOUT,
+    DEFAULT_REQUEST_TIMEOUT, JSON_HEADER, MAX_CHAT_MESSAGES, read_api_keys, trusted_proxies,
 )
 from server_routes import EscapeControlCharacters, chat_completions, create_app, generate
 
@@ -94,8 +96,12 @@ def main(argv: list[str] | None = None) -> None:
                                             "(required for a reset under --salt-by-api-key)")
     parser.add_argument("--api-keys", metavar="FILE",
                         help="the keys a class may use, one per line: any other key gets a 401 "
-                             "(default: any bearer key is taken, or none)")
-    limits = parser.add_argument_group("limits (docs/server.md)")
+                             "(default: any bearer key is taken, or none). With keys in use, open the live page as "
+                             "/#key=KEY: it keeps the key for its tab and takes it out of the address bar")
+    limits = parser.add_argument_group(
+        "limits (docs/server.md)",
+        f"besides these, fixed bounds checked before any work: a request head of at most {MAX_HEADER_FIELDS} header "
+        f"lines and {MAX_HEAD_BYTES // 1024} KiB of them (431), a chat of at most {MAX_CHAT_MESSAGES} messages (400)")
     limits.add_argument("--max-tokens-limit", type=positive_int, default=DEFAULT_MAX_TOKENS_LIMIT,
                         help=f"the largest max_tokens a request may ask for (default: {DEFAULT_MAX_TOKENS_LIMIT})")
     limits.add_argument("--max-prompt-tokens", type=positive_int, default=DEFAULT_MAX_PROMPT_TOKENS,
@@ -114,9 +120,19 @@ def main(argv: list[str] | None = None) -> None:
     limits.add_argument("--max-connections", type=positive_int, default=DEFAULT_MAX_CONNECTIONS,
                         help=f"open connections, a thread each; beyond it a 503 (default: {DEFAULT_MAX_CONNECTIONS})")
     limits.add_argument("--max-connections-per-client", type=int, default=DEFAULT_MAX_CONNECTIONS_PER_CLIENT,
-                        help=f"open connections from one IP address; beyond it a 503; 0: no such cap, for a class "
-                             f"that reaches the server through one NAT, tunnel or proxy, hence one address "
-                             f"(default: {DEFAULT_MAX_CONNECTIONS_PER_CLIENT})")
+                        help=f"open connections from one IP address that are not the live page's polls and show no "
+                             f"key of --api-keys (requests still coming in, requests without such a key); beyond it "
+                             f"a 503; 0: no such cap. A class behind one NAT, tunnel or proxy, hence one address, "
+                             f"needs --api-keys, a key each (default: {DEFAULT_MAX_CONNECTIONS_PER_CLIENT})")
+    limits.add_argument("--max-requests-per-key", type=positive_int, default=DEFAULT_MAX_REQUESTS_PER_KEY,
+                        help=f"generation requests one API key may have open at once (waiting, running or "
+                             f"streaming), where keys are in use (--api-keys, --salt-by-api-key); beyond it a 429 "
+                             f"with Retry-After, before any work (default: {DEFAULT_MAX_REQUESTS_PER_KEY})")
+    parser.add_argument("--forwarded-allow-ips", action="append", default=[], metavar="ADDR",
+                        help="a proxy in front of this server (an address or network: 10.0.0.5, 10.0.0.0/24; repeat "
+                             "it, or give a comma list): from it, a request's client is the last address of "
+                             "X-Forwarded-For, which that proxy appended (for --max-connections-per-client and, without keys, "
+                             "as who asks); from anyone else the header is ignored (default: no proxy is trusted)")
     limits.add_argument("--shutdown-grace", type=float, default=DEFAULT_SHUTDOWN_GRACE,
                         help=f"seconds running requests get to finish after Ctrl+C (default: {DEFAULT_SHUTDOWN_GRACE:g})")
     args = parser.parse_args(argv)
@@ -132,6 +148,10 @@ def main(argv: list[str] | None = None) -> None:
         api_keys = None if args.api_keys is None else read_api_keys(args.api_keys)
     except (OSError, UnicodeDecodeError, ValueError) as err:
         parser.error(f"--api-keys: {err}")
+    try:
+        proxies = trusted_proxies(args.forwarded_allow_ips)
+    except ValueError as err:
+        parser.error(f"--forwarded-allow-ips: {err}")
     scheduler_options = {name: value for name, value in vars(args).items()
                          if name in ("max_num_seqs", "max_num_batched_tokens", "target_step_ms", "enable_chunked_prefill")
                          and value is not None}
@@ -161,6 +181,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         server = ClassServer(args.host, args.port, app, max_connections=args.max_connections,
                              max_connections_per_client=args.max_connections_per_client,
+                             max_requests_per_key=args.max_requests_per_key, forwarded_allow_ips=proxies,
                              read_timeout=args.read_timeout, idle_timeout=args.idle_timeout)
     except OSError as err:
         parser.exit(2, f"error: cannot listen on {args.host}:{args.port} ({err}); pick another --port\n")
@@ -177,7 +198,10 @@ def main(argv: list[str] | None = None) -> None:
     else:
         console.print("no batching: one request's step at a time; a full pool answers 503")
     console.print(f"[bold green]serving {app.extensions['server'].settings.model_name} on {url}[/]   (Ctrl+C stops)")
-    console.print(f"  watch the cache:  open {url}/ in a browser")
+    if args.salt_by_api_key or api_keys is not None:
+        console.print(f"  watch the cache:  open {url}/#key=YOUR-KEY in a browser (the key leaves the address bar)")
+    else:
+        console.print(f"  watch the cache:  open {url}/ in a browser")
     example = '{"messages": [{"role": "user", "content": "What is a cache?"}], "max_tokens": 32}'
     key = " -H 'Authorization: Bearer YOUR-KEY'" if args.salt_by_api_key else ""
     console.print(f"  try:  curl -s {url}/generate {JSON_HEADER}{key} -d '{example}'", soft_wrap=True, markup=False)

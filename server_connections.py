@@ -3,20 +3,28 @@ The connections of server.py: werkzeug's threaded server (a thread per connectio
 process: one engine, one pool) with the bounds a class needs, so that no one client can take
 the server down, and a hang-up check that says whether a request's client is still there.
 
-    server = ClassServer("127.0.0.1", 5000, app, max_connections=128, max_connections_per_client=32)
+    server = ClassServer("127.0.0.1", 5000, app, max_connections=128, max_connections_per_client=32,
+                         max_requests_per_key=8, forwarded_allow_ips=["10.0.0.5"])
     server.serve_forever()        # until Ctrl+C; then drain(server, engine, grace=10)
 
 What a connection may hold, and for how long:
 
     a new connection           idle_timeout seconds to send its first byte
+    its request's head         MAX_HEADER_FIELDS header lines and MAX_HEAD_BYTES bytes of them;
+                               beyond either a 431 as soon as the bound is passed (RequestHead)
     its request's head & body  read_timeout seconds in all, from the moment it connected:
                                a deadline, not a timeout per read, so a client that sends one
                                byte every few seconds is cut off all the same (a watchdog
                                thread shuts down its reading side: a body cut short gets a 408)
     its reply                  read_timeout seconds for every write it does not read
-    connections                max_connections open at once, and max_connections_per_client
-                               from one address (0: no such cap); beyond either a 503 from the
-                               accepting thread at once, and no thread
+    connections                max_connections open at once; from one address,
+                               max_connections_per_client that no key of the class or page
+                               poll accounts for (0: no such cap); beyond either a 503 from
+                               the accepting thread at once, and no thread (Admission)
+    generation requests        max_requests_per_key open for one API key: beyond it a 429
+                               once its head is in, before the body is read
+    its client's address       the peer's, or from a proxy of forwarded_allow_ips the last
+                               address of X-Forwarded-For
     after its body             nothing but its end: see HangUpCheck
     after its reply            AFTER_BODY_LIMIT bytes, discarded within read_timeout; then it is
                                closed (a body refused unread is discarded until its deadline)
@@ -28,6 +36,7 @@ body can be a next request. Read server_views.py before, server_routes.py after.
 from __future__ import annotations
 
 import contextlib
+import http
 import io
 import json
 import logging
@@ -36,17 +45,22 @@ import socket
 import socketserver
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from werkzeug.serving import ThreadedWSGIServer, WSGIRequestHandler
 
 from engine import Engine
 from server_requests import (
-    DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_CONNECTIONS_PER_CLIENT, DEFAULT_READ_TIMEOUT,
-    RETRY_AFTER_S, error_json,
+    DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_CONNECTIONS_PER_CLIENT, DEFAULT_MAX_REQUESTS_PER_KEY,
+    DEFAULT_READ_TIMEOUT, RETRY_AFTER_S, APIError, Asker, error_json, forwarded_client, is_proxy, trusted_proxies,
 )
 
 AFTER_BODY_LIMIT = 4096  # bytes a client may send after its body: more is a hang-up, and after its reply, the end
+# A request's head: a browser sends about 20 header lines and a few KiB of them (more with many
+# cookies). 16 KiB in all is the bound of h11 (uvicorn's parser) and of Node's http server;
+# http.server alone reads 100 lines of 64 KiB each, 6.4 MB, before the app sees a request.
+MAX_HEADER_FIELDS = 64
+MAX_HEAD_BYTES = 16 * 1024
 WATCH_EVERY_S = 0.1  # how often the watchdog looks for requests past their deadline
 CLOSE_S = 5.0  # after the grace of a Ctrl+C: how long connections get to end before they are cut
 
@@ -105,7 +119,69 @@ class HangUpCheck:
 
 
 # -----------------------------------------------------------------------------
-# 2. What a request's body, and what follows its reply, may cost
+# 2. What a request's head and body, and what follows its reply, may cost
+
+
+class HeadTooLarge(Exception):
+    """A request head over MAX_HEADER_FIELDS lines or MAX_HEAD_BYTES bytes: a 431."""
+
+
+class RequestHead:
+    """The reader http.server parses a request's header lines from, line by line
+    (http.client.parse_headers calls readline and nothing else), with the bounds counted as
+    the lines come: a head over either raises HeadTooLarge at the first line past it, having
+    read at most MAX_HEAD_BYTES + 2 bytes of header lines, whatever the client still sends.
+
+    >>> head = RequestHead(io.BytesIO(b"Host: a\\r\\nX-Pad: " + b"x" * 20_000 + b"\\r\\n\\r\\n"))
+    >>> head.readline(65537)
+    b'Host: a\\r\\n'
+    >>> head.readline(65537)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    server_connections.HeadTooLarge: the request's header lines are over 16 KiB, ...
+    """
+
+    def __init__(self, rfile):
+        self.rfile = rfile
+        self.fields = 0
+        self.size = 0  # bytes of header lines read, each with its line end
+
+    def readline(self, limit: int = -1) -> bytes:
+        most = MAX_HEAD_BYTES - self.size + 2  # room for the line end of the empty line that ends the head
+        line = self.rfile.readline(most if limit < 0 else min(limit, most))
+        if line in (b"\r\n", b"\n", b""):  # the end of the head (or of the stream)
+            return line
+        self.fields += 1
+        self.size += len(line)
+        if self.size > MAX_HEAD_BYTES:
+            raise HeadTooLarge(f"the request's header lines are over {MAX_HEAD_BYTES // 1024} KiB, this server's "
+                               f"limit; send fewer or shorter headers (a browser: its cookies for this host may be "
+                               f"many: open the page in a private window)")
+        if self.fields > MAX_HEADER_FIELDS:
+            raise HeadTooLarge(f"the request has more than {MAX_HEADER_FIELDS} header lines, this server's limit; "
+                               f"send fewer")
+        return line
+
+
+def http_reply(status: int, message: str, retry_after: int | None = None) -> bytes:
+    """A whole JSON error reply, for a connection the app never sees (refused when accepted,
+    or a head that broke a bound): the same body as the app's errors.
+
+    >>> http_reply(431, "too big").split(b"\\r\\n")[0]
+    b'HTTP/1.1 431 Request Header Fields Too Large'
+    """
+    body = json.dumps(error_json(status, message)).encode()
+    retry = "" if retry_after is None else f"Retry-After: {retry_after}\r\n"
+    head = (f"HTTP/1.1 {status} {http.HTTPStatus(status).phrase}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n{retry}Connection: close\r\n\r\n")
+    return head.encode() + body
+
+
+def discard_pending(sock: socket.socket) -> None:
+    """Read what the client has sent by now, unread: a socket closed on unread bytes is reset
+    (RFC 9293 section 3.6), and a reset can reach the client before the reply it was sent."""
+    with contextlib.suppress(OSError):
+        sock.setblocking(False)
+        sock.recv(1 << 16)
 
 
 class ContinueFirst(io.RawIOBase):
@@ -175,19 +251,31 @@ class AfterReply:
 
 
 # -----------------------------------------------------------------------------
-# 3. One connection, its handler, and the server
+# 3. One connection, and who may hold one
 
 
 @dataclass(eq=False)
 class Connection:
-    """One open connection as the server tracks it."""
+    """One open connection as the server tracks it, from its accept to the end of its thread."""
 
     sock: socket.socket
-    address: str  # the client's IP address
+    peer: str  # the IP address it comes from
     deadline: float  # time.monotonic() by which its request's head and body must be in
+    address: str = ""  # the client's IP address: the peer's, or from a proxy the one it forwarded
+    admission: Admission | None = None  # the caps it is counted under, once accepted
+    unknown_at: str | None = None  # the address whose share of connections it holds (Admission)
+    key: str | None = None  # the API key whose share of generation requests it holds
     reading: bool = True  # still reading its request: the deadline applies
     cut_off: bool = False  # its deadline came while its request was being read
-    thread: threading.Thread = field(default_factory=threading.current_thread)
+    thread: threading.Thread | None = None  # its own, once started
+
+    def __post_init__(self) -> None:
+        self.address = self.address or self.peer
+
+    def admit(self, asker: Asker) -> None:
+        """Its head is in: count it as what the head says (Admission.admit); an APIError if not."""
+        if self.admission is not None:
+            self.admission.admit(self, asker)
 
     def body_read(self) -> None:
         """The request is all in: from now on only its reply is timed (per write)."""
@@ -198,6 +286,129 @@ class Connection:
         SHUT_RD leaves the writing side, so a body cut short still gets its 408."""
         with contextlib.suppress(OSError):
             self.sock.shutdown(how)
+
+
+class Admission:
+    """Who may hold the server's connections: three caps, counted under one lock from a
+    connection's accept to the end of its thread.
+
+        max_connections             connections in all (a thread each)
+        max_connections_per_client  per address, the connections nothing else accounts for: a
+                                    head still coming in, and a request that shows no key of
+                                    --api-keys and is not one of the live page's polls
+        max_requests_per_key        per API key, generation requests open (waiting, running,
+                                    streaming), where keys are in use
+
+    Why not every connection of an address: a class behind one NAT, tunnel or proxy reaches
+    the server from one address, so a cap on all of them refused that class (thirty streams
+    and eight pages' polls passed 32), and turned off it let one student take every
+    connection. What tells students apart there is their key. A connection whose head shows a
+    key of --api-keys leaves its address's count and is counted by its key instead; a poll of
+    the page leaves it too (it ends at once). What stays counted by address is what an attack
+    on the connections holds: heads that never finish, requests that name no one. A key anyone
+    can make up (--salt-by-api-key without --api-keys) stands for no one: its requests stay
+    counted by address too, or one student with a fresh key for each connection would hold them
+    all.
+
+    An address's count is checked when a connection is accepted, so a refused one costs no
+    thread; from a proxy of --forwarded-allow-ips, whose client is known only from the head,
+    once the head is in. The cost: a poll too is refused while its address holds its share of
+    unknown connections, for at accept nothing tells a poll from a slow head.
+
+    >>> caps = Admission(max_connections=8, max_connections_per_client=2, max_requests_per_key=1)
+    >>> a, b, c = (Connection(None, "10.0.0.1", deadline=0.0) for _ in range(3))
+    >>> caps.accept(a), caps.accept(b)  # two heads coming in from 10.0.0.1: its share
+    (None, None)
+    >>> print(caps.accept(c))  # doctest: +ELLIPSIS
+    10.0.0.1 has 2 connections open, the most one address may (--max-connections-per-client; ...
+    >>> alice = Asker("10.0.0.1", key="sha-256 of alice's key", listed=True, generation=True)
+    >>> caps.admit(a, alice)  # a's head shows Alice's key: counted by her key, not by 10.0.0.1
+    >>> caps.accept(c) is None
+    True
+    >>> caps.admit(b, alice)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    server_requests.APIError: this API key has 1 generation requests open ...
+    """
+
+    def __init__(self, max_connections: int, max_connections_per_client: int, max_requests_per_key: int,
+                 proxies=()):
+        self.max_connections, self.max_connections_per_client = max_connections, max_connections_per_client
+        self.max_requests_per_key = max_requests_per_key
+        self.proxies = trusted_proxies(proxies)  # --forwarded-allow-ips
+        self.open = 0
+        self.unknown: dict[str, int] = {}  # by address: connections no key or page accounts for
+        self.requests: dict[str, int] = {}  # by API key: generation requests open
+        self.lock = threading.Lock()
+
+    def accept(self, connection: Connection) -> str | None:
+        """Count a new connection, or say why it is refused (a 503 from the accepting thread)."""
+        with self.lock:
+            if self.open >= self.max_connections:
+                return (f"this server has {self.max_connections} connections open, its most (--max-connections); "
+                        f"try again in a moment")
+            if not is_proxy(connection.peer, self.proxies):  # a proxy's client is known once its head is in
+                if self.address_full(connection.peer):
+                    return self.too_many(connection.peer)
+                self.hold_address(connection, connection.peer)
+            self.open += 1
+            connection.admission = self
+        return None
+
+    def admit(self, connection: Connection, asker: Asker) -> None:
+        """Count an accepted connection as its head says: a 503 for its address's share (from
+        a proxy), a 429 for its key's."""
+        with self.lock:
+            if asker.page or asker.listed:
+                self.free_address(connection)
+            elif connection.unknown_at is None:  # from a proxy: its client is known only now
+                if self.address_full(asker.address):
+                    raise APIError(503, self.too_many(asker.address), retry_after=RETRY_AFTER_S)
+                self.hold_address(connection, asker.address)
+            if asker.generation and asker.key is not None:
+                held = self.requests.get(asker.key, 0)
+                if held >= self.max_requests_per_key:
+                    raise APIError(429, f"this API key has {held} generation requests open (waiting, running or "
+                                        f"streaming), the most one key may (--max-requests-per-key); send the next "
+                                        f"one when one has finished", retry_after=RETRY_AFTER_S)
+                self.requests[asker.key] = held + 1
+                connection.key = asker.key
+
+    def release(self, connection: Connection) -> None:
+        """The connection has ended: what it held is free."""
+        with self.lock:
+            self.open -= 1
+            self.free_address(connection)
+            if connection.key is not None:
+                self.requests[connection.key] -= 1
+                if not self.requests[connection.key]:
+                    del self.requests[connection.key]
+                connection.key = None
+
+    # --- under the lock ---
+
+    def address_full(self, address: str) -> bool:
+        cap = self.max_connections_per_client
+        return bool(cap) and self.unknown.get(address, 0) >= cap
+
+    def too_many(self, address: str) -> str:
+        return (f"{address} has {self.max_connections_per_client} connections open, the most one address may "
+                f"(--max-connections-per-client; the live page's polls and requests with a key of --api-keys "
+                f"are not counted); try again in a moment")
+
+    def hold_address(self, connection: Connection, address: str) -> None:
+        self.unknown[address] = self.unknown.get(address, 0) + 1
+        connection.unknown_at = address
+
+    def free_address(self, connection: Connection) -> None:
+        address, connection.unknown_at = connection.unknown_at, None
+        if address is not None:
+            self.unknown[address] -= 1
+            if not self.unknown[address]:
+                del self.unknown[address]
+
+
+# -----------------------------------------------------------------------------
+# 4. Its handler, and the server
 
 
 CONNECTION = "class_server.connection"  # the WSGI environ key of a request's Connection
@@ -218,13 +429,8 @@ class RequestHandler(WSGIRequestHandler):
 
     def setup(self) -> None:
         super().setup()
-        self.tracked = self.server.track(self.connection, self.client_address[0])
-
-    def finish(self) -> None:
-        try:
-            super().finish()
-        finally:
-            self.server.untrack(self.tracked)
+        self.tracked = self.server.connection_for(self.connection)
+        self.tracked.thread = threading.current_thread()
 
     def handle_one_request(self) -> None:
         self.connection.settimeout(self.idle_timeout)
@@ -233,16 +439,39 @@ class RequestHandler(WSGIRequestHandler):
 
     def parse_request(self) -> bool:  # called once the request line has come
         self.connection.settimeout(self.read_timeout)
-        parsed = super().parse_request()  # reads the headers
+        rfile, self.rfile = self.rfile, RequestHead(self.rfile)
+        try:
+            parsed = super().parse_request()  # reads the headers
+        except HeadTooLarge as err:
+            self.answer(431, str(err))
+            return False
+        finally:
+            self.rfile = rfile
         if self.tracked.cut_off:  # its head did not come by the deadline: it is no request
             self.close_connection = True
             return False
+        if parsed:
+            try:
+                self.tracked.address = forwarded_client(self.tracked.peer, self.headers.get_all("X-Forwarded-For"),
+                                                        self.server.admission.proxies)
+            except APIError as err:
+                self.answer(err.status, err.message)
+                return False
         if parsed and "Expect" in self.headers:
             # http.server answered none (handle_expect_100 below); werkzeug would answer one
             # more, before the app has seen the head: ContinueFirst answers it, once.
             self.expects_continue = self.headers["Expect"].strip(" \t").lower() == "100-continue"
             del self.headers["Expect"]
         return parsed
+
+    def answer(self, status: int, message: str) -> None:
+        """Answer a head that never reaches the app, and end the connection."""
+        self.close_connection = True
+        with contextlib.suppress(OSError):
+            self.wfile.write(http_reply(status, message))
+            self.wfile.flush()
+        discard_pending(self.connection)
+        log.warning("%s: %d: %s", self.tracked.address, status, message)
 
     def handle_expect_100(self) -> bool:
         """http.server's answer to `Expect: 100-continue` comes as soon as the head is in,
@@ -258,6 +487,7 @@ class RequestHandler(WSGIRequestHandler):
     def make_environ(self) -> dict:
         environ = super().make_environ()
         environ[CONNECTION] = self.tracked
+        environ["REMOTE_ADDR"] = self.tracked.address  # the client's, as werkzeug's ProxyFix would set it
         # werkzeug reads a chunked body (wsgi.input_terminated) when Transfer-Encoding names
         # chunked in any case, as RFC 9112 section 7 says a coding's name is matched: the
         # deadline holds for exactly the bodies it reads.
@@ -276,13 +506,14 @@ class ClassServer(ThreadedWSGIServer):
 
     def __init__(self, host: str, port: int, app, *, max_connections: int = DEFAULT_MAX_CONNECTIONS,
                  max_connections_per_client: int = DEFAULT_MAX_CONNECTIONS_PER_CLIENT,
+                 max_requests_per_key: int = DEFAULT_MAX_REQUESTS_PER_KEY, forwarded_allow_ips=(),
                  read_timeout: float = DEFAULT_READ_TIMEOUT, idle_timeout: float = DEFAULT_IDLE_TIMEOUT):
         handler = type("Handler", (RequestHandler,), {"read_timeout": read_timeout, "idle_timeout": idle_timeout})
         super().__init__(host, port, app, handler=handler)
-        self.max_connections, self.max_connections_per_client = max_connections, max_connections_per_client
+        self.admission = Admission(max_connections, max_connections_per_client, max_requests_per_key,
+                                   forwarded_allow_ips)
         self.read_timeout = read_timeout
-        self.connections: set[Connection] = set()
-        self.per_client: dict[str, int] = {}  # open connections by client address
+        self.connections: dict[socket.socket, Connection] = {}  # by socket, from accept to the end of its thread
         self.connections_lock = threading.Lock()
         # A thread that touches torch while the interpreter shuts down aborts the process
         # ("terminate called without an active exception"): a tensor freed there gives up the
@@ -301,49 +532,35 @@ class ClassServer(ThreadedWSGIServer):
     # --- accepting, and refusing ---
 
     def process_request(self, request, client_address) -> None:
-        address = client_address[0]
-        with self.connections_lock:
-            full = sum(self.per_client.values()) >= self.max_connections
-            mine = self.per_client.get(address, 0)
-            over = self.max_connections_per_client and mine >= self.max_connections_per_client
-            if not (full or over):
-                self.per_client[address] = mine + 1  # taken now: the thread may not have started yet
-        if full or over:
-            self.refuse(request, address, per_client=not full)
+        connection = Connection(request, client_address[0], time.monotonic() + self.read_timeout)
+        refusal = self.admission.accept(connection)
+        if refusal is not None:
+            self.refuse(request, refusal)
             return
+        with self.connections_lock:
+            self.connections[request] = connection
         try:
             super().process_request(request, client_address)  # starts its thread
         except BaseException:
-            self.release(address)
+            self.release(request)
             raise
 
     def process_request_thread(self, request, client_address) -> None:
         try:
             super().process_request_thread(request, client_address)
         finally:
-            self.release(client_address[0])
+            self.release(request)
 
-    def release(self, address: str) -> None:
+    def release(self, sock: socket.socket) -> None:
         with self.connections_lock:
-            self.per_client[address] -= 1
-            if not self.per_client[address]:
-                del self.per_client[address]
+            connection = self.connections.pop(sock)
+        self.admission.release(connection)
 
-    def refuse(self, sock, address: str, per_client: bool) -> None:
-        if per_client:
-            message = (f"{address} has {self.max_connections_per_client} connections open, the most one address may "
-                       f"(--max-connections-per-client); try again in a moment")
-        else:
-            message = (f"this server has {self.max_connections} connections open, its most (--max-connections); "
-                       f"try again in a moment")
-        body = json.dumps(error_json(503, message)).encode()
-        head = (f"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
-                f"Content-Length: {len(body)}\r\nRetry-After: {RETRY_AFTER_S}\r\nConnection: close\r\n\r\n")
+    def refuse(self, sock, message: str) -> None:
         try:
             sock.setblocking(False)
-            sock.sendall(head.encode() + body)  # a few hundred bytes: the socket's buffer takes them at once
-            with contextlib.suppress(OSError):
-                sock.recv(1 << 16)  # what the client sent: closing on unread bytes would reset the connection
+            sock.sendall(http_reply(503, message, RETRY_AFTER_S))  # a few hundred bytes: the buffer takes them at once
+            discard_pending(sock)
         except OSError:
             pass
         finally:
@@ -352,19 +569,13 @@ class ClassServer(ThreadedWSGIServer):
 
     # --- the connections, their deadlines, and their end ---
 
-    def track(self, sock: socket.socket, address: str) -> Connection:
-        connection = Connection(sock, address, time.monotonic() + self.read_timeout)
+    def connection_for(self, sock: socket.socket) -> Connection:
         with self.connections_lock:
-            self.connections.add(connection)
-        return connection
-
-    def untrack(self, connection: Connection) -> None:
-        with self.connections_lock:
-            self.connections.discard(connection)
+            return self.connections[sock]
 
     def open_connections(self) -> list[Connection]:
         with self.connections_lock:
-            return list(self.connections)
+            return list(self.connections.values())
 
     def watch(self) -> None:
         """The watchdog: a request whose head and body are not in by its deadline is cut."""
@@ -397,7 +608,8 @@ class ClassServer(ThreadedWSGIServer):
                 connection.cut()
         deadline = time.monotonic() + wait
         for connection in self.open_connections():
-            connection.thread.join(max(0.0, deadline - time.monotonic()))
+            if connection.thread is not None:
+                connection.thread.join(max(0.0, deadline - time.monotonic()))
         for connection in self.open_connections():
             connection.cut(socket.SHUT_RDWR)
         self.closing.set()

@@ -29,7 +29,10 @@ DEFAULT_REQUEST_TIMEOUT = 300.0  # seconds a generation request may take, its wa
 DEFAULT_READ_TIMEOUT = 10.0  # seconds a request's head and body may take in all, from the connection's start
 DEFAULT_IDLE_TIMEOUT = 5.0  # seconds a new connection may wait before it sends its first byte
 DEFAULT_MAX_CONNECTIONS = 128  # open connections (one thread each); beyond it a 503
-DEFAULT_MAX_CONNECTIONS_PER_CLIENT = 32  # open connections from one IP address; beyond it a 503 (0: no cap)
+DEFAULT_MAX_CONNECTIONS_PER_CLIENT = 32  # connections from one IP address no key or page accounts for (0: no cap)
+# Generation requests open at once for one API key: a student's loop runs one, a notebook's
+# thread pool a few; at 8, sixteen keys at their share fill --max-connections (128).
+DEFAULT_MAX_REQUESTS_PER_KEY = 8
 RETRY_AFTER_S = 2  # what a 503 asks a client to wait before it tries again
 EXAMPLE_BODY = '{"prompt": "Hello", "max_tokens": 16}'
 JSON_HEADER = "-H 'Content-Type: application/json'"
@@ -48,6 +51,7 @@ ERROR_TYPES = {
     404: "not_found_error",
     408: "timeout_error",
     409: "conflict_error",
+    429: "rate_limit_error",
     500: "internal_error",
     503: "service_unavailable_error",
 }
@@ -95,6 +99,10 @@ JSON_BYTES_PER_TEXT_BYTE = 6
 MESSAGE_JSON_BYTES = 48  # {"role": "assistant", "content": ""}, and spaces: 38
 BODY_SLACK_BYTES = 64 * 1024
 SMOLLM2_TOKEN_BYTES = 81  # max_token_bytes of the default model's tokenizer
+# This server's own choice (vLLM has none): a chat template is rendered message by message,
+# so a chat of thousands of one-letter messages costs time before a token of it is counted.
+# A class's chats are a few turns; 256 leaves room for a long conversation.
+MAX_CHAT_MESSAGES = 256
 
 
 @dataclass(frozen=True)
@@ -132,10 +140,11 @@ def max_token_bytes(token_texts) -> int:
 
 
 def check_prompt_size(prompt: str | list, bounds: PromptBounds, max_prompt_tokens: int) -> None:
-    """400 for a prompt no tokenizer could make max_prompt_tokens or fewer tokens of, before it
-    is templated or tokenized. A message's whitespace is counted as its chat template counts
-    it: trimmed only where the template trims (SmolLM2's keeps it: a message of spaces is
-    thousands of tokens, and seconds of tokenizing).
+    """400 for a prompt no tokenizer could make max_prompt_tokens or fewer tokens of, or a chat
+    of more than MAX_CHAT_MESSAGES messages, before it is templated or tokenized. A message's
+    whitespace is counted as its chat template counts it: trimmed only where the template
+    trims (SmolLM2's keeps it: a message of spaces is thousands of tokens, and seconds of
+    tokenizing).
 
     >>> check_prompt_size("Hi" * 100, PromptBounds.of(2, 81), 2)  # doctest: +ELLIPSIS
     Traceback (most recent call last):
@@ -154,6 +163,9 @@ def check_prompt_size(prompt: str | list, bounds: PromptBounds, max_prompt_token
     else:  # a chat; the engine checks each message's shape
         if len(prompt) > bounds.max_messages:
             raise APIError(400, f"the chat has {len(prompt):,} messages, more than {limit}; send fewer")
+        if len(prompt) > MAX_CHAT_MESSAGES:
+            raise APIError(400, f"the chat has {len(prompt):,} messages, over this server's limit of "
+                                f"{MAX_CHAT_MESSAGES}; send fewer (a long conversation: its last turns)")
         contents = [m["content"] for m in prompt if isinstance(m, dict) and isinstance(m.get("content"), str)]
         if bounds.trims_content:
             contents = [content.strip() for content in contents]
@@ -299,6 +311,13 @@ def read_api_keys(path: str) -> frozenset[str]:
     return keys
 
 
+def is_listed(key: str, api_keys: frozenset[str], admin_key: str | None) -> bool:
+    """Whether the key is one of api_keys or the admin key. Compared with every key, each in
+    constant time: how long the answer takes tells nothing of the keys."""
+    known = [hmac.compare_digest(key.encode(), k.encode()) for k in (*api_keys, *([admin_key] if admin_key else []))]
+    return any(known)
+
+
 def check_api_key(headers: Mapping[str, str], api_keys: frozenset[str] | None, admin_key: str | None) -> None:
     """401 unless the request's key is one of api_keys (or the admin key); no list: any key."""
     if api_keys is None:
@@ -306,9 +325,7 @@ def check_api_key(headers: Mapping[str, str], api_keys: frozenset[str] | None, a
     key = bearer_key(headers)
     if key is None:
         raise APIError(401, "send an API key: 'Authorization: Bearer <key>'; your teacher has the list")
-    # Compare with every key, each in constant time: how long a refusal takes tells nothing.
-    known = [hmac.compare_digest(key.encode(), k.encode()) for k in (*api_keys, *([admin_key] if admin_key else []))]
-    if not any(known):
+    if not is_listed(key, api_keys, admin_key):
         raise APIError(401, "this API key is not on this server's list (--api-keys); check it with your teacher")
 
 
@@ -341,6 +358,84 @@ def check_admin(headers: Mapping[str, str], admin_key: str | None, salt_by_api_k
         raise APIError(401, "resetting the cache needs the admin key: send 'Authorization: Bearer <admin key>'")
     if not hmac.compare_digest(key.encode(), admin_key.encode()):  # in constant time: no timing hints
         raise APIError(403, "that is not this server's admin key (--admin-key): the cache stays as it is")
+
+
+# A proxy in front of the server (nginx, Caddy, a tunnel's agent) opens every connection from
+# its own address and appends the address it was reached from to X-Forwarded-For. Anyone can
+# write that header, so it is read only from the proxies the teacher names
+# (--forwarded-allow-ips, uvicorn's and gunicorn's flag), and only its last address, the one
+# that proxy appended: every earlier one is what its client sent, and could be anything.
+
+
+def trusted_proxies(values) -> tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]:
+    """The networks of --forwarded-allow-ips: addresses or networks, each value a comma list.
+
+    >>> trusted_proxies(["127.0.0.1", "10.0.0.0/24, ::1"])
+    (IPv4Network('127.0.0.1/32'), IPv4Network('10.0.0.0/24'), IPv6Network('::1/128'))
+    """
+    networks = []
+    for value in values:
+        for item in str(value).split(","):
+            item = item.strip()
+            if item == "*":
+                raise ValueError("'*' would trust every client to name its own address (any client can write "
+                                 "X-Forwarded-For); name the proxy's address, e.g. 127.0.0.1")
+            try:
+                networks.append(ipaddress.ip_network(item, strict=False))
+            except ValueError:
+                raise ValueError(f"{item!r} is not an IP address or network; name the proxy's, "
+                                 f"e.g. 127.0.0.1 or 10.0.0.0/24") from None
+    return tuple(networks)
+
+
+def ip_of(address: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+    """An address as the networks compare it: an IPv4 client of an IPv6 socket as IPv4."""
+    ip = ipaddress.ip_address(address)
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped:
+        return ip.ipv4_mapped
+    return ip
+
+
+def is_proxy(peer: str, proxies) -> bool:
+    return bool(proxies) and any(ip_of(peer) in network for network in proxies)
+
+
+def forwarded_client(peer: str, forwarded_for: list[str] | None, proxies) -> str:
+    """The client's address: the peer's own, unless the peer is one of `proxies`; then the
+    last address of its X-Forwarded-For headers (the peer's own if it sent none), or a 400.
+
+    >>> proxies = trusted_proxies(["127.0.0.1"])
+    >>> forwarded_client("127.0.0.1", ["203.0.113.9, 10.0.0.7"], proxies)  # the proxy appended 10.0.0.7
+    '10.0.0.7'
+    >>> forwarded_client("10.0.0.5", ["1.2.3.4"], proxies)  # not a proxy: its header says nothing
+    '10.0.0.5'
+    """
+    if not forwarded_for or not is_proxy(peer, proxies):
+        return peer
+    last = ",".join(forwarded_for).rsplit(",", 1)[-1].strip()
+    try:
+        return str(ip_of(last))
+    except ValueError:
+        raise APIError(400, f"the X-Forwarded-For from the proxy at {peer} ends in {last!r}, not an IP address; "
+                            f"the proxy must append its client's address alone (a proxy of --forwarded-allow-ips "
+                            f"is trusted to say who its client is)") from None
+
+
+@dataclass(frozen=True)
+class Asker:
+    """Who a request's head says is asking: what the connection caps count it as
+    (server_connections.Admission), read once the head is in and its key checked."""
+
+    address: str  # the client's IP address (from a proxy of --forwarded-allow-ips: the one it forwarded)
+    key: str | None = None  # the SHA-256 of its API key, where keys are in use (--api-keys, --salt-by-api-key)
+    listed: bool = False  # its key is on --api-keys (or the admin's): handed out, so it stands for one person
+    page: bool = False  # one of the live page's polls (GET /, /health, /cache, a static file)
+    generation: bool = False  # a generation request (POST /generate, /v1/completions, /v1/chat/completions)
+
+    @property
+    def tenant(self) -> str:
+        """Who asks, as a budget policy shares steps by it: its key where it has one, else its address."""
+        return self.key or self.address
 
 
 # -----------------------------------------------------------------------------

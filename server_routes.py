@@ -19,8 +19,10 @@ Routes:
     GET  /                       the live view of the pool (static/index.html), polling /cache
 
 Every error is a JSON object {"error": {"message", "type"}} with a 4xx status (5xx when the
-server is at fault, or busy: a 503 says when to try again). Before any work a request's
-size is checked against what --max-prompt-tokens could ever accept (server_requests.py).
+server is at fault, or busy: a 503 says when to try again, as a 429 does for an API key
+with its share of requests open). Before any work a request's size is checked against what
+--max-prompt-tokens could ever accept (server_requests.py), and who asks is counted by the
+connection's caps (server_connections.Admission).
 
 Read server_requests.py (what a client sends), server_views.py (what it may see) and
 server_connections.py (its connection) first. Here: running a request (1), the routes (2),
@@ -30,6 +32,7 @@ create_app (3), the log's guard against client text (4).
 from __future__ import annotations
 
 import functools
+import hashlib
 import itertools
 import json
 import logging
@@ -38,7 +41,7 @@ import uuid
 from pathlib import Path
 from typing import Iterator
 
-from flask import Blueprint, Flask, Response, current_app, request
+from flask import Blueprint, Flask, Response, current_app, g, request
 from werkzeug.exceptions import ClientDisconnected, HTTPException
 
 from engine import (
@@ -49,9 +52,9 @@ from request import SamplingParams
 from server_connections import AFTER_BODY_LIMIT, HangUpCheck, connection_of
 from server_requests import (
     CHAT, COMPLETIONS, DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_MAX_TOKENS_LIMIT, DEFAULT_MAX_WAITING,
-    DEFAULT_REQUEST_TIMEOUT, GENERATE, LOCAL_HOSTS, RETRY_AFTER_S, APIError, GenerationRequest, PromptBounds, Route,
-    Settings, bearer_key, check_admin, check_api_key, check_content_type, check_host, error_json, load_json_object,
-    max_token_bytes, parse_generation_request, parse_json_object, read_body,
+    DEFAULT_REQUEST_TIMEOUT, GENERATE, LOCAL_HOSTS, RETRY_AFTER_S, APIError, Asker, GenerationRequest, PromptBounds,
+    Route, Settings, bearer_key, check_admin, check_api_key, check_content_type, check_host, error_json, is_listed,
+    load_json_object, max_token_bytes, parse_generation_request, parse_json_object, read_body,
 )
 from server_views import PAGE_EVERY_S, ServerState
 
@@ -67,16 +70,18 @@ log = logging.getLogger("server")
 # request and frees its blocks: in the batching engine it cancels it in the engine loop.
 
 
-def start(server: ServerState, req: GenerationRequest, request_id: str,
-          gone: HangUpCheck) -> tuple[Iterator[StreamEvent], StreamEvent]:
+def start(server: ServerState, req: GenerationRequest, request_id: str, gone: HangUpCheck,
+          tenant: str | None = None) -> tuple[Iterator[StreamEvent], StreamEvent]:
     """The engine's stream and its first event (after the prefill, and with batching after
-    any wait in the queue). Counted for its tenant. With batching the engine loop watches
-    the client meanwhile (`gone`, which never raises): one that hangs up while its request
-    waits or before a chunk of its prompt is computed is dropped there, its blocks freed."""
+    any wait in the queue). Counted for its cache_salt's tenant (/health); `tenant` is who
+    asks, as a budget policy shares steps by it (Asker.tenant). With batching the engine loop
+    watches the client meanwhile (`gone`, which never raises): one that hangs up while its
+    request waits or before a chunk of its prompt is computed is dropped there, its blocks
+    freed."""
     engine, settings = server.engine, server.settings
     guards = {}
     if engine.batching:  # the engine loop's guards (engine_loop.py, EngineLoop)
-        guards = {"tenant": req.cache_salt, "gone": gone, "max_waiting": settings.max_waiting,
+        guards = {"tenant": tenant, "gone": gone, "max_waiting": settings.max_waiting,
                   "timeout": settings.request_timeout}
     try:
         params = SamplingParams(req.max_tokens, req.temperature, req.top_p, req.seed, req.stop)
@@ -221,14 +226,38 @@ def served() -> ServerState:
 @bp.before_app_request
 def check_request_head():
     """The Host header; with --api-keys a listed key everywhere but the page itself and a
-    keyless /health (a liveness probe); a JSON body for a POST."""
+    keyless /health (a liveness probe); then who asks, counted by the connection's caps (a
+    key over its share: a 429, before the body is read); a JSON body for a POST."""
     settings = served().settings
     check_host(request.host, settings.allowed_hosts)
     probe = request.path == "/health" and bearer_key(request.headers) is None
     if not (request.path == "/" or probe):
         check_api_key(request.headers, settings.api_keys, settings.admin_key)
+    g.asker = asker(settings)
+    connection = connection_of(request.environ)
+    if connection is not None:
+        connection.admit(g.asker)
     if request.method == "POST" and request.routing_exception is None:  # an unknown route: 404 first
         check_content_type(request.mimetype)
+
+
+PAGE_POLLS = ("/", "/health", "/cache")  # what the live page asks for, with its static files
+GENERATION_PATHS = (GENERATE.path, COMPLETIONS.path, CHAT.path)
+
+
+def asker(settings: Settings) -> Asker:
+    """Who the request's head says is asking. Its key counts only where keys are in use, and
+    stands for one person only where the teacher listed it (Admission says why)."""
+    key = bearer_key(request.headers)
+    keyed = key is not None and (settings.api_keys is not None or settings.salt_by_api_key)
+    return Asker(
+        address=request.remote_addr,
+        key=hashlib.sha256(key.encode()).hexdigest() if keyed else None,  # as tenant_of: never the key itself
+        listed=keyed and settings.api_keys is not None and is_listed(key, settings.api_keys, settings.admin_key),
+        page=request.method in ("GET", "HEAD") and (request.path in PAGE_POLLS or
+                                                    request.path.startswith(current_app.static_url_path + "/")),
+        generation=request.method == "POST" and request.path in GENERATION_PATHS,
+    )
 
 
 def read_raw_body() -> bytes:
@@ -339,7 +368,7 @@ def generate():
     server = served()
     req = parse_generation_request(read_json_object(), GENERATE, server.settings, request.headers)
     gone = hang_up_check()
-    events, first = start(server, req, new_request_id("generate"), gone)
+    events, first = start(server, req, new_request_id("generate"), gone, g.asker.tenant)
     gen = run_to_end(events, first, request.path, gone)
     return {
         "text": gen.text,
@@ -357,7 +386,7 @@ def openai_completion(route: Route):
     req = parse_generation_request(read_json_object(), route, server.settings, request.headers)
     request_id = new_request_id("chatcmpl" if route.chat else "cmpl")
     gone = hang_up_check()
-    events, first = start(server, req, request_id, gone)
+    events, first = start(server, req, request_id, gone, g.asker.tenant)
     model_name = server.settings.model_name
     if req.stream:
         return stream_response(events, first, request_id, route, model_name, req.include_usage)

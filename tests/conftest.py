@@ -93,6 +93,15 @@ def url(engine):
         yield base_url
 
 
+@pytest.fixture
+def tokenized(engine, monkeypatch):
+    """The prompts the server's engine tokenized during the test: a refusal before any work adds none."""
+    calls = []
+    tokenize = engine.tokenize
+    monkeypatch.setattr(engine, "tokenize", lambda prompt: calls.append(prompt) or tokenize(prompt))
+    return calls
+
+
 @pytest.fixture(autouse=True)
 def fresh_pool(request):
     """Each test that uses the module's server engine starts with an empty cache and leaves

@@ -473,6 +473,9 @@ def test_python_server_py_serves_the_default_model():
     (["--target-step-ms", "0"], "argument --target-step-ms: must be a number above 0"),
     (["--target-step-ms", "100", "--max-num-batched-tokens", "512"], "not allowed with argument"),
     (["--no-batching", "--target-step-ms", "100"], "--target-step-ms is a setting of the batching engine"),
+    (["--max-requests-per-key", "0"], "argument --max-requests-per-key: must be at least 1, got 0"),
+    (["--forwarded-allow-ips", "10.0.0.5,*"], "--forwarded-allow-ips: '*' would trust every client to name its own"),
+    (["--forwarded-allow-ips", "proxy.local"], "--forwarded-allow-ips: 'proxy.local' is not an IP address or network"),
 ])
 def test_python_server_py_refuses_bad_flags_before_loading_anything(flags, words, capsys):
     import server

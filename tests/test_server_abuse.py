@@ -147,15 +147,6 @@ def test_junk_after_a_body_ends_the_request_before_its_prefill_runs_through(tiny
 # --- 3. refusals cost no work -----------------------------------------------------------------------
 
 
-@pytest.fixture
-def tokenized(engine, monkeypatch):
-    """The prompts the engine tokenized during the test."""
-    calls = []
-    tokenize = engine.tokenize
-    monkeypatch.setattr(engine, "tokenize", lambda prompt: calls.append(prompt) or tokenize(prompt))
-    return calls
-
-
 @pytest.mark.parametrize("body, words", [
     ({"messages": [{"role": "user", "content": "a"}] * 1_000}, "the chat has 1,000 messages, more than a prompt of "
                                                                "at most 64 tokens (--max-prompt-tokens) can hold"),

@@ -75,3 +75,28 @@ def test_the_page_shows_the_pool_live(page, tiny_model, tokenizer, tmp_path):
         expect(page.locator("#tables")).to_have_text("none: the pool is idle")
         expect(page.locator("#pool .block.in-use")).to_have_count(0)
     assert_pool_whole(engine)
+
+
+def test_the_page_keeps_the_key_of_its_address_for_its_polls_and_drops_it_from_the_address_bar(
+        page, tiny_model, tokenizer):
+    expect = sync_api.expect
+    expect.set_options(timeout=15_000)
+    engine = Engine(model=tiny_model, tokenizer=tokenizer, block_size=4, num_blocks=48)
+    app = create_app(engine, model_name="tiny-llama", salt_by_api_key=True, admin_key="s3cret")
+    sent = []  # the Authorization header of every /cache poll
+    page.on("request", lambda r: r.url.endswith("/cache") and sent.append(r.headers.get("authorization")))
+    with serve(app) as url:
+        page.goto(url + "/#key=s3cret")
+        expect(page.locator("#status")).to_have_text("live, every 0.5 s")  # /cache answers only with a key
+        expect(page).to_have_url(url + "/")  # the key left the address bar: its entry replaced, not added
+        page.reload()  # the same tab: the key is kept for it, in sessionStorage
+        expect(page.locator("#status")).to_have_text("live, every 0.5 s")
+        assert sent and set(sent) == {"Bearer s3cret"}
+
+        page.goto(url + "/#key=")  # an empty key forgets it (a new fragment only: the page is not reloaded)
+        expect(page).to_have_url(url + "/")
+        expect(page.locator("#status")).to_contain_text("open this page as /#key=YOUR-KEY")
+        page.goto(url + "/#key=s3cret")  # typed after the address of the open page
+        expect(page).to_have_url(url + "/")
+        expect(page.locator("#status")).to_have_text("live, every 0.5 s")
+    assert_pool_whole(engine)

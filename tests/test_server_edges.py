@@ -4,11 +4,13 @@ against a batching Engine over conftest's tiny random model.
     1. what follows a reply: a few KiB discarded within --read-timeout, then the connection closes
     2. Transfer-Encoding as HTTP matches it: chunked in any case, its deadline, its malformed chunks
     3. Expect: 100-continue: one "100 Continue", and only for a head the server will read a body for
-    4. what a request may cost before any work: whitespace counted as the chat template counts it
+    4. what a request may cost before any work: whitespace counted as the chat template counts it,
+       a chat's messages counted, a request head's header lines and bytes bounded (431)
 
 No sleep decides anything: a drip's pauses only give the server the chance to misbehave.
 """
 
+import contextlib
 import json
 import select
 import socket
@@ -18,7 +20,8 @@ import pytest
 
 from helpers import MODEL, call, raw_request, serve, wait_until_idle
 from server import create_app
-from server_connections import AFTER_BODY_LIMIT
+from server_connections import AFTER_BODY_LIMIT, MAX_HEAD_BYTES, MAX_HEADER_FIELDS
+from server_requests import MAX_CHAT_MESSAGES
 
 BODY = json.dumps({"prompt": "Hi", "max_tokens": 2}).encode()
 
@@ -31,7 +34,9 @@ def read_reply(sock: socket.socket) -> bytes:
     """One reply, head and Content-Length body, without waiting for the connection to end."""
     data = b""
     while b"\r\n\r\n" not in data:
-        data += sock.recv(65536)
+        chunk = sock.recv(65536)
+        assert chunk, f"the connection ended before a whole reply: {data[:200]!r}"
+        data += chunk
     head, _, body = data.partition(b"\r\n\r\n")
     lines = head.lower().split(b"\r\n")
     length = next(int(line.split(b":")[1]) for line in lines if line.startswith(b"content-length"))
@@ -174,3 +179,66 @@ def test_a_chat_of_spaces_is_counted_as_its_template_keeps_them(engine, url):
     status, reply = call(url, "/generate", chat)
     assert status == 400 and "the prompt's text is 400,002 bytes" in reply["error"]["message"]
     assert engine.allocator.stats.requests == 0
+
+
+def test_a_chat_of_more_messages_than_the_limit_is_refused_before_its_template(engine, url, tokenized):
+    # 257 one-letter messages: far within --max-prompt-tokens' bounds (4,096 messages, 331,776 bytes).
+    chat = {"messages": [{"role": "user", "content": "a"}] * (MAX_CHAT_MESSAGES + 1), "max_tokens": 2}
+    status, reply = call(url, "/generate", chat)
+    assert status == 400 and reply["error"]["message"].startswith(
+        f"the chat has {MAX_CHAT_MESSAGES + 1} messages, over this server's limit of {MAX_CHAT_MESSAGES}")
+    assert tokenized == [] and engine.allocator.stats.requests == 0
+    at_the_limit = {"messages": [{"role": "user", "content": "a"}] * MAX_CHAT_MESSAGES, "max_tokens": 1}
+    status, reply = call(url, "/generate", at_the_limit)  # past the bound: the tokenizer and the pool decide
+    assert tokenized and "over this server's limit of" not in reply.get("error", {}).get("message", "")
+
+
+def head_of(fields: int, size: int = 0) -> list[str]:
+    """A POST of BODY whose head has `fields` header lines in all, the last padded to make the
+    header lines (each with its CRLF) `size` bytes in all."""
+    head = post_head(f"Content-Length: {len(BODY)}")
+    head += [f"X-Field-{i}: {i}" for i in range(fields - len(head) + 1)]
+    used = sum(len(line) + 2 for line in head[1:])
+    if size > used:
+        head[-1] += "x" * (size - used)
+    return head
+
+
+def test_a_head_at_its_bounds_is_served(engine, url):
+    sock = raw_request(url, head_of(MAX_HEADER_FIELDS, MAX_HEAD_BYTES), BODY)
+    assert read_reply(sock).startswith(b"HTTP/1.1 200")
+    sock.close()
+
+
+@pytest.mark.parametrize("fields, size, words", [
+    (MAX_HEADER_FIELDS + 1, 0, f"more than {MAX_HEADER_FIELDS} header lines"),
+    (MAX_HEADER_FIELDS, MAX_HEAD_BYTES + 1, f"over {MAX_HEAD_BYTES // 1024} KiB"),
+    (3, 64 << 10, f"over {MAX_HEAD_BYTES // 1024} KiB"),  # one line of 64 KiB: http.server alone took it
+], ids=["fields", "bytes", "one long line"])
+def test_a_head_over_its_bounds_gets_a_431_and_no_work(engine, url, tokenized, fields, size, words):
+    sock = raw_request(url, head_of(fields, size), BODY)
+    reply = read_reply(sock)
+    sock.close()
+    assert reply.startswith(b"HTTP/1.1 431 Request Header Fields Too Large")
+    error = json.loads(reply.partition(b"\r\n\r\n")[2])["error"]
+    assert words in error["message"] and error["type"] == "invalid_request_error"
+    assert tokenized == [] and engine.allocator.stats.requests == 0
+
+
+def test_98_headers_of_64_kib_are_refused_after_16_kib_of_them(engine, url, tokenized):
+    # 98 header lines, 6.2 MB: within http.server's own bounds (100 lines, each at most 64 KiB).
+    head = post_head(f"Content-Length: {len(BODY)}") + [f"X-Pad-{i}: " + "x" * 65_000 for i in range(95)]
+    host, port = url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)), timeout=30)
+
+    def send() -> None:
+        with contextlib.suppress(OSError):  # the server stops reading, and closes, long before the end
+            sock.sendall("\r\n".join(head).encode() + b"\r\n\r\n" + BODY)
+
+    sending = threading.Thread(target=send)
+    sending.start()
+    reply = read_reply(sock)
+    sending.join(30)
+    sock.close()
+    assert reply.startswith(b"HTTP/1.1 431") and f"over {MAX_HEAD_BYTES // 1024} KiB".encode() in reply
+    assert tokenized == [] and engine.allocator.stats.requests == 0
