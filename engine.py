@@ -489,6 +489,12 @@ class Engine:
         without waiting for a forward pass; None for an engine that does not batch."""
         return None if self.loop is None else self.loop.snapshot()
 
+    def charge(self, tenant: str | None, num_tokens: int) -> None:
+        """Count work done for `tenant` outside a step (a prompt tokenized, then refused)
+        against its fair share; nothing for an engine that does not batch."""
+        if self.loop is not None:
+            self.loop.charge(tenant, num_tokens)
+
     def drain(self, grace: float) -> None:
         """Shut the batching engine down gently (EngineLoop.drain): waiting requests end with
         EngineStoppedError, running ones get `grace` seconds, then finish with "abort"."""

@@ -84,8 +84,13 @@ def main(argv: list[str] | None = None) -> None:
                              f"that keep every stream moving (default: {DEFAULT_TARGET_STEP_MS:g}; step_budget.py)")
     budget.add_argument("--max-num-batched-tokens", type=positive_int, default=None,
                         help="tokens every step computes at most, at least --max-num-seqs, instead of a target step "
-                             "time (vLLM's flag: the same budget on every machine); a longer prompt is prefilled in "
-                             "chunks")
+                             "time (vLLM's flag: the same budget, hence the same plans, on every machine, where a "
+                             "class needs to compare them); a longer prompt is prefilled in chunks")
+    batching.add_argument("--fair-share", action=argparse.BooleanOptionalAction, default=None,
+                          help="serve tenants (an API key's, or an address's without keys) least-served first, and "
+                               "hold one far ahead to a small share of each step while others decode (default: on; "
+                               "scheduler.py, step_budget.py); --no-fair-share: arrival order, for benches and "
+                               "comparisons")
     batching.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
                           help="split a prompt longer than the step's budget across steps (default: on); "
                                "--no-enable-chunked-prefill prefills it whole, in a step of its own")
@@ -153,7 +158,8 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as err:
         parser.error(f"--forwarded-allow-ips: {err}")
     scheduler_options = {name: value for name, value in vars(args).items()
-                         if name in ("max_num_seqs", "max_num_batched_tokens", "target_step_ms", "enable_chunked_prefill")
+                         if name in ("max_num_seqs", "max_num_batched_tokens", "target_step_ms", "enable_chunked_prefill",
+                                     "fair_share")
                          and value is not None}
     if args.no_batching and scheduler_options:
         flag = "--" + next(iter(scheduler_options)).replace("_", "-")

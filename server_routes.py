@@ -87,6 +87,7 @@ def start(server: ServerState, req: GenerationRequest, request_id: str, gone: Ha
         params = SamplingParams(req.max_tokens, req.temperature, req.top_p, req.seed, req.stop)
         prompt_ids = engine.tokenize(req.prompt)
         if len(prompt_ids) > settings.max_prompt_tokens:
+            engine.charge(tenant, len(prompt_ids))  # tokenizing it was work done for its sender
             raise APIError(400, f"the prompt is {len(prompt_ids):,} tokens, over this server's limit of "
                                 f"{settings.max_prompt_tokens:,} (--max-prompt-tokens); send a shorter one")
         events = engine.stream(prompt_ids, params, cache_salt=req.cache_salt, request_id=request_id, **guards)

@@ -76,6 +76,15 @@ class TenantCounters:
         return {**self.__dict__, "hit_rate": round(hit_rate, 4)}
 
 
+def share_of(loop, tenant: str | None) -> dict:
+    """A tenant's own fair-share figures: the tokens computed for it (refused prompts' too)
+    while it or anyone has work, and how far that is ahead of the least-served tenant with
+    work (scheduler.py's counter; 0 when it is the least served, or nobody has work)."""
+    served = loop.served.get(tenant, 0)
+    ahead = 0 if loop.least_served is None else max(0, served - loop.least_served)
+    return {"served_tokens": served, "tokens_ahead_of_least_served": ahead}
+
+
 @dataclass
 class ServerState:
     """The engine and what the server keeps beside it; one per app."""
@@ -143,13 +152,15 @@ class ServerState:
                 "restarts": loop.num_restarts,  # failures outside a step the engine loop recovered from
                 **engine.scheduler_options,  # max_num_seqs, max_num_batched_tokens, enable_chunked_prefill
                 "target_step_ms": engine.target_step_ms,  # None: max_num_batched_tokens every step
+                "fair_share": engine.config.fair_share,
             }
             if viewer.keyed:  # each of these moves with the other tenants' requests
                 mine = {rid for rid, salt in [*loop.running, *loop.waiting] if salt == viewer.tenant}
                 pool |= {"running_requests": sum(salt == viewer.tenant for _, salt in loop.running),
                          "waiting_requests": sum(salt == viewer.tenant for _, salt in loop.waiting),
                          "prefilling_requests": len(mine & set(loop.prefilling)),
-                         "preemptions": None, "steps": None, "restarts": None}
+                         "preemptions": None, "steps": None, "restarts": None,
+                         **share_of(loop, viewer.tenant)}
             else:
                 if loop.step_budget is not None:  # what a step costs on this machine, learned (step_budget.py)
                     pool["step_costs"] = loop.step_budget["learned"]

@@ -1,0 +1,99 @@
+"""Fair shares between students over real HTTP (scheduler.py's Virtual Token Counter, the
+server's tenants): the least-served student's request is admitted first, a prompt refused
+after tokenizing is charged to its sender, and /health shows a student its own share.
+
+Against a batching Engine over conftest's tiny random model, two requests running at most
+(max_num_seqs=2): a third student's long reply keeps one place (and keeps a tenant with work,
+so the counts are not forgotten), and the two short requests take the other in turn, so the
+order they finish in is the order the scheduler admitted them. No sleep decides anything:
+requests wait in the queue while a step is held (queued_together).
+"""
+
+import hashlib
+import threading
+
+import pytest
+
+from engine import Engine
+from helpers import MODEL, call, queued_together, serve, until, wait_until_idle
+from server import create_app
+
+HEAVY, STUDENT, KEEPER = "heavy-student", "honest-student", "third-student"
+
+
+def app(tiny_model, tokenizer, fair_share: bool):
+    engine = Engine(model=tiny_model, tokenizer=tokenizer, block_size=16, num_blocks=64, batching=True,
+                    max_num_seqs=2, max_num_batched_tokens=512, fair_share=fair_share)
+    return engine, create_app(engine, model_name=MODEL, salt_by_api_key=True, max_prompt_tokens=200)
+
+
+def salt(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()  # the tenant --salt-by-api-key gives a key
+
+
+def bearer(key: str) -> dict:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def order_served(engine, url) -> list[str]:
+    """heavy's prompt over the limit (refused, charged), then heavy's and student's requests
+    queued in that order behind a held step: who ran first."""
+    finished = []
+
+    def ask(key: str):
+        status, reply = call(url, "/generate", {"prompt": f"{key} asks", "max_tokens": 2}, headers=bearer(key))
+        assert status == 200, reply
+        finished.append(key)
+
+    keeper = threading.Thread(target=call, args=(url, "/generate", {"prompt": "a long reply", "max_tokens": 64}),
+                              kwargs={"headers": bearer(KEEPER)})
+    keeper.start()
+    until(lambda: len(engine.snapshot().running) == 1, what="the third student's request running")
+    with queued_together(engine):
+        status, reply = call(url, "/generate", {"prompt": "word " * 400, "max_tokens": 2}, headers=bearer(HEAVY))
+        assert status == 400 and "--max-prompt-tokens" in reply["error"]["message"]
+        status, health = call(url, "/health", headers=bearer(HEAVY))
+        assert health["served_tokens"] > 400 and health["tokens_ahead_of_least_served"] > 400, health
+        status, health = call(url, "/health", headers=bearer(STUDENT))
+        assert health["served_tokens"] == 0 and health["tokens_ahead_of_least_served"] == 0, health
+        threads = [threading.Thread(target=ask, args=(key,)) for key in (HEAVY, STUDENT)]
+        for key, thread in zip((HEAVY, STUDENT), threads):  # heavy's first
+            thread.start()
+            until(lambda: salt(key) in {salt for _, salt in engine.snapshot().waiting}, what=f"{key}'s request queued")
+    for thread in [*threads, keeper]:
+        thread.join(60)
+    wait_until_idle(engine)
+    return finished
+
+
+def test_the_least_served_student_runs_first_and_a_refused_prompt_counts(tiny_model, tokenizer):
+    engine, fair = app(tiny_model, tokenizer, fair_share=True)
+    with serve(fair) as url:
+        assert order_served(engine, url) == [STUDENT, HEAVY]
+        status, health = call(url, "/health", headers=bearer(HEAVY))
+        assert health["fair_share"] is True
+        assert health["served_tokens"] == 0  # nobody has work: every tenant starts equal again
+    engine.close()
+
+
+def test_without_fair_share_the_queue_runs_in_arrival_order(tiny_model, tokenizer):
+    engine, plain = app(tiny_model, tokenizer, fair_share=False)
+    with serve(plain) as url:
+        assert order_served(engine, url) == [HEAVY, STUDENT]
+    engine.close()
+
+
+@pytest.mark.parametrize("flags, fair", [([], True), (["--no-fair-share"], False), (["--fair-share"], True)])
+def test_the_flag_reaches_the_engine_config(flags, fair, monkeypatch):
+    import server
+
+    made = []
+
+    def engine(*args, config, **kwargs):  # stands in for the model's loading: the config is what is checked
+        made.append(config)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(server, "Engine", engine)
+    with pytest.raises(SystemExit):
+        server.main(flags)
+    assert made[0].fair_share is fair
