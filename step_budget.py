@@ -47,7 +47,7 @@ FLOOR = 4.0  # a step's prompt tokens cost at least this many times its fixed co
 GAP_MAX = 3.0  # ... unless that makes a stream wait more than this many times its own step
 FAIR_STALL = 1.3  # a step of a tenant far ahead's prompts beside others' decodes: at most this times theirs
 ARRIVAL_STALL = 1.3  # a new request's first step, beside prompts already prefilling: at most this times its own
-FAIR_SLACK = 4096  # "far ahead": served this many tokens more than the least-served tenant (a long prompt)
+FAIR_SLACK = 1024  # "far ahead": served this many tokens more than the least-served tenant with work
 
 
 # -----------------------------------------------------------------------------

@@ -286,9 +286,20 @@ def fresh(messages: list[dict], max_tokens: int) -> dict:
     return {"messages": [first, *messages[1:]], "max_tokens": max_tokens, "temperature": 0, "stream": True}
 
 
+FRESH_KEYS = 2_000  # --listed-keys: keys a run may take as fresh (three a long-prompt run, one a long-alone)
+_fresh = itertools.count()
+
+
 def fresh_key() -> str:
-    """A key no request used before: under --salt-by-api-key, a cache of its own, empty."""
-    return f"student-{secrets.token_hex(8)}"
+    """A key no request used before: under --salt-by-api-key, a cache of its own, empty (one
+    of the file's with --listed-keys)."""
+    return f"fresh-{next(_fresh)}"
+
+
+def listed_keys(args) -> list[str]:
+    """Every key the benchmark's students send, for --listed-keys' --api-keys file."""
+    return ([f"student-{i}" for i in range(args.honest)] + [f"nat-{i}" for i in range(args.nat_students)]
+            + ["heavy-student", "many-streams"] + [f"fresh-{i}" for i in range(FRESH_KEYS)])
 
 
 # -----------------------------------------------------------------------------
@@ -769,6 +780,10 @@ def parse(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argparse.Nam
                         metavar="N", help=f"start the server with --max-num-batched-tokens N, a fixed budget of N "
                                           f"tokens a step (N left out: {DEFAULT_MAX_NUM_BATCHED_TOKENS}, the "
                                           f"default budget's cap and vLLM's)")
+    parser.add_argument("--listed-keys", action="store_true",
+                        help="start the server with --api-keys listing every key the students send, as a class "
+                             "behind one NAT needs (docs/server.md): each key's requests are then counted by key, "
+                             "not by address; the made-up-keys attack is refused with a 401")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     add_model_arguments(parser)
     return parser, parser.parse_args(argv)
@@ -797,6 +812,16 @@ def run_all(server: Server, args, prompts: Prompts | None, console) -> dict:
     return {"alone": alone, "scenes": scenes, "runs": runs}
 
 
+def measure(server: Server, args, prompts: Prompts | None, console, budget: str, load_before) -> dict:
+    """Say what runs where, warm the server up, and run every scene (run_all)."""
+    console.print(f"[bold]a class on the server[/] on {platform.machine()}, {os.cpu_count()} CPU cores; "
+                  f"budget {budget}; {args.honest} honest students streaming {args.max_tokens} tokens, "
+                  f"{args.seconds:g} s a scene, {args.repeat} run(s) each; load average at the start: "
+                  f"{' '.join(f'{x:.2f}' for x in load_before)}")
+    with_class(server, args, min(5.0, args.seconds), [])  # warm: the step costs learned
+    return run_all(server, args, prompts, console)
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser, args = parse(argv)
     from rich.console import Console
@@ -804,21 +829,27 @@ def main(argv: list[str] | None = None) -> dict:
     from model_loader import resolve_device
 
     console = Console()
+    device = resolve_device(args.device).type
     flags = server_arguments(parser, args)
     load_before = os.getloadavg()
     needs_prompts = any(name in ("long-prompt", "long-alone", "heavy-student") for name in args.scenes)
     prompts = build_prompts(args) if needs_prompts else None
+    key_file = None
+    if args.listed_keys:
+        key_file = tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False)
+        key_file.write("\n".join(listed_keys(args)) + "\n")
+        key_file.close()
+        flags += ["--api-keys", key_file.name]
     console.print(f"starting python server.py --salt-by-api-key {shlex.join(flags)}…")
-    with serving(flags) as server:
-        budget = budget_of(health(server))
-        device = resolve_device(args.device).type
-        console.print(f"[bold]a class on the server[/] on {platform.machine()}, {os.cpu_count()} CPU cores, {device}; "
-                      f"budget {budget}; {args.honest} honest students streaming {args.max_tokens} tokens, "
-                      f"{args.seconds:g} s a scene, {args.repeat} run(s) each; load average at the start: "
-                      f"{' '.join(f'{x:.2f}' for x in load_before)}")
-        with_class(server, args, min(5.0, args.seconds), [])  # warm: the step costs learned
-        measured = run_all(server, args, prompts, console)
+    try:
+        with serving(flags) as server:
+            budget = budget_of(health(server))
+            measured = measure(server, args, prompts, console, f"{budget}; {device}", load_before)
+    finally:
+        if key_file is not None:
+            os.unlink(key_file.name)
     load_after = os.getloadavg()
+
     alone, scenes = measured["alone"], measured["scenes"]
     attacks = {name: scenes[name] for name in ATTACKS if name in scenes}
     if attacks:
