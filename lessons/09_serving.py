@@ -16,7 +16,8 @@ the first block, it keeps each tenant's blocks apart. A client can send one, or 
 can derive it from each API key (python server.py --salt-by-api-key), which a client
 cannot forget or forge.
 
-New in this stage (marked # NEW): create_app, requests over HTTP, per-key salts.
+New in this stage (marked # NEW): create_app, requests over HTTP, per-key salts, a class
+sharing the server (a question behind a long prompt; a key's own share on /health).
 
 Read: server_routes.py: generate and chat_completions, the routes of /generate and
       /v1/chat/completions; server_requests.py: take_cache_salt and tenant_of, where a
@@ -30,6 +31,7 @@ import json
 import logging
 import statistics
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -135,6 +137,56 @@ def curl_commands() -> str:
     ])
 
 
+def behind_a_long_prompt(console: Console, engine, url: str) -> None:
+    """A long chat (one key), and a short question sent while it is prefilled (another key):
+    the question's time to first token against the same question alone; then /health's
+    share for each key."""
+    question = {"prompt": "What is a KV cache?", "max_tokens": 8, "temperature": 0}
+    wanted = min(2000, (engine.max_model_len or 2048) - 100)  # a long prompt, within the model's context
+    essay = " ".join([DEMO_SYSTEM_PROMPT] * max(1, wanted // len(engine.tokenize(DEMO_SYSTEM_PROMPT))))
+    alone = [post(f"{url}/generate", question, api_key=f"alone-{i}")[0]["ttft_ms"] for i in range(3)]
+    done = {}
+
+    def long_chat():  # NEW: a thread of its own, as another student's laptop
+        done["reply"], done["ms"] = post(f"{url}/generate", {"prompt": essay, "max_tokens": 1}, api_key="erin-key")
+
+    thread = threading.Thread(target=long_chat)
+    thread.start()
+    until = time.monotonic() + 30
+    while not engine.snapshot().prefilling and time.monotonic() < until:  # erin's prompt is coming in chunks
+        time.sleep(0.01)
+    health, _ = get(f"{url}/health", api_key="erin-key")  # NEW: her own share, while her prompt comes in
+    beside, _ = post(f"{url}/generate", question, api_key="frank-key")
+    during = thread.is_alive()
+    thread.join()
+    if "error" in done["reply"]:
+        raise SystemExit(f"erin's request failed: {done['reply']['error']['message']}")
+    alone_ms = statistics.median(alone)
+    console.print(
+        f"erin sends a {done['reply']['prompt_tokens']:,}-token prompt (her reply took {done['ms']:,.0f} ms); while it "
+        f"is prefilled, frank asks a {beside['prompt_tokens']}-token question"
+        f"{'' if during else ' (erin was done before his reply: this machine is too quick to show it)'}. His first "
+        f"token came {beside['ttft_ms']:,.0f} ms after his request reached the engine, against {alone_ms:,.0f} ms "
+        f"alone (median of 3): "
+        f"{beside['ttft_ms'] / alone_ms:.1f}x. He waited for the step running when he came, then for his own: "
+        f"stage 8's scheduler gives a prompt still prefilling only a share of a step once someone waits behind "
+        f"it (scene 2e), and the step budget keeps a newcomer's first step within ARRIVAL_STALL times what it "
+        f"would take without that prompt. While her "
+        f"prompt came in, /health told her key: served_tokens={health['served_tokens']:,}, "
+        f"tokens_ahead_of_least_served={health['tokens_ahead_of_least_served']:,}: the Virtual Token Counter's "
+        f"count that orders the queue (fair_share; python server.py --no-fair-share turns it off). Measured at "
+        f"the server's defaults, with many students, a heavy one and a class behind one address: "
+        f"python prefix_caching.py --bench server_abuse (the README has its figures)."
+    )
+
+
+def get(url: str, api_key: str | None = None) -> tuple[dict, float]:
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
+    started = time.perf_counter()
+    with urllib.request.urlopen(request, timeout=60) as response:
+        return json.loads(response.read()), (time.perf_counter() - started) * 1e3
+
+
 def main(argv: list[str] | None = None) -> None:
     args = models.parse_args("Stage 9: serving, cached tokens over HTTP, tenants, the timing side channel", argv,
                              engine=True)
@@ -207,10 +259,12 @@ def main(argv: list[str] | None = None) -> None:
         f"(cached_tokens={own}), so each tenant keeps the speed-up. A client cannot pick another's salt either: "
         f"{refused['error']['message']!r}."
     )
+    console.print(Rule("5. A class sharing one server: a question behind a long prompt, a fair share"))
+    behind_a_long_prompt(console, engine, salted_url)
     server.shutdown()
     salted_server.shutdown()
 
-    console.print(Rule("5. The same by hand, against python server.py"))
+    console.print(Rule("6. The same by hand, against python server.py"))
     console.print(curl_commands(), soft_wrap=True, highlight=False, markup=False)
 
 
