@@ -308,7 +308,6 @@ class Scheduler:
 
         # 2. Waiting requests, in order, while there is room. A request preempted in this
         # very step waits for the next one: the pool was just too small for it.
-        coming = self._blocks_coming()  # what the prompts still prefilling after this step will write
         for request in self.waiting_order():  # with fair_share, counting what step 1 just gave
             if preempted or len(self.running) >= self.max_num_seqs or left <= 0:
                 break
@@ -343,7 +342,9 @@ class Scheduler:
         self.served[request.tenant] = self.served.get(request.tenant, 0) + num_tokens
 
     def _blocks_coming(self) -> set:
-        """The hashes of the blocks the prompts prefilling now have yet to get slots for."""
+        """The hashes of the blocks the prompts prefilling as the step begins have yet to
+        compute (this step's chunk among them: a block is cached when it gets its slot, but
+        judging by what the step began with keeps the rule one lookup a step)."""
         if not self.enable_chunked_prefill:
             return set()
         size = self.allocator.block_size
