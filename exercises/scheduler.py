@@ -69,9 +69,12 @@ stage 8 shows them at work):
     admitted in this step) has the same cache_salt, the same first `end` tokens, and
     r.num_computed_tokens < end (schedule never moves num_computed_tokens: the engine does,
     after the step). Check it twice: when the shares are worked out (one that waits is not
-    counted) and when its turn to be admitted comes (its hit looked up again: if a chunk of
-    this step filled the block it waited for, it hits it now and is admitted in this very
-    step, unless its next block is also still to compute).
+    counted) and when its turn to be admitted comes. Only w's hit changes between the two,
+    looked up again: if a chunk of this step filled the block w waited for, w hits it now and
+    is admitted in this very step, unless its next block is also still to compute. (r's
+    num_computed_tokens has not moved, so a block r fills in this step is still one r has
+    yet to compute: if w cannot hit it, as when it is w's last block and all of w is cached,
+    since a hit always leaves a token to compute, w waits until the next step.)
     With block hashes: w.block_hashes[hit // block_size] is one of
     r.block_hashes[r.num_computed_tokens // block_size:].
   - Slots: a step gives slots (and so cached blocks) only to the tokens it computes, so no

@@ -552,8 +552,8 @@ SCHEDULER_RULES = {
                 "prefilling and the waiting requests that could be admitted); then waiting requests in arrival "
                 "order, each computing its uncached tokens up to the budget left, while max_num_seqs and the pool "
                 "allow; the first that does not fit stops admission, but one whose next block a prompt prefilling "
-                "has yet to compute waits for that hit without stopping it; nobody is admitted in a step that "
-                "preempts",
+                "had yet to compute when the step began waits for that hit without stopping it; nobody is "
+                "admitted in a step that preempts",
     "who was preempted": "when a running request needs a block and none is free, the last of self.running (the most "
                          "recently admitted) is preempted, and the request that needed the block tries again",
     "the running requests": "admitted requests join the end of self.running; preempted ones leave it",
