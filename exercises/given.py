@@ -221,7 +221,8 @@ class StepPlan:
 
 class SchedulerBase:
     """A waiting queue and a running list over one allocator (scheduler.py's, less the two
-    methods of exercise 6)."""
+    methods of exercise 6 and their helpers, and less the tenant counters of its fair_share:
+    exercise 6 reads the waiting queue in arrival order)."""
 
     def __init__(self, allocator, *, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048) -> None:
         self.allocator = allocator
@@ -246,4 +247,6 @@ class SchedulerBase:
             self.allocator.free(request.request_id, num_computed_tokens=request.num_computed_tokens)
         elif request.status == WAITING:
             self.waiting.remove(request)
+        else:
+            return  # finished already
         request.status = FINISHED

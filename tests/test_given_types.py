@@ -47,6 +47,8 @@ REFERENCE = {
 }
 
 ENGINE_SIDE = "the engine's side of a request (request.py); exercise 6 plans steps, and no model runs"
+FAIR_SHARE = "fair_share's tenant counters (the Virtual Token Counter): exercise 6 reads the queue in arrival order"
+ANSWER = "schedule's helper: part of exercise 6's answer"
 
 # Members of a reference class that given.py leaves out: (given name, member) -> why.
 OMITTED = {
@@ -66,7 +68,13 @@ OMITTED = {
     ("Request", "reply"): ENGINE_SIDE,
     ("SchedulerBase", "schedule"): "exercise 6a writes it",
     ("SchedulerBase", "_preempt"): "exercise 6b writes it",
-    ("SchedulerBase", "_lookup"): "schedule's helper: part of exercise 6's answer",
+    ("SchedulerBase", "_lookup"): ANSWER,
+    ("SchedulerBase", "_prompt_shares"): ANSWER,
+    ("SchedulerBase", "_blocks_coming"): ANSWER,
+    ("SchedulerBase", "_hit_coming"): ANSWER,
+    **{("SchedulerBase", name): FAIR_SHARE for name in ("_arrive", "least_served", "lead", "charge", "_forget_idle")},
+    ("SchedulerBase", "waiting_order"): "the queue least-served tenant first under fair_share; exercise 6 reads it "
+                                        "in arrival order (self.waiting as it stands)",
     ("SchedulerBase", "candidates"): "what a budget policy sees (step_budget.py); exercise 6's tests give a budget",
     ("SchedulerBase", "shared_blocks"): "a view the lessons print; the grader reads the queues itself",
     ("SchedulerBase", "check_invariants"): "the grader compares the student's queues and counters with the reference's",
@@ -76,11 +84,13 @@ OMITTED = {
 OMITTED_PARAMETERS = {
     ("SchedulerBase", "__init__", "enable_chunked_prefill"):
         "exercise 6 writes the chunked rule only (the starter's docstring); its tests never turn it off",
+    ("SchedulerBase", "__init__", "fair_share"): FAIR_SHARE,
 }
 
 # Fields of a reference dataclass that given.py leaves out: (given name, field) -> why.
 OMITTED_FIELDS = {
-    ("Request", "tenant"): "a budget policy's fair share (step_budget.py); exercise 6's tests give a budget",
+    ("Request", "tenant"): "whom fair_share and a budget policy (step_budget.py) count a request's tokens for: "
+                           "exercise 6 reads the queue in arrival order and its tests give a budget",
     **{("Request", name): ENGINE_SIDE for name in ("params", "builder", "generator", "events", "arrival", "admitted_at",
                                                    "error")},
 }
@@ -94,8 +104,11 @@ STUBS = {
 OWN_CODE = {
     ("PoolBase", "__init__"): "imports torch inside, so exercises 1-4 and 6 never load it; and keeps no read buffer "
                               "(read_blocks is not given)",
-    ("SchedulerBase", "__init__"): "no check_step_size (the grader's reference scheduler refuses a bad size first) "
-                                   "and no enable_chunked_prefill (OMITTED_PARAMETERS)",
+    ("SchedulerBase", "__init__"): "no check_step_size (the grader's reference scheduler refuses a bad size first), "
+                                   "no enable_chunked_prefill nor fair_share (OMITTED_PARAMETERS), and so no tenant "
+                                   "counters (served, active)",
+    ("SchedulerBase", "add"): "no fair-share counters: exercise 6 reads the queue in arrival order",
+    ("SchedulerBase", "finish"): "no fair-share counters: exercise 6 reads the queue in arrival order",
 }
 
 # given.py classes that share only the reference's interface: every body is their own.

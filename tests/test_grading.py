@@ -90,8 +90,8 @@ MISTAKES = {
         "gather_kv", "return kv.transpose(2, 3).unsqueeze(2)", "return kv.transpose(2, 3).unsqueeze(2).float()"),
         "a bfloat16 pool was gathered into"),
     "the salt passed to peek as an extra key": ("test_ex6_schedule.py", with_mistake(
-        "scheduler", "alloc.peek(request.token_ids, request.cache_salt)",
-        "alloc.peek(request.token_ids, None, (request.cache_salt,) if request.cache_salt else ())"),
+        "scheduler", "self.allocator.peek(request.token_ids, request.cache_salt)",
+        "self.allocator.peek(request.token_ids, None, (request.cache_salt,) if request.cache_salt else ())"),
         "The salt is peek's cache_salt"),
     "a resumed request samples on every chunk past its prompt": ("test_ex6_schedule.py", with_mistake(
         "scheduler", "            scheduled.append(ScheduledRequest(request, start, end))\n",
@@ -102,6 +102,17 @@ MISTAKES = {
         "scheduler", "num_new = min(len(request.token_ids) - hit, budget)",
         "num_new = min(len(request.token_ids) - hit, budget // 4 * 4 or 1)"),
         "not rounded down to a block edge"),
+    "a prompt prefilling takes all the budget left, not its share": ("test_ex6_schedule.py", with_mistake(
+        "scheduler", "start + min(budget, shares.get(request.request_id, 1))",
+        "start + (budget if request.num_prefill_left else 1)"),
+        "A running prompt takes only its share of the budget"),
+    "shares handed out in queue order, not smallest need first": ("test_ex6_schedule.py", with_mistake(
+        "scheduler", "order = sorted(needs, key=needs.get)", "order = list(needs)"),
+        "smallest need first"),
+    "a request waiting for its hit stops admission": ("test_ex6_schedule.py", with_mistake(
+        "scheduler", "            if self._waits(request, coming):\n                continue\n",
+        "            if self._waits(request, coming):\n                break\n"),
+        "it does not stop admission"),
 }
 
 

@@ -548,9 +548,12 @@ def remote_pool_class():
 
 SCHEDULER_RULES = {
     "the plan": "a step: running requests first, in admission order (a decode takes 1 token, a prompt still "
-                "prefilling its next chunk, as much as the budget leaves); then waiting requests in arrival order, "
-                "each computing its uncached tokens up to the budget left, while max_num_seqs and the pool allow; "
-                "the first that does not fit stops admission; nobody is admitted in a step that preempts",
+                "prefilling its share: what the decodes leave, shared smallest need first with the other prompts "
+                "prefilling and the waiting requests that could be admitted); then waiting requests in arrival "
+                "order, each computing its uncached tokens up to the budget left, while max_num_seqs and the pool "
+                "allow; the first that does not fit stops admission, but one whose next block a prompt prefilling "
+                "had yet to compute when the step began waits for that hit without stopping it; nobody is "
+                "admitted in a step that preempts",
     "who was preempted": "when a running request needs a block and none is free, the last of self.running (the most "
                          "recently admitted) is preempted, and the request that needed the block tries again",
     "the running requests": "admitted requests join the end of self.running; preempted ones leave it",
