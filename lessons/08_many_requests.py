@@ -549,7 +549,7 @@ def main(argv: list[str] | None = None) -> None:
     preemption(console, engine, prompts, replies)
     console.print(Rule("4. Throughput: one after another, batched, batched with caching"))
     throughput(console, engine, step_times)
-    console.print("\nExercise 6: the scheduler's admission and preemption, in exercises/scheduler.py "
+    console.print("\nExercise 6: the scheduler's shares, admission and preemption, in exercises/scheduler.py "
                   "(exercises/README.md).")
 
 

@@ -70,6 +70,7 @@ OMITTED = {
     ("SchedulerBase", "_preempt"): "exercise 6b writes it",
     ("SchedulerBase", "_lookup"): ANSWER,
     ("SchedulerBase", "_prompt_shares"): ANSWER,
+    ("SchedulerBase", "_count"): "adds a step's tokens to its tenant's fair-share counter, which exercise 6 does not keep",
     ("SchedulerBase", "_blocks_coming"): ANSWER,
     ("SchedulerBase", "_hit_coming"): ANSWER,
     **{("SchedulerBase", name): FAIR_SHARE for name in ("_arrive", "least_served", "lead", "charge", "_forget_idle")},
