@@ -97,3 +97,28 @@ def test_the_flag_reaches_the_engine_config(flags, fair, monkeypatch):
     with pytest.raises(SystemExit):
         server.main(flags)
     assert made[0].fair_share is fair
+
+
+def test_a_question_behind_a_long_prompt_is_answered_before_the_prompt_is_in(tiny_model, tokenizer):
+    """A prompt still prefilling takes only its share of each step: a short question sent while
+    a long prompt comes in chunks is prefilled in the next step and finishes first. (Before
+    the rule the running prompt took every step's budget, and the question waited for it.)"""
+    engine = Engine(model=tiny_model, tokenizer=tokenizer, block_size=16, num_blocks=128, batching=True,
+                    max_num_batched_tokens=64)
+    finished = []
+
+    def ask(key: str, body: dict):
+        status, reply = call(url, "/generate", body, headers=bearer(key))
+        assert status == 200, reply
+        finished.append(key)
+
+    with serve(create_app(engine, model_name=MODEL, salt_by_api_key=True)) as url:
+        long = threading.Thread(target=ask, args=(HEAVY, {"prompt": [5 + i % 300 for i in range(900)],
+                                                          "max_tokens": 1}))
+        long.start()
+        until(lambda: engine.snapshot().prefilling, what="the long prompt coming in chunks")
+        ask(STUDENT, {"prompt": "A short question?", "max_tokens": 4})
+        assert engine.snapshot().prefilling, "the long prompt should still be coming in: 900 tokens, 64 a step"
+        long.join(60)
+    assert finished == [STUDENT, HEAVY]
+    engine.close()
