@@ -43,9 +43,9 @@ DEFAULT_TARGET_STEP_MS = 400.0  # a step never longer than this (the chunks it g
 STALL = 2.2  # a step carrying a prompt's chunk: at most this many times the streams' own step
 FIRST_CHUNK = 16  # prompt tokens in a step before any step with its thread count has been timed
 MIN_CHUNK = 16  # prompt tokens a step gives a prompt at least: it always moves on
-FLOOR = 4.0  # a step's prompt tokens cost at least this many times its fixed cost: no crumbs
-GAP_MAX = 3.0  # ... unless that makes a stream wait more than this many times its own step
-FAIR_STALL = 1.3  # a step of a tenant far ahead's prompts beside others' decodes: at most this times theirs
+FLOOR = 3.0  # a step's prompt tokens cost at least this many times its fixed cost: no crumbs
+GAP_MAX = 2.5  # ... unless that makes a stream wait more than this many times its own step (predicted)
+FAIR_STALL = 1.1  # a step of a tenant far ahead's prompts beside others' decodes: at most this times theirs
 ARRIVAL_STALL = 1.3  # a new request's first step, beside prompts already prefilling: at most this times its own
 FAIR_SLACK = 1024  # "far ahead": served this many tokens more than the least-served tenant with work
 
@@ -119,7 +119,7 @@ class StepCosts:
 
     KEEP = 128  # steps a bucket keeps
     SPACING_S = 1.0  # a bucket keeps at most one step a second
-    QUANTILE = 0.25  # what a bucket counts as: this quantile of its steps' seconds
+    QUANTILE = 0.5  # what a bucket counts as: this quantile of its steps' seconds
 
     def __init__(self, clock=time.monotonic) -> None:
         self.clock = clock
@@ -257,8 +257,8 @@ class StepBudget:
                            and c.lead <= FAIR_SLACK]
         ahead = [c for c in prompts if c.lead > FAIR_SLACK]
         if behind_decoding and ahead:
-            room = max(MIN_CHUNK, self.chunk_within(max(c.num_computed_tokens for c in ahead),
-                                                    (FAIR_STALL - 1) * decode_s / per_flop))
+            room = max(1, self.chunk_within(max(c.num_computed_tokens for c in ahead),
+                                            (FAIR_STALL - 1) * decode_s / per_flop))  # no floor: it is ahead
             for request_id, cap in share_tokens(room, {c.request.request_id: c.num_remaining_tokens
                                                        for c in ahead}).items():
                 caps[request_id] = min(cap, caps.get(request_id, cap))

@@ -174,14 +174,14 @@ def candidates_of(*requests):
 
 def test_a_tenant_far_ahead_shares_little_beside_others_decodes():
     budget = learned(0.005, 5e-12)
-    decodes = [decoding(f"s{i}", 300) for i in range(60)]  # about 69 ms a step: 21 ms of heavy's prompt beside it
+    decodes = [decoding(f"s{i}", 300) for i in range(60)]  # about 69 ms a step: 7 ms of heavy's prompt beside it
     honest = [Candidate(r, True, 0, 300, 1, lead=0) for r in decodes]
     heavy = Candidate(Request("heavy", [1] * 4000), False, 0, 0, 4000, lead=FAIR_SLACK + 1)
     plain = budget.budget(honest + [Candidate(heavy.request, False, 0, 0, 4000, lead=0)], threads=2)
     fair = budget.budget(honest + [heavy], threads=2)
     decode_s = predicted(budget, decodes, 0, 0)
     assert not plain.chunks and fair.chunks["heavy"] < plain.tokens - len(decodes)
-    assert MIN_CHUNK < fair.chunks["heavy"] and predicted(budget, decodes, 0, fair.chunks["heavy"]) <= FAIR_STALL * decode_s
+    assert 0 < fair.chunks["heavy"] and predicted(budget, decodes, 0, fair.chunks["heavy"]) <= FAIR_STALL * decode_s
     assert fair.tokens == len(decodes) + fair.chunks["heavy"]
 
 
