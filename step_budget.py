@@ -105,9 +105,10 @@ class StepCosts:
     A fit to the last steps would follow that minute, and its plans with it. So the steps
     are kept by size (a bucket for each half-doubling of flops), at most one a second per
     bucket and the last KEEP of each, so a bucket spans minutes; each bucket counts as its
-    lower quartile (other programs only ever slow a step down: the quick steps are the
-    machine's own speed, and a slow minute that makes less than three quarters of a
-    bucket's steps leaves it unmoved); the line is the Theil-Sen fit through the buckets
+    median step (a slow minute that makes less than half of a bucket's steps leaves it
+    unmoved; a lower quantile, the machine's speed when nothing else runs, predicted steps
+    quicker than they ran, and the streams' gaps came out longer than their bound); the
+    line is the Theil-Sen fit through the buckets
     (the median of the slopes between every two of them, then the median intercept), so
     one bucket off the line (small prompts pay more than their flops say) does not tilt it.
 

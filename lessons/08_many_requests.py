@@ -333,8 +333,8 @@ def step_time_budget(console: Console, engine: Engine, prompts: dict[str, list[i
     shrink = (f" Her chunks shrink as she goes ({sizes[0]} tokens first, {sizes[-2]} before the last): each of her "
               f"tokens attends to every one before it." if len(sizes) > 2 and sizes[-2] < sizes[0] else "")
     console.print(
-        f"What a step costs here, learned from the steps run (StepCosts: the lower quartile of the steps of "
-        f"each size, so a busy minute does not move it): {fixed * 1e3:,.0f} ms whatever its size, and "
+        f"What a step costs here, learned from the steps run (StepCosts: the median step of each size over "
+        f"minutes, so a busy minute does not move it): {fixed * 1e3:,.0f} ms whatever its size, and "
         f"{per_token * 1e3:,.1f} ms a token through the weights (plus each key it attends to: step_flops counts "
         f"both). With a fixed budget of {cap:,} tokens a step, erin's whole prompt would be one step of about "
         f"{whole * 1e3:,.0f} ms by the same costs, and each of the four would wait that long for its next token. With "

@@ -76,7 +76,6 @@ ALLOWED = [
     ("README.md", "| 2,048 | 4,529 ms |", "a prompt length in the time-to-first-token table"),
     ("README.md", "takes 2,048, or 8,192", VLLM),
     ("README.md", "on a GPU 2,048 tokens", VLLM),
-    ("README.md", "grows about 2.2 times", "measured: the streams' gap in the stalls run of the table above"),
     ("README.md", "attention 2.2x and 10.2x faster", MEASURED),
     ("docs/server.md", "takes 2,048, or 8,192", VLLM),
     ("lessons/README.md", "takes 2,048, or 8,192", VLLM),
