@@ -30,9 +30,12 @@ max_num_batched_tokens:
        allow. After its prefix hit, a request's uncached tokens are scheduled up to the
        budget left; the rest come in later steps (chunked prefill). Its hit is looked up as
        it comes, so requests behind one shared prefix admitted in the same step compute it
-       once: the first writes its blocks, the next ones hit them. allocate_with_prefix does
-       the capacity check after the prefix hit and changes nothing when it refuses; the
-       first request that does not fit stops admission (no overtaking).
+       once: the first writes its blocks, the next ones hit them. A waiting request whose
+       next block is one a prompt prefilling as the step began has yet to compute sits this
+       step out, without holding up the ones behind it: admitted now, it would compute that
+       prefix a second time (_hit_coming). allocate_with_prefix does the capacity check
+       after the prefix hit and changes nothing when it refuses; the first request that does
+       not fit stops admission (no overtaking).
 
 fair_share=True (the Engine's default) changes one thing: the waiting queue is read
 least-served tenant first, as the Virtual Token Counter does (Sheng et al., "Fairness in
