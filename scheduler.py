@@ -283,9 +283,8 @@ class Scheduler:
         if not isinstance(budget, Budget):
             budget = Budget(self.max_num_batched_tokens if budget is None else budget)
         left = min(budget.tokens, self.max_num_batched_tokens)
-        waiting = self.waiting_order()
         coming = self._blocks_coming()
-        shares = self._prompt_shares(left, [r for r in waiting if not self._hit_coming(r, coming)], budget.chunks)
+        shares = self._prompt_shares(left, self.waiting_order(), budget.chunks, coming)
 
         # 1. Running requests, in admission order: a decode takes 1 token, a prompt still
         # prefilling its share (what it would get if the waiting requests shared with it).
@@ -353,20 +352,22 @@ class Scheduler:
         size = self.allocator.block_size
         return {h for r in self.running if r.num_prefill_left for h in r.block_hashes[r.num_computed_tokens // size:]}
 
-    def _hit_coming(self, request: Request, coming: set) -> bool:
-        """Whether the block after the request's hit is one a prompt prefilling now will
-        write (coming): then it waits for that hit (admitted now, it would compute the
-        shared prefix a second time), without holding up the requests behind it."""
+    def _hit_coming(self, request: Request, coming: set, hit: int | None = None) -> bool:
+        """Whether the block after the request's hit (looked up unless given) is one a
+        prompt prefilling now will write (coming): then it waits for that hit (admitted now,
+        it would compute the shared prefix a second time), without holding up the requests
+        behind it."""
         if not coming:
             return False
-        nxt = self._lookup(request) // self.allocator.block_size
+        nxt = (self._lookup(request) if hit is None else hit) // self.allocator.block_size
         return nxt < len(request.block_hashes) and request.block_hashes[nxt] in coming
 
-    def _prompt_shares(self, tokens: int, waiting: list[Request], caps: dict[str, int]) -> dict[str, int]:
+    def _prompt_shares(self, tokens: int, waiting: list[Request], caps: dict[str, int], coming: set) -> dict[str, int]:
         """The share of each running request still prefilling (share_tokens): what the
         decodes leave of `tokens`, shared with the waiting requests that could be admitted
         (one token each at least, so no more of them than there are tokens), each need at
-        most its policy's cap. The waiting requests' own shares are not handed out: they are
+        most its policy's cap; one waiting for a coming hit is not counted. The waiting
+        requests' own shares are not handed out: they are
         admitted in order with whatever is left, their hits looked up again as they come (a
         chunk scheduled before them in this step may have written blocks they hit)."""
         needs = {}
@@ -375,10 +376,15 @@ class Scheduler:
                 remaining = len(request.token_ids) - request.num_computed_tokens
                 needs[request.request_id] = min(remaining, caps.get(request.request_id, remaining))
         left = tokens - sum(1 for r in self.running if not r.num_prefill_left)  # the decodes' tokens
-        for request in waiting[: self.max_num_seqs - len(self.running)]:
-            if len(needs) >= left:
+        room = self.max_num_seqs - len(self.running)
+        for request in waiting:  # read only as far as they could be admitted: one lookup each
+            if room <= 0 or len(needs) >= left:
                 break
-            remaining = len(request.token_ids) - self._lookup(request)
+            hit = self._lookup(request)
+            if self._hit_coming(request, coming, hit):
+                continue
+            room -= 1
+            remaining = len(request.token_ids) - hit
             needs[request.request_id] = min(remaining, caps.get(request.request_id, remaining))
         return share_tokens(max(0, left), needs)
 
