@@ -1,17 +1,19 @@
 """
-How many threads each forward pass runs with on a CPU, chosen by measuring the machine.
+What each forward pass runs with: on a CPU, how many threads, chosen by measuring the
+machine; on a GPU, which attention kernels (GPU_ATTENTION, and why).
 
-Every forward pass the engines run on a CPU goes through one_pass below: stage 7's
-one-request engine (one_request.py, which the demo runs) and stage 8's batched step
-(batch_engine.py); so do the passes the lessons' own loops (stages 1 and 2) and the
-benchmarks' floors time. A timing that compares two of them holds both to one thread
-policy. Peers (transformers' generate, llama.cpp) are not wrapped, nor are the lessons'
-untimed checks against them: they keep their own thread counts.
+Every forward pass the engines run goes through one_pass below: stage 7's one-request
+engine (one_request.py, which the demo runs; its step's copies to and from the pool too)
+and stage 8's batched step (batch_engine.py); so do the passes the lessons' own loops
+(stages 1 and 2) and the benchmarks' floors time, and the engine's warm-up. A timing that
+compares two of them holds both to one policy. Peers (transformers' generate, llama.cpp)
+are not wrapped, nor are the lessons' untimed checks against them: they keep their own.
 
     cpu_sample / cores_used_by_others   how many cores other programs kept busy (/proc/stat)
     ThreadChooser                        torch's own thread count, or one when others are busy;
                                          ThreadChooser.running wraps one forward pass
-    one_pass                             the wrap for one forward pass on any device
+    GPU_ATTENTION                        the attention kernels a pass may use on a GPU: none that plans per shape
+    one_pass                             the wrap for one forward pass (and its step's copies) on any device
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import os
 import time
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 def cpu_sample() -> tuple[float, float, float] | None:
     """(wall seconds, CPU seconds every process used, CPU seconds this process used), to take
@@ -148,12 +151,34 @@ class ThreadChooser:
             self.next_probe = self.steps + self.interval
 
 
+# -----------------------------------------------------------------------------
+# On a GPU: the attention kernels every pass may use
+#
+# torch's scaled_dot_product_attention picks a kernel per call. For bf16 on an H100 it picks
+# cuDNN's, and cuDNN builds a plan the first time it meets each new shape: on the first run
+# of the demo there, every HIT (a new length of 10 to 32 computed tokens) spent ~1 s in that
+# plan and came out 0.2x the MISS; with cuDNN left out the same HITs took 31 to 80 ms. Every
+# request of a server has a new shape, so the course never lets it plan: FlashAttention where
+# a call needs no mask (the dispatcher skips it where one is passed: the pool's attention and
+# a cached prefix's bottom-right causal alignment pass one), else the memory-efficient kernel,
+# else the math one. None of them needs a plan per shape.
+GPU_ATTENTION = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
+
+
 def one_pass(chooser: ThreadChooser | None, device, kind, may_probe: bool = True):
-    """The context one forward pass runs in: on a CPU, the chooser's thread count for a pass
-    of this kind (put back after); on a GPU, or with no chooser, nothing changes (there the
-    CPU only launches kernels). kind: steps of the same kind are timed against each other,
-    e.g. ("decode", 1) or ("prefill", tokens.bit_length()). may_probe: False for passes too
-    costly to try all the cores on while other programs may be busy (a long prefill)."""
+    """The context one forward pass (and the copies of its step) runs in: on a CPU, the
+    chooser's thread count for a pass of this kind (put back after; with no chooser,
+    torch's own); on a GPU, the attention kernels of GPU_ATTENTION (there the CPU only
+    launches kernels). kind: steps of the same kind are timed against each other, e.g.
+    ("decode", 1) or ("prefill", tokens.bit_length()). may_probe: False for passes too
+    costly to try all the cores on while other programs may be busy (a long prefill).
+
+    >>> with one_pass(None, "cuda", "decode"):   # the flags are set even where no GPU is
+    ...     torch.backends.cuda.cudnn_sdp_enabled()
+    False
+    """
+    if torch.device(device).type == "cuda":
+        return sdpa_kernel(list(GPU_ATTENTION))
     if chooser is None or torch.device(device).type != "cpu":
         return contextlib.nullcontext()
     return chooser.running(kind, may_probe)

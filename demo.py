@@ -10,10 +10,11 @@ from __future__ import annotations
 import argparse
 import time
 
+import torch
 from rich.console import Console
 from rich.table import Table
 
-from cpu_threads import ThreadChooser, cores_used_by_others, cpu_sample
+from cpu_threads import GPU_ATTENTION, ThreadChooser, cores_used_by_others, cpu_sample
 from engine import Engine, Generation
 from model_flags import pool_arguments
 from model_loader import DEFAULT_MODEL
@@ -78,7 +79,8 @@ def run_demo(args: argparse.Namespace) -> list[Generation]:
         enable_caching=not args.no_cache,
     )
     name = args.model or DEFAULT_MODEL
-    console.print(f"[bold]{name}[/] on {engine.device}, {str(engine.dtype).removeprefix('torch.')}; "
+    console.print(f"[bold]{name}[/] on {engine.device}, {str(engine.dtype).removeprefix('torch.')}"
+                  f"{' (given)' if args.dtype else ''}; {how_passes_run(engine.device)}; "
                   f"prefix caching [bold]{'off' if args.no_cache else 'on'}[/]")
     console.print(str(engine.kv))
     system = {"role": "system", "content": DEMO_SYSTEM_PROMPT}
@@ -118,6 +120,20 @@ def run_demo(args: argparse.Namespace) -> list[Generation]:
         console.print(machine_note(engine.threads, others))
     console.print(render_free_queue(engine.allocator, max_blocks=12), render_stats(engine.allocator))
     return replies
+
+
+def how_passes_run(device: torch.device) -> str:
+    """What the first line says of the kernels (cpu_threads.py says why).
+
+    >>> how_passes_run(torch.device("cuda"))
+    'attention by flash, efficient or math kernels (never cuDNN: it plans each new shape)'
+    """
+    if device.type == "cuda":
+        names = ", ".join(b.name.split("_")[0].lower() for b in GPU_ATTENTION)
+        return f"attention by {names.replace(', math', ' or math')} kernels (never cuDNN: it plans each new shape)"
+    if device.type == "cpu":
+        return f"{torch.get_num_threads()} threads a pass, 1 while other programs keep the cores busy"
+    return "torch's default kernels"
 
 
 def machine_note(threads: ThreadChooser | None, others: float | None) -> str:

@@ -39,13 +39,13 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from batch_engine import BatchRunner
-from cpu_threads import ThreadChooser
+from cpu_threads import ThreadChooser, one_pass
 from engine_loop import (
     ClientGoneError, EngineLoop, EngineStoppedError, LoopSnapshot, QueueFullError, thaw_startup_heap,
 )
 from kv_pool import PagedKVPool
 from model_loader import load_model
-from one_request import EngineParts, run_request
+from one_request import EngineParts, forward, run_request
 from outputs import Generation, StreamEvent
 from prefix_caching import PrefixCachingAllocator, check_cache_salt, check_text
 from prompts import tokenize_prompts
@@ -502,10 +502,15 @@ class Engine:
             self.loop.drain(grace)
 
     def warm_up(self) -> None:
-        """One throwaway forward pass outside the pool, so the first timed request does not
-        pay for one-time setup (buffer allocation, kernel choice, the CUDA context)."""
-        with self.lock, torch.inference_mode():
-            self.model(input_ids=torch.zeros(1, 16, dtype=torch.long, device=self.device), logits_to_keep=1)
+        """A throwaway prefill and one decode step after it, outside the pool and in the
+        context every pass runs in (cpu_threads.one_pass), so the first timed request does
+        not pay for one-time setup (buffer allocation, kernel choice, the CUDA context)."""
+        with self.lock, torch.inference_mode(), one_pass(self.threads, self.device, "warm-up", may_probe=False):
+            cache = self.kv.gather([], self.model.config)
+            forward(self.model, [0] * 16, cache)
+            forward(self.model, [0], cache)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
 
 def _close_loop(loop: EngineLoop | None) -> None:

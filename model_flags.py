@@ -30,7 +30,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("model")
     group.add_argument("--model", default=None, help=f"Hugging Face id or local path (default: {DEFAULT_MODEL}, offline)")
     group.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda when there is a GPU)")
-    group.add_argument("--dtype", default=None, choices=list(DTYPES), help="default: fp32 on CPU, bf16 on CUDA")
+    group.add_argument("--dtype", default=None, choices=list(DTYPES), help="default: fp32 on CPU, bf16 on a GPU that computes it natively, else fp16")
     group.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block (default: 16)")
     size = group.add_mutually_exclusive_group()
     size.add_argument("--num-blocks", type=positive_int, default=None,

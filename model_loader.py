@@ -110,13 +110,19 @@ def resolve_device(device=None):
 
 
 def resolve_dtype(dtype, device):
-    """None -> float32 on CPU (exact, and CPUs are slow at bf16), bfloat16 on a GPU.
+    """None -> by what the device computes natively: float32 on a CPU (exact, and CPUs are
+    slow at bf16), bfloat16 on a GPU that has it (NVIDIA from Ampere on), float16 on one
+    that does not (a V100, a T4: there bf16 is emulated, several times slower).
 
-    >>> resolve_dtype("bf16", resolve_device("cpu"))
-    torch.bfloat16
+    >>> resolve_dtype("bf16", resolve_device("cpu")), resolve_dtype(None, resolve_device("cpu"))
+    (torch.bfloat16, torch.float32)
     """
     if dtype is None:
-        return torch.float32 if device.type == "cpu" else torch.bfloat16
+        if device.type == "cpu":
+            return torch.float32
+        if device.type == "cuda" and not torch.cuda.is_bf16_supported(including_emulation=False):
+            return torch.float16
+        return torch.bfloat16
     if isinstance(dtype, torch.dtype):
         return dtype
     name = DTYPES.get(dtype, dtype)

@@ -98,15 +98,22 @@ class _Stopwatch:
         return elapsed
 
 
-def forward(model, token_ids: list[int], past_key_values, threads: ThreadChooser | None = None):
+def forward(model, token_ids: list[int], past_key_values):
     """Logits of the last position. past_key_values grows in place by len(token_ids)
-    tokens; position ids continue after what it already holds. threads: on a CPU, the pass
-    runs with the thread count it picks (cpu_threads.py), as every batched step does."""
+    tokens; position ids continue after what it already holds."""
     input_ids = torch.tensor([token_ids], device=model.device)
-    kind = ("one request", len(token_ids) > 1, len(token_ids).bit_length())  # passes about as big are compared
-    with one_pass(threads, model.device, kind, may_probe=len(token_ids) == 1):
-        output = model(input_ids=input_ids, past_key_values=past_key_values, use_cache=True, logits_to_keep=1)
+    output = model(input_ids=input_ids, past_key_values=past_key_values, use_cache=True, logits_to_keep=1)
     return output.logits[0, -1]
+
+
+def step_pass(parts: EngineParts, num_new: int, num_cached: int):
+    """The context of one step of a request: the cached K/V copied in (a prefill), the
+    forward pass, the new K/V copied out to the pool. On a CPU every tensor operation of it
+    runs with the thread count the chooser picks (cpu_threads.py): the copies too, since
+    beside busy programs a copy with all the cores waits for a core as a matrix product
+    does. Steps about as big are timed against each other; a long prefill never probes."""
+    kind = ("one request", num_new > 1, num_new.bit_length(), num_cached.bit_length())
+    return one_pass(parts.threads, parts.device, kind, may_probe=num_new == 1)
 
 
 def run_request(parts: EngineParts, request_id: str, prompt_ids: list[int], params: SamplingParams,
@@ -138,13 +145,14 @@ def run_request(parts: EngineParts, request_id: str, prompt_ids: list[int], para
             allocated = True
             reply.cached_tokens = num_computed = num_cached
             reply.prefill.lookup_ms = clock.lap()
-            past_key_values = kv.gather(table[: num_cached // block_size], model.config)
-            reply.prefill.gather_ms = clock.lap()
-            logits = forward(model, prompt_ids[num_cached:], past_key_values, parts.threads)
-            reply.prefill.forward_ms = clock.lap()
-            kv.write(past_key_values, table, num_cached, len(prompt_ids))
-            num_computed = len(prompt_ids)
-            reply.prefill.write_ms = clock.lap()
+            with step_pass(parts, len(prompt_ids) - num_cached, num_cached):
+                past_key_values = kv.gather(table[: num_cached // block_size], model.config)
+                reply.prefill.gather_ms = clock.lap()
+                logits = forward(model, prompt_ids[num_cached:], past_key_values)
+                reply.prefill.forward_ms = clock.lap()
+                kv.write(past_key_values, table, num_cached, len(prompt_ids))
+                num_computed = len(prompt_ids)
+                reply.prefill.write_ms = clock.lap()
             token = sample(logits, params, generator)
             reply.prefill.sample_ms = clock.lap()
         reply.ttft_ms = (time.perf_counter() - arrival) * 1e3
@@ -158,8 +166,9 @@ def run_request(parts: EngineParts, request_id: str, prompt_ids: list[int], para
                 with parts.allocator_lock:
                     alloc.append_token(request_id, token)  # its K/V is computed right below
                     table = list(alloc.block_tables[request_id])
-                logits = forward(model, [token], past_key_values, parts.threads)
-                kv.write(past_key_values, table, num_computed, num_computed + 1)
+                with step_pass(parts, 1, num_computed):
+                    logits = forward(model, [token], past_key_values)
+                    kv.write(past_key_values, table, num_computed, num_computed + 1)
                 num_computed += 1
                 token = sample(logits, params, generator)
     finally:

@@ -349,11 +349,11 @@ def test_a_request_failing_midway_frees_its_blocks_and_caches_no_unwritten_slot(
     prompt = list(range(100, 114))  # 14 tokens: 3 full blocks; the 4th fills while decoding
     real_forward, calls = one_request.forward, []
 
-    def flaky_forward(model, token_ids, cache, threads=None):
+    def flaky_forward(model, token_ids, cache):
         calls.append(len(token_ids))
         if len(calls) == fail_at_call:
             raise RuntimeError("the GPU fell over")
-        return real_forward(model, token_ids, cache, threads)
+        return real_forward(model, token_ids, cache)
 
     monkeypatch.setattr(one_request, "forward", flaky_forward)
     with pytest.raises(RuntimeError, match="fell over"):

@@ -125,10 +125,10 @@ def test_the_allocator_can_be_read_while_a_forward_pass_runs(make_engine, monkey
     in_forward, release = threading.Event(), threading.Event()
     real_forward = one_request.forward
 
-    def slow_forward(model, token_ids, past_key_values, threads=None):
+    def slow_forward(model, token_ids, past_key_values):
         in_forward.set()
         assert release.wait(timeout=30)
-        return real_forward(model, token_ids, past_key_values, threads)
+        return real_forward(model, token_ids, past_key_values)
 
     monkeypatch.setattr(one_request, "forward", slow_forward)
     worker = threading.Thread(target=lambda: engine.generate(SHARED + [5], max_tokens=2))
