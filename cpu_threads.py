@@ -14,6 +14,7 @@ are not wrapped, nor are the lessons' untimed checks against them: they keep the
                                          ThreadChooser.running wraps one forward pass
     GPU_ATTENTION                        the attention kernels a pass may use on a GPU: none that plans per shape
     one_pass                             the wrap for one forward pass (and its step's copies) on any device
+    synchronize                          wait for a GPU's queued work before a timing stops
 """
 
 from __future__ import annotations
@@ -149,6 +150,15 @@ class ThreadChooser:
         elif threads > 1 and busy:
             self.threads = 1  # other programs took some of the cores
             self.next_probe = self.steps + self.interval
+
+
+def synchronize(device) -> None:
+    """Wait for the work queued on `device`. A GPU runs kernels after the CPU has launched
+    them, so a timing that stops without this measures the launch, and the time lands in
+    whichever timing waits next. Every step time and TTFT the course prints ends here (or
+    after a `.tolist()` / `int()` of a result, which waits too). Nothing on a CPU."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 # -----------------------------------------------------------------------------

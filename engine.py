@@ -39,7 +39,7 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from batch_engine import BatchRunner
-from cpu_threads import ThreadChooser, one_pass
+from cpu_threads import ThreadChooser, one_pass, synchronize
 from engine_loop import (
     ClientGoneError, EngineLoop, EngineStoppedError, LoopSnapshot, QueueFullError, thaw_startup_heap,
 )
@@ -509,8 +509,7 @@ class Engine:
             cache = self.kv.gather([], self.model.config)
             forward(self.model, [0] * 16, cache)
             forward(self.model, [0], cache)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        synchronize(self.device)
 
 
 def _close_loop(loop: EngineLoop | None) -> None:

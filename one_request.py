@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Iterator
 
 import torch
 
-from cpu_threads import ThreadChooser, one_pass
+from cpu_threads import ThreadChooser, one_pass, synchronize
 from kv_pool import PagedKVPool
 from outputs import Generation, ReplyBuilder, StreamEvent
 from prefix_caching import OutOfBlocksError, PrefixCachingAllocator
@@ -91,8 +91,7 @@ class _Stopwatch:
         self.last = time.perf_counter()
 
     def lap(self) -> float:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        synchronize(self.device)
         now = time.perf_counter()
         elapsed, self.last = (now - self.last) * 1e3, now
         return elapsed

@@ -40,6 +40,7 @@ from batch_engine import BatchRunner
 from benchmarks import save_json
 from benchmarks.attention import floor_ms, timed_attention
 from benchmarks.engines import open_engine
+from cpu_threads import synchronize
 from engine import Engine
 from flags import positive_int
 from model_flags import add_model_arguments
@@ -128,6 +129,7 @@ def compare(engine: Engine, n: int, context: int, steps: int, seed: int) -> dict
             with timed_attention() as seconds:
                 start = time.perf_counter()
                 out = engine.model(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True)
+                synchronize(engine.device)
                 contiguous_ms.append((time.perf_counter() - start) * 1e3)
             contiguous_attention.append(sum(seconds) * 1e3)
             ids = out.logits[:, -1].argmax(-1, keepdim=True)

@@ -33,6 +33,7 @@ import batch_attention
 from batch_engine import BatchRunner
 from benchmarks import save_json
 from benchmarks.engines import open_engine
+from cpu_threads import synchronize
 from benchmarks.throughput import questions
 from flags import positive_int
 from model_flags import add_model_arguments
@@ -61,6 +62,7 @@ def profiled_steps(engine, n: int, steps: int) -> dict:
         try:
             return real_forward(*args, **kwargs)
         finally:
+            synchronize(model.device)
             forward_ms.append((time.perf_counter() - start) * 1e3)
 
     real_forward, real_attention = model.forward, batch_attention.pool_attention

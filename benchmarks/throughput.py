@@ -34,7 +34,7 @@ from transformers import ContinuousBatchingConfig, GenerationConfig
 from benchmarks import save_json
 from benchmarks.engines import open_engine
 from benchmarks.measure import TokenCounter
-from cpu_threads import one_pass
+from cpu_threads import one_pass, synchronize
 from demo import DEMO_SYSTEM_PROMPT
 from engine import Engine
 from model_flags import add_model_arguments
@@ -101,6 +101,7 @@ def floor_seconds(engine: Engine, sizes: list[tuple[int, int]]) -> float:
             with one_pass(engine.threads, engine.device, ("floor", n > 1, n.bit_length()), may_probe=n == 1):
                 engine.model(input_ids=torch.zeros(1, n, dtype=torch.long, device=engine.device),
                              logits_to_keep=max(keep, 1))
+    synchronize(engine.device)
     return time.perf_counter() - start
 
 

@@ -1,0 +1,48 @@
+"""What every pass runs with, per device (cpu_threads.py, model_loader.resolve_dtype): the
+CPU side runs here; the GPU side's choices are flags and functions a CPU can check."""
+
+import torch
+
+import kv_pool
+from cpu_threads import GPU_ATTENTION, ThreadChooser, one_pass
+from model_loader import resolve_dtype
+
+
+def test_the_default_dtype_follows_what_the_device_computes_natively(monkeypatch):
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
+    assert resolve_dtype(None, cuda) == torch.bfloat16
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation)
+    assert resolve_dtype(None, cuda) == torch.float16  # emulated bf16 is slow: fp16 instead
+    assert resolve_dtype(None, torch.device("cpu")) == torch.float32
+    assert resolve_dtype("bf16", cuda) == torch.bfloat16  # a dtype given is kept
+
+
+def test_a_gpu_pass_never_lets_cudnn_plan_attention_and_puts_the_flags_back():
+    before = (torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.mem_efficient_sdp_enabled())
+    with one_pass(ThreadChooser(), torch.device("cuda"), "decode"):
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        assert torch.backends.cuda.mem_efficient_sdp_enabled() and torch.backends.cuda.math_sdp_enabled()
+    assert (torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.mem_efficient_sdp_enabled()) == before
+    assert torch.nn.attention.SDPBackend.CUDNN_ATTENTION not in GPU_ATTENTION
+
+
+def test_a_requests_pool_copies_run_with_the_thread_count_its_forward_pass_gets(make_engine, monkeypatch):
+    """Beside busy programs the chooser picks one thread; the gather and the write of the
+    one-request step must run with it too, not with torch's setting."""
+    engine = make_engine()
+    chooser = engine.threads
+    chooser.most, chooser.threads, chooser.next_probe = torch.get_num_threads(), 1, 10**9  # as after a busy step
+    seen = {}
+    for name in ("gather", "write"):
+        real = getattr(kv_pool.PagedKVPool, name)
+
+        def spy(self, *args, _real=real, _name=name):
+            seen.setdefault(_name, set()).add(torch.get_num_threads())
+            return _real(self, *args)
+
+        monkeypatch.setattr(kv_pool.PagedKVPool, name, spy)
+    most = torch.get_num_threads()
+    engine.generate(list(range(100, 120)), max_tokens=3)
+    assert seen == {"gather": {1}, "write": {1}}
+    assert torch.get_num_threads() == most  # put back after each step
