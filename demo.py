@@ -8,6 +8,7 @@ The demo: a course assistant whose long system prompt is shared by every request
 from __future__ import annotations
 
 import argparse
+import json
 import time
 
 import torch
@@ -119,6 +120,10 @@ def run_demo(args: argparse.Namespace) -> list[Generation]:
     if engine.device.type == "cpu":
         console.print(machine_note(engine.threads, others))
     console.print(render_free_queue(engine.allocator, max_blocks=12), render_stats(engine.allocator))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([{"question": q, "cached_tokens": r.cached_tokens, "computed_tokens": r.computed_prompt_tokens,
+                        "ttft_ms": round(r.ttft_ms, 2)} for q, r in zip(DEMO_QUESTIONS, replies)], f, indent=2)
     return replies
 
 

@@ -212,3 +212,6 @@ def test_the_busy_benchmark_starts_and_stops_its_busy_programs(tiny_model_dir, t
     assert len(started) == 1 and all(p.poll() is not None for p in started)  # stopped after
     assert set(results["busy"]) == {"c", "d", "c fixed", "one", "one fixed", "demo"}
     assert set(results["quiet"]) == {"c", "d", "one", "demo"} and results["quiet"]["c"]["requests"] == 4
+    for when in ("quiet", "busy"):  # the demo's four HITs, each against its MISS (from the demo's --json)
+        demo = results[when]["demo"]
+        assert len(demo["hit_speedups"]) == 4 and demo["slowest_hit_speedup"] == min(demo["hit_speedups"]) > 0
