@@ -310,9 +310,19 @@ class Allocation(NamedTuple):
 
 @dataclass
 class CacheStats:
+    """What the allocator counted. The hit rate is hit_tokens / queried_tokens: of the prompt
+    tokens of the requests that came (a whole prompt, even when the allocator is handed its
+    first chunk only), the share found cached, as vLLM's PrefixCacheStats counts its queries
+    and hits (vllm/v1/metrics/stats.py). A preempted request looked up again on resuming is
+    counted apart, in the preempted_ fields, so finding its own blocks again does not raise
+    the rate."""
+
     requests: int = 0
     queried_tokens: int = 0  # prompt tokens looked up
     hit_tokens: int = 0  # of those, tokens served from the cache
+    preempted_requests: int = 0  # lookups of preempted requests, resuming
+    preempted_queried_tokens: int = 0
+    preempted_hit_tokens: int = 0
     evictions: int = 0  # cached blocks whose hash was dropped to reuse the block
     blocks_cached: int = 0  # times a full block was added to the cache map
     hash_collisions: int = 0  # hash matched but stored tokens differed (treated as a miss)
@@ -504,6 +514,9 @@ class PrefixCachingAllocator:
         cache_salt: str | None = None,
         extra_keys: Sequence = (),
         block_hashes: list[BlockHash] | None = None,
+        *,
+        num_query_tokens: int | None = None,
+        preempted: bool = False,
     ) -> Allocation:
         """Give a new request blocks for its prompt, reusing the longest cached prefix.
 
@@ -514,8 +527,16 @@ class PrefixCachingAllocator:
         block_hashes: the caller's list of the request's full blocks' hashes (hash_blocks),
         if it keeps one: used instead of hashing the prompt again, and the blocks that fill
         later (append_token) take their hash from it while it has one.
+
+        For the counters (CacheStats): num_query_tokens, the request's whole length when
+        token_ids is only its first chunk (a scheduler's chunked prefill; default
+        len(token_ids)); preempted: the request is resuming after a preemption.
         """
         token_ids, cache_salt, extra_keys = self._check_new_request(request_id, token_ids, cache_salt, extra_keys)
+        num_query_tokens = len(token_ids) if num_query_tokens is None else num_query_tokens
+        if not (isinstance(num_query_tokens, int) and num_query_tokens >= len(token_ids)):
+            raise ValueError(f"num_query_tokens must be an int >= len(token_ids) ({len(token_ids)}), "
+                             f"got {num_query_tokens!r:.40}")
         num_needed = -(-len(token_ids) // self.block_size)  # ceil division
 
         # 1. lookup: the cached blocks the prompt starts with.
@@ -549,9 +570,14 @@ class PrefixCachingAllocator:
         self.block_tables[request_id] = table
         self.requests[request_id] = _Request(token_ids, cache_salt, extra_keys, hashes, cacheable=not collided)
         num_cached = len(hits) * self.block_size
-        self.stats.requests += 1
-        self.stats.queried_tokens += len(token_ids)
-        self.stats.hit_tokens += num_cached
+        if preempted:
+            self.stats.preempted_requests += 1
+            self.stats.preempted_queried_tokens += num_query_tokens
+            self.stats.preempted_hit_tokens += num_cached
+        else:
+            self.stats.requests += 1
+            self.stats.queried_tokens += num_query_tokens
+            self.stats.hit_tokens += num_cached
         self.stats.hash_collisions += collided
         return Allocation(num_cached, len(token_ids) - num_cached)
 

@@ -326,7 +326,8 @@ class Scheduler:
                 break  # over the token budget: next step (alone in a step, any length runs)
             try:
                 alloc.allocate_with_prefix(request.request_id, tokens[: num_cached + num_new], request.cache_salt,
-                                           block_hashes=request.block_hashes)
+                                           block_hashes=request.block_hashes, num_query_tokens=len(tokens),
+                                           preempted=request.num_preemptions > 0)
             except OutOfBlocksError:
                 break  # the pool is full for now: wait until running requests finish
             self.waiting.remove(request)

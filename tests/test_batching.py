@@ -123,6 +123,23 @@ def test_a_preempted_request_resumes_mostly_from_the_cache(make_engine):
     for i, reply in enumerate(replies):
         assert reply.token_ids == hf_greedy(engine.model, SHARED[:16] + [60 + i], 12)
     runner.scheduler.check_invariants()
+    # The hit rate counts each request's prompt once; a resumed request's lookup is counted apart.
+    stats = engine.allocator.stats
+    assert (stats.requests, stats.queried_tokens) == (2, 2 * 17)
+    assert stats.hit_tokens == sum(r.cached_tokens for r in replies)
+    assert stats.preempted_requests == runner.scheduler.num_preemptions and stats.preempted_hit_tokens > 0
+
+
+def test_the_hit_rate_counts_a_chunked_prompt_whole(make_engine):
+    """Handed a prompt chunk by chunk, the allocator still counts the whole prompt as looked
+    up: the hit rate is the share of the requests' prompt tokens that came from the pool."""
+    engine = make_engine(batching=True, max_num_seqs=4, max_num_batched_tokens=8)
+    prompt = SHARED + [40, 41, 42]
+    first, second = engine.generate(prompt, max_tokens=2), engine.generate(prompt[:-1] + [43], max_tokens=2)
+    stats = engine.allocator.stats
+    assert second.cached_tokens > 8  # more than one chunk's worth was found
+    assert (stats.queried_tokens, stats.hit_tokens) == (2 * len(prompt), first.cached_tokens + second.cached_tokens)
+    assert stats.hit_rate == second.cached_tokens / (2 * len(prompt))
 
 
 def test_stop_strings_and_eos_end_batched_requests_like_single_ones(make_engine):
