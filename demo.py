@@ -85,15 +85,14 @@ def run_demo(args: argparse.Namespace) -> list[Generation]:
                   f"prefix caching [bold]{'off' if args.no_cache else 'on'}[/]")
     console.print(str(engine.kv))
     system = {"role": "system", "content": DEMO_SYSTEM_PROMPT}
-    shared = len(engine.tokenize([system]))
-    console.print(f"The system prompt is {shared} tokens ({shared // args.block_size} full blocks), "
-                  f"the same in front of every question.\n")
+    prompts = [[system, {"role": "user", "content": question}] for question in DEMO_QUESTIONS]
+    console.print(shared_prefix_sentence([engine.tokenize(p) for p in prompts], args.block_size) + "\n")
     engine.warm_up()
 
     replies: list[Generation] = []
     started, machine = time.perf_counter(), cpu_sample()
-    for i, question in enumerate(DEMO_QUESTIONS, 1):
-        reply = engine.generate([system, {"role": "user", "content": question}], max_tokens=DEMO_MAX_TOKENS)
+    for i, (question, prompt) in enumerate(zip(DEMO_QUESTIONS, prompts), 1):
+        reply = engine.generate(prompt, max_tokens=DEMO_MAX_TOKENS)
         replies.append(reply)
         hit = reply.cached_tokens > 0
         table = Table(title=f"request {i}: {question}", title_justify="left", title_style="bold",
@@ -125,6 +124,24 @@ def run_demo(args: argparse.Namespace) -> list[Generation]:
             json.dump([{"question": q, "cached_tokens": r.cached_tokens, "computed_tokens": r.computed_prompt_tokens,
                         "ttft_ms": round(r.ttft_ms, 2)} for q, r in zip(DEMO_QUESTIONS, replies)], f, indent=2)
     return replies
+
+
+def shared_prefix_sentence(prompts: list[list[int]], block_size: int) -> str:
+    """What the prompts have in common, counted as the pool counts it: the tokens every one
+    of them starts with, in full blocks and the tokens over (a request can hit only full
+    blocks; the block the questions begin in is hit only by a question whose first tokens
+    fill it the same way as an earlier one's).
+
+    >>> shared_prefix_sentence([[1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 9]], block_size=4)
+    'The first 5 tokens of every prompt are the same (the system prompt, with the chat template): 1 full block of 4, and 1 token over, in the block the question begins in.'
+    """
+    shared = 0
+    while all(len(p) > shared and p[shared] == prompts[0][shared] for p in prompts):
+        shared += 1
+    full, over = divmod(shared, block_size)
+    return (f"The first {shared} tokens of every prompt are the same (the system prompt, with the chat template): "
+            f"{full} full block{'s' if full != 1 else ''} of {block_size}, and {over} token{'s' if over != 1 else ''} "
+            f"over, in the block the question begins in.")
 
 
 def how_passes_run(device: torch.device) -> str:

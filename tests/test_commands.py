@@ -7,6 +7,7 @@ import argparse
 import contextlib
 import io
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -93,14 +94,23 @@ def test_freeing_hashless_blocks_to_the_head_keeps_more_of_a_tight_pool_cached()
 
 
 @pytest.mark.parametrize("no_cache", [False, True], ids=["cache", "no-cache"])
-def test_the_demo_hits_from_the_second_question_on_unless_caching_is_off(tiny_model_dir, capsys, no_cache):
+def test_the_demo_hits_from_the_second_question_on_unless_caching_is_off(tiny_model_dir, tmp_path, capsys, no_cache):
     args = argparse.Namespace(model=str(tiny_model_dir), device="cpu", dtype=None, block_size=16,
-                              num_blocks=256, no_cache=no_cache)
+                              num_blocks=256, no_cache=no_cache, json=str(tmp_path / "demo.json"))
     replies = run_demo(args)
     hits = [reply.cached_tokens > 0 for reply in replies]
     assert hits == ([False] * 5 if no_cache else [False, True, True, True, True])
-    out = capsys.readouterr().out
+    out = " ".join(capsys.readouterr().out.split())  # rich wraps lines
     assert "MISS" in out and ("HIT" in out) != no_cache and "hit rate" in out
+    # The sentence about the shared prompt counts as the table does: every hit is its full blocks,
+    # or one block more where a question's first tokens fill the next block as an earlier one's did.
+    shared, full, over = map(int, re.search(r"The first (\d+) tokens .*?: (\d+) full blocks of 16, and (\d+) tokens", out).groups())
+    assert shared == 16 * full + over
+    for reply in replies[1:]:
+        assert reply.cached_tokens in ((0,) if no_cache else (16 * full, 16 * (full + 1)))
+        assert f"{reply.cached_tokens} + {reply.computed_prompt_tokens}" in out
+    assert [r["ttft_ms"] for r in json.loads((tmp_path / "demo.json").read_text())] == [
+        round(r.ttft_ms, 2) for r in replies]
 
 
 def test_the_ttft_benchmark_reports_every_figure(tiny_model_dir, tmp_path):
