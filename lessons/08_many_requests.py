@@ -329,7 +329,10 @@ def step_time_budget(console: Console, engine: Engine, prompts: dict[str, list[i
     runner.run(requests)
     per_token = per_flop * 2 * budget.shape.body_params
     whole = fixed + per_flop * chunk_flops(budget.shape, 0, len(erin_ids))
-    took = Runs([r.ms for r in chunks])
+    # Her chunks beside the four's decodes, which the bound is about; once the four have
+    # finished she steps alone, and those steps (a target's worth each) say nothing of it.
+    beside = Runs([r.ms for r in chunks if len(r.scheduled) > 1] or [chunks[0].ms])  # her first: beside them
+    after = [r.ms for r in chunks if len(r.scheduled) == 1]
     shrink = (f" Her chunks shrink as she goes ({sizes[0]} tokens first, {sizes[-2]} before the last): each of her "
               f"tokens attends to every one before it." if len(sizes) > 2 and sizes[-2] < sizes[0] else "")
     console.print(
@@ -341,15 +344,17 @@ def step_time_budget(console: Console, engine: Engine, prompts: dict[str, list[i
         f"a target of {target_ms:g} ms, a step gives her as many tokens as keep it within the target and within "
         f"{STALL:g} times the four's own step ({decoding} alone, steps {decode_numbers[0]}-{decode_numbers[-1]}), "
         f"never fewer than fit in as long as theirs, and never so few that the step's fixed cost is more than "
-        f"1/{FLOOR + 1:g} of it (FLOOR; up to a gap of {GAP_MAX:g} times theirs): {len(chunks)} chunks, steps of "
-        f"{took} (median, "
-        f"{took.median / decoding.median:.1f}x theirs).{shrink} This is Sarathi-Serve's stall-free batching "
+        f"1/{FLOOR + 1:g} of it (FLOOR; up to a gap of {GAP_MAX:g} times theirs): so a step beside them should take "
+        f"at most {GAP_MAX:g} times theirs. {len(chunks)} chunk{'s' if len(chunks) > 1 else ''}; {len(beside.ms)} beside the four's decodes, in "
+        f"steps of {beside} (median, {beside.median / decoding.median:.1f}x theirs; the longest "
+        f"{max(beside.ms):,.0f} ms, {max(beside.ms) / decoding.median:.1f}x)"
+        f"{f', and {len(after)} alone after they finished' if after else ''}.{shrink} This is Sarathi-Serve's stall-free batching "
         f"(Agrawal et al., OSDI 2024): the chunk is sized from a latency target. vLLM's budget is a fixed "
         f"number of tokens instead, 2,048 for `vllm serve` (8,192 on a GPU with 70 GiB or more: get_batch_defaults "
         f"in vllm/engine/arg_utils.py), sized for a GPU, where 2,048 tokens take milliseconds. "
         f"Engine(batching=True) and python server.py use a target ({DEFAULT_TARGET_STEP_MS:g} ms unless "
         f"--target-step-ms is given); --max-num-batched-tokens N makes the budget N every step, as in vLLM, and the "
-        f"scenes above pass one so their plans are the same on every machine. {busy_note(decoding, took)}".strip()
+        f"scenes above pass one so their plans are the same on every machine. {busy_note(decoding, beside)}".strip()
     )
 
 
