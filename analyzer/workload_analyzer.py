@@ -620,8 +620,9 @@ def main(argv: list[str] | None = None, console: Console | None = None) -> Summa
         f"Working set: {curve.working_set:,} blocks ({curve.working_set * args.block_size:,} tokens) save "
         f"{FLAT:.0%} of what a pool with room for the whole log saves ({most.hit_rate:.1%} hit rate, "
         f"{most.cached_tokens:,} tokens, at {most.num_blocks:,} blocks). "
-        f"The article's rule, shared blocks x 1.2, gives "
-        f"{curve.footprint.shared_blocks:,} x 1.2 = {rule:,} blocks ({curve.footprint.distinct_blocks:,} distinct "
+        f"The article's rule (the long write-up on vLLM v1's prefix caching the course started from: a pool of "
+        f"the blocks later requests start with, its unique prefixes times their blocks, plus 20 % for LRU's "
+        f"churn) gives {curve.footprint.shared_blocks:,} x 1.2 = {rule:,} blocks ({curve.footprint.distinct_blocks:,} distinct "
         f"full blocks in the log).")
     if shape is not None:
         print_memory_to_buy(console, shape, args, curve.working_set, args.context or max(map(len, prompts)))

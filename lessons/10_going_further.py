@@ -171,6 +171,8 @@ def main(argv: list[str] | None = None) -> None:
         console.print(f"[bold]{what}[/]  [dim]{where}[/]", Padding(how, (0, 0, 0, 2)))
 
     console.print(Rule("5. Your own traffic: the workload analyzer on logs shaped like the article's workloads"))
+    console.print("The article: the long write-up on vLLM v1 prefix caching this course started from; its table gives "
+                  "a range of hit rates for each kind of workload.")
     tokenizer = load_tokenizer()
     table = Table("log (lessons/data)", "requests", "prompt tokens", "hit rate, a pool for the whole log",
                   "working set", "the article",
@@ -234,13 +236,13 @@ def main(argv: list[str] | None = None) -> None:
     table = Table("caching model", "hit rate, never evicting", "working set", "the cache", "+ 16 running x 4,096",
                   "KV to buy", title=f"multi_turn, blocks of 16, sized for {shape.name} "
                                      f"({shape.bytes_per_block(16) / 2**20:.0f} MiB a block)")
-    for like in ("vllm", "sglang", "llamacpp"):
+    flags = {}
+    for like, server in (("vllm", "vLLM"), ("sglang", "SGLang"), ("llamacpp", "llama.cpp")):
         curve = hit_rate_curve(prompts, salts, block_size=16, model=LIKE[like])  # NEW: --like
         m = memory_to_buy(shape, 16, curve.working_set, concurrency=16, context=4096)  # NEW
         table.add_row(like, f"{curve.replays[-1].hit_rate:.1%}", f"{curve.working_set:,} blocks",
                       f"{m.gib(m.cache_blocks):.2f} GiB", f"{m.gib(m.running_blocks):.2f} GiB", f"{m.gib():.2f} GiB")
-        if like == "vllm":
-            flags = server_flags(m)
+        flags[server] = server_flags(m)[server]  # each server sized by its own cache's working set
     console.print(table)
     console.print("The same 40 conversations, eight at a time, replayed through each server's cache, one request "
                   "at a time. SGLang's tree matches token by token, so it also reuses the partly shared block at the "
@@ -251,7 +253,7 @@ def main(argv: list[str] | None = None) -> None:
                   "analyzer --model for your model's tokenizer:")
     console.print("  python prefix_caching.py --analyze LOG --like sglang --kv-model Llama-3.1-8B --concurrency 16 "
                   "--context 4096", soft_wrap=True, highlight=False, markup=False)
-    console.print("The flags that give a server vLLM's working set and the 16 running requests:")
+    console.print("The flags that give each server its own working set (its row above) and the 16 running requests:")
     for server_name, line in flags.items():
         console.print(f"  {server_name}: {line}", soft_wrap=True, highlight=False, markup=False)
 
