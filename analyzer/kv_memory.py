@@ -40,7 +40,8 @@ class KVShape:
     num_layers: int
     num_kv_heads: int
     head_size: int
-    dtype: str  # the KV cache's dtype: the model's own unless a server is told otherwise
+    dtype: str  # the KV cache's dtype as a server serves the model (served_dtype), unless it is told otherwise
+    config_dtype: str | None = None  # the checkpoint's own (its config.json's), where it differs from dtype
 
     def bytes_per_token(self) -> int:
         """K and V, for every KV head, in every layer."""
@@ -62,6 +63,18 @@ KNOWN_MODELS = {shape.name: shape for shape in (
     KVShape("Mistral-7B-v0.3", 32, 8, 128, "bfloat16"),  # v0.1 had a 4,096-token window: refused
     KVShape("SmolLM2-135M", 30, 3, 64, "bfloat16"),  # this course's default model
 )}
+
+
+def served_dtype(config_dtype: str) -> str:
+    """The dtype vLLM serves a checkpoint in at its default `--dtype auto`, and so its KV
+    cache's (_resolve_auto_dtype in vllm/config/model.py): a float32 checkpoint is downcast
+    to the platform's first supported dtype, bfloat16 on a GPU that has it (NVIDIA from
+    Ampere on, the GPUs these sizes are for); any other dtype is served as it is.
+
+    >>> served_dtype("float32"), served_dtype("float16")
+    ('bfloat16', 'float16')
+    """
+    return "bfloat16" if config_dtype == "float32" else config_dtype
 
 
 class UnsupportedModel(ValueError):
@@ -97,7 +110,7 @@ def shape_from_config(config: dict, name: str) -> KVShape:
 
     >>> shape_from_config({"num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 2,
     ...                    "hidden_size": 256, "torch_dtype": "float16"}, "tiny")
-    KVShape(name='tiny', num_layers=2, num_kv_heads=2, head_size=32, dtype='float16')
+    KVShape(name='tiny', num_layers=2, num_kv_heads=2, head_size=32, dtype='float16', config_dtype=None)
     """
     config = config.get("text_config") or config
     if config.get("kv_lora_rank"):
@@ -115,10 +128,13 @@ def shape_from_config(config: dict, name: str) -> KVShape:
     except (KeyError, TypeError):
         raise UnsupportedModel(f"{name}: the config lacks num_hidden_layers, num_attention_heads and head_dim "
                                f"(or hidden_size); is it a decoder-only language model's config.json?") from None
-    dtype = str(config.get("torch_dtype") or config.get("dtype") or "bfloat16").removeprefix("torch.")
-    if dtype not in DTYPE_BYTES:
-        raise UnsupportedModel(f"{name}: unknown dtype {dtype!r}; give the KV dtype explicitly")
-    return KVShape(name, layers, config.get("num_key_value_heads") or heads, head_size, dtype)
+    # vLLM takes a config without a dtype as float32 (unless its safetensors say otherwise), then downcasts it.
+    own = str(config.get("torch_dtype") or config.get("dtype") or "float32").removeprefix("torch.")
+    if own not in DTYPE_BYTES:
+        raise UnsupportedModel(f"{name}: unknown dtype {own!r}; give the KV dtype explicitly")
+    dtype = served_dtype(own)
+    return KVShape(name, layers, config.get("num_key_value_heads") or heads, head_size, dtype,
+                   own if own != dtype else None)
 
 
 # -----------------------------------------------------------------------------

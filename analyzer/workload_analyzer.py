@@ -563,7 +563,9 @@ def print_memory_to_buy(console: Console, shape, args: argparse.Namespace, worki
     m = memory_to_buy(shape, args.block_size, working_set, args.concurrency, context)
     per_block = shape.bytes_per_block(args.block_size)
     console.print(
-        f"\n[bold]Memory to buy[/] for {shape.name} (KV in {shape.dtype}: {shape.bytes_per_token() / 1024:,.0f} KiB a "
+        f"\n[bold]Memory to buy[/] for {shape.name} (KV in {shape.dtype}"
+        f"{f', as vLLM serves its {shape.config_dtype} checkpoint' if shape.config_dtype else ''}: "
+        f"{shape.bytes_per_token() / 1024:,.0f} KiB a "
         f"token, {per_block / 2**20:,.2f} MiB a block of {args.block_size}): the working set, {m.cache_blocks:,} "
         f"blocks, is {m.gib(m.cache_blocks):,.2f} GiB; {m.concurrency:,} running request(s) of {m.context:,} tokens "
         f"hold {m.gib(m.running_blocks):,.2f} GiB more: [bold]{m.gib():,.2f} GiB[/] of KV cache in all"

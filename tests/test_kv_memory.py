@@ -32,6 +32,15 @@ def write_config(tmp_path, **fields):
     return tmp_path
 
 
+def test_a_float32_checkpoint_is_sized_as_vllm_serves_it_in_bfloat16(tmp_path):
+    """vLLM's --dtype auto downcasts a float32 checkpoint (the course's default model's config
+    says float32): its KV blocks are bfloat16, half the bytes the config's dtype would give."""
+    shape = kv_shape(str(write_config(tmp_path, torch_dtype="float32", head_dim=64)))
+    assert (shape.dtype, shape.config_dtype) == ("bfloat16", "float32")
+    assert shape.bytes_per_block(16) == 4 * 16 * 2 * (64 + 64) * 2
+    assert kv_shape(str(write_config(tmp_path, torch_dtype="float16"))).config_dtype is None  # served as it is
+
+
 def test_a_config_json_gives_the_shape_and_a_kv_dtype_overrides_it(tmp_path):
     folder = write_config(tmp_path, head_dim=128)
     shape = kv_shape(str(folder))
