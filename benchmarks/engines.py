@@ -13,9 +13,14 @@ from engine import Engine
 from model_flags import pool_arguments
 
 
+def open_console() -> Console:
+    """A console as wide as the terminal; 120 columns in a log file, so it keeps every column."""
+    return Console(width=None if sys.stdout.isatty() else 120)
+
+
 def open_engine(args) -> tuple[Console, Engine, str]:
     """(console, Engine from add_model_arguments' flags, the device's name)."""
-    console = Console(width=None if sys.stdout.isatty() else 120)  # a log file keeps every column
+    console = open_console()
     engine = Engine(args.model, device=args.device, dtype=args.dtype, **pool_arguments(args))
     return console, engine, device_name(engine.device)
 

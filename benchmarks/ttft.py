@@ -31,6 +31,7 @@ from engine import Engine
 from model_flags import add_model_arguments, pool_arguments
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
+SUFFIX_LEN = 32  # each request's own tokens after the shared prefix
 
 
 def random_tokens(rng: random.Random, n: int, vocab_size: int) -> list[int]:
@@ -137,7 +138,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(prog="prefix_caching.py --bench ttft", description=__doc__.split("\n\n")[0])
     add_model_arguments(parser)
     parser.add_argument("--prefix-lens", type=int, nargs="+", default=[128, 256, 512, 1024, 2048])
-    parser.add_argument("--suffix-len", type=int, default=32)
+    parser.add_argument("--suffix-len", type=int, default=SUFFIX_LEN)
     parser.add_argument("--repeats", type=int, default=5, help="runs per measurement; medians are reported")
     parser.add_argument("--overhead-prompt-len", type=int, default=512)
     parser.add_argument("--overhead-pairs", type=int, default=15)
