@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import copy
 import random
+import time
 from dataclasses import dataclass
 from datetime import date
 from pathlib import Path
@@ -204,7 +205,8 @@ def results_table(results: dict) -> Table:
     """Every figure of the run in one table: part, what, result."""
     table = Table(title=f"GPU check on {results['device']}: {results['dtype']}, torch {results['torch']}, "
                         f"transformers {results['transformers']}, {results['date']}",
-                  caption=results["model"], caption_justify="left")
+                  caption=f"{results['model']}; throughput: {results['throughput']['model']}; the whole check took "
+                          f"{results['seconds']:,.0f} s", caption_justify="left")
     for column in ("part", "what", "result"):
         table.add_column(column, justify="left" if column != "result" else "right")
     first = results["demo"][0]["ttft_ms"]
@@ -245,6 +247,7 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error(f"--model {args.model} names the model; leave out --tiny and --config-dir")
 
     console = open_console()
+    started = time.perf_counter()
     loaded = load(args)
     device = loaded.model.device
     dtype = resolve_dtype(args.dtype, device)
@@ -275,13 +278,16 @@ def main(argv: list[str] | None = None) -> dict:
     console.print("[bold]3. TTFT[/], cold vs warm")
     engine.allocator.reset_prefix_cache()
     rng = random.Random(0)
-    results["ttft"] = [cold_vs_warm(engine, p, SUFFIX_LEN, sizes.repeats, rng) for p in sizes.prefixes]
+    prefixes = [p for p in sizes.prefixes if p + SUFFIX_LEN < engine.max_model_len]  # within the model's context
+    results["ttft"] = [cold_vs_warm(engine, p, SUFFIX_LEN, sizes.repeats, rng) for p in prefixes]
 
     big = llama_1b(loaded.model) if on_gpu else None
-    console.print(f"[bold]4. Throughput[/] on {'a Llama-3.2-1B shape, bfloat16' if big else 'the same model'}")
+    throughput_on = "a Llama-3.2-1B shape, random weights, bfloat16" if big else "the same model"
+    console.print(f"[bold]4. Throughput[/] on {throughput_on}")
     throughput_engine = engine if big is None else Engine(model=big, tokenizer=loaded.tokenizer, **pool)
-    results["throughput"] = {"model": "Llama-3.2-1B shape, random weights, bfloat16" if big else results["model"],
-                             "new_tokens": sizes.new_tokens, "runs": throughput(throughput_engine, sizes)}
+    results["throughput"] = {"model": throughput_on, "new_tokens": sizes.new_tokens,
+                             "runs": throughput(throughput_engine, sizes)}
+    results["seconds"] = time.perf_counter() - started
 
     console.print(results_table(results))
     save_json(args.json, results, console)
