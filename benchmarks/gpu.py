@@ -79,8 +79,12 @@ ON_GPU = Sizes(shared_prompts=16, long_prompts=(600, 1000, 1400, 1800), exact_to
 SMALL = Sizes(shared_prompts=4, long_prompts=(100, 200), exact_tokens=8,
               prefixes=(64, 128), repeats=1, requests=(4, 8), new_tokens=4)
 SHORT_PROMPTS = ["Hello", "What is two plus two?", "Name a colour.", "Tell me a story about a cat."]
+# Every path a request can take through the engine, and the Engine options that choose it.
+PATHS = {"one request": {"batching": False},
+         "batched, cascade allowed": {"batching": True, "cascade_attention": True},
+         "batched, cascade off": {"batching": True, "cascade_attention": False}}
 
-# Llama-3.2-1B's shape: 16 layers 2,048 wide, 32 query heads sharing 8 KV heads.
+# Llama-3.2-1B's layers, widths and heads (llama_1b gives it random weights and the model's vocabulary).
 LLAMA_1B_SHAPE = {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
                   "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64,
                   "max_position_embeddings": 8192}
@@ -108,12 +112,14 @@ def load(args: argparse.Namespace) -> Loaded:
         model, tokenizer = load_model(args.config_dir or args.model, device=device, dtype=torch.float32)
         return Loaded(model, tokenizer, args.config_dir or args.model or DEFAULT_MODEL, False)
     except OSError as err:
+        if args.model is not None:  # a model of its own: no config of the default's stands in for it
+            raise
         config_dir = Path(args.config_dir or converted_default())
-        if args.model is not None or not (config_dir / "config.json").is_file():
+        if not (config_dir / "config.json").is_file():
             raise OSError(f"{err}\nNor is there a config.json in {config_dir} to build random weights of its shape: "
                           f"pass --config-dir DIR, a folder with the model's config.json and tokenizer files") from err
     model = random_model(AutoConfig.from_pretrained(config_dir), device=device, dtype=torch.float32)
-    return Loaded(model, load_tokenizer(str(config_dir)), f"{config_dir.name}'s config", True)
+    return Loaded(model, load_tokenizer(str(config_dir)), f"the config in {config_dir}", True)
 
 
 def llama_1b(model) -> torch.nn.Module:
@@ -162,22 +168,17 @@ def greedy_reference(model, prompt_ids: list[int], max_tokens: int, stop_token_i
 
 
 def exactness(model, tokenizer, prompts: list[list[int]], max_tokens: int, pool: dict) -> dict[str, int]:
-    """How many replies of each path equal model.generate's, token for token."""
-    paths = {"one request": {"batching": False},
-             "batched, cascade allowed": {"batching": True, "cascade_attention": True},
-             "batched, cascade off": {"batching": True, "cascade_attention": False}}
-    same = {}
-    reference = None
-    for name, options in paths.items():
+    """How many replies of each of the engine's PATHS equal model.generate's, token for token."""
+    replies = {}
+    for name, options in PATHS.items():
         with Engine(model=model, tokenizer=tokenizer, **pool, **options) as engine:
-            if reference is None:
-                reference = [greedy_reference(model, p, max_tokens, engine.stop_token_ids) for p in prompts]
             if engine.batching:
-                replies = engine.generate_batch(prompts, max_tokens=max_tokens)
+                replies[name] = engine.generate_batch(prompts, max_tokens=max_tokens)
             else:
-                replies = [engine.generate(p, max_tokens=max_tokens) for p in prompts]
-        same[name] = sum(r.token_ids == ref for r, ref in zip(replies, reference))
-    return same
+                replies[name] = [engine.generate(p, max_tokens=max_tokens) for p in prompts]
+            stop_token_ids = engine.stop_token_ids
+    reference = [greedy_reference(model, p, max_tokens, stop_token_ids) for p in prompts]
+    return {name: sum(r.token_ids == ref for r, ref in zip(got, reference)) for name, got in replies.items()}
 
 
 def throughput(engine: Engine, sizes: Sizes) -> list[dict]:

@@ -15,7 +15,6 @@ import pytest
 from benchmarks import gpu
 
 ROOT = Path(__file__).resolve().parents[1]
-PATHS = ["one request", "batched, cascade allowed", "batched, cascade off"]
 
 
 @pytest.fixture
@@ -41,7 +40,7 @@ def test_the_tiny_check_runs_end_to_end_and_prints_one_table(tmp_path):
     # The demo: the first question computes the system prompt, the others find it in the pool.
     assert [row["cached_tokens"] > 0 for row in results["demo"]] == [False, True, True, True, True]
     # Every path of the engine replies as model.generate does, in fp32 (no bf16 on a CPU).
-    assert results["exactness"] == {"fp32": dict.fromkeys(PATHS, results["exactness_prompts"])}
+    assert results["exactness"] == {"fp32": dict.fromkeys(gpu.PATHS, results["exactness_prompts"])}
     assert [row["prefix_tokens"] for row in results["ttft"]] == list(gpu.SMALL.prefixes)
     runs = results["throughput"]["runs"]
     assert [run["requests"] for run in runs] == list(gpu.SMALL.requests)
@@ -52,7 +51,7 @@ def test_without_weights_it_builds_random_ones_of_the_config_and_says_so(config_
     results = gpu.main(["--config-dir", str(config_dir), "--device", "cpu", "--num-blocks", "256"])
     out = capsys.readouterr().out
     assert results["random_weights"] and "Random weights" in out and "random weights, seed 0" in results["model"]
-    assert results["exactness"]["fp32"] == dict.fromkeys(PATHS, results["exactness_prompts"])
+    assert results["exactness"]["fp32"] == dict.fromkeys(gpu.PATHS, results["exactness_prompts"])
 
 
 @pytest.fixture
