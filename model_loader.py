@@ -1,5 +1,6 @@
 """
-Loading a model: the offline default (SmolLM2-135M-Instruct) or any Hugging Face model.
+Loading a model: the offline default (SmolLM2-135M-Instruct) or any Hugging Face model, or a
+model of a known shape with random weights (the tests' tiny model; a config without its weights).
 
 Read model_files.py first: the default's name, where its files live, and load_tokenizer
 (without torch, for the workload analyzer: a log needs no weights). The engine (engine.py)
@@ -16,7 +17,7 @@ from pathlib import Path
 import torch
 from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-from transformers import AutoModelForCausalLM, GgufConfig
+from transformers import AutoModelForCausalLM, GgufConfig, LlamaConfig, LlamaForCausalLM
 from transformers import modeling_gguf_pytorch_utils as gguf_utils
 
 from model_files import (
@@ -143,3 +144,36 @@ def load_model(model_name_or_path: str | None = None, *, device=None, dtype=None
     except (OSError, ValueError) as err:
         raise load_error(model_name_or_path, err) from err
     return model.to(device).eval(), tokenizer
+
+
+# -----------------------------------------------------------------------------
+# 2. Models with random weights
+#
+# A model's shape is its config; its weights are a seed away. Greedy decoding on random weights
+# is as deterministic as on trained ones, so every comparison the course makes (cached against
+# uncached, warm against cold, the engine against model.generate) and every timing hold for
+# them; only the words are gibberish. Two uses: the tests' tiny model, built in a second, and a
+# machine that has a model's config and tokenizer but cannot fetch its weights.
+
+
+def tiny_llama(tokenizer):
+    """A 2-layer Llama with random weights and grouped-query attention (4 query heads share
+    2 KV heads), on SmolLM2's vocabulary; the model the tests run as `tiny_model`."""
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+        bos_token_id=1, eos_token_id=2, pad_token_id=2,
+        initializer_range=0.2,  # wide logits, so greedy choices are never near-ties
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+def random_model(config, *, device=None, dtype=None, seed: int = 0):
+    """A model of `config` (a transformers config) with random weights from `seed`, in eval
+    mode on `device` in `dtype`: the same weights on every run."""
+    device = resolve_device(device)
+    torch.manual_seed(seed)
+    with torch.device(device):  # built where it runs: a 1B model is not made on the CPU first
+        model = AutoModelForCausalLM.from_config(config, dtype=resolve_dtype(dtype, device))
+    return model.eval()

@@ -1,5 +1,5 @@
-"""What every model benchmark starts with: a console, the engine its flags ask for, and the
-name of the machine the numbers are measured on (said with every figure)."""
+"""What every model benchmark starts with: a console, the engine its flags ask for, the name of
+the machine the numbers are measured on (said with every figure), and a clean start for a timing."""
 
 from __future__ import annotations
 
@@ -13,12 +13,27 @@ from engine import Engine
 from model_flags import pool_arguments
 
 
+def open_console() -> Console:
+    """A console as wide as the terminal; 120 columns in a log file, so it keeps every column."""
+    return Console(width=None if sys.stdout.isatty() else 120)
+
+
 def open_engine(args) -> tuple[Console, Engine, str]:
     """(console, Engine from add_model_arguments' flags, the device's name)."""
-    console = Console(width=None if sys.stdout.isatty() else 120)  # a log file keeps every column
+    console = open_console()
     engine = Engine(args.model, device=args.device, dtype=args.dtype, **pool_arguments(args))
-    if engine.device.type == "cuda":
-        device = torch.cuda.get_device_name(engine.device)
-    else:
-        device = platform.processor() or platform.machine()
-    return console, engine, device
+    return console, engine, device_name(engine.device)
+
+
+def device_name(device: torch.device) -> str:
+    """The GPU's name ("NVIDIA H100 80GB HBM3"), or the CPU's."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return platform.processor() or platform.machine()
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the work queued on a GPU (its kernels run after the Python that launched them
+    has moved on), so a timing started now counts none of it. A CPU runs in order: nothing to do."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

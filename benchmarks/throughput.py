@@ -32,7 +32,7 @@ from rich.table import Table
 from transformers import ContinuousBatchingConfig, GenerationConfig
 
 from benchmarks import save_json
-from benchmarks.engines import open_engine
+from benchmarks.engines import open_engine, synchronize
 from benchmarks.measure import TokenCounter
 from cpu_threads import one_pass, synchronize
 from demo import DEMO_SYSTEM_PROMPT
@@ -78,6 +78,7 @@ def summary(name: str, seconds: float, outputs: list[list[int]], ttfts_ms: list[
 
 def run_ours(engine: Engine, prompts: list[list[int]], max_tokens: int, batched: bool) -> tuple[float, list, list]:
     engine.allocator.reset_prefix_cache()  # every way starts from a cold pool
+    synchronize(engine.device)
     start = time.perf_counter()
     if batched:
         replies = engine.generate_batch(prompts, max_tokens=max_tokens)
@@ -95,6 +96,7 @@ def floor_seconds(engine: Engine, sizes: list[tuple[int, int]]) -> float:
     no cache; the logits of as many tokens as sampled in each of (c)'s passes, since a token
     is picked from its own row of logits (the model's last layer, a tenth of its weights or
     more, runs for each)."""
+    synchronize(engine.device)
     start = time.perf_counter()
     with torch.inference_mode():
         for n, keep in sizes:  # with the thread count the engine's own passes get (cpu_threads.one_pass)

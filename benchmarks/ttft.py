@@ -21,16 +21,17 @@ kernel choice), so a warm-up pass runs before anything is timed.
 from __future__ import annotations
 
 import argparse
-import platform
 import random
 import statistics
 from pathlib import Path
 
 from benchmarks import save_json
+from benchmarks.engines import device_name, synchronize
 from engine import Engine
 from model_flags import add_model_arguments, pool_arguments
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
+SUFFIX_LEN = 32  # each request's own tokens after the shared prefix
 
 
 def random_tokens(rng: random.Random, n: int, vocab_size: int) -> list[int]:
@@ -44,7 +45,9 @@ def cold_vs_warm(engine: Engine, prefix_len: int, suffix_len: int, repeats: int,
     cold, warm, parts = [], [], []
     for _ in range(repeats):  # a fresh prefix each time, so the cold request is truly cold
         prefix = random_tokens(rng, prefix_len, vocab_size)
+        synchronize(engine.device)
         first = engine.generate(prefix + random_tokens(rng, suffix_len, vocab_size), max_tokens=1)
+        synchronize(engine.device)
         second = engine.generate(prefix + random_tokens(rng, suffix_len, vocab_size), max_tokens=1)
         hit = prefix_len // engine.allocator.block_size * engine.allocator.block_size  # whole blocks only
         assert first.cached_tokens == 0 and second.cached_tokens == hit, "the benchmark must measure a miss, then a hit"
@@ -135,7 +138,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(prog="prefix_caching.py --bench ttft", description=__doc__.split("\n\n")[0])
     add_model_arguments(parser)
     parser.add_argument("--prefix-lens", type=int, nargs="+", default=[128, 256, 512, 1024, 2048])
-    parser.add_argument("--suffix-len", type=int, default=32)
+    parser.add_argument("--suffix-len", type=int, default=SUFFIX_LEN)
     parser.add_argument("--repeats", type=int, default=5, help="runs per measurement; medians are reported")
     parser.add_argument("--overhead-prompt-len", type=int, default=512)
     parser.add_argument("--overhead-pairs", type=int, default=15)
@@ -154,7 +157,7 @@ def main(argv: list[str] | None = None) -> dict:
     on = Engine(args.model, device=args.device, dtype=args.dtype, **pool_arguments(args))
     off = Engine(model=on.model, tokenizer=on.tokenizer, block_size=args.block_size,
                  num_blocks=on.allocator.num_blocks, enable_caching=False)
-    device = torch.cuda.get_device_name(on.device) if on.device.type == "cuda" else (platform.processor() or platform.machine())
+    device = device_name(on.device)
     machine = f"{device}, {torch.get_num_threads()} threads, {str(on.dtype).removeprefix('torch.')}"
     model = args.model or "SmolLM2-135M-Instruct"
     console.print(f"[bold]TTFT benchmark[/]: {model} on {on.device} ({machine}); block size {args.block_size}")

@@ -21,23 +21,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find prefix_cach
 from cpu_threads import ThreadChooser
 from engine import Engine
 from model_flags import add_model_arguments, pool_arguments
-from model_loader import DEFAULT_MODEL, DTYPES, default_model_dir, load_model, resolve_device, resolve_dtype
-
-
-def tiny_llama(tokenizer):
-    """A 2-layer Llama with random weights and grouped-query attention (4 query heads share
-    2 KV heads), on SmolLM2's vocabulary; the model the tests run as `tiny_model`."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-        bos_token_id=1, eos_token_id=2, pad_token_id=2,
-        initializer_range=0.2,  # wide logits, so greedy choices are never near-ties
-    )
-    return LlamaForCausalLM(config).eval()
+from model_loader import (
+    DEFAULT_MODEL, DTYPES, default_model_dir, load_model, resolve_device, resolve_dtype, tiny_llama,
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser, engine: bool = False) -> None:

@@ -1,0 +1,302 @@
+"""The GPU path checked in one command, on a machine with no network:
+
+    python prefix_caching.py --bench gpu [--config-dir DIR] [--tiny] [--json PATH] [--device ... --dtype ...]
+
+The model is the default, SmolLM2-135M-Instruct, when its weights load. When they cannot (no
+network, no cached weights), it is a model of the same config with random weights (seed 0) and
+the real tokenizer, read from a folder of config and tokenizer files: --config-dir, else the
+project's model cache (PREFIX_CACHING_HOME, model_files.py), and the output says so. Greedy
+decoding on random weights is as deterministic as on trained ones, so exactness and timings
+hold; the words do not. A --config-dir with weights in it loads them. --tiny runs the tests'
+2-layer random Llama (model_loader.tiny_llama): end to end on a CPU in seconds.
+
+It runs, one after another, then prints one table (--json writes the numbers):
+
+1. The demo's requests (demo.py): five questions behind one system prompt, a MISS then HITs,
+   the TTFT of each.
+2. Exactness: prompts behind the demo's system prompt, long prompts of random tokens and short
+   ones, each against plain model.generate (greedy), on every path of the engine: one request
+   at a time (batching=False), batched with shared-prefix (cascade) attention allowed, batched
+   without. Required in fp32: a reply that differs makes the exit status 1. On CUDA also in
+   bf16, reported only: random weights give near-flat logits, and a near-tie can flip with the
+   shape of the batch.
+3. TTFT cold vs warm (benchmarks/ttft.py's cold_vs_warm), prefixes up to the model's context.
+4. Throughput (benchmarks/throughput.py's run_ours): (a) sequential, (b) batched with caching
+   off, (c) batched with caching on. On CUDA on a Llama-3.2-1B shape in bf16 (random weights,
+   the same tokenizer), where a batch has real work to share. throughput.py's (d),
+   transformers' own batching, is left out: it loads the model again from its files.
+
+Sizes (ON_GPU) are chosen to fit in 6 minutes on an H100, within one call of a lent machine:
+24 exactness prompts of 24 new tokens (three paths, fp32 and bf16), TTFT at 1,024, 4,096 and
+8,128 prefix tokens (8,192 is the default's context) three times each, throughput at 16 and
+64 requests of 32 new tokens. Decoding one token at a time is what takes the time there (each
+costs mostly Python and kernel launches, whatever the model's size), so the sizes count such
+tokens: about 5,000 in all, model.generate's included. On a CPU, and with --tiny, the sizes
+are SMALL: a minute or less.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import random
+import time
+from dataclasses import dataclass
+from datetime import date
+from pathlib import Path
+
+import torch
+import transformers
+from rich.table import Table
+from transformers import AutoConfig
+
+from benchmarks import save_json
+from benchmarks.engines import device_name, open_console, synchronize
+from benchmarks.throughput import questions, run_ours, summary
+from benchmarks.ttft import SUFFIX_LEN, cold_vs_warm, random_tokens
+from demo import DEMO_MAX_TOKENS, DEMO_QUESTIONS, DEMO_SYSTEM_PROMPT
+from engine import Engine
+from model_files import DEFAULT_MODEL, converted_default, load_tokenizer
+from model_flags import add_model_arguments, pool_arguments
+from model_loader import load_model, random_model, resolve_device, resolve_dtype, tiny_llama
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """How much of each part runs."""
+
+    shared_prompts: int  # exactness: prompts behind the demo's system prompt ...
+    long_prompts: tuple[int, ...]  # ... and prompts of this many random tokens (and SHORT_PROMPTS)
+    exact_tokens: int  # new tokens of each exactness reply
+    prefixes: tuple[int, ...]  # TTFT: shared prefixes, each with a SUFFIX_LEN-token suffix
+    repeats: int  # TTFT: runs of each, the median reported
+    requests: tuple[int, ...]  # throughput: requests at once
+    new_tokens: int  # throughput: new tokens of each reply
+
+
+ON_GPU = Sizes(shared_prompts=16, long_prompts=(600, 1000, 1400, 1800), exact_tokens=24,
+               prefixes=(1024, 4096, 8128), repeats=3, requests=(16, 64), new_tokens=32)
+SMALL = Sizes(shared_prompts=4, long_prompts=(100, 200), exact_tokens=8,
+              prefixes=(64, 128), repeats=1, requests=(4, 8), new_tokens=4)
+SHORT_PROMPTS = ["Hello", "What is two plus two?", "Name a colour.", "Tell me a story about a cat."]
+# Every path a request can take through the engine, and the Engine options that choose it.
+PATHS = {"one request": {"batching": False},
+         "batched, cascade allowed": {"batching": True, "cascade_attention": True},
+         "batched, cascade off": {"batching": True, "cascade_attention": False}}
+
+# Llama-3.2-1B's layers, widths and heads (llama_1b gives it random weights and the model's vocabulary).
+LLAMA_1B_SHAPE = {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
+                  "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64,
+                  "max_position_embeddings": 8192}
+
+
+# -----------------------------------------------------------------------------
+# The model: its weights when they load, else random weights of its config
+
+
+@dataclass(frozen=True)
+class Loaded:
+    model: torch.nn.Module  # float32: exactness is required there
+    tokenizer: object
+    name: str  # what it is, in words
+    random_weights: bool
+
+
+def load(args: argparse.Namespace) -> Loaded:
+    """The model the flags name, in float32 (see the module's docstring)."""
+    device = resolve_device(args.device)
+    if args.tiny:
+        tokenizer = load_tokenizer(args.config_dir)  # None: the default's
+        return Loaded(tiny_llama(tokenizer).to(device), tokenizer, "the tests' tiny Llama (2 layers)", True)
+    try:
+        model, tokenizer = load_model(args.config_dir or args.model, device=device, dtype=torch.float32)
+        return Loaded(model, tokenizer, args.config_dir or args.model or DEFAULT_MODEL, False)
+    except OSError as err:
+        if args.model is not None:  # a model of its own: no config of the default's stands in for it
+            raise
+        config_dir = Path(args.config_dir or converted_default())
+        if not (config_dir / "config.json").is_file():
+            raise OSError(f"{err}\nNor is there a config.json in {config_dir} to build random weights of its shape: "
+                          f"pass --config-dir DIR, a folder with the model's config.json and tokenizer files") from err
+    model = random_model(AutoConfig.from_pretrained(config_dir), device=device, dtype=torch.float32)
+    return Loaded(model, load_tokenizer(str(config_dir)), f"the config in {config_dir}", True)
+
+
+def llama_1b(model) -> torch.nn.Module:
+    """A model of Llama-3.2-1B's shape on `model`'s vocabulary, random weights, bfloat16."""
+    config = copy.deepcopy(model.config)
+    for name, value in LLAMA_1B_SHAPE.items():
+        setattr(config, name, value)
+    return random_model(config, device=model.device, dtype=torch.bfloat16)
+
+
+# -----------------------------------------------------------------------------
+# The parts
+
+
+def demo_requests(engine: Engine) -> list[dict]:
+    """The demo's questions one after another: the first computes the system prompt (MISS), the
+    others find its blocks in the pool (HIT)."""
+    system = {"role": "system", "content": DEMO_SYSTEM_PROMPT}
+    engine.warm_up()
+    rows = []
+    for question in DEMO_QUESTIONS:
+        synchronize(engine.device)
+        reply = engine.generate([system, {"role": "user", "content": question}], max_tokens=DEMO_MAX_TOKENS)
+        rows.append({"cached_tokens": reply.cached_tokens, "computed_tokens": reply.computed_prompt_tokens,
+                     "ttft_ms": reply.ttft_ms})
+    return rows
+
+
+def exactness_prompts(engine: Engine, sizes: Sizes) -> list[list[int]]:
+    """Token ids of every exactness prompt: behind the demo's system prompt, long, short."""
+    rng = random.Random(0)
+    prompts = questions(sizes.shared_prompts)
+    prompts += [random_tokens(rng, n, engine.vocab_size) for n in sizes.long_prompts]
+    return [engine.tokenize(p) for p in prompts + SHORT_PROMPTS]
+
+
+def greedy_reference(model, prompt_ids: list[int], max_tokens: int, stop_token_ids: frozenset[int]) -> list[int]:
+    """What plain model.generate replies, greedy, on the whole prompt, stopping where the
+    engine stops (a stop token, kept as the engine keeps it): the oracle of every path."""
+    input_ids = torch.tensor([prompt_ids], device=model.device)
+    with torch.inference_mode():
+        out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
+                             max_new_tokens=max_tokens, eos_token_id=sorted(stop_token_ids),
+                             pad_token_id=min(stop_token_ids))
+    return out[0, len(prompt_ids):].tolist()
+
+
+def exactness(model, tokenizer, prompts: list[list[int]], max_tokens: int, pool: dict) -> dict[str, int]:
+    """How many replies of each of the engine's PATHS equal model.generate's, token for token."""
+    replies = {}
+    for name, options in PATHS.items():
+        with Engine(model=model, tokenizer=tokenizer, **pool, **options) as engine:
+            if engine.batching:
+                replies[name] = engine.generate_batch(prompts, max_tokens=max_tokens)
+            else:
+                replies[name] = [engine.generate(p, max_tokens=max_tokens) for p in prompts]
+            stop_token_ids = engine.stop_token_ids
+    reference = [greedy_reference(model, p, max_tokens, stop_token_ids) for p in prompts]
+    return {name: sum(r.token_ids == ref for r, ref in zip(got, reference)) for name, got in replies.items()}
+
+
+def throughput(engine: Engine, sizes: Sizes) -> list[dict]:
+    """throughput.py's ways (a), (b), (c) at each number of requests."""
+    off = Engine(model=engine.model, tokenizer=engine.tokenizer, block_size=engine.allocator.block_size,
+                 num_blocks=engine.allocator.num_blocks, enable_caching=False)
+    engine.warm_up()
+    engine.generate_batch(["warm up"] * 2, max_tokens=2)  # the batched path's first pass, untimed
+    runs = []
+    for n in sizes.requests:
+        prompts = [engine.tokenize(q) for q in questions(n)]
+        seconds, reference, ttfts = run_ours(engine, prompts, sizes.new_tokens, batched=False)
+        rows = [summary("(a) sequential", seconds, reference, ttfts, reference),
+                summary("(b) batched, caching off", *run_ours(off, prompts, sizes.new_tokens, batched=True), reference),
+                summary("(c) batched, caching on", *run_ours(engine, prompts, sizes.new_tokens, batched=True), reference)]
+        runs.append({"requests": n, "rows": rows})
+    return runs
+
+
+# -----------------------------------------------------------------------------
+# The table
+
+
+def results_table(results: dict) -> Table:
+    """Every figure of the run in one table: part, what, result."""
+    table = Table(title=f"GPU check on {results['device']}: {results['dtype']}, torch {results['torch']}, "
+                        f"transformers {results['transformers']}, {results['date']}",
+                  caption=f"{results['model']}; throughput: {results['throughput']['model']}; the whole check took "
+                          f"{results['seconds']:,.0f} s", caption_justify="left")
+    for column in ("part", "what", "result"):
+        table.add_column(column, justify="left" if column != "result" else "right")
+    first = results["demo"][0]["ttft_ms"]
+    for i, row in enumerate(results["demo"], 1):
+        cache = "HIT" if row["cached_tokens"] else "MISS"
+        table.add_row("demo" if i == 1 else "", f"request {i}: {cache}, {row['cached_tokens']} + "
+                      f"{row['computed_tokens']} tokens cached + computed", f"TTFT {row['ttft_ms']:,.1f} ms"
+                      + (f" ({first / row['ttft_ms']:.1f}x request 1)" if i > 1 else ""))
+    table.add_section()
+    for dtype, counts in results["exactness"].items():
+        for path, same in counts.items():
+            table.add_row(f"exactness, {dtype}" if path == "one request" else "", f"{path}: replies equal to "
+                          f"model.generate", f"{same} of {results['exactness_prompts']}")
+    table.add_section()
+    for i, row in enumerate(results["ttft"]):
+        table.add_row("TTFT" if i == 0 else "", f"prefix {row['prefix_tokens']:,} + {row['suffix_tokens']}: "
+                      f"cold / warm ms (warm / cold, ideal)", f"{row['cold_ms']:,.1f} / {row['warm_ms']:,.1f} "
+                      f"({row['ratio']:.2f}, {row['ideal_ratio']:.3f})")
+    table.add_section()
+    for run in results["throughput"]["runs"]:
+        for row in run["rows"]:
+            table.add_row(f"throughput, {run['requests']} requests" if row is run["rows"][0] else "",
+                          f"{row['name']}: requests/s (same tokens as (a))",
+                          f"{row['requests_per_s']:,.2f} ({row['same_tokens_as_a']} of {run['requests']})")
+    return table
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(prog="prefix_caching.py --bench gpu", description=__doc__.split("\n\n")[0])
+    add_model_arguments(parser)
+    parser.add_argument("--config-dir", metavar="DIR",
+                        help="a folder with config.json and the tokenizer's files: its weights if it has them, "
+                        f"else random weights of its shape (default: {DEFAULT_MODEL} in the model cache)")
+    parser.add_argument("--tiny", action="store_true", help="the tests' tiny random Llama, small sizes: seconds on a CPU")
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    args = parser.parse_args(argv)
+    if args.model is not None and (args.tiny or args.config_dir):
+        parser.error(f"--model {args.model} names the model; leave out --tiny and --config-dir")
+
+    console = open_console()
+    started = time.perf_counter()
+    loaded = load(args)
+    device = loaded.model.device
+    dtype = resolve_dtype(args.dtype, device)
+    on_gpu = device.type == "cuda" and not args.tiny
+    sizes = ON_GPU if on_gpu else SMALL
+    if loaded.random_weights:
+        console.print(f"[bold yellow]Random weights[/] (seed 0) of {loaded.name}, with its real tokenizer: greedy "
+                      f"decoding is still deterministic, so exactness and timings hold; the words do not.")
+    timed = loaded.model if dtype == torch.float32 else copy.deepcopy(loaded.model).to(dtype)
+    pool = pool_arguments(args)
+    results = {"device": device_name(device), "dtype": str(dtype).removeprefix("torch."), "torch": torch.__version__,
+               "transformers": transformers.__version__, "date": date.today().isoformat(),
+               "model": f"{loaded.name}: random weights, seed 0" if loaded.random_weights else loaded.name,
+               "random_weights": loaded.random_weights, "sizes": vars(sizes)}
+
+    engine = Engine(model=timed, tokenizer=loaded.tokenizer, **pool)
+    console.print(f"[bold]1. The demo's requests[/] on {device}, {results['dtype']}")
+    results["demo"] = demo_requests(engine)
+
+    console.print("[bold]2. Exactness[/] against model.generate")
+    prompts = exactness_prompts(engine, sizes)
+    results["exactness_prompts"] = len(prompts)
+    results["exactness"] = {"fp32": exactness(loaded.model, loaded.tokenizer, prompts, sizes.exact_tokens, pool)}
+    if device.type == "cuda":
+        bf16 = timed if dtype == torch.bfloat16 else copy.deepcopy(loaded.model).to(torch.bfloat16)
+        results["exactness"]["bf16"] = exactness(bf16, loaded.tokenizer, prompts, sizes.exact_tokens, pool)
+
+    console.print("[bold]3. TTFT[/], cold vs warm")
+    engine.allocator.reset_prefix_cache()
+    rng = random.Random(0)
+    prefixes = [p for p in sizes.prefixes if p + SUFFIX_LEN < engine.max_model_len]  # within the model's context
+    results["ttft"] = [cold_vs_warm(engine, p, SUFFIX_LEN, sizes.repeats, rng) for p in prefixes]
+
+    big = llama_1b(loaded.model) if on_gpu else None
+    throughput_on = "a Llama-3.2-1B shape, random weights, bfloat16" if big else "the same model"
+    console.print(f"[bold]4. Throughput[/] on {throughput_on}")
+    throughput_engine = engine if big is None else Engine(model=big, tokenizer=loaded.tokenizer, **pool)
+    results["throughput"] = {"model": throughput_on, "new_tokens": sizes.new_tokens,
+                             "runs": throughput(throughput_engine, sizes)}
+    results["seconds"] = time.perf_counter() - started
+
+    console.print(results_table(results))
+    save_json(args.json, results, console)
+    failed = {path: same for path, same in results["exactness"]["fp32"].items() if same != len(prompts)}
+    if failed:
+        raise SystemExit(f"exactness failed in fp32: replies equal to model.generate {failed}, of {len(prompts)}")
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,77 @@
+"""`python prefix_caching.py --bench gpu`, the one command a lent GPU machine runs, here on a CPU
+at its small sizes: what it prints and counts (never its times), the random weights it builds
+when a model's weights are missing, and the exit status when a reply differs from
+model.generate."""
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks import gpu
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def config_dir(tiny_model_dir, tmp_path):
+    """The tiny model's folder without its weights: config.json and the tokenizer's files, what a
+    GPU machine with no network is given."""
+    for path in tiny_model_dir.iterdir():
+        if path.suffix != ".safetensors":
+            shutil.copy(path, tmp_path / path.name)
+    return tmp_path
+
+
+def test_the_tiny_check_runs_end_to_end_and_prints_one_table(tmp_path):
+    out = tmp_path / "gpu.json"
+    result = subprocess.run([sys.executable, "prefix_caching.py", "--bench", "gpu", "--tiny", "--device", "cpu",
+                             "--num-blocks", "256", "--json", str(out)],
+                            cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("┏") == 1 and "GPU check on" in result.stdout  # one table, its title
+    results = json.loads(out.read_text())
+    assert results["random_weights"] and "Random weights" in result.stdout
+    assert results["torch"] in result.stdout and results["transformers"] in result.stdout and results["date"] in result.stdout
+    # The demo: the first question computes the system prompt, the others find it in the pool.
+    assert [row["cached_tokens"] > 0 for row in results["demo"]] == [False, True, True, True, True]
+    # Every path of the engine replies as model.generate does, in fp32 (no bf16 on a CPU).
+    assert results["exactness"] == {"fp32": dict.fromkeys(gpu.PATHS, results["exactness_prompts"])}
+    assert [row["prefix_tokens"] for row in results["ttft"]] == list(gpu.SMALL.prefixes)
+    runs = results["throughput"]["runs"]
+    assert [run["requests"] for run in runs] == list(gpu.SMALL.requests)
+    assert all(row["same_tokens_as_a"] == run["requests"] for run in runs for row in run["rows"])
+
+
+def test_without_weights_it_builds_random_ones_of_the_config_and_says_so(config_dir, capsys):
+    results = gpu.main(["--config-dir", str(config_dir), "--device", "cpu", "--num-blocks", "256"])
+    out = capsys.readouterr().out
+    assert results["random_weights"] and "Random weights" in out and "random weights, seed 0" in results["model"]
+    assert results["exactness"]["fp32"] == dict.fromkeys(gpu.PATHS, results["exactness_prompts"])
+
+
+@pytest.fixture
+def fewer(monkeypatch):
+    """One prompt, one prefix, one request, two tokens: for tests of where the model comes from."""
+    monkeypatch.setattr(gpu, "SMALL", gpu.Sizes(shared_prompts=1, long_prompts=(), exact_tokens=2, prefixes=(16,),
+                                                repeats=1, requests=(1,), new_tokens=2))
+
+
+def test_a_config_dir_with_weights_loads_them(tiny_model_dir, fewer):
+    results = gpu.main(["--config-dir", str(tiny_model_dir), "--device", "cpu", "--num-blocks", "256"])
+    assert not results["random_weights"] and results["model"] == str(tiny_model_dir)
+
+
+def test_a_reply_that_differs_from_model_generate_in_fp32_fails_the_command(fewer, monkeypatch):
+    monkeypatch.setattr(gpu, "greedy_reference", lambda *args: [])  # an oracle no reply equals
+    with pytest.raises(SystemExit, match="exactness failed in fp32"):
+        gpu.main(["--tiny", "--device", "cpu", "--num-blocks", "256"])
+
+
+def test_without_weights_or_a_config_it_says_what_to_pass(tmp_path):
+    with pytest.raises(OSError, match="--config-dir DIR"):
+        gpu.load(argparse.Namespace(tiny=False, model=None, config_dir=str(tmp_path), device="cpu"))
