@@ -30,10 +30,3 @@ def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     return platform.processor() or platform.machine()
-
-
-def synchronize(device: torch.device) -> None:
-    """Wait for the work queued on a GPU (its kernels run after the Python that launched them
-    has moved on), so a timing started now counts none of it. A CPU runs in order: nothing to do."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)

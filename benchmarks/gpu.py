@@ -51,7 +51,8 @@ from rich.table import Table
 from transformers import AutoConfig
 
 from benchmarks import save_json
-from benchmarks.engines import device_name, open_console, synchronize
+from benchmarks.engines import device_name, open_console
+from cpu_threads import synchronize
 from benchmarks.throughput import questions, run_ours, summary
 from benchmarks.ttft import SUFFIX_LEN, cold_vs_warm, random_tokens
 from demo import DEMO_MAX_TOKENS, DEMO_QUESTIONS, DEMO_SYSTEM_PROMPT

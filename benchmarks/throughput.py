@@ -32,7 +32,7 @@ from rich.table import Table
 from transformers import ContinuousBatchingConfig, GenerationConfig
 
 from benchmarks import save_json
-from benchmarks.engines import open_engine, synchronize
+from benchmarks.engines import open_engine
 from benchmarks.measure import TokenCounter
 from cpu_threads import one_pass, synchronize
 from demo import DEMO_SYSTEM_PROMPT

@@ -26,7 +26,8 @@ import statistics
 from pathlib import Path
 
 from benchmarks import save_json
-from benchmarks.engines import device_name, synchronize
+from benchmarks.engines import device_name
+from cpu_threads import synchronize
 from engine import Engine
 from model_flags import add_model_arguments, pool_arguments
 
