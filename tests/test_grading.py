@@ -86,6 +86,20 @@ MISTAKES = {
     "keys joined with '|'": ("test_ex1_block_hash.py", with_mistake(
         "block_hash", "json.dumps(list(extra_keys)).encode()", '"|".join(map(str, extra_keys)).encode()'),
         "extra keys ('a|b',) and ('a', 'b') hash alike"),
+    "an MD5 digest": ("test_ex1_block_hash.py", with_mistake(
+        "block_hash", "return hashlib.sha256(", "return hashlib.md5("),
+        "a block hash is the SHA-256 digest of your encoding, 32 bytes"),
+    "the encoding itself, no digest": ("test_ex1_block_hash.py", with_mistake(
+        "block_hash", 'return hashlib.sha256(parent + len(tokens).to_bytes(4, "little") + tokens + keys).digest()',
+        'return parent + len(tokens).to_bytes(4, "little") + tokens + keys'),
+        "a block hash is the SHA-256 digest of your encoding, 32 bytes"),
+    "Python's hash of a tuple": ("test_ex1_block_hash.py", with_mistake(
+        "block_hash", 'return hashlib.sha256(parent + len(tokens).to_bytes(4, "little") + tokens + keys).digest()',
+        "return hash((parent, tuple(map(int, token_ids)), tuple(extra_keys)))"),
+        "a block hash is the SHA-256 digest of your encoding, 32 bytes"),
+    "the parent cut to 8 bytes": ("test_ex1_block_hash.py", with_mistake(
+        "block_hash", "else parent_hash\n", "else parent_hash[:8]\n"),
+        "the whole parent hash (all 32 bytes) enters the encoding"),
     "a bf16 pool gathered into float32": ("test_ex5_gather_kv.py", with_mistake(
         "gather_kv", "return kv.transpose(2, 3).unsqueeze(2)", "return kv.transpose(2, 3).unsqueeze(2).float()"),
         "a bfloat16 pool was gathered into"),
