@@ -203,13 +203,16 @@ def test_a_budget_over_max_num_batched_tokens_plans_at_most_max_num_batched_toke
 
 def test_a_running_request_whose_share_is_0_is_left_out_of_the_plan(scheduler):
     s = scheduler(20, max_num_seqs=4, max_num_batched_tokens=8)
-    add(s, x=[1], y=[2], long=list(range(100, 120)))
+    add(s, long=list(range(100, 120)), x=[1], y=[2])
+    step(s)
     plan, _ = step(s)
-    assert plan == [("x", 0, 1), ("y", 0, 1), ("long", 0, 6)], f"step 1: x, y, then long's first 6 tokens, got {plan}"
+    assert plan == [("long", 8, 14), ("x", 0, 1), ("y", 0, 1)], (
+        f"step 2: long's share of 8 tokens beside x and y, then x and y, got {plan}")
     plan, _ = step(s, budget=2)
     assert plan == [("x", 1, 2), ("y", 1, 2)], (
-        f"a budget of 2: x and y decode one token each and leave long a share of 0, so long is not in the plan "
-        f"(an entry of 0 tokens asks the model for nothing). Expected [('x', 1, 2), ('y', 1, 2)], got {plan}"
+        f"a budget of 2: x and y decode one token each and leave long, still prefilling, a share of 0, so long is "
+        f"not in the plan (an entry of 0 tokens asks the model for nothing). Expected [('x', 1, 2), ('y', 1, 2)], "
+        f"got {plan}"
     )
 
 
