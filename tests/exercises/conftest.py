@@ -2,8 +2,8 @@
 as the fixture `child`. After a test's own assertions pass, the first difference with the
 reference that any of its objects showed fails it, naming the rule of what differed.
 
-Every run draws its inputs from one seed (grading.SEED): it heads the run, follows every
-failure, and GRADING_SEED=<seed> runs the same inputs again."""
+Every run draws its inputs from one seed (grading.SEED): it opens and closes the run, follows
+every failure, and GRADING_SEED=<seed> runs the same inputs again."""
 
 import pytest
 from hypothesis import seed
@@ -11,8 +11,10 @@ from hypothesis import seed
 import grading
 
 
-def pytest_report_header():
-    return f"grading seed {grading.SEED} ({grading.REPRODUCE})"
+def pytest_sessionstart(session):
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:  # before the first test, even under -q, which hides pytest's header
+        reporter.write_line(f"grading seed {grading.SEED}: {grading.REPRODUCE}")
 
 
 def pytest_collection_modifyitems(items):
