@@ -6,9 +6,10 @@ without reading it first.
 
 Finish line:
     EXERCISE_IMPL=starter python -m pytest tests/exercises/test_ex1_block_hash.py
-is green: your hashes are deterministic in every process, chained to their parent, change
-with any token (of a real vocabulary: ids up to 262,143) or extra key, exist only for full
-blocks, and add the cache_salt to block 0's extra keys, tagged, in block 0 only.
+is green: your hashes are SHA-256 digests (32 bytes), the same in every process whatever
+was hashed before, chained to the whole of their parent's hash, change with any token (of a
+real vocabulary: ids up to 262,143) or extra key, exist only for full blocks, and add the
+cache_salt to block 0's extra keys, tagged, in block 0 only.
 """
 
 import hashlib

@@ -86,6 +86,20 @@ MISTAKES = {
     "keys joined with '|'": ("test_ex1_block_hash.py", with_mistake(
         "block_hash", "json.dumps(list(extra_keys)).encode()", '"|".join(map(str, extra_keys)).encode()'),
         "extra keys ('a|b',) and ('a', 'b') hash alike"),
+    "an MD5 digest": ("test_ex1_block_hash.py", with_mistake(
+        "block_hash", "return hashlib.sha256(", "return hashlib.md5("),
+        "a block hash is the SHA-256 digest of your encoding, 32 bytes"),
+    "the encoding itself, no digest": ("test_ex1_block_hash.py", with_mistake(
+        "block_hash", 'return hashlib.sha256(parent + len(tokens).to_bytes(4, "little") + tokens + keys).digest()',
+        'return parent + len(tokens).to_bytes(4, "little") + tokens + keys'),
+        "a block hash is the SHA-256 digest of your encoding, 32 bytes"),
+    "Python's hash of a tuple": ("test_ex1_block_hash.py", with_mistake(
+        "block_hash", 'return hashlib.sha256(parent + len(tokens).to_bytes(4, "little") + tokens + keys).digest()',
+        "return hash((parent, tuple(map(int, token_ids)), tuple(extra_keys)))"),
+        "a block hash is the SHA-256 digest of your encoding, 32 bytes"),
+    "the parent cut to 8 bytes": ("test_ex1_block_hash.py", with_mistake(
+        "block_hash", "else parent_hash\n", "else parent_hash[:8]\n"),
+        "the whole parent hash (all 32 bytes) enters the encoding"),
     "a bf16 pool gathered into float32": ("test_ex5_gather_kv.py", with_mistake(
         "gather_kv", "return kv.transpose(2, 3).unsqueeze(2)", "return kv.transpose(2, 3).unsqueeze(2).float()"),
         "a bfloat16 pool was gathered into"),
@@ -113,6 +127,26 @@ MISTAKES = {
         "scheduler", "            if self._waits(request, coming):\n                continue\n",
         "            if self._waits(request, coming):\n                break\n"),
         "it does not stop admission"),
+    "the lookup goes on past the first miss": ("test_ex2_allocate.py", with_mistake(
+        "allocator", "block.token_ids != list(token_ids[i * size : (i + 1) * size]):\n                break",
+        "block.token_ids != list(token_ids[i * size : (i + 1) * size]):\n                continue"),
+        "the block table must stop at the first miss"),
+    "the lookup goes on past a hash that is not cached": ("test_ex2_allocate.py", with_mistake(
+        "allocator", "            if block is None or block.token_ids",
+        "            if block is None:\n                continue\n            if block.token_ids"),
+        "A missed hash ends the lookup"),
+    "schedule(budget) over max_num_batched_tokens plans the whole budget": ("test_ex6_schedule.py", with_mistake(
+        "scheduler", "else min(budget, self.max_num_batched_tokens)", "else budget"),
+        "a step computes at most max_num_batched_tokens"),
+    "the scheduler's preemption count copied from the request": ("test_ex6_schedule.py", with_mistake(
+        "scheduler", "        self.num_preemptions += 1", "        self.num_preemptions = request.num_preemptions"),
+        "self.num_preemptions counts every preemption"),
+    "a running request with a share of 0 planned for 0 tokens": ("test_ex6_schedule.py", with_mistake(
+        "scheduler", "            if end == start:\n                i += 1\n                continue\n", ""),
+        "computes no token"),
+    "one (keys, values) pair per KV head, not per layer": ("test_ex5_gather_kv.py", with_mistake(
+        "gather_kv", "for layer in range(self.num_layers)", "for layer in range(self.num_kv_heads)"),
+        "one (keys, values) pair per layer"),
 }
 
 
@@ -212,6 +246,68 @@ def test_a_cheat_earns_nothing(cheat, pytester, monkeypatch, tmp_path):
     (test_file,) = TEST_FILES[name]
     outcomes, output = grade(pytester, monkeypatch, tmp_path, test_file, {name: source})
     assert outcomes.get("failed", 0) >= 1 and "passed" not in outcomes, f"{cheat}: {outcomes}\n{output[-3000:]}"
+
+
+# --- answers recorded in one run answer nothing in the next -------------------------------------------
+
+# A correct solution that writes down every request and its answer, and a file that answers
+# from what was written down: the table a student could record once and hand in.
+KEY = """
+import json
+
+
+def _key(name, args):  # token ids as Python ints, whatever type they came in
+    return repr([name] + [[int(t) for t in a] if isinstance(a, list) else a for a in args])
+"""
+RECORDER = (SOLUTIONS / "plain" / "block_hash.py").read_text() + KEY + """
+_correct = {"hash_block_tokens": hash_block_tokens, "compute_block_hashes": compute_block_hashes}
+
+
+def _recorded(name):
+    def answer(*args):
+        result = _correct[name](*args)
+        with open(TABLE, "a") as table:
+            hexed = result.hex() if isinstance(result, bytes) else [h.hex() for h in result]
+            table.write(json.dumps([_key(name, args), hexed]) + "\\n")
+        return result
+    return answer
+
+
+hash_block_tokens, compute_block_hashes = _recorded("hash_block_tokens"), _recorded("compute_block_hashes")
+"""
+REPLAYER = KEY + """
+with open(TABLE) as table:
+    ANSWERS = dict(json.loads(line) for line in table)
+
+
+def _answer(name, *args):
+    hexed = ANSWERS[_key(name, args)]
+    return bytes.fromhex(hexed) if isinstance(hexed, str) else [bytes.fromhex(h) for h in hexed]
+
+
+def hash_block_tokens(parent_hash, token_ids, extra_keys=()):
+    return _answer("hash_block_tokens", parent_hash, token_ids, extra_keys)
+
+
+def compute_block_hashes(token_ids, block_size, cache_salt=None, extra_keys=()):
+    return _answer("compute_block_hashes", token_ids, block_size, cache_salt, extra_keys)
+"""
+
+
+def test_answers_recorded_in_one_run_fail_the_next(pytester, monkeypatch, tmp_path):
+    table = f"TABLE = {str(tmp_path / 'answers.jsonl')!r}\n"
+    monkeypatch.setenv("GRADING_SEED", "1")
+    recorded, output = grade(pytester, monkeypatch, tmp_path / "record", "test_ex1_block_hash.py",
+                             {"block_hash": table + RECORDER})
+    assert "failed" not in recorded and recorded.get("passed"), output[-3000:]
+    replayed, output = grade(pytester, monkeypatch, tmp_path / "same seed", "test_ex1_block_hash.py",
+                             {"block_hash": table + REPLAYER})
+    assert replayed == recorded, f"GRADING_SEED=1 did not give the same inputs again: {replayed}\n{output[-3000:]}"
+    monkeypatch.setenv("GRADING_SEED", "2")
+    replayed, output = grade(pytester, monkeypatch, tmp_path / "next run", "test_ex1_block_hash.py",
+                             {"block_hash": table + REPLAYER})
+    assert replayed.get("failed", 0) >= 1, f"answers recorded with seed 1 passed with seed 2: {replayed}"
+    assert "grading seed 2: GRADING_SEED=2 gives this run's inputs again" in output, output[-3000:]
 
 
 def test_the_reference_cannot_be_imported_and_says_why(pytester, monkeypatch, tmp_path):

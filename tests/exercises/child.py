@@ -12,9 +12,11 @@ In starter mode (MODE "starter") the student's files are loaded from EXERCISE_DI
 names exercises.<file>, after two locks:
   - the reference modules (the .py files of ROOT: prefix_caching, kv_pool, scheduler, ...)
     and the tests cannot be imported: their import fails, saying why;
-  - an audit hook, which Python lets no code remove, refuses to open a file of ROOT outside
-    the exercises and the installed packages (the reference's source, the tests) and to
-    start a process.
+  - an audit hook refuses the plain ways to open a file of ROOT outside the exercises and
+    the installed packages (the reference's source, the tests: open, io.open, os.open by
+    path) and to start a process.
+These stop a casual import or read, not a determined reader: other ways to reach a file of
+the disk stay open in any Python process (exercises/README.md says so, and what applies).
 In reference mode the same requests run the reference modules, so CI grades the grader.
 The student's code can rewrite anything in this process, this file included; none of it
 reaches the grader, which trusts nothing here but the answers.
@@ -245,6 +247,22 @@ def release(alloc, request_id):
     getattr(alloc, "requests", {}).pop(request_id, None)
 
 
+def evict(alloc, block) -> None:
+    """Take `block` out of the cache map, whatever holds the blocks there, and drop its hash."""
+    holding = alloc.cached_blocks[block.block_hash]
+    if isinstance(holding, dict):
+        left = {key: b for key, b in holding.items() if b is not block}
+    elif isinstance(holding, (list, tuple, set)):
+        left = type(holding)(b for b in holding if b is not block)
+    else:
+        left = None
+    if left:
+        alloc.cached_blocks[block.block_hash] = left
+    else:
+        del alloc.cached_blocks[block.block_hash]
+    block.block_hash = None
+
+
 def op_allocator_call(handle, method, args):
     alloc = OBJECTS[handle]
     try:
@@ -259,6 +277,8 @@ def op_allocator_call(handle, method, args):
             block_id, tokens = args
             alloc.blocks[block_id].token_ids = list(tokens)
             result = None
+        elif method == "evict":  # the tests evict one block of a chain, and keep the blocks after it
+            result = evict(alloc, alloc.blocks[args[0]])
         else:
             raise ValueError(f"no allocator call {method!r}")
         return {"result": result, "state": allocator_state(alloc)}

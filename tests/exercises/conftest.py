@@ -1,10 +1,27 @@
 """The graded code runs in a child process, one per test file (grading.py); a test gets it
 as the fixture `child`. After a test's own assertions pass, the first difference with the
-reference that any of its objects showed fails it, naming the rule of what differed."""
+reference that any of its objects showed fails it, naming the rule of what differed.
+
+Every run draws its inputs from one seed (grading.SEED): it opens and closes the run, follows
+every failure, and GRADING_SEED=<seed> runs the same inputs again."""
 
 import pytest
+from hypothesis import seed
 
 import grading
+
+
+def pytest_sessionstart(session):
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:  # before the first test, even under -q, which hides pytest's header
+        reporter.write_line(f"grading seed {grading.SEED}: {grading.REPRODUCE}")
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:  # every random sequence of hypothesis comes from the run's seed
+        function = getattr(item, "obj", None)
+        if getattr(function, "is_hypothesis_test", False):
+            seed(grading.SEED)(function)
 
 
 @pytest.fixture(scope="module")
@@ -22,3 +39,15 @@ def pytest_runtest_call(item):
     if grading.DIFFERENCES:
         pytest.fail(f"the graded code differs from the reference: {grading.DIFFERENCES[0]}", pytrace=False)
     return result
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    if report.failed:
+        report.sections.append(("grading seed", f"grading seed {grading.SEED}: {grading.REPRODUCE}"))
+    return report
+
+
+def pytest_terminal_summary(terminalreporter):
+    terminalreporter.write_line(f"grading seed {grading.SEED}: {grading.REPRODUCE}")

@@ -7,8 +7,8 @@ The tests run here, in pytest's process. The code they grade runs in a child pro
 (child.py), one for each test file, started with the student's files (or the reference's):
 a test sends it plain requests (build an allocator, allocate this prompt, plan a step) and
 gets plain answers back (ints, lists, strings, hashes as bytes, tensors), never an object
-of the student's classes. In starter mode the child cannot import the reference nor open
-its files, so what it answers is the student's code; and nothing it does reaches this
+of the student's classes. In starter mode the child refuses to import the reference and
+the plain ways to open its files (child.py says which); and nothing it does reaches this
 process, so rewriting pytest, this file or the tests from a starter changes nothing here.
 
 Each object a test builds through the child has a twin built from the reference here
@@ -32,6 +32,7 @@ import base64
 import builtins
 import json
 import os
+import random
 import selectors
 import subprocess
 import sys
@@ -47,10 +48,36 @@ CHILD = Path(__file__).with_name("child.py")
 TIME_LIMIT = {"block_hash": 10, "allocator": 10, "free_queue": 10, "gather_kv": 60, "scheduler": 10}
 START_LIMIT = 120  # the first call of exercise 5 imports torch and transformers
 NOT_WRITTEN = "is not written yet"
-# The random sequences of the tests: the same ones on every run, so a score is repeatable,
-# and shrunk to the smallest that fails (hypothesis prints it).
-GRADING = settings(derandomize=True, database=None, deadline=None, phases=[p for p in Phase if p != Phase.explain],
+
+
+# --- the inputs of a run --------------------------------------------------------------------------
+# Every run grades on inputs of its own: the random sequences of the tests, and the sizes and
+# token ids some fixed tests draw, all come from one seed, new each run. Answers recorded in
+# one run therefore answer nothing in the next; GRADING_SEED=<the seed a failure prints> runs
+# the same inputs again. A failing sequence is shrunk to the smallest that fails (hypothesis
+# prints it).
+
+
+def grading_seed() -> int:
+    chosen = os.environ.get("GRADING_SEED")
+    if chosen is None:
+        return int.from_bytes(os.urandom(4), "big")
+    try:
+        return int(chosen)
+    except ValueError:
+        raise ValueError(f"GRADING_SEED must be a whole number (the seed a failure printed), got {chosen!r}") from None
+
+
+SEED = grading_seed()
+REPRODUCE = f"GRADING_SEED={SEED} gives this run's inputs again"
+GRADING = settings(database=None, deadline=None, phases=[p for p in Phase if p != Phase.explain],
                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+
+
+def drawn(name: str) -> random.Random:
+    """The random numbers of one test's inputs in this run: the same for a name and a seed,
+    whatever ran before it."""
+    return random.Random(f"{SEED}/{name}")
 
 
 def mode() -> str:
@@ -387,6 +414,11 @@ class RemoteAllocator(Twin):
         self.compared = False  # a forged block: the reference stops caching after a collision, the exercise need not
         self.run("set_tokens", [block_id, tokens], lambda: None)
 
+    def evict(self, block_id: int) -> None:
+        """As if a take had reused the block: its hash leaves the cache map, the blocks after it stay."""
+        self.compared = False  # a state no sequence of calls reaches: the reference is not asked
+        self.run("evict", [block_id], lambda: None)
+
     def run(self, method: str, args: list, on_reference):
         self.history.append(f"{method}({', '.join(map(repr, args))})")
         answer = self.child.call("allocator_call", handle=self.handle, method=method, args=args)
@@ -521,15 +553,24 @@ def remote_pool_class():
 
         def gather(self, block_ids: list[int], config):
             self.twin.history.append(f"gather({list(block_ids)}) on a {self.spec()} pool")
-            answer = self.child.call("gather", spec=self.spec(), data=encode_tensor(self.data),
-                                     block_ids=list(block_ids))
+            try:
+                answer = self.child.call("gather", spec=self.spec(), data=encode_tensor(self.data),
+                                         block_ids=list(block_ids))
+            except NotImplementedError:
+                raise
+            except Exception as err:  # noqa: BLE001  (an index past a size is often a size mixed up)
+                raise AssertionError(f"gather({list(block_ids)}) on a {self.spec()} pool raised {err}\n"
+                                     f"What it must give: {GATHER_RULE}") from None
             expected = kv_pool.PagedKVPool.gather(self, block_ids, config)
             length = expected.get_seq_length()
             if answer["type"] != "DynamicCache":
                 self.twin.differ("the type", answer["type"], "DynamicCache", GATHER_RULE)
             elif answer["length"] != length:
                 self.twin.differ("the tokens cached", answer["length"], length, GATHER_RULE)
-            for i, (keys, values) in enumerate(answer["layers"]):
+            layers = [(k, v) for k, v in answer["layers"] if k is not None and v is not None]
+            if answer["type"] == "DynamicCache" and len(layers) != len(answer["layers"]):
+                self.twin.differ("the layers holding keys and values", len(layers), len(expected.layers), GATHER_RULE)
+            for i, (keys, values) in enumerate(layers[: len(expected.layers)]):
                 for name, got, want in (("keys", keys, expected.layers[i].keys),
                                         ("values", values, expected.layers[i].values)):
                     if got.dtype != want.dtype or got.shape != want.shape:
@@ -537,9 +578,9 @@ def remote_pool_class():
                                          (want.dtype, tuple(want.shape)), GATHER_RULE)
                     elif not torch.equal(got, want):
                         self.twin.differ(f"layer {i} {name}", "other numbers", "these", GATHER_RULE)
-            if not answer["layers"]:
+            if not layers:
                 return DynamicCache(config=config)
-            return DynamicCache([(k.to(self.device), v.to(self.device)) for k, v in answer["layers"]], config=config)
+            return DynamicCache([(k.to(self.device), v.to(self.device)) for k, v in layers])
 
     return RemotePool
 

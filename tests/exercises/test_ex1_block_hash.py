@@ -1,15 +1,17 @@
 """Exercise 1: the chained block hash (exercises/block_hash.py). Needs no other exercise.
 
-A hash's bytes are the student's choice (any unambiguous encoding will do), so these tests
-compare hashes with each other, never with the reference's: equal inputs, equal hashes;
-different inputs, different hashes; chained; the same in every process.
+The encoding a block's hash digests is the student's choice (any unambiguous one will do), so
+these tests compare hashes with each other, never with the reference's: each is a SHA-256
+digest (32 bytes); equal inputs, equal hashes; different inputs, different hashes; chained
+to the whole parent hash; the same in every process, whatever was hashed before. Token ids
+and prompt lengths are drawn anew each run (grading.SEED).
 """
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from grading import Child, GRADING, RemoteBlockHash
+from grading import Child, GRADING, RemoteBlockHash, drawn
 
 EXERCISE = "block_hash"
 BLOCK = [1, 2, 3, 4]
@@ -125,15 +127,60 @@ def test_python_hash_is_never_used(impl):
     )
 
 
-def test_hashes_are_the_same_in_every_process():
+def prompts_of_this_run(name: str) -> list[tuple[list[int], int]]:
+    """Three (token ids, block size) of a real vocabulary, drawn for this run."""
+    rng = drawn(name)
+    prompts = []
+    for _ in range(3):
+        block_size = rng.choice([4, 16, 32])
+        length = rng.randrange(2 * block_size, 6 * block_size)
+        prompts.append(([rng.randrange(262_144) for _ in range(length)], block_size))
+    return prompts
+
+
+def test_each_block_hash_is_a_sha256_digest_of_32_bytes(impl):
+    for tokens, block_size in prompts_of_this_run("digest"):
+        hashes = impl.compute_block_hashes(tokens, block_size, "tenant-a", ("lora-1",))
+        for i, block_hash in enumerate(hashes):
+            if not isinstance(block_hash, bytes) or len(block_hash) != 32:
+                size = f"{len(block_hash)} bytes" if isinstance(block_hash, bytes) else f"a {type(block_hash).__name__}"
+                pytest.fail(f"block {i} of a {len(tokens)}-token prompt (blocks of {block_size}) hashed to {size}: a "
+                            "block hash is the SHA-256 digest of your encoding, 32 bytes "
+                            "(hashlib.sha256(encoding).digest()). MD5 gives 16 bytes and fewer bits to keep blocks "
+                            "apart; the encoding itself grows with the block, and a hash that grows is no hash",
+                            pytrace=False)
+
+
+def test_every_byte_of_the_parent_hash_counts(impl):
+    tokens, block_size = prompts_of_this_run("parent bytes")[0]
+    parent, block = impl.hash_block_tokens(None, tokens[:block_size]), tokens[block_size : 2 * block_size]
+    expected = impl.hash_block_tokens(parent, block)
+    for i in range(len(parent)):
+        changed = parent[:i] + bytes([parent[i] ^ 0xFF]) + parent[i + 1 :]
+        assert_differ(impl.hash_block_tokens(changed, block), expected,
+                      f"two parents that differ in byte {i} alone give a block the same hash: the whole parent hash "
+                      f"(all {len(parent)} bytes) enters the encoding, not a part of it (parent_hash[:8] keeps 64 "
+                      "bits of the chain, and prompts whose prefixes collide there would share blocks)")
+
+
+def test_hashes_are_the_same_in_every_process_whatever_came_before():
+    prompts = prompts_of_this_run("processes")
     outputs = []
-    for seed in ("1", "2"):  # Python's own hash() would differ between these two processes
-        process = Child(EXERCISE, env={"PYTHONHASHSEED": seed})
+    # Python's own hash() differs between these two processes, and a hash that depends on what
+    # was hashed before (a counter, a table of inputs seen) differs between the two orders.
+    for hash_seed, order in (("1", prompts), ("2", prompts[::-1])):
+        process = Child(EXERCISE, env={"PYTHONHASHSEED": hash_seed})
         try:
-            outputs.append(RemoteBlockHash(process).compute_block_hashes(list(range(8)), 4, None, ("lora-1",)))
+            remote = RemoteBlockHash(process)
+            outputs.append({tuple(tokens): remote.compute_block_hashes(tokens, size, None, ("lora-1",))
+                            for tokens, size in order})
         finally:
             process.stop()
-    assert outputs[0] == outputs[1], "the hash changes between processes: do not use Python's hash()"
+    assert outputs[0] == outputs[1], (
+        "the same prompts hash differently in two processes (another PYTHONHASHSEED, the prompts in another "
+        "order): a block's hash depends on its parent, tokens and keys alone. Do not use Python's hash(), nor "
+        "number the blocks in the order they were seen"
+    )
 
 
 def test_only_full_blocks_get_a_hash(impl):
@@ -145,14 +192,17 @@ def test_only_full_blocks_get_a_hash(impl):
 
 
 def test_each_hash_is_chained_to_the_one_before(impl):
-    tokens = list(range(12))
-    hashes = impl.compute_block_hashes(tokens, 4)
-    assert_same(hashes[0], impl.hash_block_tokens(None, tokens[0:4]),
-                "block 0's hash must be hash_block_tokens(None, its 4 tokens)")
-    for i in (1, 2):
-        assert_same(hashes[i], impl.hash_block_tokens(hashes[i - 1], tokens[4 * i : 4 * i + 4]),
-                    f"block {i}'s hash must be hash_block_tokens(block {i - 1}'s hash, its own 4 tokens): the "
-                    "parent is the hash of the block just before, not None and not block 0's")
+    for tokens, size in prompts_of_this_run("chained"):
+        hashes = impl.compute_block_hashes(tokens, size)
+        assert len(hashes) == len(tokens) // size, (
+            f"{len(tokens)} tokens in blocks of {size} have {len(tokens) // size} full blocks, got {len(hashes)} hashes"
+        )
+        assert_same(hashes[0], impl.hash_block_tokens(None, tokens[0:size]),
+                    f"block 0's hash must be hash_block_tokens(None, its {size} tokens)")
+        for i in range(1, len(hashes)):
+            assert_same(hashes[i], impl.hash_block_tokens(hashes[i - 1], tokens[size * i : size * i + size]),
+                        f"block {i}'s hash must be hash_block_tokens(block {i - 1}'s hash, its own {size} tokens): "
+                        "the parent is the hash of the block just before, not None and not block 0's")
 
 
 def test_the_same_block_at_another_position_is_another_block(impl):
@@ -192,7 +242,8 @@ def test_a_cache_salt_joins_the_extra_keys_of_block_0_and_does_not_replace_them(
     assert_differ(lora_1[0], lora_2[0],
                   "with a cache_salt, block 0 hashes alike under LoRA adapters 'lora-1' and 'lora-2': the salt "
                   "replaced the extra keys, so one tenant's two adapters share block 0 although its K/V differ. "
-                  "Block 0's keys are extra_keys + (cache_salt,)")
+                  "Block 0's keys are extra_keys + (('cache_salt', cache_salt),): the extra keys, then the salt, "
+                  "tagged")
     unsalted = impl.compute_block_hashes(tokens, 4, extra_keys=("lora-1",))
     assert_differ(lora_1[0], unsalted[0], "with extra keys, the salt must still change block 0's hash")
 
@@ -229,17 +280,18 @@ def test_different_blocks_get_different_hashes(impl, blocks):
 
 
 @settings(GRADING, max_examples=60)
-@given(st.lists(st.integers(0, 262_143), max_size=14), st.sampled_from([None, "t", "lora"]), KEYS)
-def test_compute_block_hashes_is_the_chain_of_hash_block_tokens(impl, tokens, salt, keys):
-    hashes = impl.compute_block_hashes(tokens, 4, salt, tuple(keys))
-    assert len(hashes) == len(tokens) // 4, f"{len(tokens)} tokens in blocks of 4 have {len(tokens) // 4} full blocks"
+@given(st.lists(st.integers(0, 262_143), max_size=14), st.integers(1, 5), st.sampled_from([None, "t", "lora"]), KEYS)
+def test_compute_block_hashes_is_the_chain_of_hash_block_tokens(impl, tokens, size, salt, keys):
+    hashes = impl.compute_block_hashes(tokens, size, salt, tuple(keys))
+    assert len(hashes) == len(tokens) // size, (
+        f"{len(tokens)} tokens in blocks of {size} have {len(tokens) // size} full blocks, got {len(hashes)} hashes")
     parent = None
     for i, block_hash in enumerate(hashes):
         block_keys = (*keys, ("cache_salt", salt)) if i == 0 and salt is not None else tuple(keys)
-        expected = impl.hash_block_tokens(parent, tokens[4 * i : 4 * i + 4], block_keys)
+        expected = impl.hash_block_tokens(parent, tokens[size * i : size * i + size], block_keys)
         assert block_hash == expected, (
-            f"block {i} of {tokens} (salt {salt!r}, extra keys {tuple(keys)}) is not hash_block_tokens(block "
-            f"{i - 1}'s hash, its 4 tokens, {block_keys}): block i's parent is block i - 1's hash, every block has "
-            "the extra keys, and block 0 alone has ('cache_salt', salt) after them"
+            f"block {i} of {tokens} (blocks of {size}, salt {salt!r}, extra keys {tuple(keys)}) is not "
+            f"hash_block_tokens(block {i - 1}'s hash, its {size} tokens, {block_keys}): block i's parent is block "
+            "i - 1's hash, every block has the extra keys, and block 0 alone has ('cache_salt', salt) after them"
         )
         parent = block_hash

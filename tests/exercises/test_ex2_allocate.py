@@ -119,6 +119,24 @@ def test_a_hit_needs_the_same_tokens_and_the_block_table_stops_at_the_first_miss
     )
 
 
+def test_a_block_cached_after_a_miss_is_not_a_hit(pool):
+    alloc = pool(20)
+    alloc.allocate_with_prefix("a", list(range(13)))  # blocks 0 1 2 cached, 3 partial
+    release(alloc, "a")
+    alloc.evict(1)  # block 1's hash leaves the cache map; block 2's stays
+    got = alloc.allocate_with_prefix("b", list(range(13)))
+    table = alloc.block_tables["b"]
+    assert 2 not in table, (
+        f"the block table must stop at the first miss: block 1's hash is no longer cached, yet b's table is "
+        f"{table}, so b would read block 2's K/V for tokens 8-11 with no K/V for tokens 4-7 beside them. A missed "
+        "hash ends the lookup (break, not continue), as a missed token guard does"
+    )
+    assert tuple(got) == (4, 9) and table == [0, 4, 5, 6], (
+        f"one hit (block 0), then 3 new blocks from the head: expected (4, 9) and [0, 4, 5, 6], "
+        f"got {tuple(got)} and {table}"
+    )
+
+
 @pytest.mark.parametrize("length, expected", [(8, 4), (9, 8), (12, 8), (13, 12)])
 def test_at_least_one_prompt_token_is_left_to_compute(pool, length, expected):
     alloc = pool(20)

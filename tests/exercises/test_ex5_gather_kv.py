@@ -6,6 +6,10 @@ child and builds a DynamicCache of the tensors it answers, which kv_pool's gathe
 data must equal, bit for bit. The finish line is the oracle of stage 7: on the tiny model, a
 prefix gathered from the pool plus the suffix computed on top of it gives the logits of one
 full forward pass.
+
+The pool's shape is drawn anew each run (grading.SEED), its four sizes all different: keys
+gathered per KV head where they belong per layer, or a block size taken for a head_dim, give
+the wrong shape whatever the run.
 """
 
 from dataclasses import replace
@@ -16,14 +20,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import LlamaConfig
 
-from grading import GRADING, remote_pool_class
+from grading import GRADING, drawn, remote_pool_class
 from helpers import hf_greedy
 from kv_pool import PagedKVPool
 
 EXERCISE = "gather_kv"
-SHAPE = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 3}
-CONFIG = LlamaConfig(num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, hidden_size=6)
-BLOCK_SIZE = 4
+SIZES = drawn("pool shape")
+NUM_LAYERS, NUM_KV_HEADS, BLOCK_SIZE = SIZES.sample(range(2, 8), 3)
+HEAD_DIM = SIZES.choice([d for d in (4, 6, 8, 10) if d not in (NUM_LAYERS, NUM_KV_HEADS, BLOCK_SIZE)])  # RoPE: even
+SHAPE = {"num_layers": NUM_LAYERS, "num_kv_heads": NUM_KV_HEADS, "head_dim": HEAD_DIM}
+CONFIG = LlamaConfig(num_hidden_layers=NUM_LAYERS, num_attention_heads=NUM_KV_HEADS, num_key_value_heads=NUM_KV_HEADS,
+                     hidden_size=NUM_KV_HEADS * HEAD_DIM)
 
 
 @pytest.fixture
@@ -50,7 +57,9 @@ def test_no_blocks_give_an_empty_cache(numbered_pool):
 
 def test_each_layer_gets_keys_and_values_in_attention_layout(numbered_pool):
     cache = numbered_pool().gather([3, 1], CONFIG)
-    assert len(cache.layers) == SHAPE["num_layers"], "one (keys, values) pair per layer"
+    assert len(cache.layers) == NUM_LAYERS, (
+        f"a pool of {NUM_LAYERS} layers and {NUM_KV_HEADS} KV heads gathered into {len(cache.layers)} (keys, values) "
+        "pairs: one pair per layer, each holding every KV head")
     expected = (1, SHAPE["num_kv_heads"], 2 * BLOCK_SIZE, SHAPE["head_dim"])
     for i, layer in enumerate(cache.layers):
         for name, tensor in (("keys", layer.keys), ("values", layer.values)):
@@ -95,7 +104,8 @@ def test_a_longer_prefix_takes_no_more_tensor_operations(child):
     more = {name: n - short.get(name, 0) for name, n in long.items() if n > short.get(name, 0)}
     extra = ", ".join(f"{name} x{n}" for name, n in sorted(more.items(), key=lambda item: -item[1])[:3])
     assert sum(long.values()) <= sum(short.values()), (
-        f"gathering 48 tokens ran {sum(long.values())} tensor operations, gathering 4 ran {sum(short.values())} "
+        f"gathering {12 * BLOCK_SIZE} tokens ran {sum(long.values())} tensor operations, gathering {BLOCK_SIZE} ran "
+        f"{sum(short.values())} "
         f"(more: {extra}): the work grows with the prefix, so a Python loop runs over its tokens or blocks, and a "
         "real prefix has thousands. Pick every block at once (index_select, or indexing with a tensor of block "
         "ids), then reshape"
@@ -128,16 +138,18 @@ def test_the_finish_line_cached_prefix_plus_suffix_logits_equal_a_full_forward(c
     model = tiny_model
     pool = remote_pool_class()(child, **PagedKVPool.shape_from_config(model.config), num_blocks=16,
                                block_size=BLOCK_SIZE)
-    prompt = list(range(200, 221))  # 21 tokens: a prefix of 4 full blocks, a suffix of 5
+    prefix = 4 * BLOCK_SIZE  # 4 full blocks, then a suffix of 5 tokens
+    prompt = list(range(200, 200 + prefix + 5))
     block_table = [9, 2, 14, 5, 0, 7]  # anywhere in the pool, in any order
     with torch.no_grad():
-        computed = model(torch.tensor([prompt[:16]]), use_cache=True).past_key_values
-        pool.write(computed, block_table, 0, 16)  # what an earlier request left in the pool
+        computed = model(torch.tensor([prompt[:prefix]]), use_cache=True).past_key_values
+        pool.write(computed, block_table, 0, prefix)  # what an earlier request left in the pool
 
         cache = pool.gather(block_table[:4], model.config)
-        assert cache.get_seq_length() == 16, f"the gathered cache holds {cache.get_seq_length()} tokens, not 16"
-        cached = model(torch.tensor([prompt[16:]]), past_key_values=cache).logits[0]
-        full = model(torch.tensor([prompt])).logits[0, 16:]
+        assert cache.get_seq_length() == prefix, (
+            f"the gathered cache holds {cache.get_seq_length()} tokens, not {prefix}")
+        cached = model(torch.tensor([prompt[prefix:]]), past_key_values=cache).logits[0]
+        full = model(torch.tensor([prompt])).logits[0, prefix:]
     torch.testing.assert_close(cached, full, atol=1e-5, rtol=1e-5,
                                msg=lambda m: f"cached prefix + suffix logits differ from a full forward pass: {m}")
 

@@ -54,6 +54,10 @@ def step(s, token: int = 7, budget: int | None = None) -> tuple[list[tuple[str, 
         pytest.fail(f"the step plans {num_tokens} tokens against a budget of {limit}: "
                     f"{[tuple(p[:3]) for p in plan]}. Every token a request computes comes out of the budget, a "
                     "resumed request's sampled tokens too", pytrace=False)
+    empty = [tuple(p[:3]) for p in plan if p[2] <= p[1]]
+    if empty:
+        pytest.fail(f"the plan holds {empty}, which computes no token: a request whose share is 0 (or that has "
+                    "nothing left to compute) is left out of the plan this step", pytrace=False)
     alloc = s.allocator
     try:
         alloc.check_invariants()
@@ -182,6 +186,33 @@ def test_no_more_than_max_num_seqs_requests_run(scheduler):
     plan, _ = step(s)
     assert ids(s.running) == ["a", "b"] and ids(s.waiting) == ["c"], (
         f"max_num_seqs is 2: c waits until a or b finishes, got {state(s)}"
+    )
+
+
+def test_a_budget_over_max_num_batched_tokens_plans_at_most_max_num_batched_tokens(scheduler):
+    s = scheduler(40, max_num_seqs=4, max_num_batched_tokens=16)
+    add(s, a=list(range(100)))
+    plan, _ = s.step(budget=64)
+    planned = sum(end - start for _, start, end, _ in plan)
+    assert planned <= 16, (
+        f"schedule(budget=64) with max_num_batched_tokens=16 planned {planned} tokens ({plan}): a step computes at "
+        "most max_num_batched_tokens, and a budget passed to schedule can only lower it, "
+        "min(budget, max_num_batched_tokens)"
+    )
+
+
+def test_a_running_request_whose_share_is_0_is_left_out_of_the_plan(scheduler):
+    s = scheduler(20, max_num_seqs=4, max_num_batched_tokens=8)
+    add(s, long=list(range(100, 120)), x=[1], y=[2])
+    step(s)
+    plan, _ = step(s)
+    assert plan == [("long", 8, 14), ("x", 0, 1), ("y", 0, 1)], (
+        f"step 2: long's share of 8 tokens beside x and y, then x and y, got {plan}")
+    plan, _ = step(s, budget=2)
+    assert plan == [("x", 1, 2), ("y", 1, 2)], (
+        f"a budget of 2: x and y decode one token each and leave long, still prefilling, a share of 0, so long is "
+        f"not in the plan (an entry of 0 tokens asks the model for nothing). Expected [('x', 1, 2), ('y', 1, 2)], "
+        f"got {plan}"
     )
 
 
@@ -381,6 +412,20 @@ def test_a_running_request_gets_the_last_free_block_before_a_new_one(scheduler):
     assert plan == [("a", 8, 9)] and not preempted and ids(s.waiting) == ["b"], (
         f"a's token 8 needs a new block and b needs one: a, already running, decodes first and gets block 2, b "
         f"waits. Got plan {plan}, preempted {preempted}, {state(s)}"
+    )
+
+
+def test_self_num_preemptions_counts_every_preemption_of_every_request(scheduler):
+    s = scheduler(3)
+    add(s, a=[1, 2, 3], b=[4, 5, 6], c=[8, 9, 10])  # a block each; each decode needs a second
+    step(s), step(s)
+    _, preempted = step(s)
+    assert preempted == ["c", "b"], f"a's token 4 needs a block: c, then b, are preempted; got {preempted}"
+    counts = {r.request_id: r.num_preemptions for r in [*s.running, *s.waiting]}
+    assert counts == {"a": 0, "b": 1, "c": 1} and s.num_preemptions == 2, (
+        f"b and c were preempted once each: their num_preemptions are 1 and self.num_preemptions counts every "
+        f"preemption of every request, 2. Got {counts} and self.num_preemptions {s.num_preemptions}: add one to "
+        "each in _preempt (self.num_preemptions += 1), do not copy the request's own count"
     )
 
 
