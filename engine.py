@@ -74,7 +74,9 @@ class EngineConfig:
     enable_chunked_prefill, cascade_attention (decodes sharing a long prefix read it once,
     where it pays), choose_threads (False keeps torch's thread count on a CPU), fair_share
     (the waiting queue read least-served tenant first, and a tenant far ahead held to a
-    smaller share of a step: scheduler.py and step_budget.py; False: arrival order).
+    smaller share of a step: scheduler.py and step_budget.py; False: arrival order),
+    static_decode (a step that only decodes runs padded to fixed shapes, replayed as a CUDA
+    graph on a GPU: model_runner.py; None: on a GPU only; True on a CPU runs it eagerly).
     """
 
     block_size: int = 16
@@ -91,6 +93,7 @@ class EngineConfig:
     cascade_attention: bool = True
     choose_threads: bool = True
     fair_share: bool = True
+    static_decode: bool | None = None
 
     def __post_init__(self):
         if self.num_blocks is not None and self.kv_memory_gb is not None:
@@ -244,6 +247,7 @@ class Engine:
         step_budget = None if "max_num_batched_tokens" in given else self.step_budget  # given: a fixed budget
         return {"cascade_attention": self.config.cascade_attention, "threads": self.threads,
                 "choose_threads": self.config.choose_threads, "step_budget": step_budget,
+                "static_decode": self.config.static_decode,
                 **self.config.scheduler_options, **given}
 
     # --- the configuration, read from self.config ---------------------------------------------
