@@ -169,8 +169,9 @@ class StaticStep:
         # A fresh copy, not read_blocks' buffer: a graph keeps the addresses it was captured
         # with, and that buffer is given back when the eager path grows it.
         kv = self.pool.blocks(layer).index_select(1, self.block_ids)  # (K/V, rows x width, block size, kv heads, dim)
-        keys, values = kv.view(2, rows, -1, kv_heads, dim).transpose(2, 3).to(query.dtype)  # (rows, kv heads, slots,
-        queries = query[0].transpose(0, 1).reshape(rows, kv_heads, heads // kv_heads, dim)  #                  dim)
+        # Keys and values (rows, kv heads, slots, dim); a kv head's query heads are its queries (no K/V repeated).
+        keys, values = kv.view(2, rows, -1, kv_heads, dim).transpose(2, 3).to(query.dtype)
+        queries = query[0].transpose(0, 1).reshape(rows, kv_heads, heads // kv_heads, dim)
         attended = F.scaled_dot_product_attention(queries, keys, values, attn_mask=self.mask, scale=scaling)
         return attended.reshape(1, rows, heads, dim), None
 
