@@ -1,7 +1,8 @@
 """The padded decode step (static_decode.py), run eagerly on a CPU: the same logits and tokens
 as the packed step of batch_attention.py for every mix of decodes, whatever the padding holds;
 the ladders pick the smallest rung that fits; a step that does not fit runs as before; and
-the graph capture that only a GPU runs falls back to eager steps when it fails."""
+the graphs that only a GPU captures, their calls faked here: each shape captured once after a
+warm-up and replayed after, and a capture that fails turning every later step eager."""
 
 import logging
 import random
@@ -31,7 +32,7 @@ def runners(engine, max_num_seqs: int = 8) -> tuple[ModelRunner, ModelRunner]:
 
 def decode_plans(engine, prompts: list[list[int]], max_tokens: int | list[int], max_num_seqs: int = 16):
     """Step the prompts through a BatchRunner of the engine, yielding each decode-only plan
-    (with its block tables) before it runs; the caller returns the step's greedy tokens.
+    (with its block tables) before it runs; the caller sends back the step's greedy tokens.
     max_tokens: for all, or for each prompt."""
     runner = BatchRunner(engine.parts, choose_threads=False, max_num_seqs=max_num_seqs, max_num_batched_tokens=512,
                          static_decode=False)
@@ -50,6 +51,17 @@ def decode_plans(engine, prompts: list[list[int]], max_tokens: int | list[int], 
     finally:  # closed early: every block back
         for request in requests:
             runner.scheduler.finish(request)
+
+
+def iter_steps(steps, tokens_of):
+    """Drive decode_plans to its end: each (plan, tables) yielded, then its tokens sent back."""
+    try:
+        plan, tables = next(steps)
+        while True:
+            yield plan, tables
+            plan, tables = steps.send(tokens_of(plan, tables))
+    except StopIteration:
+        return
 
 
 def compare_steps(engine, prompts, max_tokens, eager, padded, max_num_seqs=16) -> list[int]:
@@ -260,3 +272,59 @@ def test_a_failed_capture_says_why_once_and_every_step_runs_eagerly(make_engine,
     assert "CUDA graphs off" in messages[0] and "operation not permitted" in messages[0]
     assert padded.buffers is None and padded.graphs is None
     steps.close()
+
+
+class FakeGraph:
+    """Stands in for torch.cuda.CUDAGraph on a CPU: counts replays, hands out a pool id."""
+
+    made = []
+
+    def __init__(self):
+        self.replays, self.captured_in = 0, "not captured"
+        FakeGraph.made.append(self)
+
+    def pool(self):
+        return ("pool of", FakeGraph.made[0])
+
+    def replay(self):
+        self.replays += 1
+
+
+class fake_capture:
+    """Stands in for torch.cuda.graph: the code inside runs eagerly, and the graph notes the pool."""
+
+    def __init__(self, graph, pool=None):
+        graph.captured_in = pool
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_each_shape_is_captured_once_after_a_warm_up_then_replayed(make_engine, monkeypatch):
+    """DecodeGraphs' bookkeeping, with torch's graph calls faked (this machine has no GPU): a
+    new (size, width) runs a warm-up pass and a captured one, later steps of it only replay,
+    and every graph after the first allocates from the first one's memory pool."""
+    FakeGraph.made = []
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
+    monkeypatch.setattr(torch.cuda, "graph", fake_capture)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    passes = []
+    monkeypatch.setattr(model_runner, "forward", lambda *args: passes.append(args[2:]) or forward(*args))
+    engine = make_engine()
+    eager, padded = runners(engine)
+    padded.graphs = model_runner.DecodeGraphs(engine.model, padded.buffers)
+    steps = decode_plans(engine, [SHARED[:9], [7, 8, 9], SHARED[:5]], max_tokens=[3, 6, 6])
+    shapes = []
+    with torch.inference_mode():
+        for plan, tables in iter_steps(steps, lambda plan, tables: eager.run(plan, tables).argmax(-1).tolist()):
+            shapes.append(padded.padded_rung(plan))
+            padded.run(plan, tables)
+    new = list(dict.fromkeys(shapes))  # each shape once, in the order they came
+    assert shapes[:2] == [(4, 4), (4, 4)] and (2, 4) in new and len(new) < len(shapes)
+    assert passes == [shape for shape in new for _ in ("warm-up", "capture")]  # no pass of its own for a replay
+    assert len(FakeGraph.made) == len(new) and sum(graph.replays for graph in FakeGraph.made) == len(shapes)
+    first, *later = FakeGraph.made
+    assert first.captured_in is None and all(graph.captured_in == ("pool of", first) for graph in later)
