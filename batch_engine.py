@@ -62,8 +62,8 @@ class BatchRunner:
         or any object with its budget, record and describe); None: max_num_batched_tokens
         every step (FixedBudget). static_decode: a step that only decodes runs padded to a
         ladder's size, a CUDA graph on a GPU (model_runner.py); None: on a GPU only.
-        scheduler_options: Scheduler's max_num_seqs,
-        max_num_batched_tokens and enable_chunked_prefill."""
+        scheduler_options: Scheduler's max_num_seqs, max_num_batched_tokens and
+        enable_chunked_prefill."""
         self.parts = parts
         self.scheduler = Scheduler(parts.allocator, **scheduler_options)
         self.budget = step_budget or FixedBudget(self.scheduler.max_num_batched_tokens)

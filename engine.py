@@ -212,7 +212,7 @@ class Engine:
         if num_blocks is None:
             per_block = PagedKVPool.bytes_per_block(**shape, block_size=config.block_size, dtype=self.dtype)
             budget = DEFAULT_KV_MEMORY_GB if config.kv_memory_gb is None else config.kv_memory_gb
-            num_blocks = int(budget * 2**30 // per_block)
+            num_blocks = int(budget * 2**30 // per_block)  # the allocator's; the pool's scratch block is one more
             if num_blocks < 1:
                 raise ValueError(f"kv_memory_gb={budget} is less than one block ({per_block:,} bytes)")
         allocator = PrefixCachingAllocator(num_blocks, config.block_size, hash_algo=config.hash_algo,

@@ -59,7 +59,8 @@ class PagedKVPool:
     The memory holds one block more than the allocator's, block id num_blocks: the scratch
     block. The allocator never hands it out; a padded decode step (static_decode.py) points
     its padding rows at it, so they write and read there and touch no request's K/V. vLLM's
-    BlockPool keeps a null_block for padding the same way (vllm/v1/core/block_pool.py).
+    BlockPool holds back block 0 the same way, its null_block: a placeholder no request owns
+    (vllm/v1/core/block_pool.py).
     `data` is the allocator's blocks only; slots and read_blocks see the scratch block too.
 
     >>> kv = PagedKVPool(num_layers=2, num_kv_heads=1, head_dim=8, num_blocks=4, block_size=4)
