@@ -10,11 +10,11 @@ whole forward pass can run over fixed shapes: the batch padded up to a size of a
 each row's block table padded to a width of another ladder. A graph captured for one
 (size, width) then serves every decode step that fits it.
 
-    decode_sizes, block_widths   the two ladders; padded_to picks a step's rung
+    decode_sizes, block_widths   the two ladders; padded_to and rung pick a step's rungs
     DecodeBuffers                the inputs, allocated once for the largest size and width;
                                  fill copies a step's requests in, padding the rest
-    StaticStep                   what the attention layers read (pool_step=), built from
-                                 the buffers inside the forward pass (forward)
+    StaticStep, forward          the padded forward pass: what its attention layers read
+                                 (pool_step=), built from the buffers inside the pass
 
 Padding rows never touch a request's K/V: each writes its token to the pool's scratch block
 (kv_pool.py; the allocator never hands it out) and reads only that block, context length 1.
