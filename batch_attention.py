@@ -67,6 +67,8 @@ def pool_attention(module, query, key, value, attention_mask, scaling=None, drop
     if pool_step is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
+    if not isinstance(pool_step, StepInputs):  # a step that attends in its own way (static_decode.StaticStep)
+        return pool_step.attend(module.layer_idx, query, key, value, scaling)
     step: StepInputs = pool_step
     pool, layer = step.pool, module.layer_idx
     flat = pool.slots(layer)  # (2, slots, kv heads, dim)

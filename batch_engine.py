@@ -52,22 +52,26 @@ class BatchRunner:
     """
 
     def __init__(self, parts: EngineParts, *, cascade_attention: bool = True, threads: ThreadChooser | None = None,
-                 choose_threads: bool = True, step_budget: StepBudget | None = None, **scheduler_options) -> None:
+                 choose_threads: bool = True, step_budget: StepBudget | None = None,
+                 static_decode: bool | None = None, **scheduler_options) -> None:
         """cascade_attention: decodes that share a long prefix's blocks may attend over them
         once (shared_prefix_attention), where counted work says it pays (decode_groups);
         False: never. threads: the ThreadChooser to use (one that has measured already, as
         the Engine's), or None for a new one; choose_threads=False keeps torch's own thread
         count for every step. step_budget: the budget policy (step_budget.py's StepBudget,
         or any object with its budget, record and describe); None: max_num_batched_tokens
-        every step (FixedBudget). scheduler_options: Scheduler's max_num_seqs,
-        max_num_batched_tokens and enable_chunked_prefill."""
+        every step (FixedBudget). static_decode: a step that only decodes runs padded to a
+        ladder's size, a CUDA graph on a GPU (model_runner.py); None: on a GPU only.
+        scheduler_options: Scheduler's max_num_seqs, max_num_batched_tokens and
+        enable_chunked_prefill."""
         self.parts = parts
         self.scheduler = Scheduler(parts.allocator, **scheduler_options)
         self.budget = step_budget or FixedBudget(self.scheduler.max_num_batched_tokens)
         # On a GPU the CPU only launches kernels: nothing to choose there.
         cpu = parts.device.type == "cpu"
         self.model_runner = ModelRunner(parts, cascade_attention,
-                                        (threads or ThreadChooser()) if cpu and choose_threads else None)
+                                        (threads or ThreadChooser()) if cpu and choose_threads else None,
+                                        max_num_seqs=self.scheduler.max_num_seqs, static_decode=static_decode)
         self.last_plan: StepPlan | None = None  # the latest step's plan; None while one is being made
         self.num_steps = 0  # steps that scheduled anything: one forward pass each
         self.block_tables: dict[str, list[int]] = {}  # the latest plan's requests' tables, as planned

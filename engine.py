@@ -74,7 +74,9 @@ class EngineConfig:
     enable_chunked_prefill, cascade_attention (decodes sharing a long prefix read it once,
     where it pays), choose_threads (False keeps torch's thread count on a CPU), fair_share
     (the waiting queue read least-served tenant first, and a tenant far ahead held to a
-    smaller share of a step: scheduler.py and step_budget.py; False: arrival order).
+    smaller share of a step: scheduler.py and step_budget.py; False: arrival order),
+    static_decode (a step that only decodes runs padded to fixed shapes, replayed as a CUDA
+    graph on a GPU: model_runner.py; None: on a GPU only; True on a CPU runs it eagerly).
     """
 
     block_size: int = 16
@@ -91,6 +93,7 @@ class EngineConfig:
     cascade_attention: bool = True
     choose_threads: bool = True
     fair_share: bool = True
+    static_decode: bool | None = None
 
     def __post_init__(self):
         if self.num_blocks is not None and self.kv_memory_gb is not None:
@@ -209,7 +212,7 @@ class Engine:
         if num_blocks is None:
             per_block = PagedKVPool.bytes_per_block(**shape, block_size=config.block_size, dtype=self.dtype)
             budget = DEFAULT_KV_MEMORY_GB if config.kv_memory_gb is None else config.kv_memory_gb
-            num_blocks = int(budget * 2**30 // per_block)
+            num_blocks = int(budget * 2**30 // per_block)  # the allocator's; the pool's scratch block is one more
             if num_blocks < 1:
                 raise ValueError(f"kv_memory_gb={budget} is less than one block ({per_block:,} bytes)")
         allocator = PrefixCachingAllocator(num_blocks, config.block_size, hash_algo=config.hash_algo,
@@ -244,6 +247,7 @@ class Engine:
         step_budget = None if "max_num_batched_tokens" in given else self.step_budget  # given: a fixed budget
         return {"cascade_attention": self.config.cascade_attention, "threads": self.threads,
                 "choose_threads": self.config.choose_threads, "step_budget": step_budget,
+                "static_decode": self.config.static_decode,
                 **self.config.scheduler_options, **given}
 
     # --- the configuration, read from self.config ---------------------------------------------

@@ -7,7 +7,9 @@ K/V in and out of it:
 
     slot_ids      a token's place in the pool: its block (from the block table) and offset
     PagedKVPool   the tensors, sized once from the model's shape; gather copies cached
-                  blocks into a DynamicCache (stage 7's engine), write copies new K/V back
+                  blocks into a DynamicCache (stage 7's engine), write copies new K/V back;
+                  one scratch block beyond the allocator's, for a padded decode step's
+                  padding rows (static_decode.py)
 
 Both engines (one_request.py, batch_engine.py) use it; it imports neither.
 """
@@ -54,16 +56,25 @@ class PagedKVPool:
         data[layer, 0, block, offset]  the key of one token,   shape (num_kv_heads, head_dim)
         data[layer, 1, block, offset]  the value of that token
 
+    The memory holds one block more than the allocator's, block id num_blocks: the scratch
+    block. The allocator never hands it out; a padded decode step (static_decode.py) points
+    its padding rows at it, so they write and read there and touch no request's K/V. vLLM's
+    BlockPool holds back block 0 the same way, its null_block: a placeholder no request owns
+    (vllm/v1/core/block_pool.py).
+    `data` is the allocator's blocks only; slots and read_blocks see the scratch block too.
+
     >>> kv = PagedKVPool(num_layers=2, num_kv_heads=1, head_dim=8, num_blocks=4, block_size=4)
-    >>> tuple(kv.data.shape)
-    (2, 2, 4, 4, 1, 8)
+    >>> tuple(kv.data.shape), kv.scratch_block
+    ((2, 2, 4, 4, 1, 8), 4)
     """
     def __init__(self, *, num_layers, num_kv_heads, head_dim, num_blocks, block_size, dtype=None, device=None):
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.num_blocks, self.block_size = num_blocks, block_size
-        self.data = torch.zeros(
-            num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype or torch.float32, device=device
+        self._memory = torch.zeros(
+            num_layers, 2, num_blocks + 1, block_size, num_kv_heads, head_dim, dtype=dtype or torch.float32,
+            device=device
         )
+        self.data = self._memory[:, :, :num_blocks]  # a view: what the allocator's block ids name
         self._read_buffer: torch.Tensor | None = None  # read_blocks' copies land here
 
     @staticmethod
@@ -80,6 +91,11 @@ class PagedKVPool:
             "num_kv_heads": getattr(text, "num_key_value_heads", None) or text.num_attention_heads,
             "head_dim": getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads,
         }
+
+    @property
+    def scratch_block(self) -> int:
+        """The id of the block after the allocator's, which no request gets (the class docstring)."""
+        return self.num_blocks
 
     @property
     def dtype(self):
@@ -124,8 +140,13 @@ class PagedKVPool:
         return kv.transpose(2, 3).unsqueeze(2)  # (layers, 2, 1, heads, tokens, dim)
 
     def slots(self, layer: int):
-        """Layer `layer` of the pool as (K/V, slot, kv heads, dim): slot = block * block_size + offset."""
-        return self.data[layer].view(2, self.num_blocks * self.block_size, self.num_kv_heads, self.head_dim)
+        """Layer `layer` of the pool as (K/V, slot, kv heads, dim): slot = block * block_size + offset,
+        the scratch block's slots last."""
+        return self._memory[layer].view(2, (self.num_blocks + 1) * self.block_size, self.num_kv_heads, self.head_dim)
+
+    def blocks(self, layer: int):
+        """Layer `layer` of the pool as (K/V, block, offset, kv heads, dim), the scratch block last."""
+        return self._memory[layer]
 
     def read_blocks(self, layer: int, block_ids: torch.Tensor):
         """K and V of layer `layer` in the blocks `block_ids` (a 1-D long tensor on the pool's
@@ -147,7 +168,7 @@ class PagedKVPool:
         if self._read_buffer is None or self._read_buffer.numel() < size:
             self._read_buffer = torch.empty(size, dtype=self.dtype, device=self.device)
         out = self._read_buffer[:size].view(shape)
-        torch.index_select(self.data[layer], 1, block_ids, out=out)
+        torch.index_select(self._memory[layer], 1, block_ids, out=out)
         return out.flatten(1, 2)
 
     def write(self, cache, block_table: list[int], start: int, end: int) -> None:
@@ -159,10 +180,10 @@ class PagedKVPool:
             flat[layer, 1, slots] = values[0, :, start:end].transpose(0, 1)
 
     def __str__(self) -> str:
-        total = self.data.numel() * self.data.element_size()
+        total = self._memory.numel() * self._memory.element_size()  # the scratch block included
         return (
             f"paged KV pool: {self.num_blocks} blocks x {self.block_size} slots "
-            f"({self.num_blocks * self.block_size:,} tokens), each slot {self.num_layers} layers x K,V x "
-            f"{self.num_kv_heads} heads x {self.head_dim} dims; {str(self.dtype).removeprefix('torch.')} "
-            f"on {self.device}, {total / 2**20:,.1f} MiB ({total / self.num_blocks / 2**10:,.0f} KiB a block)"
+            f"({self.num_blocks * self.block_size:,} tokens) and 1 scratch block, each slot {self.num_layers} layers "
+            f"x K,V x {self.num_kv_heads} heads x {self.head_dim} dims; {str(self.dtype).removeprefix('torch.')} "
+            f"on {self.device}, {total / 2**20:,.1f} MiB ({total / (self.num_blocks + 1) / 2**10:,.0f} KiB a block)"
         )

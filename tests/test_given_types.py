@@ -63,6 +63,8 @@ OMITTED = {
     ("PoolBase", "bytes_per_block"): "the engines' sizing, which no exercise uses",
     ("PoolBase", "slots"): "the batching engine's writes, which no exercise makes",
     ("PoolBase", "read_blocks"): "the batching engine's attention, which no exercise runs",
+    ("PoolBase", "blocks"): "the padded decode step's attention (static_decode.py), which no exercise runs",
+    ("PoolBase", "scratch_block"): "where a padded decode step's padding goes (static_decode.py); no exercise pads",
     ("PoolBase", "write"): "the engines write a step's K/V; exercise 5's tests fill the pool themselves",
     ("PoolBase", "__str__"): "the server's start-up line, which no exercise prints",
     ("Request", "reply"): ENGINE_SIDE,
@@ -104,7 +106,7 @@ STUBS = {
 # Methods given.py copies with code of its own, on purpose: (given name, method) -> why.
 OWN_CODE = {
     ("PoolBase", "__init__"): "imports torch inside, so exercises 1-4 and 6 never load it; and keeps no read buffer "
-                              "(read_blocks is not given)",
+                              "(read_blocks is not given) nor scratch block (data is its whole memory)",
     ("SchedulerBase", "__init__"): "no check_step_size (the grader's reference scheduler refuses a bad size first), "
                                    "no enable_chunked_prefill nor fair_share (OMITTED_PARAMETERS), and so no tenant "
                                    "counters (served, active)",

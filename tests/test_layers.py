@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 ORDER = [
     "prefix_caching", "walkthrough", "flags", "model_files", "model_loader", "prompts", "kv_pool", "outputs",
     "request", "sampling", "cpu_threads", "one_request", "scheduler", "step_budget", "batch_attention",
-    "model_runner", "batch_engine", "engine_loop", "engine", "model_flags", "demo", "analyzer",
+    "static_decode", "model_runner", "batch_engine", "engine_loop", "engine", "model_flags", "demo", "analyzer",
     "server_requests", "server_views", "server_connections", "server_routes", "server", "cli",
 ]
 # A package's place in ORDER, and its own files bottom to top (its row of the table lists them so).
