@@ -14,6 +14,7 @@ tests/exercises with EXERCISE_IMPL=starter and EXERCISE_DIR pointing at it.
 import configparser
 import re
 import shutil
+import sys
 import textwrap
 from pathlib import Path
 
@@ -37,6 +38,11 @@ def grade(pytester, monkeypatch, tmp_path, test_file: str, files: dict[str, str]
         (folder / f"{name}.py").write_text(textwrap.dedent(source))
     monkeypatch.setenv("EXERCISE_IMPL", "starter")
     monkeypatch.setenv("EXERCISE_DIR", str(folder))
+    # The graded tests and grading.py import afresh, so the run draws its own seed (or
+    # GRADING_SEED's) even where this session imported them already (the whole suite).
+    for name, module in list(sys.modules.items()):
+        if EXERCISE_TESTS in Path(getattr(module, "__file__", None) or "/").parents:
+            monkeypatch.delitem(sys.modules, name)
     result = pytester.runpytest_inprocess(str(EXERCISE_TESTS / test_file), "-p", "no:cacheprovider", "--tb=short",
                                           *(["-k", select] if select else []))
     return result.parseoutcomes(), " ".join(result.stdout.str().split())
