@@ -78,6 +78,7 @@ ALLOWED = [
     ("README.md", "on a GPU 2,048 tokens", VLLM),
     ("README.md", "attention 2.2x and 10.2x faster", MEASURED),
     ("README.md", "128 to 2,048 tokens, warm", "prefix lengths of the GPU run's time-to-first-token measurement"),
+    ("lessons/README.md", "up to 2,048 tokens of prefix; caching paid", "a prefix length of the GPU run's TTFT measurement"),
     ("docs/server.md", "takes 2,048, or 8,192", VLLM),
     ("lessons/README.md", "takes 2,048, or 8,192", VLLM),
     ("lessons/README.md", "on a GPU 2,048 tokens", VLLM),
