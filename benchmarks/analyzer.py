@@ -4,13 +4,16 @@
     python prefix_caching.py --bench analyzer --sizes 10000     # only the first
     python prefix_caching.py --bench analyzer --quick           # 1,000: a check that it runs
     python prefix_caching.py --bench analyzer --sizes 10000 --logs /tmp/logs   # keep the log to analyse it again
+    python prefix_caching.py --bench analyzer --sizes 10000 --like vllm llamacpp   # two caching models, one log
     git worktree add /tmp/base HEAD~3 && python prefix_caching.py --bench analyzer --baseline /tmp/base
 
 For each size it writes a log of chat requests (OpenAI bodies: one of 20 system prompts of
 about 300 tokens, the popular ones more often, then a question of 50 to 350 tokens: about 500
 prompt tokens a request) to a temporary file, and times `python prefix_caching.py --analyze`
 on it from reading the file to the last line of its report, tokenizing with the default
-model's tokenizer included. The log is made before the clock starts. With --baseline DIR (a
+model's tokenizer included, in wall-clock seconds and in seconds of this process's CPU time (a
+figure other programs on the machine change less). The log is made before the clock starts;
+with --like, each caching model analyses the same log in turn. With --baseline DIR (a
 checkout of another commit) the same log then goes through DIR's own `python prefix_caching.py
 --analyze`, whose report says how long it took (reading and tokenizing apart, as here), and
 both reports' curves must be equal: a faster replay must find the same.
@@ -48,19 +51,20 @@ def chat_log(num_requests: int, seed: int = 0) -> list[dict]:
     return [chat(w.rng.choices(systems, popularity)[0], w.sentence(50, 350)) for _ in range(num_requests)]
 
 
-def time_analysis(num_requests: int, folder: Path, baseline: Path | None = None) -> dict:
-    path = folder / f"chat_{num_requests}.jsonl"
-    write_log(path, chat_log(num_requests))
-    start = time.perf_counter()
+def time_analysis(path: Path, num_requests: int, like: str = "vllm", baseline: Path | None = None) -> dict:
+    start, cpu_start = time.perf_counter(), time.process_time()
     report = Console(file=io.StringIO(), width=120)  # the report is not what is measured
-    summary = workload_analyzer.main([str(path)], console=report)
-    seconds = time.perf_counter() - start
-    result = {"requests": num_requests, "prompt_tokens": summary.prompt_tokens, "seconds": round(seconds, 1),
+    summary = workload_analyzer.main([str(path), "--like", like], console=report)
+    seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
+    result = {"requests": num_requests, "like": like, "prompt_tokens": summary.prompt_tokens,
+              "seconds": round(seconds, 1), "cpu_seconds": round(cpu_seconds, 1),
               "reading_and_tokenizing_s": round(summary.tokenize_seconds, 1),
-              "working_set_blocks": summary.working_set, "log_mib": round(path.stat().st_size / 2**20, 1)}
+              "working_set_blocks": summary.working_set, "log_mib": round(path.stat().st_size / 2**20, 1),
+              "load_average_after": round(os.getloadavg()[0], 2)}
     if baseline is not None:
         start = time.perf_counter()
-        theirs = subprocess.run([sys.executable, "prefix_caching.py", "--analyze", str(path)], cwd=baseline,
+        theirs = subprocess.run([sys.executable, "prefix_caching.py", "--analyze", str(path), "--like", like],
+                                cwd=baseline,
                                 capture_output=True, text=True, env={**os.environ, "COLUMNS": "120"}, check=True)
         result["baseline_seconds"] = round(time.perf_counter() - start, 1)
         # Its own last line: "N requests analysed in T s (R s reading and tokenizing)."
@@ -85,12 +89,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
                         help="keep the logs in this folder (default: a temporary one)")
     parser.add_argument("--baseline", type=Path, default=None,
                         help="a checkout of another commit: time its analyzer on the same logs, check the same curve")
+    parser.add_argument("--like", choices=list(workload_analyzer.LIKE), nargs="+", default=["vllm"],
+                        help="the caching models to time, each on the same log (default: vllm)")
     parser.add_argument("--json", default=None, help="also write the results to this JSON file")
     args = parser.parse_args(argv)
     sizes = [1_000] if args.quick else args.sizes
     console = Console()
-    console.print(f"{platform.machine()}, {platform.python_version()}; the default model's tokenizer")
-    table = Table("requests", "prompt tokens", "log", "reading + tokenizing", "whole analysis", "working set",
+    console.print(f"{platform.machine()}, {platform.python_version()}, {os.cpu_count()} cores, load average "
+                  f"{os.getloadavg()[0]:.1f} at the start; the default model's tokenizer")
+    table = Table("requests", "--like", "prompt tokens", "log", "reading + tokenizing", "whole analysis",
+                  "its CPU time", "working set",
                   *(["baseline's whole analysis (reading + tokenizing)", "same curve"] if args.baseline else []),
                   title="python prefix_caching.py --analyze LOG, timed")
     results = []
@@ -98,13 +106,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
         if args.logs:
             args.logs.mkdir(parents=True, exist_ok=True)
         for n in sizes:
-            r = time_analysis(n, args.logs or Path(folder), args.baseline)
-            results.append(r)
-            table.add_row(f"{n:,}", f"{r['prompt_tokens']:,}", f"{r['log_mib']} MiB",
-                          f"{r['reading_and_tokenizing_s']} s", f"{r['seconds']} s",
-                          f"{r['working_set_blocks']:,} blocks",
-                          *([f"{r['baseline_analysis_s']} s ({r['baseline_reading_and_tokenizing_s']} s)",
-                             "yes" if r["same_curve"] else "[red]NO[/]"] if args.baseline else []))
+            path = (args.logs or Path(folder)) / f"chat_{n}.jsonl"
+            write_log(path, chat_log(n))
+            for like in args.like:
+                r = time_analysis(path, n, like, args.baseline)
+                results.append(r)
+                table.add_row(f"{n:,}", like, f"{r['prompt_tokens']:,}", f"{r['log_mib']} MiB",
+                              f"{r['reading_and_tokenizing_s']} s", f"{r['seconds']} s", f"{r['cpu_seconds']} s",
+                              f"{r['working_set_blocks']:,} blocks",
+                              *([f"{r['baseline_analysis_s']} s ({r['baseline_reading_and_tokenizing_s']} s)",
+                                 "yes" if r["same_curve"] else "[red]NO[/]"] if args.baseline else []))
     console.print(table)
+    console.print(f"load average after each run: {', '.join(str(r['load_average_after']) for r in results)}")
     save_json(args.json, results, console)
     return results
