@@ -166,7 +166,12 @@ ENGINE = VLLM(null_block=False, free_uncached_first=False)  # this course's Engi
 # and their K/V; its children are keyed by their first token (or first page). A request
 # matches at most all its tokens but one (schedule_batch.py, _compute_max_prefix_len), cut
 # down to whole pages; the match splits a node where it ends inside one and touches the
-# path. Its new tokens need room: when the pool has too little, evict() pops the evictable
+# path. Its new tokens need room, as the scheduler asks for it (mem_cache/allocation.py):
+# alloc_token_slots wants the request's new tokens at page size 1, and
+# alloc_paged_token_slots_extend, at a larger page size, its new tokens and one page more
+# ("assume each request needs a new page"; allocator/base.py, get_extend_allocation_demand,
+# returns that sum, and evict_to_free_tokens evicts what the free pages lack). When the pool
+# has too little, evict() pops the evictable
 # leaves (nothing running holds them) in the policy's order until enough tokens are freed,
 # a parent left childless joining the heap (evict_policy.py: lru by last access, lfu by hit
 # count then last access, fifo by creation, mru and filo the reverse). A finished request
@@ -256,7 +261,7 @@ class RadixTree:
             for node in self.touched:  # a node the match split: its lower half, unlocked, may be evicted
                 self.offer(node)
             self.touched.append(last)  # a leaf again when unlocked, if eviction took its children
-            need = -(-(len(prompt) - matched) // self.model.page_size) * self.model.page_size
+            need = self.demand(len(prompt) - matched)
             shortfall = need - (self.capacity - self.size)
             if shortfall > 0:
                 self.evict(shortfall)
@@ -320,6 +325,15 @@ class RadixTree:
             node.children[self.child_key(leaf.key)] = leaf
             self.size += len(leaf.key)
             self.touched.append(leaf)
+
+    def demand(self, new_tokens: int) -> int:
+        """The room the scheduler asks for before a request's new tokens are allocated.
+
+        >>> RadixTree(SGLang(page_size=1), 100).demand(30), RadixTree(SGLang(page_size=16), 100).demand(30)
+        (30, 46)
+        """
+        page_size = self.model.page_size
+        return new_tokens if page_size == 1 else new_tokens + page_size
 
     def lock(self, node: RadixNode, delta: int) -> None:
         while node.parent is not None:

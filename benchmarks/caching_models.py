@@ -188,7 +188,7 @@ def compare_sglang(wheel_dir: Path, prompts: list[array], console: Console) -> l
                   "filo": evict_policy.FILOStrategy}
     results = []
     tight = max(map(len, prompts)) * 5 // 4  # the longest prompt and a quarter more: evictions on most requests
-    configs = [(1, policy, tight) for policy in strategies] + [(16, "lru", tight), (1, "lru", UNBOUNDED)]
+    configs = [(page_size, policy, tight) for page_size in (1, 16) for policy in strategies] + [(1, "lru", UNBOUNDED)]
     for page_size, policy, capacity in configs:
         tree = RadixCache.create_simulated(mock_allocator=mock.MagicMock(), page_size=page_size)
         tree.eviction_strategy = strategies[policy]()
@@ -197,7 +197,9 @@ def compare_sglang(wheel_dir: Path, prompts: list[array], console: Console) -> l
             ids = array("q", prompt)
             match = tree.match_prefix(MatchPrefixParams(key=RadixKey(ids[: len(ids) - 1])))
             tree.inc_lock_ref(match.last_device_node)
-            need = -(-(len(ids) - match.device_prefix_len) // page_size) * page_size
+            # what the scheduler asks for (mem_cache/allocation.py): the new tokens, and at a page
+            # size above 1 one page more (alloc_paged_token_slots_extend)
+            need = len(ids) - match.device_prefix_len + (page_size if page_size > 1 else 0)
             shortfall = need - (capacity - tree.total_size())
             if shortfall > 0:
                 tree.evict(EvictParams(num_tokens=shortfall))

@@ -92,6 +92,17 @@ def test_sglang_evicts_leaves_in_its_policys_order(policy, cached):
     assert SGLang(eviction_policy=policy).replay(prompts, [None] * 5, max_total_tokens=8).cached.tolist() == cached
 
 
+# SGLang's demand for room, by hand: a pool of 8 tokens, [1]*4, [2]*4, then [1]*4 again. At
+# page size 1 the second asks for its 4 new tokens, 4 are free, nothing is evicted, and the
+# third finds 3. At page size 2 the scheduler asks for the new tokens and one page more
+# (alloc_paged_token_slots_extend): the second wants 6 where 4 are free, [1]*4 is evicted,
+# and the third finds nothing (it would find its first page, 2 tokens, were only its 4 asked).
+@pytest.mark.parametrize("page_size, cached", [(1, [0, 0, 3]), (2, [0, 0, 0])])
+def test_sglang_asks_for_one_page_more_than_a_requests_new_tokens_at_page_size_above_1(page_size, cached):
+    prompts = [ids((1, 4)), ids((2, 4)), ids((1, 4))]
+    assert SGLang(page_size).replay(prompts, [None] * 3, max_total_tokens=8).cached.tolist() == cached
+
+
 def test_sglang_keeps_salted_prompts_apart_and_refuses_unknown_policies():
     prompts = [ids((1, 6)), ids((1, 6)), ids((1, 6))]
     assert SGLang().replay(prompts, [None, "a", "a"], 100).cached.tolist() == [0, 0, 5]
