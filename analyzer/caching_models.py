@@ -39,6 +39,7 @@ from typing import Callable, Iterator, Sequence
 class Counts:
     cached: array  # cached tokens of each request, in log order
     evictions: int  # blocks (vLLM), tree nodes (SGLang) or prompt-cache entries (llama.cpp) evicted
+    refused: array = field(default_factory=lambda: array("I"))  # requests the server turns away (llama.cpp)
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -366,22 +367,32 @@ class RadixTree:
 # 3. llama.cpp: slots and the prompt cache
 #
 # tools/server/server-context.cpp, at commit 001d906 of llama.cpp's master branch (the
-# llama-server checked against it is build 7e4c0a9). --parallel N slots (auto: 4 with a
-# unified KV cache, server.cpp), each holding the token ids of its last sequence; -c split
-# among them unless the KV cache is unified (src/llama-context.cpp). get_available_slot: among
-# the idle slots that hold something, the one whose sequence shares the largest fraction of
-# the new prompt, if that fraction is above --slot-prompt-similarity (0.10); else the least
-# recently used idle slot. When the slot came by LRU, or keeps under half of its sequence,
-# the slot's sequence is saved to the prompt cache (--cache-ram MiB, 8192 by default) and
-# the cached prompt that keeps the most is loaded instead (server-task.cpp,
-# server_prompt_cache::load: never one that would keep under a quarter of itself). Then
-# --cache-idle-slots (on by default) saves every other idle slot to the prompt cache and,
-# with a unified KV cache, clears it. The request finds the common prefix of the slot's
-# sequence and its prompt, all but the last token at most; the rest of the sequence is cut.
-# The prompt cache drops its oldest entries past its size (server_prompt_cache::alloc and
-# update); here its size is counted in tokens, not bytes. It is searched entry by entry, as
-# llama.cpp searches it: on a long log with a big cache the replay slows with the square of
-# the log's length (10,000 chat requests: about 25 s for the analyzer's curve).
+# llama-server checked against it is build 10434, commit 7e4c0a9). --parallel N slots (auto:
+# 4 with a unified KV cache, server.cpp), each holding the token ids of its last sequence.
+# get_available_slot: among the idle slots that hold something, the one whose sequence shares
+# the largest fraction of the new prompt, if that fraction is above --slot-prompt-similarity
+# (0.10); else the least recently used idle slot. When the slot came by LRU, or keeps under
+# half of its sequence, the slot's sequence is saved to the prompt cache (--cache-ram MiB,
+# 8192 by default) and the cached prompt that keeps the most is loaded instead
+# (server-task.cpp, server_prompt_cache::load: never one that would keep under a quarter of
+# itself). Then --cache-idle-slots (on by default) saves every other idle slot to the prompt
+# cache and, with a unified KV cache, clears it. The request finds the common prefix of the
+# slot's sequence and its prompt, all but the last token at most; the rest of the sequence is
+# cut. The prompt cache drops its oldest entries past its size (server_prompt_cache::alloc
+# and update); here its size is counted in tokens, not bytes.
+#
+# A slot's context. -c (0 by default: the model's training context, from its GGUF) is
+# rounded up to a multiple of 256; with a unified KV cache every slot may use all of it,
+# without one each gets an equal part, rounded up to a multiple of 256 again
+# (src/llama-context.cpp, the llama_context constructor; the server reads it back as
+# llama_n_ctx_seq, server-context.cpp). A prompt of that many tokens or more is refused
+# before any slot is chosen: HTTP 400, "request (N tokens) exceeds the available context
+# size (M tokens), try increasing it" (server-context.cpp; context shift is off by default).
+# A refused request touches no slot and no cache, and computes nothing.
+#
+# llama.cpp searches its prompt cache entry by entry; on a long log with a big cache that
+# grows with the square of the log's length. Here the entries live in a radix tree of their
+# tokens (PromptCache), which answers the same questions by walking one prompt's path.
 
 
 @dataclass
@@ -396,15 +407,29 @@ class LlamaCpp:
     slot_prompt_similarity: float = 0.1  # -sps
     kv_unified: bool = True
     cache_idle_slots: bool = True
-    n_ctx: int | None = None  # -c: prompts of n_ctx_slot tokens or more are refused (None: no limit)
+    n_ctx: int | None = None  # -c, the training context in its place if 0; None: no limit
 
     def n_ctx_slot(self) -> int | None:
-        """src/llama-context.cpp: each sequence gets all of -c with a unified KV cache, else an
-        equal part; both rounded up to a multiple of 256."""
+        """A slot's context, as the llama_context constructor sizes it.
+
+        >>> LlamaCpp(parallel=4, kv_unified=False, n_ctx=8192).n_ctx_slot(), LlamaCpp(n_ctx=1000).n_ctx_slot()
+        (2048, 1024)
+        """
         if self.n_ctx is None:
             return None
         n_ctx = -(-self.n_ctx // 256) * 256
         return n_ctx if self.kv_unified else -(-(n_ctx // self.parallel) // 256) * 256
+
+    def refusals(self, prompts: list[array], refused: Sequence[int]) -> str:
+        """What the analyzer says of the requests a slot's context turns away."""
+        named = ", ".join(f"{i} ({len(prompts[i]):,} tokens)" for i in refused[:10])
+        more = f" and {len(refused) - 10:,} more" if len(refused) > 10 else ""
+        share = "all of -c, the KV cache unified" if self.kv_unified else f"-c {self.n_ctx:,} over {self.parallel} slots"
+        return (f"{len(refused):,} of {len(prompts):,} requests refused: a slot holds {self.n_ctx_slot():,} tokens "
+                f"({share}), and llama-server answers a prompt that long or longer with HTTP 400, \"request exceeds "
+                f"the available context size\". Requests {named}{more} (their place in the log, from 0). They are "
+                f"left out of the hit rate, as the server computes none of their tokens; a larger --ctx-size, fewer "
+                f"--parallel slots or --kv-unified lets them in.")
 
     def replay(self, prompts: list[array], cache_tokens: int) -> Counts:
         """`cache_tokens`: the prompt cache's room in tokens (--cache-ram over the bytes a token
@@ -417,30 +442,30 @@ class SlotServer:
     model: LlamaCpp
     cache_tokens: int
     slots: list[Slot] = field(default_factory=list)
-    prompt_cache: list[array] = field(default_factory=list)  # oldest first
-    held: int = 0  # tokens in the prompt cache
-    evictions: int = 0
+    prompt_cache: PromptCache = field(default_factory=lambda: PromptCache())
 
     def replay(self, prompts: list[array]) -> Counts:
         self.slots = [Slot() for _ in range(self.model.parallel)]
         cached = array("I")
+        refused = array("I")
         limit = self.model.n_ctx_slot()
         for now, prompt in enumerate(prompts):
             if limit is not None and len(prompt) >= limit:
                 cached.append(0)  # refused: "exceeds the available context size"
+                refused.append(now)
                 continue
             slot = self.available_slot(prompt)
             if self.cache_tokens and self.model.cache_idle_slots:
                 for other in self.slots:
                     if other is not slot:
-                        self.save(other)
+                        self.prompt_cache.save(other.tokens, self.cache_tokens)
                         if self.model.kv_unified:
                             other.tokens = array("I")
             n_past = common_prefix(slot.tokens, prompt)
             cached.append(min(n_past, len(prompt) - 1))
             slot.tokens = prompt
             slot.last_used = now
-        return Counts(cached, self.evictions)
+        return Counts(cached, self.prompt_cache.evictions, refused)
 
     def available_slot(self, prompt: array) -> Slot:
         chosen, best, update_cache = None, 0.0, False
@@ -459,36 +484,164 @@ class SlotServer:
                     chosen = slot
             update_cache = True
         if update_cache and self.cache_tokens:
-            self.save(chosen)
-            self.load(chosen, prompt)
+            self.prompt_cache.save(chosen.tokens, self.cache_tokens)
+            loaded = self.prompt_cache.load(chosen.tokens, prompt)
+            if loaded is not None:
+                chosen.tokens = loaded
         return chosen
 
-    def save(self, slot: Slot) -> None:
-        """server_prompt_cache::alloc (then update): a copy of the slot's sequence."""
-        tokens = slot.tokens
-        if not tokens or len(tokens) > self.cache_tokens:
+
+# The prompt cache. What llama.cpp asks of it, entry by entry, oldest first:
+#
+#   save(tokens)   nothing if an entry starts with `tokens`; else drop the entries that
+#                  `tokens` starts with, the oldest ones while the rest has no room, and add it
+#   load(prompt)   walk the entries in order and keep the one that beats the best so far on
+#                  both counts: more of itself kept (shared / its length, at least a quarter)
+#                  and more of the prompt covered (shared / the prompt's length); that one
+#                  leaves the cache and replaces the slot's sequence
+#
+# No entry starts with another (save sees to that), so every entry ends at a leaf of the
+# tree, and every node keeps the entries below it, oldest first (a dict keeps its order).
+# Walking `prompt` down the tree sorts the entries by what they share with it: those that
+# leave the path at a node of depth d share exactly d tokens. An entry beats the best so far
+# only if it shares more, so each depth gives at most one winner in a walk, and the winner
+# of a depth is the oldest entry there (after the last winner) that keeps enough of itself:
+# load follows the same order, looking only at the heads of the few depths in play.
+
+
+class CacheNode:
+    __slots__ = ("key", "children", "parent", "entries", "shortest", "seq")
+
+    def __init__(self, key: array, parent: CacheNode | None) -> None:
+        self.key = key  # the tokens this node adds to its parent's
+        self.children: dict[int, CacheNode] = {}
+        self.parent = parent
+        self.entries: dict[int, array] = {}  # every entry below, by its number, oldest first
+        self.shortest = 1 << 62  # no entry below is shorter (kept as entries come, not as they go)
+        self.seq: int | None = None  # the entry that ends here, if one does
+
+
+@dataclass
+class PromptCache:
+    root: CacheNode = field(default_factory=lambda: CacheNode(array("I"), None))
+    order: dict[int, CacheNode] = field(default_factory=dict)  # entry number -> its leaf, oldest first
+    held: int = 0  # tokens in the cache
+    evictions: int = 0
+    numbers: Iterator[int] = field(default_factory=itertools.count)
+
+    def save(self, tokens: array, room: int) -> None:
+        """server_prompt_cache::alloc (then update): a copy of a slot's sequence."""
+        if not tokens or len(tokens) > room:
             return
-        if any(common_prefix(entry, tokens) == len(tokens) for entry in self.prompt_cache):
-            return  # already held by an entry that starts with it
-        self.prompt_cache = [e for e in self.prompt_cache if common_prefix(e, tokens) < len(e)]
-        self.held = sum(map(len, self.prompt_cache))
-        while self.prompt_cache and self.held + len(tokens) > self.cache_tokens:
-            self.held -= len(self.prompt_cache.pop(0))
+        node, depth = self.root, 0
+        while True:  # down the path of `tokens`
+            child = node.children.get(tokens[depth])
+            if child is None:
+                break
+            shared = common_prefix(child.key, tokens[depth:])
+            if depth + shared == len(tokens):
+                return  # every entry below `child` starts with `tokens`
+            if shared < len(child.key):
+                break
+            node, depth = child, depth + shared
+        if node.seq is not None:  # an entry that `tokens` starts with: it goes
+            self.remove(node.seq)
+        while self.order and self.held + len(tokens) > room:
+            self.remove(next(iter(self.order)))
             self.evictions += 1
-        self.prompt_cache.append(tokens)
+        self.insert(tokens)
+
+    def load(self, tokens: array, prompt: array) -> array | None:
+        """server_prompt_cache::load for a slot holding `tokens`: the entry that replaces them,
+        taken out of the cache, or None."""
+        shared = common_prefix(tokens, prompt)
+        keep_best = shared / len(tokens) if tokens else -1.0
+        depths = []  # [depth, the entries that leave the path there (oldest first), the first not yet passed]
+        for depth, node, path_child in self.path(prompt):
+            if depth > shared and node.shortest <= 4 * depth:  # else none there keeps a quarter of itself
+                entries = self.leaving(node, path_child)
+                depths.append([depth, entries, next(entries, None)])
+        best, last = None, -1  # the best so far and its number
+        while True:
+            winner = None
+            for row in depths:
+                depth, entries, head = row
+                if depth <= shared:
+                    continue
+                # an entry passed over now is passed over later too: `last` and `keep_best` only grow
+                while head is not None and (head[0] <= last or not 0.25 <= depth / len(head[1]) > keep_best):
+                    head = next(entries, None)
+                row[2] = head
+                if head is not None and (winner is None or head[0] < winner[1][0]):
+                    winner = (depth, head)
+            if winner is None:
+                break
+            shared, (last, best) = winner
+            keep_best = shared / len(best)
+        if best is not None:
+            self.remove(last)
+        return best
+
+    def path(self, prompt: array) -> Iterator[tuple[int, CacheNode, CacheNode | None]]:
+        """(d, node, path child): the entries below `node`, but not below its child on the
+        prompt's path, share exactly d tokens with `prompt`."""
+        node, depth = self.root, 0
+        while depth < len(prompt):
+            child = node.children.get(prompt[depth])
+            yield depth, node, child
+            if child is None:
+                return
+            shared = common_prefix(child.key, prompt[depth:])
+            if shared < len(child.key):  # the prompt leaves (or ends) inside the child's tokens
+                yield depth + shared, child, None
+                return
+            node, depth = child, depth + shared
+        yield depth, node, None
+
+    @staticmethod
+    def leaving(node: CacheNode, path_child: CacheNode | None) -> Iterator[tuple[int, array]]:
+        below_path = path_child.entries if path_child is not None else {}
+        for number, tokens in node.entries.items():
+            if number not in below_path:
+                yield number, tokens
+
+    def insert(self, tokens: array) -> None:
+        """A new leaf for `tokens` (no entry starts with it, it starts with none)."""
+        number = next(self.numbers)
+        node, depth = self.root, 0
+        while True:
+            node.entries[number] = tokens
+            node.shortest = min(node.shortest, len(tokens))
+            child = node.children.get(tokens[depth])
+            if child is None:
+                break
+            shared = common_prefix(child.key, tokens[depth:])
+            if shared < len(child.key):
+                child = self.split(child, shared)
+            node, depth = child, depth + shared
+        leaf = node.children[tokens[depth]] = CacheNode(tokens[depth:], node)
+        leaf.entries[number], leaf.shortest, leaf.seq = tokens, len(tokens), number
+        self.order[number] = leaf
         self.held += len(tokens)
 
-    def load(self, slot: Slot, prompt: array) -> None:
-        """server_prompt_cache::load: an entry that keeps more of itself and covers more of the
-        prompt than the slot does replaces the slot's sequence, and leaves the cache."""
-        shared = common_prefix(slot.tokens, prompt)
-        keep_best = shared / len(slot.tokens) if slot.tokens else -1.0
-        similarity_best = shared / len(prompt)
-        best = None
-        for i, entry in enumerate(self.prompt_cache):
-            shared = common_prefix(entry, prompt)
-            keep, similarity = shared / len(entry), shared / len(prompt)
-            if keep >= 0.25 and keep_best < keep and similarity_best < similarity:
-                best, keep_best, similarity_best = i, keep, similarity
-        if best is not None:
-            slot.tokens = self.prompt_cache.pop(best)
+    @staticmethod
+    def split(child: CacheNode, at: int) -> CacheNode:
+        """The first `at` tokens of `child` become a node above it."""
+        top = CacheNode(child.key[:at], child.parent)
+        top.entries, top.shortest = dict(child.entries), child.shortest
+        child.parent.children[child.key[0]] = top
+        child.key, child.parent = child.key[at:], top
+        top.children[child.key[0]] = child
+        return top
+
+    def remove(self, number: int) -> None:
+        leaf = self.order.pop(number)
+        self.held -= len(leaf.entries[number])
+        node = leaf
+        while node is not None:
+            del node.entries[number]
+            node = node.parent
+        node = leaf
+        while node.parent is not None and not node.entries:  # unhook what holds nothing now
+            del node.parent.children[node.key[0]]
+            node = node.parent

@@ -57,7 +57,7 @@ from analyzer.caching_models import ENGINE, EVICTION_POLICIES, VLLM, LlamaCpp, R
 from analyzer.kv_memory import KNOWN_MODELS, UnsupportedModel, kv_shape, memory_to_buy, server_flags
 from analyzer.request_logs import Log, LoggedRequest, LogError, add_log_arguments, interleave
 from flags import positive_int
-from model_files import DEFAULT_MODEL, load_tokenizer
+from model_files import DEFAULT_MODEL, load_tokenizer, training_context
 from prompts import tokenize_prompts
 
 # -----------------------------------------------------------------------------
@@ -132,8 +132,9 @@ class Replay:
     num_blocks: int  # the pool, as given (with vLLM's null block in it, if the model has one)
     block_size: int
     cached: array  # num_cached_tokens of each request, in log order
-    prompt_tokens: int
+    prompt_tokens: int  # of the requests the server serves: a refused one computes nothing and finds nothing
     evictions: int
+    refused: array = field(default_factory=lambda: array("I"))  # requests llama-server turns away, by index
     prefix_blocks: dict[int, PrefixBlock] = field(default_factory=dict)  # by block hash number; watch=True only
     hot_misses: list[HotMiss] = field(default_factory=list)  # watch=True only
 
@@ -180,7 +181,8 @@ def replay(prompts: list[array], salts: list[str | None], num_blocks: int, block
         counts = model.replay(prompts, salts, num_blocks * block_size)
     else:  # llama.cpp has no cache_salt: salted prompts share like any others
         counts = model.replay(prompts, num_blocks * block_size)
-    result.cached, result.evictions = counts.cached, counts.evictions
+    result.cached, result.evictions, result.refused = counts.cached, counts.evictions, counts.refused
+    result.prompt_tokens -= sum(len(prompts[i]) for i in counts.refused)
     return result
 
 
@@ -511,8 +513,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="llamacpp: slots (default: llama-server's auto, 4 with a unified KV cache)")
     parser.add_argument("--slot-prompt-similarity", type=float, default=0.1, metavar="F",
                         help="llamacpp: the share of a prompt a slot must hold to be chosen (default 0.1; 0: LRU only)")
-    parser.add_argument("--ctx-size", type=positive_int, default=None, metavar="N",
-                        help="llamacpp: -c, the context split across the slots (default: no limit)")
+    parser.add_argument("--ctx-size", type=int, default=0, metavar="N",
+                        help="llamacpp: -c, split across the slots unless --kv-unified; a prompt as long as a slot's "
+                        "share is refused (default 0: the model's training context, as llama-server)")
+    parser.add_argument("--kv-unified", action=argparse.BooleanOptionalAction, default=None,
+                        help="llamacpp: one KV cache for all slots, each may use all of -c (default: on with the "
+                        "automatic --parallel, off with an explicit one, as llama-server)")
     parser.add_argument("--conversations-at-once", type=positive_int, default=1, metavar="N",
                         help="replay N conversations of the log at a time, taking turns (default 1: each one's turns "
                         "back to back, as the file lists them)")
@@ -548,9 +554,12 @@ def cache_model(args: argparse.Namespace) -> CacheModel:
     if args.like == "llamacpp":
         if not 0 <= args.slot_prompt_similarity <= 1:
             raise ValueError(f"--slot-prompt-similarity must be between 0 and 1, got {args.slot_prompt_similarity}")
+        if args.ctx_size < 0:
+            raise ValueError(f"--ctx-size must be 0 (the model's training context) or more, got {args.ctx_size}")
         # llama-server: an automatic --parallel is 4 slots on one unified KV cache (tools/server/server.cpp)
-        return LlamaCpp(args.parallel or 4, args.slot_prompt_similarity, kv_unified=args.parallel is None,
-                        n_ctx=args.ctx_size)
+        kv_unified = args.parallel is None if args.kv_unified is None else args.kv_unified
+        return LlamaCpp(args.parallel or 4, args.slot_prompt_similarity, kv_unified=kv_unified,
+                        n_ctx=args.ctx_size or training_context(args.model))
     return LIKE[args.like]
 
 
@@ -581,7 +590,7 @@ def main(argv: list[str] | None = None, console: Console | None = None) -> Summa
     try:
         model = cache_model(args)
         shape = kv_shape(args.kv_model, args.kv_dtype) if args.kv_model else None
-    except (ValueError, UnsupportedModel) as err:
+    except (ValueError, OSError, UnsupportedModel) as err:
         parser.error(str(err))
     console = console or Console()
     start = time.perf_counter()
@@ -635,6 +644,8 @@ def main(argv: list[str] | None = None, console: Console | None = None) -> Summa
     console.print(f"\nAt {studied_size:,} blocks{' (--num-blocks)' if args.num_blocks else ''}: hit rate "
                   f"{studied.hit_rate:.1%}, {studied.cached_tokens:,} of {studied.prompt_tokens:,} prompt tokens "
                   f"not computed again, {studied.evictions:,} evictions.")
+    if studied.refused:
+        console.print(f"[yellow]{model.refusals(prompts, studied.refused)}[/]")
     if by_blocks:
         console.print(prefix_tree(studied, tokenizer.decode, top=args.top))
         table = Table("block size", "num_blocks", "hit rate", "prefill tokens saved",

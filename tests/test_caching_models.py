@@ -5,12 +5,17 @@ prompt cache brings back a whole one. (Against the real servers: benchmarks/cach
 
 import random
 from array import array
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 
-from analyzer.caching_models import ENGINE, VLLM, LlamaCpp, SGLang, block_hash_ids, common_prefix
-from analyzer.workload_analyzer import LIKE, hit_rate_curve, replay, smallest_pool
+from analyzer.caching_models import ENGINE, VLLM, LlamaCpp, SGLang, SlotServer, block_hash_ids, common_prefix
+from analyzer.request_logs import Log, interleave
+from analyzer.workload_analyzer import LIKE, hit_rate_curve, replay, smallest_pool, tokenize_log
 from prefix_caching import PrefixCachingAllocator
+
+EXAMPLE_LOGS = sorted((Path(__file__).resolve().parents[1] / "lessons" / "data").glob("*.jsonl.xz"))
 
 
 def ids(*runs) -> array:
@@ -147,8 +152,86 @@ def test_llamacpp_refuses_prompts_longer_than_a_slots_context():
     # -c 1000 (1,024, a multiple of 256) over 4 slots without a unified KV cache: 256 tokens a
     # slot, and a prompt of 256 is refused; with one, every slot may use all 1,024.
     prompts = [ids((1, 256)), ids((1, 255)), ids((1, 255))]
-    assert LlamaCpp(parallel=4, kv_unified=False, n_ctx=1000).replay(prompts, 0).cached.tolist() == [0, 0, 254]
-    assert LlamaCpp(parallel=4, n_ctx=1000).replay(prompts, 0).cached.tolist() == [0, 254, 254]
+    split = LlamaCpp(parallel=4, kv_unified=False, n_ctx=1000).replay(prompts, 0)
+    assert split.cached.tolist() == [0, 0, 254] and split.refused.tolist() == [0]
+    unified = LlamaCpp(parallel=4, n_ctx=1000).replay(prompts, 0)
+    assert unified.cached.tolist() == [0, 254, 254] and unified.refused.tolist() == []
+
+
+def test_a_refused_request_touches_no_slot_and_leaves_the_hit_rate():
+    # -c 8192 (the default model's training context, -c 0) over --parallel 4: 2,048 tokens a
+    # slot. [1]*100, then [1]*3000 (refused: its tokens are neither cached nor computed, and
+    # the slot keeps [1]*100), then [1]*101 finds 100 in that slot. The hit rate counts the
+    # 201 tokens the server computed or found: 100 / 201.
+    prompts = [ids((1, 100)), ids((1, 3000)), ids((1, 101))]
+    model = LlamaCpp(parallel=4, kv_unified=False, n_ctx=8192)
+    counts = model.replay(prompts, 0)
+    assert counts.cached.tolist() == [0, 0, 100] and counts.refused.tolist() == [1]
+    result = replay(prompts, [None] * 3, num_blocks=200, block_size=16, model=model)
+    assert result.refused.tolist() == [1] and result.prompt_tokens == 201
+    assert result.hit_rate == pytest.approx(100 / 201)
+
+
+# The prompt cache as a radix tree answers what llama.cpp's own search, entry by entry,
+# answers (EntryByEntry, the replay's form before the tree): the same slot found, the same
+# entry loaded, the same evicted, on random logs and on the example logs, at every setting.
+
+
+@dataclass
+class EntryByEntry:
+    """server_prompt_cache searched as llama.cpp searches it: every entry, oldest first."""
+
+    entries: list = field(default_factory=list)
+    evictions: int = 0
+
+    def save(self, tokens, room):
+        if not tokens or len(tokens) > room or any(common_prefix(e, tokens) == len(tokens) for e in self.entries):
+            return
+        self.entries = [e for e in self.entries if common_prefix(e, tokens) < len(e)]
+        held = sum(map(len, self.entries))
+        while self.entries and held + len(tokens) > room:
+            held -= len(self.entries.pop(0))
+            self.evictions += 1
+        self.entries.append(tokens)
+
+    def load(self, tokens, prompt):
+        shared = common_prefix(tokens, prompt)
+        keep_best, similarity_best, best = (shared / len(tokens) if tokens else -1.0), shared / len(prompt), None
+        for i, entry in enumerate(self.entries):
+            shared = common_prefix(entry, prompt)
+            keep, similarity = shared / len(entry), shared / len(prompt)
+            if keep >= 0.25 and keep_best < keep and similarity_best < similarity:
+                best, keep_best, similarity_best = i, keep, similarity
+        return None if best is None else self.entries.pop(best)
+
+
+def llamacpp_settings():
+    for parallel in (1, 2, 4):
+        for similarity in (0.0, 0.1, 0.5):
+            for kv_unified in (True, False):
+                yield LlamaCpp(parallel, similarity, kv_unified)
+
+
+def assert_same_as_entry_by_entry(prompts, cache_sizes, settings):
+    for model in settings:
+        for room in cache_sizes:
+            tree = model.replay(prompts, room)
+            plain = SlotServer(model, room, prompt_cache=EntryByEntry()).replay(prompts)
+            assert (tree.cached.tolist(), tree.evictions) == (plain.cached.tolist(), plain.evictions), (model, room)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_the_prompt_cache_tree_answers_as_llamacpps_search_on_random_logs(seed):
+    prompts, _ = random_log(seed, n=150)
+    assert_same_as_entry_by_entry(prompts, [0, 40, 300, 10**9], llamacpp_settings())
+
+
+@pytest.mark.parametrize("path", EXAMPLE_LOGS, ids=lambda p: p.name.split(".")[0])
+def test_the_prompt_cache_tree_answers_as_llamacpps_search_on_the_example_logs(path, tokenizer):
+    prompts = tokenize_log(interleave(Log.read(path, 2**31, False).requests, 3), tokenizer)
+    total = sum(map(len, prompts))
+    settings = [LlamaCpp(), LlamaCpp(1, 0.0), LlamaCpp(2, 0.1, False), LlamaCpp(4, 0.5, False)]
+    assert_same_as_entry_by_entry(prompts, [max(map(len, prompts)), total // 8, total], settings)
 
 
 # -----------------------------------------------------------------------------
@@ -172,7 +255,19 @@ def test_the_command_names_each_model_and_keeps_the_old_flag():
     args = parser.parse_args(["log.jsonl", "--like", "sglang", "--page-size", "16", "--eviction-policy", "lfu"])
     assert cache_model(args) == SGLang(16, "lfu")
     args = parser.parse_args(["log.jsonl", "--like", "llamacpp", "--parallel", "2"])
-    assert cache_model(args) == LlamaCpp(parallel=2, kv_unified=False)  # an explicit --parallel: no unified KV
-    assert cache_model(parser.parse_args(["log.jsonl", "--like", "llamacpp"])) == LlamaCpp()
+    assert cache_model(args) == LlamaCpp(parallel=2, kv_unified=False, n_ctx=8192)  # an explicit --parallel: no unified KV
+    assert cache_model(parser.parse_args(["log.jsonl", "--like", "llamacpp"])) == LlamaCpp(n_ctx=8192)  # -c 0
+    args = parser.parse_args(["log.jsonl", "--like", "llamacpp", "--parallel", "4", "--kv-unified", "--ctx-size", "1000"])
+    assert cache_model(args) == LlamaCpp(parallel=4, kv_unified=True, n_ctx=1000)
     with pytest.raises(ValueError, match="--slot-prompt-similarity must be between 0 and 1"):
         cache_model(parser.parse_args(["log.jsonl", "--like", "llamacpp", "--slot-prompt-similarity", "2"]))
+
+
+def test_llama_servers_default_context_is_the_default_models_training_context():
+    import json
+
+    from model_files import training_context
+    from model_loader import default_model_dir
+
+    config = json.loads((default_model_dir() / "config.json").read_text())
+    assert training_context() == config["max_position_embeddings"]  # what -c 0 gives, from the same GGUF
