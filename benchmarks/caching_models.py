@@ -194,11 +194,12 @@ def wait_until_healthy(server: subprocess.Popen, port: int, log: Path, command: 
                      f"its last lines:\n{last_lines(log)}")
 
 
-def llama_server_cached(binary: Path, flags: list[str], prompts: list[array]) -> list[int | None]:
-    """Start llama-server with `flags`, send every prompt in turn, return its cache_n (None
-    where it refused the request: longer than a slot's context)."""
+def llama_server_cached(binary: Path, flags: list[str], prompts: list[array], gguf: Path | None = None
+                        ) -> list[int | None]:
+    """Start llama-server with `flags` on `gguf` (the default model's), send every prompt in
+    turn, return its cache_n (None where it refused the request: longer than a slot's context)."""
     port = free_port()
-    command = [str(binary), "-m", str(gguf_path()), "--host", "127.0.0.1", "--port", str(port), "-t", "2", *flags]
+    command = [str(binary), "-m", str(gguf or gguf_path()), "--host", "127.0.0.1", "--port", str(port), "-t", "2", *flags]
     with tempfile.TemporaryDirectory() as folder:
         log = Path(folder) / "llama-server.log"
         with log.open("wb") as out:
@@ -236,7 +237,7 @@ def predicted(counts) -> list[int | None]:
     return [None if i in refused else c for i, c in enumerate(counts.cached)]
 
 
-def compare_llama_cpp(binary: Path, console: Console) -> list[dict]:
+def compare_llama_cpp(binary: Path, console: Console, gguf: Path | None = None) -> list[dict]:
     results = []
     logs: dict[str, list[array]] = {}
     for name, (log_name, flags, model) in LLAMA_CONFIGS.items():
@@ -245,7 +246,7 @@ def compare_llama_cpp(binary: Path, console: Console) -> list[dict]:
         prompts = logs[log_name]
         cache_tokens = 0 if "--cache-ram" in flags else UNBOUNDED
         model_says = predicted(model.replay(prompts, cache_tokens))
-        served = llama_server_cached(binary, flags, prompts)
+        served = llama_server_cached(binary, flags, prompts, gguf)
         results.append(agreement(f"llama.cpp {name} ({log_name})", model_says, served, prompts, console))
     return results
 
@@ -369,6 +370,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(prog="python prefix_caching.py --bench caching_models",
                                      description=__doc__.split("\n")[0])
     parser.add_argument("--llama-server", type=Path, default=None, help="a llama-server binary to start and compare")
+    parser.add_argument("--gguf", type=Path, default=None,
+                        help="the GGUF llama-server loads (default: the default model's, Q4_1): the same model and "
+                        "tokenizer in another type, for a binary whose Q4_1 kernels this CPU cannot run")
     parser.add_argument("--sglang-wheel", type=Path, default=None, help="a folder with SGLang's wheel unpacked")
     parser.add_argument("--vllm-wheel", type=Path, default=None,
                         help="a folder with vLLM's wheel unpacked: bytes per block against its own")
@@ -380,7 +384,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     results = []
     if args.llama_server:
         try:
-            results += compare_llama_cpp(args.llama_server, console)
+            results += compare_llama_cpp(args.llama_server, console, args.gguf)
         except ServerDied as err:
             console.print(str(err), style="red", markup=False, highlight=False)
             raise SystemExit(1) from None
