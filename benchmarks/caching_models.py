@@ -1,6 +1,7 @@
 """Do the analyzer's caching models count what the real servers count? Request by request.
 
     python prefix_caching.py --bench caching_models --llama-server PATH/llama-server   # llama.cpp's
+    python prefix_caching.py --bench caching_models --llama-server PATH --gguf f32     # the model in F32
     python prefix_caching.py --bench caching_models --sglang-wheel DIR   # SGLang's RadixCache, from its wheel
     python prefix_caching.py --bench caching_models --vllm-wheel DIR     # vLLM's bytes per block (analyzer/kv_memory.py)
 
@@ -57,7 +58,7 @@ from analyzer.kv_memory import KNOWN_MODELS
 from analyzer.request_logs import Writer, interleave, rag, read_log, write_log
 from analyzer.workload_analyzer import tokenize_log
 from benchmarks import save_json
-from model_files import GGUF_FILE, gguf_dir, load_tokenizer, training_context
+from model_files import GGUF_FILE, cache_home, gguf_dir, load_tokenizer, training_context
 
 NUM_REQUESTS = 99
 
@@ -151,6 +152,40 @@ class ServerDied(RuntimeError):
 def gguf_path() -> Path:
     """The default model's GGUF file, found without importing its package (which imports llm)."""
     return gguf_dir() / GGUF_FILE
+
+
+def f32_copy() -> Path:
+    """The default model's GGUF with every tensor dequantized to F32 and its metadata (the
+    tokenizer, the training context) as it was: made once, beside the converted model. For a
+    llama-server whose quantized kernels this CPU cannot run; its cached tokens are the same."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
+    from gguf.quants import dequantize
+
+    path = cache_home() / GGUF_FILE.replace(".Q4_1.", ".F32.")
+    if path.exists():
+        return path
+    reader = GGUFReader(gguf_path())
+    partial = path.with_suffix(".partial")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    writer = GGUFWriter(partial, reader.fields["general.architecture"].contents())
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue  # written by GGUFWriter itself
+        kind = field.types[0]
+        writer.add_key_value(name, field.contents(), kind,
+                             sub_type=field.types[-1] if kind == GGUFValueType.ARRAY else None)
+    for tensor in reader.tensors:
+        if tensor.tensor_type == GGMLQuantizationType.F32:
+            writer.add_tensor(tensor.name, np.array(tensor.data))
+        else:
+            writer.add_tensor(tensor.name, dequantize(tensor.data, tensor.tensor_type).astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    partial.rename(path)
+    return path
 
 
 def free_port() -> int:
@@ -370,9 +405,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(prog="python prefix_caching.py --bench caching_models",
                                      description=__doc__.split("\n")[0])
     parser.add_argument("--llama-server", type=Path, default=None, help="a llama-server binary to start and compare")
-    parser.add_argument("--gguf", type=Path, default=None,
-                        help="the GGUF llama-server loads (default: the default model's, Q4_1): the same model and "
-                        "tokenizer in another type, for a binary whose Q4_1 kernels this CPU cannot run")
+    parser.add_argument("--gguf", default=None,
+                        help="the GGUF llama-server loads (default: the default model's, Q4_1); 'f32': a copy of it "
+                        "in F32, made once, for a binary whose Q4_1 kernels this CPU cannot run (SIGILL)")
     parser.add_argument("--sglang-wheel", type=Path, default=None, help="a folder with SGLang's wheel unpacked")
     parser.add_argument("--vllm-wheel", type=Path, default=None,
                         help="a folder with vLLM's wheel unpacked: bytes per block against its own")
@@ -384,7 +419,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     results = []
     if args.llama_server:
         try:
-            results += compare_llama_cpp(args.llama_server, console, args.gguf)
+            gguf = f32_copy() if args.gguf == "f32" else Path(args.gguf) if args.gguf else None
+            results += compare_llama_cpp(args.llama_server, console, gguf)
         except ServerDied as err:
             console.print(str(err), style="red", markup=False, highlight=False)
             raise SystemExit(1) from None
