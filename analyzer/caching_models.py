@@ -385,10 +385,14 @@ class RadixTree:
 # rounded up to a multiple of 256; with a unified KV cache every slot may use all of it,
 # without one each gets an equal part, rounded up to a multiple of 256 again
 # (src/llama-context.cpp, the llama_context constructor; the server reads it back as
-# llama_n_ctx_seq, server-context.cpp). A prompt of that many tokens or more is refused
-# before any slot is chosen: HTTP 400, "request (N tokens) exceeds the available context
-# size (M tokens), try increasing it" (server-context.cpp; context shift is off by default).
-# A refused request touches no slot and no cache, and computes nothing.
+# llama_n_ctx_seq, server-context.cpp). A prompt of that many tokens or more is refused:
+# HTTP 400, "request (N tokens) exceeds the available context size (M tokens), try
+# increasing it" (server-context.cpp; context shift is off by default). The check runs in
+# update_slots, once the request has a slot: get_available_slot chose it (and moved the
+# prompt cache as it does for any request), the idle slots were saved, and release() marks
+# it used now. So a refused request computes nothing and finds nothing, yet its slot counts
+# as the most recently used and keeps its sequence (llama-server build 10434 agrees:
+# tests/test_caching_models.py replays the case).
 #
 # llama.cpp searches its prompt cache entry by entry; on a long log with a big cache that
 # grows with the square of the log's length. Here the entries live in a radix tree of their
@@ -407,7 +411,7 @@ class LlamaCpp:
     slot_prompt_similarity: float = 0.1  # -sps
     kv_unified: bool = True
     cache_idle_slots: bool = True
-    n_ctx: int | None = None  # -c, the training context in its place if 0; None: no limit
+    n_ctx: int | None = None  # -c; for its default, 0, the caller gives the training context; None: no limit
 
     def n_ctx_slot(self) -> int | None:
         """A slot's context, as the llama_context constructor sizes it.
@@ -450,10 +454,6 @@ class SlotServer:
         refused = array("I")
         limit = self.model.n_ctx_slot()
         for now, prompt in enumerate(prompts):
-            if limit is not None and len(prompt) >= limit:
-                cached.append(0)  # refused: "exceeds the available context size"
-                refused.append(now)
-                continue
             slot = self.available_slot(prompt)
             if self.cache_tokens and self.model.cache_idle_slots:
                 for other in self.slots:
@@ -461,9 +461,13 @@ class SlotServer:
                         self.prompt_cache.save(other.tokens, self.cache_tokens)
                         if self.model.kv_unified:
                             other.tokens = array("I")
-            n_past = common_prefix(slot.tokens, prompt)
-            cached.append(min(n_past, len(prompt) - 1))
-            slot.tokens = prompt
+            if limit is not None and len(prompt) >= limit:
+                cached.append(0)  # refused: "exceeds the available context size"; the slot keeps its sequence
+                refused.append(now)
+            else:
+                n_past = common_prefix(slot.tokens, prompt)
+                cached.append(min(n_past, len(prompt) - 1))
+                slot.tokens = prompt
             slot.last_used = now
         return Counts(cached, self.prompt_cache.evictions, refused)
 

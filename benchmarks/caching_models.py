@@ -102,6 +102,16 @@ def agent_log(num_agents: int = 4, steps: int = 8, seed: int = 0) -> list[dict]:
     return requests
 
 
+def refusal_log(seed: int = 0) -> list[dict]:
+    """A refusal between chats: A and B take the two slots of --parallel 2; a prompt of about
+    5,000 tokens (refused: a slot holds 4,096) takes A's slot, the least recently used; C
+    (nothing shared) then takes B's, and A again, with more, finds A where it was: a refused
+    request still takes a slot and marks it used (analyzer/caching_models.py)."""
+    w = Writer(seed)
+    a, b, long, c = w.words(300), w.words(200), w.words(5000), w.words(100)
+    return [{"model": "any", "prompt": text} for text in (a, b, long, c, a + "\nAnd then? " + w.words(10))]
+
+
 # name -> (its records, conversations taking turns): the shapes the models are checked on
 # (the agents take turns in their log already)
 LOGS = {
@@ -109,6 +119,7 @@ LOGS = {
     "many users, 8 at a time": (lambda: two_systems_log(seed=1), 8),
     "agents with tools, 4 at a time": (agent_log, 1),
     "RAG over long documents": (lambda: rag(n=20), 1),
+    "a refusal between chats": (refusal_log, 1),
 }
 
 
@@ -140,6 +151,8 @@ LLAMA_CONFIGS = {  # name -> (the log, llama-server flags, the model of them)
                           LlamaCpp(parallel=4, kv_unified=False, n_ctx=TRAINED)),
     "--parallel 4 --kv-unified, RAG": ("RAG over long documents", ["--parallel", "4", "--kv-unified"],
                                        LlamaCpp(parallel=4, n_ctx=TRAINED)),
+    "--parallel 2 --cache-ram 0, a refusal": ("a refusal between chats", ["--parallel", "2", "--cache-ram", "0"],
+                                              LlamaCpp(parallel=2, kv_unified=False, n_ctx=TRAINED)),
 }
 UNBOUNDED = 1 << 40  # the default --cache-ram (8 GiB) holds each log many times over
 STDERR_LINES = 15  # of a llama-server that stopped, shown
@@ -272,10 +285,12 @@ def predicted(counts) -> list[int | None]:
     return [None if i in refused else c for i, c in enumerate(counts.cached)]
 
 
-def compare_llama_cpp(binary: Path, console: Console, gguf: Path | None = None) -> list[dict]:
+def compare_llama_cpp(binary: Path, console: Console, gguf: Path | None = None,
+                      names: list[str] | None = None) -> list[dict]:
     results = []
     logs: dict[str, list[array]] = {}
-    for name, (log_name, flags, model) in LLAMA_CONFIGS.items():
+    for name in names or LLAMA_CONFIGS:
+        log_name, flags, model = LLAMA_CONFIGS[name]
         if log_name not in logs:
             logs[log_name] = tokenized_log(log_name)
         prompts = logs[log_name]
@@ -408,6 +423,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--gguf", default=None,
                         help="the GGUF llama-server loads (default: the default model's, Q4_1); 'f32': a copy of it "
                         "in F32, made once, for a binary whose Q4_1 kernels this CPU cannot run (SIGILL)")
+    parser.add_argument("--llama-config", choices=list(LLAMA_CONFIGS), action="append", default=None,
+                        help="run only this configuration of llama-server (again for more; default: all)")
     parser.add_argument("--sglang-wheel", type=Path, default=None, help="a folder with SGLang's wheel unpacked")
     parser.add_argument("--vllm-wheel", type=Path, default=None,
                         help="a folder with vLLM's wheel unpacked: bytes per block against its own")
@@ -420,7 +437,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.llama_server:
         try:
             gguf = f32_copy() if args.gguf == "f32" else Path(args.gguf) if args.gguf else None
-            results += compare_llama_cpp(args.llama_server, console, gguf)
+            results += compare_llama_cpp(args.llama_server, console, gguf, args.llama_config)
         except ServerDied as err:
             console.print(str(err), style="red", markup=False, highlight=False)
             raise SystemExit(1) from None

@@ -158,11 +158,11 @@ def test_llamacpp_refuses_prompts_longer_than_a_slots_context():
     assert unified.cached.tolist() == [0, 254, 254] and unified.refused.tolist() == []
 
 
-def test_a_refused_request_touches_no_slot_and_leaves_the_hit_rate():
+def test_a_refused_request_finds_nothing_and_leaves_the_hit_rate():
     # -c 8192 (the default model's training context, -c 0) over --parallel 4: 2,048 tokens a
-    # slot. [1]*100, then [1]*3000 (refused: its tokens are neither cached nor computed, and
-    # the slot keeps [1]*100), then [1]*101 finds 100 in that slot. The hit rate counts the
-    # 201 tokens the server computed or found: 100 / 201.
+    # slot. [1]*100, then [1]*3000 (refused: it takes a slot, computes nothing, and that slot
+    # keeps its sequence), then [1]*101 finds 100 in the slot of [1]*100. The hit rate counts
+    # the 201 tokens the server computed or found: 100 / 201.
     prompts = [ids((1, 100)), ids((1, 3000)), ids((1, 101))]
     model = LlamaCpp(parallel=4, kv_unified=False, n_ctx=8192)
     counts = model.replay(prompts, 0)
@@ -170,6 +170,19 @@ def test_a_refused_request_touches_no_slot_and_leaves_the_hit_rate():
     result = replay(prompts, [None] * 3, num_blocks=200, block_size=16, model=model)
     assert result.refused.tolist() == [1] and result.prompt_tokens == 201
     assert result.hit_rate == pytest.approx(100 / 201)
+
+
+def test_a_refused_request_still_takes_a_slot_and_marks_it_used():
+    # Two slots of 4,096 tokens, no prompt cache (--parallel 2 --cache-ram 0). A and B take
+    # the two slots; R (5,000 tokens, nothing shared) takes A's, the least recently used, and
+    # is refused there, but that slot is now the most recently used and still holds A. So C
+    # (nothing shared) takes B's slot, and A with 10 more tokens finds A's 300 where it was.
+    # llama-server build 10434 answered the same (0, 0, refused, 0, 300); had the refusal not
+    # touched the slot, C would have taken A's and the last request found nothing.
+    a, b, r, c = ids((7, 300)), ids((8, 200)), ids((9, 5000)), ids((10, 100))
+    prompts = [a, b, r, c, a + ids((11, 10))]
+    counts = LlamaCpp(parallel=2, kv_unified=False, n_ctx=8192).replay(prompts, 0)
+    assert counts.cached.tolist() == [0, 0, 0, 0, 300] and counts.refused.tolist() == [2]
 
 
 # The prompt cache as a radix tree answers what llama.cpp's own search, entry by entry,
