@@ -21,7 +21,8 @@ SGLang's scheduler may also reorder a waiting queue (longest prefix first); here
 order is kept.
 
 Every function takes token ids as arrays and returns `Counts`: the tokens each request found
-cached, in log order, and how many cached units were evicted.
+cached, in log order, how many cached units were evicted, and the requests the server refuses
+(llama.cpp's, longer than a slot's context).
 """
 
 from __future__ import annotations
