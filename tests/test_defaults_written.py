@@ -95,7 +95,7 @@ ALLOWED = [
     ("step_budget.py", "head_dim=1), 400, 2048)", DOCTEST),
     ("analyzer/kv_memory.py", "(2048, 1.95, 5.95)", DOCTEST + ": running blocks"),
     ("analyzer/caching_models.py", "(2048, 1024)", DOCTEST + ": a llama-server slot's context"),
-    ("README.md", "(slots of 2,048 tokens, documents", SLOT),
+    ("README.md", "(slots of 2,048 tokens, prompts", SLOT),
     ("README.md", "where slots of 2,048 tokens", SLOT),
 ]
 
