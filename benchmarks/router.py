@@ -51,9 +51,11 @@ the replay takes it from the router's /v1/models).
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
+import platform
 import signal
 import socket
 import subprocess
@@ -62,12 +64,15 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
 
-from analyzer.request_logs import LoggedRequest
-from benchmarks.openai_api import OpenAIServer
+from analyzer.request_logs import Log, LoggedRequest, interleave
+from benchmarks import save_json
+from benchmarks.openai_api import SPREAD_COLUMN, OpenAIServer, spread_json, spread_text
+from flags import positive_int
+from model_flags import add_model_arguments
 
 ROUTER_VERSION = "0.3.2"  # the sglang-router requirements.txt pins: the flags and behaviour above are its
 POLICIES = ("round_robin", "cache_aware", "power_of_two", "random")
@@ -263,3 +268,150 @@ def replay_through_router(f: Fleet, requests: Sequence[LoggedRequest], max_token
         routed.append(Routed(served[0], reply.prompt_tokens, reply.cached_tokens, reply.ttft_ms))
         counts = after
     return routed
+
+
+# -----------------------------------------------------------------------------
+# The benchmark: one log, each number of replicas, each policy, side by side
+
+
+def summary(routed: list[Routed], n: int) -> dict:
+    """A run's figures: hit rate (cached / prompt tokens), requests per replica, TTFT."""
+    prompt = sum(r.prompt_tokens for r in routed)
+    cached = sum(r.cached_tokens for r in routed)
+    per_replica = [[r for r in routed if r.replica == i] for i in range(n)]
+    return {
+        "requests": len(routed), "prompt_tokens": prompt, "cached_tokens": cached,
+        "hit_rate": round(cached / prompt, 4) if prompt else 0.0,
+        "requests_per_replica": [len(rows) for rows in per_replica],
+        "hit_rate_per_replica": [round(sum(r.cached_tokens for r in rows) / max(1, sum(r.prompt_tokens for r in rows)), 4)
+                                 for rows in per_replica],
+        "ttft_ms": spread_json([r.ttft_ms for r in routed]),
+        "routed": [asdict(r) for r in routed],  # per request, in order: what a prediction is compared with
+    }
+
+
+def server_flags(args) -> list[str]:
+    """The flags of server.py this benchmark's own model flags stand for."""
+    flags = ["--block-size", str(args.block_size), "--no-fair-share"]  # one tenant (the router): arrival order
+    for flag, value in (("--model", args.model), ("--device", args.device), ("--dtype", args.dtype),
+                        ("--num-blocks", args.num_blocks), ("--kv-memory-gb", args.kv_memory_gb)):
+        if value is not None:
+            flags += [flag, str(value)]
+    return flags
+
+
+def plot(runs: list[dict], path: Path, title: str) -> None:
+    """Hit rate of each run, and the requests each replica served."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{run['replicas']} × {run['policy']}" if run["replicas"] > 1 else "1 replica" for run in runs]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(8, 3), dpi=100)
+    bars = left.bar(range(len(runs)), [100 * run["hit_rate"] for run in runs],
+                    color=[COLORS.get(run["policy"], "gray") for run in runs])
+    left.bar_label(bars, fmt="%.0f%%", fontsize=7)
+    left.set_ylabel("hit rate (cached / prompt tokens)", fontsize=8)
+    for ax in (left, right):
+        ax.set_xticks(range(len(runs)), labels, rotation=20, ha="right", fontsize=7)
+    bottom = [0] * len(runs)
+    for i in range(max(run["replicas"] for run in runs)):
+        counts = [run["requests_per_replica"][i] if i < run["replicas"] else 0 for run in runs]
+        right.bar(range(len(runs)), counts, bottom=bottom, label=f"replica {i}", edgecolor="white")
+        bottom = [b + c for b, c in zip(bottom, counts)]
+    right.set_ylabel("requests served", fontsize=8)
+    right.legend(fontsize=7, frameon=False)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+COLORS = {"round_robin": "tab:orange", "cache_aware": "tab:blue", "power_of_two": "tab:green", "random": "tab:red"}
+DEFAULT_LOG = ROOT / "lessons" / "data" / "multi_turn.jsonl.xz"
+
+
+def serve_fleet(args, console) -> None:
+    """--serve: a fleet until Ctrl+C, for a class or a terminal to send requests to."""
+    with fleet(max(args.replicas), args.policy, server_flags(args)) as f:
+        console.print(f"[bold green]the router ({f.policy}) on {f.url}[/], in front of {', '.join(f.replica_urls)}")
+        model = OpenAIServer(f.url).model
+        console.print(f"  try:  curl -s {f.url}/v1/chat/completions -H 'Content-Type: application/json' -d "
+                      f"'{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hi\"}}], "
+                      f"\"max_tokens\": 16}}'", soft_wrap=True, markup=False)
+        console.print("  each replica's cache: open its URL in a browser   (Ctrl+C stops them all)")
+        try:
+            while True:
+                time.sleep(3600)
+        except KeyboardInterrupt:
+            console.print("stopping the router and the replicas…")
+
+
+def main(argv: list[str] | None = None) -> dict | None:
+    parser = argparse.ArgumentParser(prog="prefix_caching.py --bench router", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--log", type=Path, default=DEFAULT_LOG, help=f"the request log to replay (default: "
+                        f"{DEFAULT_LOG.relative_to(ROOT)}, 40 conversations)")
+    parser.add_argument("--conversations-at-once", type=positive_int, default=1, metavar="N",
+                        help="replay N conversations at a time, taking turns, as the analyzer does (default 1)")
+    parser.add_argument("--requests", type=positive_int, default=None, help="replay only the first N requests")
+    parser.add_argument("--replicas", type=positive_int, nargs="+", default=[1, 2, 3],
+                        help="numbers of replicas, one run each per policy (one replica: one run)")
+    parser.add_argument("--policies", nargs="+", choices=POLICIES, default=["round_robin", "cache_aware"])
+    parser.add_argument("--max-tokens", type=positive_int, default=1, help="tokens each reply generates")
+    parser.add_argument("--figure", type=Path, default=ROOT / "assets" / "router.png", help="where to save the figure")
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON, every request's replica too")
+    parser.add_argument("--serve", action="store_true", help="start the largest of --replicas replicas and the "
+                        "router with --policy, print the router's URL and serve until Ctrl+C")
+    parser.add_argument("--policy", choices=POLICIES, default="cache_aware", help="the router's policy for --serve")
+    add_model_arguments(parser)  # passed to every replica
+    args = parser.parse_args(argv)
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    if args.serve:
+        serve_fleet(args, console)
+        return None
+    requests = interleave(Log.read(args.log).requests, args.conversations_at_once)[: args.requests]
+    most = max(args.replicas)
+    console.print(f"starting {most} replicas of server.py ({' '.join(server_flags(args))}) and, for each run, SGLang's "
+                  f"router {ROUTER_VERSION}; {len(requests)} requests of {args.log.name}, one after another")
+    runs = []
+    load_before = os.getloadavg()
+    with replicas(most, server_flags(args)) as urls:
+        for n in sorted(set(args.replicas)):
+            for policy in args.policies if n > 1 else args.policies[:1]:
+                reset_caches(urls)
+                with router(urls[:n], policy) as url:
+                    routed = replay_through_router(Fleet(url, urls[:n], policy), requests, args.max_tokens)
+                runs.append({"replicas": n, "policy": policy if n > 1 else "-"} | summary(routed, n))
+                console.print(f"  {n} × {policy}: hit rate {runs[-1]['hit_rate']:.1%}")
+    load_after = os.getloadavg()
+
+    table = Table(title=f"{args.log.name} through SGLang's router {ROUTER_VERSION}: {len(requests)} requests, "
+                        f"one after another, each replica's cached tokens from its usage",
+                  caption=f"TTFT at the client, {SPREAD_COLUMN}: the replicas share this machine's "
+                          f"{os.cpu_count()} cores, so it measures their contention as much as the policy")
+    for column in ("replicas", "policy", "hit rate", "requests per replica", "hit rate per replica",
+                   "prompt tokens computed", "TTFT ms"):
+        table.add_column(column, justify="right")
+    for run in runs:
+        table.add_row(str(run["replicas"]), run["policy"], f"{run['hit_rate']:.1%}",
+                      " / ".join(map(str, run["requests_per_replica"])),
+                      " / ".join(f"{h:.0%}" for h in run["hit_rate_per_replica"]),
+                      f"{run['prompt_tokens'] - run['cached_tokens']:,}", spread_text(run["ttft_ms"]))
+    console.print(table)
+    console.print(f"load average (1 min) before {load_before[0]:.2f}, after {load_after[0]:.2f}")
+    args.figure.parent.mkdir(parents=True, exist_ok=True)
+    plot(runs, args.figure, f"{args.log.name}, {len(requests)} requests: hit rate and requests per replica")
+    console.print(f"wrote {args.figure}")
+    results = {"machine": platform.platform(), "cpu_cores": os.cpu_count(), "router": ROUTER_VERSION,
+               "log": args.log.name, "conversations_at_once": args.conversations_at_once,
+               "server_flags": server_flags(args), "load_average": [load_before[0], load_after[0]], "runs": runs}
+    save_json(args.json, results, console)
+    return results
+
+
+if __name__ == "__main__":
+    main()
