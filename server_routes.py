@@ -16,8 +16,9 @@ Routes:
     POST /v1/chat/completions    OpenAI's shapes, stream: true included, and
     POST /v1/completions           usage.prompt_tokens_details.cached_tokens
     GET  /v1/models
-    GET  /server_info            the served model's name, as SGLang's server names it: what
-                                 SGLang's router asks a worker for when it registers it
+    GET  /server_info            the served model's name, and /model_info its type, as SGLang's
+    GET  /model_info             server names them: what SGLang's router asks a worker for
+                                 when it registers it
     GET  /                       the live view of the pool (static/index.html), polling /cache
 
 Every error is a JSON object {"error": {"message", "type"}} with a 4xx status (5xx when the
@@ -432,6 +433,14 @@ def server_info():
     into every chat request it forwards without one; a worker that does not answer is
     registered as the model "unknown", which /v1/chat/completions here refuses with a 404."""
     return {"served_model_name": served().settings.model_name}
+
+
+@bp.get("/model_info")
+def model_info():
+    """The model's type and architectures, in SGLang's fields: the router keeps them on the
+    model's card (and asks /get_model_info, SGLang's older name, where this route is missing)."""
+    config = served().engine.model.config
+    return {"model_type": config.model_type, "architectures": config.architectures or [], "is_generation": True}
 
 
 # -----------------------------------------------------------------------------

@@ -68,10 +68,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
 
+from analyzer.kv_memory import KNOWN_MODELS
 from analyzer.request_logs import Log, LoggedRequest, interleave
+from analyzer.workload_analyzer import hit_rate_curve, tokenize_log
 from benchmarks import save_json
 from benchmarks.openai_api import SPREAD_COLUMN, OpenAIServer, spread_json, spread_text
 from flags import positive_int
+from model_files import load_tokenizer
 from model_flags import add_model_arguments
 
 ROUTER_VERSION = "0.3.2"  # the sglang-router requirements.txt pins: the flags and behaviour above are its
@@ -274,8 +277,20 @@ def replay_through_router(f: Fleet, requests: Sequence[LoggedRequest], max_token
 # The benchmark: one log, each number of replicas, each policy, side by side
 
 
-def summary(routed: list[Routed], n: int) -> dict:
-    """A run's figures: hit rate (cached / prompt tokens), requests per replica, TTFT."""
+def working_sets(routed: list[Routed], n: int, prompts: list, salts: list, block_size: int) -> list[int]:
+    """Each replica's working set in blocks: the analyzer's replay (vLLM's pool) of the requests
+    the router sent it, in their order: the pool each replica needs to keep what it hits."""
+    sets = []
+    for i in range(n):
+        mine = [k for k, r in enumerate(routed) if r.replica == i]
+        sets.append(hit_rate_curve([prompts[k] for k in mine], [salts[k] for k in mine], block_size).working_set
+                    if mine else 0)
+    return sets
+
+
+def summary(routed: list[Routed], n: int, working_set: list[int]) -> dict:
+    """A run's figures: hit rate (cached / prompt tokens), requests per replica, TTFT, and the
+    working set per replica with the KV memory it is for MEMORY_MODEL."""
     prompt = sum(r.prompt_tokens for r in routed)
     cached = sum(r.cached_tokens for r in routed)
     per_replica = [[r for r in routed if r.replica == i] for i in range(n)]
@@ -286,6 +301,7 @@ def summary(routed: list[Routed], n: int) -> dict:
         "hit_rate_per_replica": [round(sum(r.cached_tokens for r in rows) / max(1, sum(r.prompt_tokens for r in rows)), 4)
                                  for rows in per_replica],
         "ttft_ms": spread_json([r.ttft_ms for r in routed]),
+        "working_set_per_replica": working_set,  # blocks
         "routed": [asdict(r) for r in routed],  # per request, in order: what a prediction is compared with
     }
 
@@ -328,6 +344,11 @@ def plot(runs: list[dict], path: Path, title: str) -> None:
     plt.close(fig)
 
 
+# Seven users chatting at once. With N conversations taking turns, round robin over R replicas
+# sends each conversation's turns N requests apart: to the same replica every time when R
+# divides N (8 users, 2 replicas), which real traffic does not do; 7 is divisible by neither.
+CONVERSATIONS_AT_ONCE = 7
+MEMORY_MODEL = KNOWN_MODELS["Llama-3.1-8B"]  # the working set per replica in GiB, as stage 10 sizes it
 COLORS = {"round_robin": "tab:orange", "cache_aware": "tab:blue", "power_of_two": "tab:green", "random": "tab:red"}
 DEFAULT_LOG = ROOT / "lessons" / "data" / "multi_turn.jsonl.xz"
 
@@ -352,8 +373,10 @@ def main(argv: list[str] | None = None) -> dict | None:
     parser = argparse.ArgumentParser(prog="prefix_caching.py --bench router", description=__doc__.split("\n\n")[0])
     parser.add_argument("--log", type=Path, default=DEFAULT_LOG, help=f"the request log to replay (default: "
                         f"{DEFAULT_LOG.relative_to(ROOT)}, 40 conversations)")
-    parser.add_argument("--conversations-at-once", type=positive_int, default=1, metavar="N",
-                        help="replay N conversations at a time, taking turns, as the analyzer does (default 1)")
+    parser.add_argument("--conversations-at-once", type=positive_int, default=CONVERSATIONS_AT_ONCE, metavar="N",
+                        help=f"replay N conversations at a time, taking turns, as the analyzer does (default "
+                             f"{CONVERSATIONS_AT_ONCE}: neither 2 nor 3 divides it, so round robin does not send a "
+                             f"conversation's turns to one replica by chance)")
     parser.add_argument("--requests", type=positive_int, default=None, help="replay only the first N requests")
     parser.add_argument("--replicas", type=positive_int, nargs="+", default=[1, 2, 3],
                         help="numbers of replicas, one run each per policy (one replica: one run)")
@@ -373,7 +396,9 @@ def main(argv: list[str] | None = None) -> dict | None:
     if args.serve:
         serve_fleet(args, console)
         return None
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the replicas and the router on the way out
     requests = interleave(Log.read(args.log).requests, args.conversations_at_once)[: args.requests]
+    prompts, salts = tokenize_log(requests, load_tokenizer(args.model)), [r.cache_salt for r in requests]
     most = max(args.replicas)
     console.print(f"starting {most} replicas of server.py ({' '.join(server_flags(args))}) and, for each run, SGLang's "
                   f"router {ROUTER_VERSION}; {len(requests)} requests of {args.log.name}, one after another")
@@ -385,7 +410,8 @@ def main(argv: list[str] | None = None) -> dict | None:
                 reset_caches(urls)
                 with router(urls[:n], policy) as url:
                     routed = replay_through_router(Fleet(url, urls[:n], policy), requests, args.max_tokens)
-                runs.append({"replicas": n, "policy": policy if n > 1 else "-"} | summary(routed, n))
+                sets = working_sets(routed, n, prompts, salts, args.block_size)
+                runs.append({"replicas": n, "policy": policy if n > 1 else "-"} | summary(routed, n, sets))
                 console.print(f"  {n} × {policy}: hit rate {runs[-1]['hit_rate']:.1%}")
     load_after = os.getloadavg()
 
@@ -393,15 +419,22 @@ def main(argv: list[str] | None = None) -> dict | None:
                         f"one after another, each replica's cached tokens from its usage",
                   caption=f"TTFT at the client, {SPREAD_COLUMN}: the replicas share this machine's "
                           f"{os.cpu_count()} cores, so it measures their contention as much as the policy")
+    gib = MEMORY_MODEL.bytes_per_block(args.block_size) / 2**30
     for column in ("replicas", "policy", "hit rate", "requests per replica", "hit rate per replica",
-                   "prompt tokens computed", "TTFT ms"):
+                   "prompt tokens computed", "working set per replica", f"its KV for {MEMORY_MODEL.name}", "TTFT ms"):
         table.add_column(column, justify="right")
     for run in runs:
         table.add_row(str(run["replicas"]), run["policy"], f"{run['hit_rate']:.1%}",
                       " / ".join(map(str, run["requests_per_replica"])),
                       " / ".join(f"{h:.0%}" for h in run["hit_rate_per_replica"]),
-                      f"{run['prompt_tokens'] - run['cached_tokens']:,}", spread_text(run["ttft_ms"]))
+                      f"{run['prompt_tokens'] - run['cached_tokens']:,}",
+                      " / ".join(f"{w:,}" for w in run["working_set_per_replica"]) + " blocks",
+                      " / ".join(f"{w * gib:.2f}" for w in run["working_set_per_replica"]) + " GiB",
+                      spread_text(run["ttft_ms"]))
     console.print(table)
+    console.print(f"working set: the analyzer's replay (vLLM's pool, blocks of {args.block_size}) of each replica's "
+                  f"own requests; its KV: {MEMORY_MODEL.bytes_per_block(args.block_size) / 2**20:.0f} MiB a block for "
+                  f"{MEMORY_MODEL.name} (analyzer/kv_memory.py), counted in this model's tokens")
     console.print(f"load average (1 min) before {load_before[0]:.2f}, after {load_after[0]:.2f}")
     args.figure.parent.mkdir(parents=True, exist_ok=True)
     plot(runs, args.figure, f"{args.log.name}, {len(requests)} requests: hit rate and requests per replica")

@@ -4,7 +4,7 @@ requirements.txt; benchmarks/router.py starts it as its CLI does). Over real HTT
 pool, in this process (a replica in a process of its own takes half a minute to import torch
 on a busy machine; the app and its server are the same), and the router's own process.
 
-    1. what the router needs from a worker (/health, /server_info) and the routes it forwards:
+    1. what the router needs from a worker (/health, /server_info, /model_info) and the routes it forwards:
        a chat goes through, streamed and not, and so does a completion
     2. the body the router forwards is taken: SGLang's own fields, at their defaults
     3. what it passes on: Authorization, but no X-Forwarded-For; a chat's cache_salt is dropped
@@ -60,6 +60,14 @@ def chat(question: str, **fields) -> dict:
 
 
 # --- 1. through the router ---------------------------------------------------------------------------
+
+
+def test_a_replica_describes_itself_in_sglangs_fields(replica_urls):
+    with urllib.request.urlopen(replica_urls[0] + "/server_info", timeout=10) as response:
+        assert json.load(response) == {"served_model_name": MODEL}
+    with urllib.request.urlopen(replica_urls[0] + "/model_info", timeout=10) as response:
+        info = json.load(response)
+    assert info["model_type"] == "llama" and info["is_generation"] is True and isinstance(info["architectures"], list)
 
 
 def test_a_chat_goes_through_the_router_streamed_and_not(fresh_replicas):
