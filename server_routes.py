@@ -229,13 +229,14 @@ def served() -> ServerState:
 
 @bp.before_app_request
 def check_request_head():
-    """The Host header; with --api-keys a listed key everywhere but the page itself and a
-    keyless /health (a liveness probe); then who asks, counted by the connection's caps (a
-    key over its share: a 429, before the body is read); a JSON body for a POST."""
+    """The Host header; with --api-keys a listed key everywhere but the page itself, a
+    keyless /health (a liveness probe) and the model's name and type (what a router reads to
+    register a replica); then who asks, counted by the connection's caps (a key over its
+    share: a 429, before the body is read); a JSON body for a POST."""
     settings = served().settings
     check_host(request.host, settings.allowed_hosts)
     probe = request.path == "/health" and bearer_key(request.headers) is None
-    if not (request.path == "/" or probe):
+    if not (request.path in ("/", *ROUTER_PROBES) or probe):
         check_api_key(request.headers, settings.api_keys, settings.admin_key)
     g.asker = asker(settings)
     connection = connection_of(request.environ)
@@ -245,6 +246,7 @@ def check_request_head():
         check_content_type(request.mimetype)
 
 
+ROUTER_PROBES = ("/server_info", "/model_info")  # SGLang's router asks them with no key of the class
 PAGE_POLLS = ("/", "/health", "/cache")  # what the live page asks for, with its static files
 GENERATION_PATHS = (GENERATE.path, COMPLETIONS.path, CHAT.path)
 

@@ -18,8 +18,9 @@ The interface, for code that drives a fleet (a test, the analyzer's check of its
         routed = replay_through_router(f, read_log("lessons/data/multi_turn.jsonl.xz"))
     routed[0].replica, routed[0].prompt_tokens, routed[0].cached_tokens, routed[0].ttft_ms
 
-    fleet(n, policy, server_args=(), router_args=())   n replicas of server.py on free ports of
-        127.0.0.1 (server_args: any flags of server.py but --host and --port) and the router in
+    fleet(n, policy, server_args=(), router_args=(), host=, port=)   n replicas of server.py on
+        free ports of 127.0.0.1 (server_args: any flags of server.py but --host and --port) and
+        the router (on host:port, default a free port of 127.0.0.1) in
         front of them (policy: one of POLICIES; router_args: any other flags of the router, such as
         ["--cache-threshold", "0.5"]); yields a Fleet once the router lists every replica healthy
         under the model's name; stops them all at the end (a failure to start raises
@@ -40,13 +41,18 @@ allocator's, one per request it allocated) went up on exactly one of them, else 
 That is why the replay is one request after another, and why a replica started with keys
 (--api-keys, --salt-by-api-key), whose /health shows no figures without one, cannot be replayed.
 
-What the router does to a request on its way (sglang-router 0.3.2, checked against this server):
-it forwards Authorization (so --api-keys, --salt-by-api-key and the per-key limits hold) and
-sends no X-Forwarded-For (every request reaches a replica from the router's address); it reads
-the body into its own request type and writes it out again, adding SGLang's fields at their
-defaults (no_stop_trim, skip_special_tokens, ...; server_requests.py takes them), leaving out a
-chat's cache_salt and user, and filling a chat's missing model with "unknown" (send "model":
-the replay takes it from the router's /v1/models).
+What the router does to a request on its way (sglang-router 0.3.2, checked against this server
+by tests/test_router.py): it forwards Authorization (so --api-keys, --salt-by-api-key and the
+per-key limits hold) and sends no X-Forwarded-For, so every request reaches a replica from the
+router's address and --forwarded-allow-ips has nothing to read. A replica's per-address cap
+(--max-connections-per-client) would then cap the whole class's unkeyed requests to it:
+replicas() starts each with --max-connections-per-client 0 unless server_args names it (they
+listen on 127.0.0.1, where only the router reaches them). The router reads a body into its own
+request type and writes it out again: SGLang's fields added at their defaults (no_stop_trim,
+skip_special_tokens, ...; server_requests.py takes them), a chat's cache_salt and user left
+out, a chat's missing model filled with "unknown" (send "model": the replay takes it from the
+router's /v1/models), and /generate's body, which is this course's own, emptied of its prompt:
+through the router, use the OpenAI routes.
 """
 
 from __future__ import annotations
@@ -146,11 +152,15 @@ def wait_until(ready, process: subprocess.Popen, log: Path, what: str, timeout: 
     raise FleetError(f"{what} was not ready after {timeout:g} s:\n{log_tail(log)}")
 
 
-def stop(process: subprocess.Popen, how: int) -> None:
-    if process.poll() is None:
-        process.send_signal(how)
+def stop(processes: list[subprocess.Popen], how: int) -> None:
+    """Signal every process at once, then wait for each (killed after STOP_TIMEOUT_S)."""
+    for process in processes:
+        if process.poll() is None:
+            process.send_signal(how)
+    deadline = time.monotonic() + STOP_TIMEOUT_S
+    for process in processes:
         try:
-            process.wait(STOP_TIMEOUT_S)
+            process.wait(max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
@@ -165,15 +175,17 @@ def replicas(n: int, server_args: Sequence[str] = (), timeout: float = STARTUP_T
         raise ValueError(f"a fleet needs at least 1 replica, got {n}")
     if {"--host", "--port"} & set(server_args):
         raise ValueError("server_args: the fleet chooses --host and --port itself")
+    if "--max-connections-per-client" not in server_args:  # one client: the router (the module's docstring)
+        server_args = [*server_args, "--max-connections-per-client", "0"]
     with tempfile.TemporaryDirectory(prefix="replicas-") as logs, contextlib.ExitStack() as stack:
         started = []
+        stack.callback(lambda: stop([process for _, process, _ in started], signal.SIGINT))
         for i in range(n):
             port = free_port()
             log = Path(logs) / f"replica{i}.log"
             out = stack.enter_context(open(log, "w"))
             process = subprocess.Popen([sys.executable, "server.py", "--port", str(port), *server_args],
                                        cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-            stack.callback(stop, process, signal.SIGINT)
             started.append((f"http://127.0.0.1:{port}", process, log))
         for i, (url, process, log) in enumerate(started):
             wait_until(lambda: get_json(url + "/health").get("status") == "ok", process, log,
@@ -183,17 +195,18 @@ def replicas(n: int, server_args: Sequence[str] = (), timeout: float = STARTUP_T
 
 @contextlib.contextmanager
 def router(replica_urls: Sequence[str], policy: str = "cache_aware", router_args: Sequence[str] = (),
-           timeout: float = 60.0) -> Iterator[str]:
-    """SGLang's router on a free port of 127.0.0.1 in front of replica_urls; yields its URL
-    once it lists every replica healthy under a model's name. Stopped with SIGTERM."""
+           timeout: float = 60.0, host: str = "127.0.0.1", port: int | None = None) -> Iterator[str]:
+    """SGLang's router in front of replica_urls, on `port` of `host` (default: a free port of
+    127.0.0.1); yields its URL once it lists every replica healthy under a model's name.
+    Stopped with SIGTERM."""
     if policy not in POLICIES:
         raise ValueError(f"policy {policy!r}: choose one of {', '.join(POLICIES)}")
-    port = free_port()
-    command = [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
+    port = port or free_port()
+    command = [sys.executable, "-m", "sglang_router.launch_router", "--host", host, "--port", str(port),
                "--worker-urls", *replica_urls, "--policy", policy, "--log-level", "warn",
                # its metrics server would take 0.0.0.0:29000, once per machine
                "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()), *router_args]
-    url = f"http://127.0.0.1:{port}"
+    url = f"http://{'127.0.0.1' if host == '0.0.0.0' else host}:{port}"
 
     def ready() -> bool:
         workers = get_json(url + "/workers")["workers"]
@@ -209,14 +222,14 @@ def router(replica_urls: Sequence[str], policy: str = "cache_aware", router_args
                 wait_until(ready, process, log, f"the router ({policy}, on {url})", timeout)
                 yield url
             finally:
-                stop(process, signal.SIGTERM)
+                stop([process], signal.SIGTERM)
 
 
 @contextlib.contextmanager
 def fleet(n: int, policy: str = "cache_aware", server_args: Sequence[str] = (), router_args: Sequence[str] = (),
-          timeout: float = STARTUP_TIMEOUT_S) -> Iterator[Fleet]:
+          timeout: float = STARTUP_TIMEOUT_S, host: str = "127.0.0.1", port: int | None = None) -> Iterator[Fleet]:
     """n replicas of server.py and SGLang's router in front of them (see the module's docstring)."""
-    with replicas(n, server_args, timeout) as urls, router(urls, policy, router_args) as url:
+    with replicas(n, server_args, timeout) as urls, router(urls, policy, router_args, host=host, port=port) as url:
         yield Fleet(url, urls, policy)
 
 
@@ -355,7 +368,7 @@ DEFAULT_LOG = ROOT / "lessons" / "data" / "multi_turn.jsonl.xz"
 
 def serve_fleet(args, console) -> None:
     """--serve: a fleet until Ctrl+C, for a class or a terminal to send requests to."""
-    with fleet(max(args.replicas), args.policy, server_flags(args)) as f:
+    with fleet(max(args.replicas), args.policy, server_flags(args), host=args.host, port=args.port) as f:
         console.print(f"[bold green]the router ({f.policy}) on {f.url}[/], in front of {', '.join(f.replica_urls)}")
         model = OpenAIServer(f.url).model
         console.print(f"  try:  curl -s {f.url}/v1/chat/completions -H 'Content-Type: application/json' -d "
@@ -387,6 +400,10 @@ def main(argv: list[str] | None = None) -> dict | None:
     parser.add_argument("--serve", action="store_true", help="start the largest of --replicas replicas and the "
                         "router with --policy, print the router's URL and serve until Ctrl+C")
     parser.add_argument("--policy", choices=POLICIES, default="cache_aware", help="the router's policy for --serve")
+    parser.add_argument("--host", default="127.0.0.1", help="where the router listens with --serve (0.0.0.0: a "
+                        "class on other machines; the replicas stay on 127.0.0.1)")
+    parser.add_argument("--port", type=positive_int, default=None, help="the router's port with --serve "
+                        "(default: a free one)")
     add_model_arguments(parser)  # passed to every replica
     args = parser.parse_args(argv)
     from rich.console import Console
