@@ -1,7 +1,7 @@
 """Replicas of this course's server behind SGLang's router: what a cache-aware router buys over
 round robin, measured on one machine.
 
-    python prefix_caching.py --bench router                 # the multi-turn log, 2 and 3 replicas, both policies
+    python prefix_caching.py --bench router                 # the multi-turn log: 1 replica, then 2 and 3 under both policies
     python prefix_caching.py --bench router --serve --replicas 2 --policy cache_aware   # a fleet until Ctrl+C
     python prefix_caching.py --bench router --log my_log.jsonl --replicas 2 4 --json out.json
 

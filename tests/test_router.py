@@ -209,3 +209,23 @@ def test_cache_aware_keeps_a_shared_prefix_on_one_replica(fresh_replicas):
         routed = replay_through_router(Fleet(url, fresh_replicas, "cache_aware"), REQUESTS)
     assert len({r.replica for r in routed}) == 1
     assert [r.cached_tokens > 0 for r in routed] == [False, True, True, True]
+
+
+# --- 5. the benchmark: replicas in processes of their own ------------------------------------------
+
+
+def test_the_router_benchmark_starts_a_fleet_and_reports_each_run(tiny_model_dir, tmp_path):
+    """`--bench router` as the README runs it, on the tiny model: two replicas of python
+    server.py, a router per policy, every request traced to a replica, the figure written."""
+    from benchmarks import router as bench
+
+    out, figure = tmp_path / "router.json", tmp_path / "router.png"
+    results = bench.main(["--model", str(tiny_model_dir), "--replicas", "2", "--requests", "3", "--max-tokens", "1",
+                          "--log", str(bench.ROOT / "lessons" / "data" / "chatbot.jsonl.xz"),
+                          "--figure", str(figure), "--json", str(out)])
+    assert [(run["replicas"], run["policy"]) for run in results["runs"]] == [(2, "round_robin"), (2, "cache_aware")]
+    for run in results["runs"]:
+        assert sum(run["requests_per_replica"]) == 3 == len(run["routed"])
+        assert run["cached_tokens"] == sum(r["cached_tokens"] for r in run["routed"])
+    assert results["runs"][0]["requests_per_replica"] == [2, 1] or results["runs"][0]["requests_per_replica"] == [1, 2]
+    assert json.loads(out.read_text())["router"] == "0.3.2" and figure.stat().st_size > 0
