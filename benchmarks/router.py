@@ -152,6 +152,13 @@ def wait_until(ready, process: subprocess.Popen, log: Path, what: str, timeout: 
     raise FleetError(f"{what} was not ready after {timeout:g} s:\n{log_tail(log)}")
 
 
+def default_sigint() -> None:
+    """In a child, before it runs: Ctrl+C's signal handled as Python does by default. A process
+    started in the background (`command &`) inherits SIGINT ignored, and a server.py started
+    from it would then never see its Ctrl+C (stop sends it)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def stop(processes: list[subprocess.Popen], how: int) -> None:
     """Signal every process at once, then wait for each (killed after STOP_TIMEOUT_S)."""
     for process in processes:
@@ -184,8 +191,10 @@ def replicas(n: int, server_args: Sequence[str] = (), timeout: float = STARTUP_T
             port = free_port()
             log = Path(logs) / f"replica{i}.log"
             out = stack.enter_context(open(log, "w"))
+            # A session of its own: a Ctrl+C in the terminal reaches this process, which stops them all.
             process = subprocess.Popen([sys.executable, "server.py", "--port", str(port), *server_args],
-                                       cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+                                       cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                       preexec_fn=default_sigint, start_new_session=True)
             started.append((f"http://127.0.0.1:{port}", process, log))
         for i, (url, process, log) in enumerate(started):
             wait_until(lambda: get_json(url + "/health").get("status") == "ok", process, log,
@@ -216,7 +225,7 @@ def router(replica_urls: Sequence[str], policy: str = "cache_aware", router_args
     with tempfile.TemporaryDirectory(prefix="router-") as logs:
         log = Path(logs) / "router.log"
         with open(log, "w") as out:
-            process = subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+            process = subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
                                        stdin=subprocess.DEVNULL, env={**os.environ, "NO_COLOR": "1"})
             try:
                 wait_until(ready, process, log, f"the router ({policy}, on {url})", timeout)
@@ -378,7 +387,7 @@ def serve_fleet(args, console) -> None:
         try:
             while True:
                 time.sleep(3600)
-        except KeyboardInterrupt:
+        except (KeyboardInterrupt, SystemExit):
             console.print("stopping the router and the replicas…")
 
 
@@ -410,10 +419,10 @@ def main(argv: list[str] | None = None) -> dict | None:
     from rich.table import Table
 
     console = Console()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the replicas and the router on the way out
     if args.serve:
         serve_fleet(args, console)
         return None
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the replicas and the router on the way out
     requests = interleave(Log.read(args.log).requests, args.conversations_at_once)[: args.requests]
     prompts, salts = tokenize_log(requests, load_tokenizer(args.model)), [r.cache_salt for r in requests]
     most = max(args.replicas)
