@@ -91,6 +91,9 @@ def test_a_chat_goes_through_the_router_streamed_and_not(fresh_replicas):
         with pytest.raises(urllib.error.HTTPError) as refused:  # the router names a chat without one "unknown"
             post(url + "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]})
         assert refused.value.code == 404 and "this server serves 'tiny-llama'" in refused.value.read().decode()
+        with pytest.raises(urllib.error.HTTPError) as refused:  # and a completion without one never leaves it
+            post(url + "/v1/completions", {"prompt": "Once upon"})
+        assert refused.value.code == 422
 
 
 def test_keys_hold_behind_the_router(tiny_model, tokenizer):
