@@ -24,7 +24,7 @@ import pytest
 from analyzer.request_logs import LoggedRequest
 from benchmarks.router import Fleet, replay_through_router, router
 from engine import Engine
-from helpers import MODEL, serve
+from helpers import MODEL, serve, wait_until_idle
 from server import create_app
 from server_requests import CHAT, COMPLETIONS, Settings, parse_generation_request
 
@@ -40,6 +40,7 @@ def replica_urls(tiny_model, tokenizer):
     with serve(create_app(engines[0], model_name=MODEL)) as a, serve(create_app(engines[1], model_name=MODEL)) as b:
         yield (a, b)
     for engine in engines:
+        wait_until_idle(engine)  # every block free again, every ref count 0
         engine.close()
 
 
@@ -107,6 +108,7 @@ def test_keys_hold_behind_the_router(tiny_model, tokenizer):
             with pytest.raises(urllib.error.HTTPError) as refused:
                 post(url + "/v1/chat/completions", chat("Hi"), {"Authorization": "Bearer student-99"})
             assert refused.value.code == 401
+    wait_until_idle(engine)
     engine.close()
 
 
