@@ -35,8 +35,9 @@ The interface, for code that drives a fleet (a test, the analyzer's check of its
         its usage, greedy. Per request, in order: Routed(replica, prompt_tokens, cached_tokens,
         ttft_ms), where replica is the index in fleet.replica_urls of the replica that served it.
 
-Which replica served a request: the router passes back no header that names its worker, so
-each replica's /health is read before and after every request; its "requests" counter (the
+Which replica served a request: neither the router nor this server adds a header that names the
+replica (the router passes a worker's own headers back), so each replica's /health is read
+before and after every request; its "requests" counter (the
 allocator's, one per request it allocated) went up on exactly one of them, else FleetError.
 That is why the replay is one request after another, and why a replica started with keys
 (--api-keys, --salt-by-api-key), whose /health shows no figures without one, cannot be replayed.

@@ -1,7 +1,7 @@
 """
 Stage 10: going further. How much does the cache hit on real traffic shapes, where does LRU
-fail, how does SGLang's radix tree compare, what does current vLLM do differently, and what
-would the cache save on your own traffic?
+fail, how does SGLang's radix tree compare, what does current vLLM do differently, what
+would the cache save on your own traffic, and what becomes of it behind a router?
 
 Sections 1 to 4 run the real PrefixCachingAllocator on simulated workloads
 (lessons/workloads.py) and a tiny radix tree (lessons/radix_tree.py). Section 5 runs the
@@ -12,16 +12,18 @@ server of this course (SmolLM2, batching) and measures it only through its URL a
 API, as it would a remote deployment (benchmarks/cache_probe.py), then says how to point the
 same commands at a real vLLM. Section 7 replays one log as vLLM, SGLang and llama.cpp cache
 it (analyzer/caching_models.py) and turns each working set into the GiB of KV cache to buy for
-an 8B model, with the flags that give a server that much (analyzer/kv_memory.py).
+an 8B model, with the flags that give a server that much (analyzer/kv_memory.py). Section 8
+puts two more servers behind SGLang's real router (benchmarks/router.py) and replays a few
+turns of the multi-turn log under round robin and under cache_aware, after asking what they will do.
 
 New in this stage (marked # NEW): workloads.replay, lru_burst, RadixTree, radix_vs_hash,
 the analyzer's read_log, tokenize_log, hit_rate_curve, variable_starts, and cache_probe;
-the caching models (LIKE) and memory_to_buy.
+the caching models (LIKE) and memory_to_buy; router, replay_through_router and working_sets.
 
 Read: lessons/radix_tree.py: RadixTree.match_prefix and .insert (printed when the stage
       starts).
 
-Run:  python lessons/10_going_further.py   (section 6 runs SmolLM2-135M; run times: lessons/README.md)
+Run:  python lessons/10_going_further.py   (sections 6 and 8 run SmolLM2-135M; run times: lessons/README.md)
 """
 
 import argparse
