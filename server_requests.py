@@ -473,6 +473,14 @@ NO_OP_VALUES = {
     "tools": ([],), "functions": ([],), "tool_choice": ("none",), "response_format": ({"type": "text"},),
     "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,), "logit_bias": ({},),
 }
+# SGLang's own fields, which SGLang's router (sglang-router 0.3.2) writes into every OpenAI body
+# it forwards, at SGLang's defaults: each says what this server does anyway (a stop string is
+# trimmed, EOS ends a reply, special tokens are left out of the text, no reasoning to separate).
+NO_OP_VALUES |= {
+    "no_stop_trim": (False,), "ignore_eos": (False,), "skip_special_tokens": (True,),
+    "continue_final_message": (False,), "separate_reasoning": (True,), "stream_reasoning": (True,),
+    "return_hidden_states": (False,),
+}
 # OpenAI's limit on the count: "Up to 4 sequences" (the openai client's completion_create_params.py).
 MAX_STOP_STRINGS = 4
 # This server's own choice (vLLM has none): a stop string is a marker ("\n\nQuestion:"), not a

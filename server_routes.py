@@ -16,6 +16,8 @@ Routes:
     POST /v1/chat/completions    OpenAI's shapes, stream: true included, and
     POST /v1/completions           usage.prompt_tokens_details.cached_tokens
     GET  /v1/models
+    GET  /server_info            the served model's name, as SGLang's server names it: what
+                                 SGLang's router asks a worker for when it registers it
     GET  /                       the live view of the pool (static/index.html), polling /cache
 
 Every error is a JSON object {"error": {"message", "type"}} with a 4xx status (5xx when the
@@ -421,6 +423,15 @@ def models():
     server = served()
     card = {"id": server.settings.model_name, "object": "model", "created": server.started, "owned_by": "prefix-caching"}
     return {"object": "list", "data": [card]}
+
+
+@bp.get("/server_info")
+def server_info():
+    """The served model's name, in SGLang's field: SGLang's router (sglang-router 0.3.2) reads
+    served_model_name from a worker's /server_info when it registers it and writes that name
+    into every chat request it forwards without one; a worker that does not answer is
+    registered as the model "unknown", which /v1/chat/completions here refuses with a 404."""
+    return {"served_model_name": served().settings.model_name}
 
 
 # -----------------------------------------------------------------------------
