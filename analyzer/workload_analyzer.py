@@ -545,6 +545,10 @@ def print_fleet(console: Console, fleet: Fleet, requests: list[LoggedRequest], o
     console.print(table)
     console.print(f"One server with one such pool: {one_server.hit_rate:.1%}. Replicas are numbered in the router's "
                   f"order of its workers, which a real router draws at start: compare them up to a renaming.")
+    if flags.policy == "cache_aware":
+        console.print("[yellow]note:[/] one request at a time no replica is busy, so cache_aware sends every request "
+                      "that matches little to the first replica, and the rest follow their text there (fleet.py); "
+                      "under concurrency such requests go to idle replicas instead, which this replay cannot see.")
     if not routing.predictable:
         console.print(f"[yellow]note:[/] {flags.policy} draws its replicas at random (fleet.py): how many requests each "
                       f"gets is predicted, not which; the hit rates are one draw's (--router-seed).")
