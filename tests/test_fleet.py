@@ -5,7 +5,10 @@ benchmarks/fleet.py checks the same rules against the real router, request by re
 
 import json
 import random
+import threading
+import urllib.request
 from array import array
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
@@ -185,3 +188,100 @@ def test_json_without_replicas_is_refused(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main([str(log), "--json", str(tmp_path / "x.json")])
     assert "give --replicas N too" in capsys.readouterr().err
+
+
+# --- 6. the tree's rules against the real router, with requests held in flight --------------------
+#
+# One request at a time the real router sends everything to one replica (benchmarks/fleet.py
+# checks that), which leaves the tree's rules unseen. Here workers that hold a request until
+# told to make loads differ: then a low match goes to the first idle replica, and a later
+# text follows the replica that first sent it. A request held by a worker has been routed, and
+# counts as load, from the moment the worker has it (the router adds the load as it picks);
+# a request answered has freed it (a reply not streamed frees it before the router answers).
+
+HOLD = " [hold]"
+
+
+class HoldingWorker(BaseHTTPRequestHandler):
+    """A worker that answers what the router asks for, names itself in each reply, and holds
+    a prompt that ends with HOLD until `release` is set."""
+
+    arrived = threading.Semaphore(0)
+    release = threading.Event()
+
+    def log_message(self, *args):
+        pass
+
+    def reply(self, body: dict) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self):
+        self.reply({"served_model_name": "m"} if self.path == "/server_info" else {"status": "ok"})
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        self.arrived.release()
+        if body["prompt"].endswith(HOLD):
+            assert self.release.wait(60)
+        self.reply({"id": str(self.server.server_port), "object": "text_completion", "model": "m",
+                    "choices": [{"index": 0, "text": "x", "finish_reason": "length"}],
+                    "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}})
+
+
+def test_with_loads_held_the_real_router_picks_what_the_model_picks():
+    from benchmarks.router import router
+
+    HoldingWorker.arrived, HoldingWorker.release = threading.Semaphore(0), threading.Event()
+    workers = [ThreadingHTTPServer(("127.0.0.1", 0), HoldingWorker) for _ in range(3)]
+    for worker in workers:
+        threading.Thread(target=worker.serve_forever, daemon=True).start()
+    # (text, held?): four texts sent while others are held, then texts that follow them or not
+    steps = [("apples " * 10 + HOLD, True), ("bananas " * 10, False), ("cherries " * 10 + HOLD, True),
+             ("dates " * 10, False), None,  # None: release the held requests
+             ("apples " * 10 + "and more", False), ("dates " * 10 + "x", False), ("cherries " * 10 + "y", False),
+             ("bananas " * 10 + "z", False), ("eggs " * 10, False),
+             ("dates dates " + "q" * 40, False),  # 12 of 52 characters: under the threshold, the first replica
+             ("dates dates dates " + "q" * 20, False)]  # 18 of 38: above it, dates' replica
+    model = CacheAware(3)
+    predicted, real, held = [], {}, []  # real: the worker's port of each request, by its place
+    try:
+        with router([f"http://127.0.0.1:{w.server_port}" for w in workers], "cache_aware") as url:
+            def send(i: int, text: str) -> None:
+                request = urllib.request.Request(url + "/v1/completions", json.dumps(
+                    {"model": "m", "prompt": text, "max_tokens": 1}).encode(), {"Content-Type": "application/json"})
+                with urllib.request.urlopen(request, timeout=60) as response:
+                    real[i] = int(json.load(response)["id"])
+
+            for step in steps:
+                if step is None:
+                    HoldingWorker.release.set()
+                    for thread in held:
+                        thread.join(60)
+                    model.loads = [0, 0, 0]
+                    continue
+                text, hold = step
+                choice = model.route(text)
+                predicted.append(choice.replica)
+                if hold:
+                    model.loads[choice.replica] += 1
+                    held.append(threading.Thread(target=send, args=(len(predicted) - 1, text)))
+                    held[-1].start()
+                    assert HoldingWorker.arrived.acquire(timeout=60)  # routed, and counted as load
+                else:
+                    send(len(predicted) - 1, text)
+                    assert HoldingWorker.arrived.acquire(timeout=60)
+    finally:
+        HoldingWorker.release.set()
+        for worker in workers:
+            worker.shutdown()
+    assert predicted == [0, 1, 1, 2, 0, 2, 1, 1, 0, 0, 2]
+    order = {}  # the router's order of its workers: each named by the first request it took
+    for i, replica in enumerate(predicted):
+        order.setdefault(replica, real[i])
+    assert [order[replica] for replica in predicted] == [real[i] for i in range(len(predicted))]
+    assert len(set(order.values())) == 3
