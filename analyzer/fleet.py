@@ -15,9 +15,10 @@ Read request_logs.py (what a logged request holds) first. In this file:
 
 Where a replay of one request at a time is approximate. The router also balances load: a
 replica's load is its requests in flight (src/core/worker.rs, WorkerLoadGuard), and one
-after another no request is in flight when the next is routed (a non-streamed reply frees
-its load before the router answers: src/routers/http/router.rs, send_typed_request). So every
-load is 0 here: cache_aware's balancing (max - min load > balance_abs_threshold and max >
+after another no request is in flight when the next is routed (a reply not streamed frees
+its load before the router answers; a streamed one when its body is dropped, as the client
+reads its end: src/routers/http/router.rs, send_typed_request; a client that sends the next
+request that very moment may still find it counted). So every load is 0 here: cache_aware's balancing (max - min load > balance_abs_threshold and max >
 min x balance_rel_threshold) never fires, and where it picks the least loaded replica it
 takes the first of equals. Under concurrency loads differ and that changes the picks. The
 tree holds characters, not tokens: a text match the router counts is not the blocks a
@@ -38,6 +39,10 @@ so a chat request's salt never reaches the replica either and its pool shares sa
 prefixes as if unsalted; a completions request keeps unknown fields (CompletionRequest's
 `other`, src/protocols/completion.rs), so its salt reaches the replica, whose pool separates
 it as one server's does.
+
+tests/test_fleet.py replays these rules by hand, and holds requests in flight at workers behind
+the real router to see its tree's rules with loads apart; benchmarks/fleet.py checks the
+prediction against the real router request by request, on two logs.
 """
 
 from __future__ import annotations
