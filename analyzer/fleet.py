@@ -1,8 +1,9 @@
 """
 A fleet: N replicas of one server behind SGLang's router, sglang-router 0.3.2 (the package
-pinned here; its Rust source is sgl-project/sglang's sgl-model-gateway/ at version 0.3.2,
-the files cited below are that release's). The router picks a replica for each request;
-each replica keeps its own prefix cache, replayed by caching_models.py as one server is.
+requirements.txt pins: Rust, sgl-project/sglang's sgl-model-gateway/ at its version 0.3.2;
+the files cited below, under that folder, were read in the release's source distribution on
+PyPI). The router picks a replica for each request; each replica keeps its own prefix cache,
+replayed by caching_models.py as one server is.
 
     python prefix_caching.py --analyze LOG --replicas 3 --router cache_aware --like vllm
 
@@ -18,18 +19,19 @@ replica's load is its requests in flight (src/core/worker.rs, WorkerLoadGuard), 
 after another no request is in flight when the next is routed (a reply not streamed frees
 its load before the router answers; a streamed one when its body is dropped, as the client
 reads its end: src/routers/http/router.rs, send_typed_request; a client that sends the next
-request that very moment may still find it counted). So every load is 0 here: cache_aware's balancing (max - min load > balance_abs_threshold and max >
-min x balance_rel_threshold) never fires, and where it picks the least loaded replica it
-takes the first of equals. Under concurrency loads differ and that changes the picks. The
-tree holds characters, not tokens: a text match the router counts is not the blocks a
-replica finds (a replica hashes tokens after the chat template, whole blocks, under a salt).
-The tree's eviction runs on a clock (--eviction-interval, 60 s, trims each replica's
-characters to --max-tree-size, 2**26); a replay has no clock, so the tree here never evicts
-and the route_log result says when a replica's characters pass the limit (past it, the
-prediction is approximate). Which replica is "first" is the order of the router's worker
-registry, a hash map (src/core/worker_registry.rs, get_all over a DashMap): fixed while the
-router runs, not known before; replicas here are numbered in that order, so compare them
-with a real router's up to a renaming.
+request that very moment may still find it counted). So every load is 0 here: cache_aware's
+balancing (max - min load > balance_abs_threshold and max > min x balance_rel_threshold)
+never fires, and where it picks the least loaded replica it takes the first of equals.
+Under concurrency loads differ and that changes the picks. The tree holds characters, not
+tokens: a text match the router counts is not the blocks a replica finds (a replica hashes
+tokens after the chat template, whole blocks, under a salt). The tree's eviction runs on a
+clock (--eviction-interval-secs, 60 s, trims each replica's characters to --max-tree-size,
+2**26); a replay has no clock, so the tree here never evicts and the route_log result says
+when a replica's characters pass the limit (past it, the prediction is approximate). Which
+replica is "first" is the order of the router's worker registry, a hash map
+(src/core/worker_registry.rs, get_all over a DashMap): fixed while the router runs, not
+known before; replicas here are numbered in that order, so compare them with a real
+router's up to a renaming.
 
 What the router ignores. It routes by text, so `cache_salt` (a tenant's salt) does not
 separate students' prefixes in its tree: two tenants with the same system prompt go to the
@@ -270,12 +272,12 @@ def as_f32(x: float) -> float:
 
 @dataclass
 class CacheAware:
-    """src/policies/cache_aware.rs, CacheAwarePolicy::select_worker, with launch_router's defaults
-    (py_src/sglang_router/router_args.py): balancing when loads are uneven (never, one request
-    at a time); else the tree's match rate, matched characters over the text's characters
-    (an empty text: 0); above cache_threshold, the replica that created the matched text;
-    else the least loaded replica, the first of equals (0, one request at a time). Then the
-    text is inserted under the chosen replica. So one request at a time, every request that
+    """src/policies/cache_aware.rs, CacheAwarePolicy::select_worker, with launch_router's
+    defaults (bindings/python/src/sglang_router/router_args.py): balancing when loads are
+    uneven (never, one request at a time); else the tree's match rate, matched characters
+    over the text's characters (an empty text: 0); above cache_threshold, the replica that
+    created the matched text; else the least loaded replica, the first of equals (0, one
+    request at a time). Then the text is inserted under the chosen replica. So one request at a time, every request that
     matches little goes to the first replica, and what it sent is matched to it again. (The
     comment at the top of cache_aware.rs still says a low match goes to the replica with the
     smallest tree, as the router once did; its select_worker takes the least loaded.)"""
