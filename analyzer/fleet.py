@@ -277,10 +277,11 @@ class CacheAware:
     uneven (never, one request at a time); else the tree's match rate, matched characters
     over the text's characters (an empty text: 0); above cache_threshold, the replica that
     created the matched text; else the least loaded replica, the first of equals (0, one
-    request at a time). Then the text is inserted under the chosen replica. So one request at a time, every request that
-    matches little goes to the first replica, and what it sent is matched to it again. (The
-    comment at the top of cache_aware.rs still says a low match goes to the replica with the
-    smallest tree, as the router once did; its select_worker takes the least loaded.)"""
+    request at a time). Then the text is inserted under the chosen replica. So one request
+    at a time, every request that matches little goes to the first replica, and what it sent
+    is matched to it again. (The comment at the top of cache_aware.rs still says a low match
+    goes to the replica with the smallest tree, as the router once did; its select_worker
+    takes the least loaded.)"""
 
     replicas: int
     cache_threshold: float = 0.3
