@@ -279,9 +279,9 @@ class CacheAware:
     created the matched text; else the least loaded replica, the first of equals (0, one
     request at a time). Then the text is inserted under the chosen replica. So one request
     at a time, every request that matches little goes to the first replica, and what it sent
-    is matched to it again. (The comment at the top of cache_aware.rs still says a low match
-    goes to the replica with the smallest tree, as the router once did; its select_worker
-    takes the least loaded.)"""
+    is matched to it again. (The comment at the top of cache_aware.rs says a low match goes
+    to the worker with the smallest tree; its select_worker, the code, takes the least
+    loaded.)"""
 
     replicas: int
     cache_threshold: float = 0.3
