@@ -112,6 +112,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--block-size", type=positive_int, default=16)
     parser.add_argument("--conversations-at-once", type=positive_int, default=8, metavar="N",
                         help="the multi-turn log's users chatting at a time (default 8)")
+    parser.add_argument("--requests", type=positive_int, default=None, metavar="N",
+                        help="send only the first N requests of each log")
     parser.add_argument("--json", metavar="PATH", help="also write the results, every request's prediction and reply")
     args = parser.parse_args(argv)
     console = Console(width=max(Console().width, 130))
@@ -120,6 +122,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     with tempfile.TemporaryDirectory(prefix="fleet-") as folder, contextlib.ExitStack() as stack:
         tokenizer, urls = start_replicas(args.replicas, args.num_blocks, args.block_size, stack)
         for name, requests in logs(Path(folder), args.conversations_at_once).items():
+            requests = requests[: args.requests]
             prompts = tokenize_log(requests, tokenizer)
             salts = [r.cache_salt for r in requests]
             for policy in args.policies:

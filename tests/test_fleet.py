@@ -285,3 +285,16 @@ def test_with_loads_held_the_real_router_picks_what_the_model_picks():
         order.setdefault(replica, real[i])
     assert [order[replica] for replica in predicted] == [real[i] for i in range(len(predicted))]
     assert len(set(order.values())) == 3
+
+
+def test_the_fleet_benchmark_finds_the_prediction_equal_to_the_real_router_where_it_does_not_draw(tmp_path):
+    from benchmarks.fleet import main as bench
+
+    out = tmp_path / "fleet.json"
+    runs = bench(["--replicas", "2", "--policies", "round_robin", "cache_aware", "--requests", "12", "--num-blocks",
+                  "200", "--json", str(out)])
+    assert [(r["log"].split()[0], r["policy"]) for r in runs] == [
+        ("multi_turn", "round_robin"), ("multi_turn", "cache_aware"), ("agent", "round_robin"), ("agent", "cache_aware")]
+    for run in runs:
+        assert run["requests"] == run["both"] == run["same_prompt_tokens"] == 12, run["log"]
+    assert json.loads(out.read_text())["runs"][0]["per_request"][0]["cached"] == 0
