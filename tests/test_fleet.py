@@ -298,3 +298,17 @@ def test_the_fleet_benchmark_finds_the_prediction_equal_to_the_real_router_where
     for run in runs:
         assert run["requests"] == run["both"] == run["same_prompt_tokens"] == 12, run["log"]
     assert json.loads(out.read_text())["runs"][0]["per_request"][0]["cached"] == 0
+
+
+def test_the_agent_log_grows_each_sessions_history_and_gives_each_session_its_own_salt():
+    from analyzer.request_logs import agent
+
+    records = agent(n=4, at_once=2)
+    sessions: dict[str, list[list[dict]]] = {}
+    for record in records:
+        sessions.setdefault(record["cache_salt"], []).append(record["messages"])
+    assert len(sessions) == 4
+    for steps in sessions.values():
+        for before, after in zip(steps, steps[1:]):
+            assert after[: len(before)] == before and len(after) == len(before) + 2  # an action and its output
+    assert [r["cache_salt"] for r in records[:4]] == ["customer-0", "customer-1", "customer-0", "customer-1"]
