@@ -82,7 +82,10 @@ def start_replicas(n: int, num_blocks: int, block_size: int, stack):
     from server import create_app
     from server_connections import serve_in_background
 
-    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # no line per request on the screen
+    # No line per request on the screen, nor for the router's probes: its HTTP/2 preface (505)
+    # and SGLang's routes this server has not (404); a request that fails raises in the replay.
+    logging.getLogger("werkzeug").setLevel(logging.CRITICAL)
+    logging.getLogger("server").setLevel(logging.ERROR)
     tokenizer = load_tokenizer()
     config = tiny_llama(tokenizer).config
     config.max_position_embeddings = POSITIONS
@@ -158,7 +161,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                           "cache_salt on")
     for column in ("log", "policy", "requests", "same replica", "same cached", "both", "cached, its picks",
                    "both, salt kept", "hit rate: predicted", "real"):
-        table.add_column(column, justify="right")
+        table.add_column(column, justify="right", no_wrap=column == "log")
     for r in results:
         n = r["requests"]
         table.add_row(r["log"], r["policy"], str(n), f"{r['same_replica'] / n:.0%}", f"{r['same_cached'] / n:.0%}",
