@@ -9,7 +9,8 @@ replays it through this course's allocator, offline, on a CPU.
 
 Read request_logs.py (what a log holds), prefix_caching.py (the allocator it replays
 through) and caching_models.py (its steps in a fast form, and two other servers' caches)
-first; kv_memory.py turns the working set into GiB, fleet.py routes a log among replicas. In this file:
+first; kv_memory.py turns the working set into GiB, fleet.py routes a log among replicas.
+In this file:
 
     1. tokenize        every prompt with the model's tokenizer, thousands in one call
     2. replay          one request after another through PrefixCachingAllocator: the tokens
