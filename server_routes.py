@@ -16,8 +16,9 @@ Routes:
     POST /v1/chat/completions    OpenAI's shapes, stream: true included, and
     POST /v1/completions           usage.prompt_tokens_details.cached_tokens
     GET  /v1/models
-    GET  /server_info            the served model's name, as SGLang's server names it: what
-                                 SGLang's router asks a worker for when it registers it
+    GET  /server_info            the served model's name, and /model_info its type, as SGLang's
+    GET  /model_info             server names them: what SGLang's router asks a worker for
+                                 when it registers it
     GET  /                       the live view of the pool (static/index.html), polling /cache
 
 Every error is a JSON object {"error": {"message", "type"}} with a 4xx status (5xx when the
@@ -228,13 +229,14 @@ def served() -> ServerState:
 
 @bp.before_app_request
 def check_request_head():
-    """The Host header; with --api-keys a listed key everywhere but the page itself and a
-    keyless /health (a liveness probe); then who asks, counted by the connection's caps (a
-    key over its share: a 429, before the body is read); a JSON body for a POST."""
+    """The Host header; with --api-keys a listed key everywhere but the page itself, a
+    keyless /health (a liveness probe) and the model's name and type (what a router reads to
+    register a replica); then who asks, counted by the connection's caps (a key over its
+    share: a 429, before the body is read); a JSON body for a POST."""
     settings = served().settings
     check_host(request.host, settings.allowed_hosts)
     probe = request.path == "/health" and bearer_key(request.headers) is None
-    if not (request.path == "/" or probe):
+    if not (request.path in ("/", *ROUTER_PROBES) or probe):
         check_api_key(request.headers, settings.api_keys, settings.admin_key)
     g.asker = asker(settings)
     connection = connection_of(request.environ)
@@ -244,6 +246,7 @@ def check_request_head():
         check_content_type(request.mimetype)
 
 
+ROUTER_PROBES = ("/server_info", "/model_info")  # SGLang's router asks them with no key of the class
 PAGE_POLLS = ("/", "/health", "/cache")  # what the live page asks for, with its static files
 GENERATION_PATHS = (GENERATE.path, COMPLETIONS.path, CHAT.path)
 
@@ -432,6 +435,14 @@ def server_info():
     into every chat request it forwards without one; a worker that does not answer is
     registered as the model "unknown", which /v1/chat/completions here refuses with a 404."""
     return {"served_model_name": served().settings.model_name}
+
+
+@bp.get("/model_info")
+def model_info():
+    """The model's type and architectures, in SGLang's fields: the router keeps them on the
+    model's card (and asks /get_model_info, SGLang's older name, where this route is missing)."""
+    config = served().engine.model.config
+    return {"model_type": config.model_type, "architectures": config.architectures or [], "is_generation": True}
 
 
 # -----------------------------------------------------------------------------

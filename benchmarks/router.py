@@ -18,8 +18,9 @@ The interface, for code that drives a fleet (a test, the analyzer's check of its
         routed = replay_through_router(f, read_log("lessons/data/multi_turn.jsonl.xz"))
     routed[0].replica, routed[0].prompt_tokens, routed[0].cached_tokens, routed[0].ttft_ms
 
-    fleet(n, policy, server_args=(), router_args=())   n replicas of server.py on free ports of
-        127.0.0.1 (server_args: any flags of server.py but --host and --port) and the router in
+    fleet(n, policy, server_args=(), router_args=(), host=, port=)   n replicas of server.py on
+        free ports of 127.0.0.1 (server_args: any flags of server.py but --host and --port) and
+        the router (on host:port, default a free port of 127.0.0.1) in
         front of them (policy: one of POLICIES; router_args: any other flags of the router, such as
         ["--cache-threshold", "0.5"]); yields a Fleet once the router lists every replica healthy
         under the model's name; stops them all at the end (a failure to start raises
@@ -40,13 +41,18 @@ allocator's, one per request it allocated) went up on exactly one of them, else 
 That is why the replay is one request after another, and why a replica started with keys
 (--api-keys, --salt-by-api-key), whose /health shows no figures without one, cannot be replayed.
 
-What the router does to a request on its way (sglang-router 0.3.2, checked against this server):
-it forwards Authorization (so --api-keys, --salt-by-api-key and the per-key limits hold) and
-sends no X-Forwarded-For (every request reaches a replica from the router's address); it reads
-the body into its own request type and writes it out again, adding SGLang's fields at their
-defaults (no_stop_trim, skip_special_tokens, ...; server_requests.py takes them), leaving out a
-chat's cache_salt and user, and filling a chat's missing model with "unknown" (send "model":
-the replay takes it from the router's /v1/models).
+What the router does to a request on its way (sglang-router 0.3.2, checked against this server
+by tests/test_router.py): it forwards Authorization (so --api-keys, --salt-by-api-key and the
+per-key limits hold) and sends no X-Forwarded-For, so every request reaches a replica from the
+router's address and --forwarded-allow-ips has nothing to read. A replica's per-address cap
+(--max-connections-per-client) would then cap the whole class's unkeyed requests to it:
+replicas() starts each with --max-connections-per-client 0 unless server_args names it (they
+listen on 127.0.0.1, where only the router reaches them). The router reads a body into its own
+request type and writes it out again: SGLang's fields added at their defaults (no_stop_trim,
+skip_special_tokens, ...; server_requests.py takes them), a chat's cache_salt and user left
+out, a chat's missing model filled with "unknown" (send "model": the replay takes it from the
+router's /v1/models), and /generate's body, which is this course's own, emptied of its prompt:
+through the router, use the OpenAI routes.
 """
 
 from __future__ import annotations
@@ -68,10 +74,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
 
+from analyzer.kv_memory import KNOWN_MODELS
 from analyzer.request_logs import Log, LoggedRequest, interleave
+from analyzer.workload_analyzer import hit_rate_curve, tokenize_log
 from benchmarks import save_json
 from benchmarks.openai_api import SPREAD_COLUMN, OpenAIServer, spread_json, spread_text
 from flags import positive_int
+from model_files import load_tokenizer
 from model_flags import add_model_arguments
 
 ROUTER_VERSION = "0.3.2"  # the sglang-router requirements.txt pins: the flags and behaviour above are its
@@ -143,11 +152,15 @@ def wait_until(ready, process: subprocess.Popen, log: Path, what: str, timeout: 
     raise FleetError(f"{what} was not ready after {timeout:g} s:\n{log_tail(log)}")
 
 
-def stop(process: subprocess.Popen, how: int) -> None:
-    if process.poll() is None:
-        process.send_signal(how)
+def stop(processes: list[subprocess.Popen], how: int) -> None:
+    """Signal every process at once, then wait for each (killed after STOP_TIMEOUT_S)."""
+    for process in processes:
+        if process.poll() is None:
+            process.send_signal(how)
+    deadline = time.monotonic() + STOP_TIMEOUT_S
+    for process in processes:
         try:
-            process.wait(STOP_TIMEOUT_S)
+            process.wait(max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
@@ -162,15 +175,17 @@ def replicas(n: int, server_args: Sequence[str] = (), timeout: float = STARTUP_T
         raise ValueError(f"a fleet needs at least 1 replica, got {n}")
     if {"--host", "--port"} & set(server_args):
         raise ValueError("server_args: the fleet chooses --host and --port itself")
+    if "--max-connections-per-client" not in server_args:  # one client: the router (the module's docstring)
+        server_args = [*server_args, "--max-connections-per-client", "0"]
     with tempfile.TemporaryDirectory(prefix="replicas-") as logs, contextlib.ExitStack() as stack:
         started = []
+        stack.callback(lambda: stop([process for _, process, _ in started], signal.SIGINT))
         for i in range(n):
             port = free_port()
             log = Path(logs) / f"replica{i}.log"
             out = stack.enter_context(open(log, "w"))
             process = subprocess.Popen([sys.executable, "server.py", "--port", str(port), *server_args],
                                        cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-            stack.callback(stop, process, signal.SIGINT)
             started.append((f"http://127.0.0.1:{port}", process, log))
         for i, (url, process, log) in enumerate(started):
             wait_until(lambda: get_json(url + "/health").get("status") == "ok", process, log,
@@ -180,17 +195,18 @@ def replicas(n: int, server_args: Sequence[str] = (), timeout: float = STARTUP_T
 
 @contextlib.contextmanager
 def router(replica_urls: Sequence[str], policy: str = "cache_aware", router_args: Sequence[str] = (),
-           timeout: float = 60.0) -> Iterator[str]:
-    """SGLang's router on a free port of 127.0.0.1 in front of replica_urls; yields its URL
-    once it lists every replica healthy under a model's name. Stopped with SIGTERM."""
+           timeout: float = 60.0, host: str = "127.0.0.1", port: int | None = None) -> Iterator[str]:
+    """SGLang's router in front of replica_urls, on `port` of `host` (default: a free port of
+    127.0.0.1); yields its URL once it lists every replica healthy under a model's name.
+    Stopped with SIGTERM."""
     if policy not in POLICIES:
         raise ValueError(f"policy {policy!r}: choose one of {', '.join(POLICIES)}")
-    port = free_port()
-    command = [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
+    port = port or free_port()
+    command = [sys.executable, "-m", "sglang_router.launch_router", "--host", host, "--port", str(port),
                "--worker-urls", *replica_urls, "--policy", policy, "--log-level", "warn",
                # its metrics server would take 0.0.0.0:29000, once per machine
                "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()), *router_args]
-    url = f"http://127.0.0.1:{port}"
+    url = f"http://{'127.0.0.1' if host == '0.0.0.0' else host}:{port}"
 
     def ready() -> bool:
         workers = get_json(url + "/workers")["workers"]
@@ -206,14 +222,14 @@ def router(replica_urls: Sequence[str], policy: str = "cache_aware", router_args
                 wait_until(ready, process, log, f"the router ({policy}, on {url})", timeout)
                 yield url
             finally:
-                stop(process, signal.SIGTERM)
+                stop([process], signal.SIGTERM)
 
 
 @contextlib.contextmanager
 def fleet(n: int, policy: str = "cache_aware", server_args: Sequence[str] = (), router_args: Sequence[str] = (),
-          timeout: float = STARTUP_TIMEOUT_S) -> Iterator[Fleet]:
+          timeout: float = STARTUP_TIMEOUT_S, host: str = "127.0.0.1", port: int | None = None) -> Iterator[Fleet]:
     """n replicas of server.py and SGLang's router in front of them (see the module's docstring)."""
-    with replicas(n, server_args, timeout) as urls, router(urls, policy, router_args) as url:
+    with replicas(n, server_args, timeout) as urls, router(urls, policy, router_args, host=host, port=port) as url:
         yield Fleet(url, urls, policy)
 
 
@@ -274,8 +290,20 @@ def replay_through_router(f: Fleet, requests: Sequence[LoggedRequest], max_token
 # The benchmark: one log, each number of replicas, each policy, side by side
 
 
-def summary(routed: list[Routed], n: int) -> dict:
-    """A run's figures: hit rate (cached / prompt tokens), requests per replica, TTFT."""
+def working_sets(routed: list[Routed], n: int, prompts: list, salts: list, block_size: int) -> list[int]:
+    """Each replica's working set in blocks: the analyzer's replay (vLLM's pool) of the requests
+    the router sent it, in their order: the pool each replica needs to keep what it hits."""
+    sets = []
+    for i in range(n):
+        mine = [k for k, r in enumerate(routed) if r.replica == i]
+        sets.append(hit_rate_curve([prompts[k] for k in mine], [salts[k] for k in mine], block_size).working_set
+                    if mine else 0)
+    return sets
+
+
+def summary(routed: list[Routed], n: int, working_set: list[int]) -> dict:
+    """A run's figures: hit rate (cached / prompt tokens), requests per replica, TTFT, and the
+    working set per replica with the KV memory it is for MEMORY_MODEL."""
     prompt = sum(r.prompt_tokens for r in routed)
     cached = sum(r.cached_tokens for r in routed)
     per_replica = [[r for r in routed if r.replica == i] for i in range(n)]
@@ -286,6 +314,7 @@ def summary(routed: list[Routed], n: int) -> dict:
         "hit_rate_per_replica": [round(sum(r.cached_tokens for r in rows) / max(1, sum(r.prompt_tokens for r in rows)), 4)
                                  for rows in per_replica],
         "ttft_ms": spread_json([r.ttft_ms for r in routed]),
+        "working_set_per_replica": working_set,  # blocks
         "routed": [asdict(r) for r in routed],  # per request, in order: what a prediction is compared with
     }
 
@@ -328,13 +357,18 @@ def plot(runs: list[dict], path: Path, title: str) -> None:
     plt.close(fig)
 
 
+# Seven users chatting at once. With N conversations taking turns, round robin over R replicas
+# sends each conversation's turns N requests apart: to the same replica every time when R
+# divides N (8 users, 2 replicas), which real traffic does not do; 7 is divisible by neither.
+CONVERSATIONS_AT_ONCE = 7
+MEMORY_MODEL = KNOWN_MODELS["Llama-3.1-8B"]  # the working set per replica in GiB, as stage 10 sizes it
 COLORS = {"round_robin": "tab:orange", "cache_aware": "tab:blue", "power_of_two": "tab:green", "random": "tab:red"}
 DEFAULT_LOG = ROOT / "lessons" / "data" / "multi_turn.jsonl.xz"
 
 
 def serve_fleet(args, console) -> None:
     """--serve: a fleet until Ctrl+C, for a class or a terminal to send requests to."""
-    with fleet(max(args.replicas), args.policy, server_flags(args)) as f:
+    with fleet(max(args.replicas), args.policy, server_flags(args), host=args.host, port=args.port) as f:
         console.print(f"[bold green]the router ({f.policy}) on {f.url}[/], in front of {', '.join(f.replica_urls)}")
         model = OpenAIServer(f.url).model
         console.print(f"  try:  curl -s {f.url}/v1/chat/completions -H 'Content-Type: application/json' -d "
@@ -352,8 +386,10 @@ def main(argv: list[str] | None = None) -> dict | None:
     parser = argparse.ArgumentParser(prog="prefix_caching.py --bench router", description=__doc__.split("\n\n")[0])
     parser.add_argument("--log", type=Path, default=DEFAULT_LOG, help=f"the request log to replay (default: "
                         f"{DEFAULT_LOG.relative_to(ROOT)}, 40 conversations)")
-    parser.add_argument("--conversations-at-once", type=positive_int, default=1, metavar="N",
-                        help="replay N conversations at a time, taking turns, as the analyzer does (default 1)")
+    parser.add_argument("--conversations-at-once", type=positive_int, default=CONVERSATIONS_AT_ONCE, metavar="N",
+                        help=f"replay N conversations at a time, taking turns, as the analyzer does (default "
+                             f"{CONVERSATIONS_AT_ONCE}: neither 2 nor 3 divides it, so round robin does not send a "
+                             f"conversation's turns to one replica by chance)")
     parser.add_argument("--requests", type=positive_int, default=None, help="replay only the first N requests")
     parser.add_argument("--replicas", type=positive_int, nargs="+", default=[1, 2, 3],
                         help="numbers of replicas, one run each per policy (one replica: one run)")
@@ -364,6 +400,10 @@ def main(argv: list[str] | None = None) -> dict | None:
     parser.add_argument("--serve", action="store_true", help="start the largest of --replicas replicas and the "
                         "router with --policy, print the router's URL and serve until Ctrl+C")
     parser.add_argument("--policy", choices=POLICIES, default="cache_aware", help="the router's policy for --serve")
+    parser.add_argument("--host", default="127.0.0.1", help="where the router listens with --serve (0.0.0.0: a "
+                        "class on other machines; the replicas stay on 127.0.0.1)")
+    parser.add_argument("--port", type=positive_int, default=None, help="the router's port with --serve "
+                        "(default: a free one)")
     add_model_arguments(parser)  # passed to every replica
     args = parser.parse_args(argv)
     from rich.console import Console
@@ -373,7 +413,9 @@ def main(argv: list[str] | None = None) -> dict | None:
     if args.serve:
         serve_fleet(args, console)
         return None
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the replicas and the router on the way out
     requests = interleave(Log.read(args.log).requests, args.conversations_at_once)[: args.requests]
+    prompts, salts = tokenize_log(requests, load_tokenizer(args.model)), [r.cache_salt for r in requests]
     most = max(args.replicas)
     console.print(f"starting {most} replicas of server.py ({' '.join(server_flags(args))}) and, for each run, SGLang's "
                   f"router {ROUTER_VERSION}; {len(requests)} requests of {args.log.name}, one after another")
@@ -385,7 +427,8 @@ def main(argv: list[str] | None = None) -> dict | None:
                 reset_caches(urls)
                 with router(urls[:n], policy) as url:
                     routed = replay_through_router(Fleet(url, urls[:n], policy), requests, args.max_tokens)
-                runs.append({"replicas": n, "policy": policy if n > 1 else "-"} | summary(routed, n))
+                sets = working_sets(routed, n, prompts, salts, args.block_size)
+                runs.append({"replicas": n, "policy": policy if n > 1 else "-"} | summary(routed, n, sets))
                 console.print(f"  {n} × {policy}: hit rate {runs[-1]['hit_rate']:.1%}")
     load_after = os.getloadavg()
 
@@ -393,15 +436,22 @@ def main(argv: list[str] | None = None) -> dict | None:
                         f"one after another, each replica's cached tokens from its usage",
                   caption=f"TTFT at the client, {SPREAD_COLUMN}: the replicas share this machine's "
                           f"{os.cpu_count()} cores, so it measures their contention as much as the policy")
+    gib = MEMORY_MODEL.bytes_per_block(args.block_size) / 2**30
     for column in ("replicas", "policy", "hit rate", "requests per replica", "hit rate per replica",
-                   "prompt tokens computed", "TTFT ms"):
+                   "prompt tokens computed", "working set per replica", f"its KV for {MEMORY_MODEL.name}", "TTFT ms"):
         table.add_column(column, justify="right")
     for run in runs:
         table.add_row(str(run["replicas"]), run["policy"], f"{run['hit_rate']:.1%}",
                       " / ".join(map(str, run["requests_per_replica"])),
                       " / ".join(f"{h:.0%}" for h in run["hit_rate_per_replica"]),
-                      f"{run['prompt_tokens'] - run['cached_tokens']:,}", spread_text(run["ttft_ms"]))
+                      f"{run['prompt_tokens'] - run['cached_tokens']:,}",
+                      " / ".join(f"{w:,}" for w in run["working_set_per_replica"]) + " blocks",
+                      " / ".join(f"{w * gib:.2f}" for w in run["working_set_per_replica"]) + " GiB",
+                      spread_text(run["ttft_ms"]))
     console.print(table)
+    console.print(f"working set: the analyzer's replay (vLLM's pool, blocks of {args.block_size}) of each replica's "
+                  f"own requests; its KV: {MEMORY_MODEL.bytes_per_block(args.block_size) / 2**20:.0f} MiB a block for "
+                  f"{MEMORY_MODEL.name} (analyzer/kv_memory.py), counted in this model's tokens")
     console.print(f"load average (1 min) before {load_before[0]:.2f}, after {load_after[0]:.2f}")
     args.figure.parent.mkdir(parents=True, exist_ok=True)
     plot(runs, args.figure, f"{args.log.name}, {len(requests)} requests: hit rate and requests per replica")

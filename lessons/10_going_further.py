@@ -40,6 +40,7 @@ from analyzer.kv_memory import KNOWN_MODELS, memory_to_buy, server_flags
 from analyzer.request_logs import EXAMPLE_LOGS, interleave, read_log
 from analyzer.workload_analyzer import LIKE, hit_rate_curve, tokenize_log, variable_starts
 from benchmarks import cache_probe
+from benchmarks.router import Fleet, replay_through_router, router, working_sets
 from engine import Engine
 from figures import POOL_SIZES
 from model_files import load_tokenizer
@@ -110,6 +111,26 @@ usage carries cached_tokens only when the server is started with --enable-prompt
 POST /reset_prefix_cache exists there only with VLLM_SERVER_DEV_MODE=1 (vllm/entrypoints/serve/cache/api_router.py,
 attach_router); without it both benchmarks open each cold prompt with a fresh first line instead. Predict a pool
 before you buy it: python prefix_caching.py --analyze your_requests.jsonl --model MODEL --num-blocks N."""
+
+ROUTED_REQUESTS = 6  # section 8: the multi-turn log's first conversation (five turns) and the next one's first
+ROUTER_POLICIES = ("round_robin", "cache_aware")
+ROUTER_WHY = """A class outgrows one server: run several replicas, each with its own engine and KV pool, and a router
+in front that picks a replica for every request. A replica's cache holds only what that replica computed. Round
+robin sends request i to replica i mod N: a conversation's turns, each sending its whole history again, land on
+a different replica each time, so each replica sees a turn in N, and a turn finds cached only the history that
+its replica computed N turns ago. SGLang's router (sglang-router, pinned in requirements.txt) has a cache_aware
+policy instead (sgl-model-gateway/src/policies/cache_aware.rs): it keeps an approximate radix tree per model
+(policies/tree.rs) of the text of the requests it sent to each worker, characters rather than tokens, so it never
+asks a worker what is cached. A request goes to the worker whose requests share the longest prefix with it, if
+that prefix is more than --cache-threshold (0.3) of its characters, else to the worker with the fewest requests in
+flight; and when the loads drift apart, the busiest more than --balance-abs-threshold (64) requests above the
+idlest and more than --balance-rel-threshold (1.5) times it, every request goes to the idlest, its text still added
+to the tree. Every --eviction-interval-secs (60) the tree drops its least recently used leaves down to
+--max-tree-size nodes. Affinity first, load only past a threshold: the trade in two numbers."""
+ROUTER_MEMORY = """The memory to buy per replica: under round robin every replica sees every conversation, so each
+needs a pool for the whole working set, N times over in all; a router that keeps conversations together splits it,
+each replica holding the histories of its own users (python prefix_caching.py --analyze on each replica's share
+of a log sizes it; analyzer/kv_memory.py turns blocks into GiB)."""
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -256,6 +277,53 @@ def main(argv: list[str] | None = None) -> None:
     console.print("The flags that give each server its own working set (its row above) and the 16 running requests:")
     for server_name, line in flags.items():
         console.print(f"  {server_name}: {line}", soft_wrap=True, highlight=False, markup=False)
+
+    console.print(Rule("8. Beyond one machine: replicas behind SGLang's router"))
+    console.print(ROUTER_WHY)
+    requests = read_log(LOGS / "multi_turn.jsonl.xz")[:ROUTED_REQUESTS]  # one conversation's turns, then the next's
+    console.print(f"Predict, then read on: two replicas (two servers of this course, each with its own pool) behind "
+                  f"the router, the first {ROUTED_REQUESTS} requests of the multi-turn log one after another: a "
+                  f"conversation's {ROUTED_REQUESTS - 1} turns, each sending the history again, then the next "
+                  f"conversation's first turn, which shares only the system prompt. Under round robin, which turns "
+                  f"find their history cached? Under cache_aware, where does the second conversation go?")
+    logging.getLogger("werkzeug").setLevel(logging.CRITICAL)  # the router's HTTP/2 probe of each replica: a 505
+    engines = [Engine(batching=True) for _ in range(2)]  # NEW: two replicas, two pools
+    servers = []
+    for replica in engines:
+        replica.warm_up()
+        servers.append(serve_in_background(create_app(replica)))
+    urls = tuple(url for url, _ in servers)
+    table = Table("request", *[f"{policy}: replica, cached / prompt" for policy in ROUTER_POLICIES],
+                  title="the same requests through SGLang's router, caches emptied between the runs")
+    columns = {}
+    for policy in ROUTER_POLICIES:
+        for replica in engines:
+            replica.allocator.reset_prefix_cache()
+        with router(urls, policy) as url:  # NEW: the real router, in a process of its own
+            columns[policy] = replay_through_router(Fleet(url, urls, policy), requests)  # NEW
+    for server_ in servers:
+        server_[1].shutdown()
+    for k, request in enumerate(requests):
+        table.add_row(request.where, *[f"{columns[p][k].replica}, {columns[p][k].cached_tokens:,} / "
+                                       f"{columns[p][k].prompt_tokens:,}" for p in ROUTER_POLICIES])
+    console.print(table)
+    rates = {p: sum(r.cached_tokens for r in rows) / sum(r.prompt_tokens for r in rows) for p, rows in columns.items()}
+    console.print(f"Hit rate: round_robin {rates['round_robin']:.0%}, cache_aware {rates['cache_aware']:.0%}. Round "
+                  f"robin sent the turns to the replicas in turn, so each turn found only what the turn two before it "
+                  f"left on its replica, and computed the last exchange again; cache_aware kept the conversation on "
+                  f"one replica, and sent the next conversation there too, since its text matches the system prompt "
+                  f"there (more than --cache-threshold 0.3 of its characters) and no replica was busier than the "
+                  f"other by --balance-abs-threshold 64 requests. Affinity won; the other replica idled.")
+    prompts, salts = tokenize_log(requests, tokenizer), [r.cache_salt for r in requests]
+    for policy in ROUTER_POLICIES:
+        sets = sorted(working_sets(columns[policy], 2, prompts, salts, block_size=16), reverse=True)  # NEW
+        console.print(f"{policy}: each replica's working set (the analyzer's replay of the requests it got) "
+                      f"{' and '.join(f'{w:,}' for w in sets)} blocks of 16, "
+                      f"{' and '.join(f'{shape.bytes_per_block(16) * w / 2**30:.2f}' for w in sets)} GiB for "
+                      f"{shape.name}")
+    console.print(ROUTER_MEMORY)
+    console.print("Measured on the whole log with 2 and 3 replicas (README, \"Several replicas behind a router\"): "
+                  "python prefix_caching.py --bench router", soft_wrap=True, highlight=False, markup=False)
 
 
 if __name__ == "__main__":

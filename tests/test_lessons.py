@@ -95,7 +95,10 @@ EXPECTED_OUTPUT = {
                             "the side channel: tenant A sent the letter from Dana Whitfield",
                             "exists there only with VLLM_SERVER_DEV_MODE=1",
                             "his first guess (Sam Ortega) finds 0: tenant A's blocks are named with her salt",
-                            "His later guesses find 16: the blocks before the name that his own first guess cached"],
+                            "His later guesses find 16: the blocks before the name that his own first guess cached",
+                            "Hit rate: round_robin 41%, cache_aware 67%", "Affinity won; the other replica idled",
+                            "round_robin: each replica's working set (the analyzer's replay of the requests it got) "
+                            "96 and 84 blocks of 16"],
 }
 # ... and must never print.
 FORBIDDEN_OUTPUT = {"04_block_hashes.py": ["100-200 ns per token for SHA256.",  # an old figure, quoted as current

@@ -4,16 +4,18 @@ requirements.txt; benchmarks/router.py starts it as its CLI does). Over real HTT
 pool, in this process (a replica in a process of its own takes half a minute to import torch
 on a busy machine; the app and its server are the same), and the router's own process.
 
-    1. what the router needs from a worker (/health, /server_info) and the routes it forwards:
+    1. what the router needs from a worker (/health, /server_info, /model_info) and the routes it forwards:
        a chat goes through, streamed and not, and so does a completion
     2. the body the router forwards is taken: SGLang's own fields, at their defaults
-    3. what it passes on: Authorization, but no X-Forwarded-For; a chat's cache_salt is dropped
+    3. what it passes on: Authorization (keys hold), but no X-Forwarded-For; a chat's cache_salt
+       is dropped, and so is the prompt of this server's own /generate
     4. replayed one after another: round robin splits a shared prefix's requests between the
        replicas, cache_aware keeps them on one, and every request is traced to its replica
 """
 
 import json
 import threading
+import urllib.error
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -62,6 +64,14 @@ def chat(question: str, **fields) -> dict:
 # --- 1. through the router ---------------------------------------------------------------------------
 
 
+def test_a_replica_describes_itself_in_sglangs_fields(replica_urls):
+    with urllib.request.urlopen(replica_urls[0] + "/server_info", timeout=10) as response:
+        assert json.load(response) == {"served_model_name": MODEL}
+    with urllib.request.urlopen(replica_urls[0] + "/model_info", timeout=10) as response:
+        info = json.load(response)
+    assert info["model_type"] == "llama" and info["is_generation"] is True and isinstance(info["architectures"], list)
+
+
 def test_a_chat_goes_through_the_router_streamed_and_not(fresh_replicas):
     with router(fresh_replicas, "round_robin") as url:
         with urllib.request.urlopen(url + "/v1/models", timeout=10) as response:
@@ -78,6 +88,23 @@ def test_a_chat_goes_through_the_router_streamed_and_not(fresh_replicas):
         assert chunks[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # nothing cached yet
         with post(url + "/v1/completions", {"model": MODEL, "prompt": "Once upon", "max_tokens": 2}) as response:
             assert json.load(response)["usage"]["completion_tokens"] == 2
+        with pytest.raises(urllib.error.HTTPError) as refused:  # the router names a chat without one "unknown"
+            post(url + "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]})
+        assert refused.value.code == 404 and "this server serves 'tiny-llama'" in refused.value.read().decode()
+
+
+def test_keys_hold_behind_the_router(tiny_model, tokenizer):
+    """A replica with --api-keys: the router registers it without a key (/server_info answers
+    anyone), and each student's key reaches it: a listed one is served, another one refused."""
+    engine = make_engine(tiny_model, tokenizer)
+    with serve(create_app(engine, model_name=MODEL, api_keys=frozenset({"student-01"}))) as replica:
+        with router([replica], "round_robin") as url:
+            with post(url + "/v1/chat/completions", chat("Hi"), {"Authorization": "Bearer student-01"}) as response:
+                assert response.status == 200
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                post(url + "/v1/chat/completions", chat("Hi"), {"Authorization": "Bearer student-99"})
+            assert refused.value.code == 401
+    engine.close()
 
 
 # --- 2. the body it forwards -------------------------------------------------------------------------
@@ -149,14 +176,16 @@ def test_the_router_forwards_authorization_not_x_forwarded_for_and_drops_a_chats
             headers = {"Authorization": "Bearer student-07", "X-Forwarded-For": "203.0.113.9"}
             post(url + "/v1/chat/completions", chat("Hi", cache_salt="class-a", user="s7"), headers).close()
             post(url + "/v1/completions", {"model": MODEL, "prompt": "Hi", "cache_salt": "class-a"}, headers).close()
+            post(url + "/generate", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8}).close()
     finally:
         worker.shutdown()
-    (chat_path, chat_headers, chat_body), (_, completion_headers, completion_body) = Recorder.seen
+    (chat_path, chat_headers, chat_body), (_, completion_headers, completion_body), (_, _, generate_body) = Recorder.seen
     assert chat_path == "/v1/chat/completions"
     assert chat_headers["authorization"] == completion_headers["authorization"] == "Bearer student-07"
     assert "x-forwarded-for" not in chat_headers and "x-forwarded-for" not in completion_headers
     assert "cache_salt" not in chat_body and "user" not in chat_body  # dropped on the way
     assert completion_body["cache_salt"] == "class-a"
+    assert "messages" not in generate_body and "max_tokens" not in generate_body  # /generate's own body is lost
 
 
 # --- 4. replayed through the router ----------------------------------------------------------------
