@@ -14,7 +14,7 @@ import importlib
 import prefix_caching
 
 BENCHMARKS = ("allocator", "ttft", "throughput", "chunked_prefill", "stalls", "attention", "paged", "step_profile",
-              "busy", "server_load", "server_abuse", "cache_probe", "analyzer", "caching_models", "router", "gpu")
+              "busy", "server_load", "server_abuse", "cache_probe", "analyzer", "caching_models", "router", "fleet", "gpu")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -17,8 +17,10 @@ those above it (tests/test_layers.py checks it):
                           llama.cpp's slots and prompt cache
     kv_memory.py          the memory to buy: a model's KV shape, bytes per block as vLLM
                           counts them, the flags of vLLM, SGLang and llama.cpp
+    fleet.py              a fleet behind SGLang's router (sglang-router 0.3.2): the replica it
+                          picks for each request, from the request's text (--replicas, --router)
     workload_analyzer.py  the command: hit rate vs pool size, the working set, the prefixes
-                          behind the hits, warnings
+                          behind the hits, warnings; a fleet's replicas replayed side by side
 
 Nothing here imports torch or the engine (tests/test_layers.py checks that too): a log needs
 a tokenizer (model_files.py), never the weights, so the analyzer never waits for torch to load.

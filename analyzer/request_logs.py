@@ -634,6 +634,37 @@ def random_prompts(n: int = 80, seed: int = 0) -> list[dict]:
     return [{"model": "any", "prompt": w.words(w.rng.randint(100, 600))} for _ in range(n)]
 
 
+def agent(n: int = 6, at_once: int = 3, seed: int = 0) -> list[dict]:
+    """Agents at work: each session a system prompt of about 600 tokens with its tools, a
+    task, then 8 to 14 steps of an action and its output (80 to 200 tokens), every step
+    sending the whole history again (up to about 3,500 tokens). Sessions run `at_once` at a
+    time, their steps in turn, in the order a server would get them; each session is its
+    own tenant (cache_salt), as a platform running several customers' agents gives them."""
+    w = Writer(seed)
+    system = "You are an agent that works in a repository with tools: read_file, run_tests, edit. " + w.words(600)
+    sessions = []
+    for number in range(n):
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": "Task: " + w.sentence(20, 40)}]
+        steps = []
+        for _ in range(w.rng.randint(8, 14)):
+            steps.append({"model": "any", "messages": list(messages), "cache_salt": f"customer-{number}"})
+            messages += [{"role": "assistant", "content": f"Action: {w.rng.choice(['read_file', 'run_tests', 'edit'])}"
+                                                          f"({w.words(w.rng.randint(3, 8))})"},
+                         {"role": "user", "content": "Output: " + w.words(w.rng.randint(80, 200))}]
+        sessions.append(steps)
+    waiting, live, records = sessions[::-1], [], []
+    while live or waiting:  # interleave()'s turn taking, on request bodies
+        while waiting and len(live) < at_once:
+            live.append(iter(waiting.pop()))
+        for steps in list(live):
+            step = next(steps, None)
+            if step is None:
+                live.remove(steps)
+            else:
+                records.append(step)
+    return records
+
+
 # The file name of each example log, its maker, and the article's hit rate for its workload.
 EXAMPLE_LOGS = {
     "chatbot.jsonl.xz": (chatbot, "92-97%"),
