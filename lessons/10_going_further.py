@@ -123,12 +123,13 @@ a different replica each time, so each replica sees a turn in N, and a turn find
 its replica computed N turns ago. SGLang's router (sglang-router, pinned in requirements.txt) has a cache_aware
 policy instead (sgl-model-gateway/src/policies/cache_aware.rs): it keeps an approximate radix tree per model
 (policies/tree.rs) of the text of the requests it sent to each worker, characters rather than tokens, so it never
-asks a worker what is cached. A request goes to the worker whose requests share the longest prefix with it, if
-that prefix is more than --cache-threshold (0.3) of its characters, else to the worker with the fewest requests in
-flight; and when the loads drift apart, the busiest more than --balance-abs-threshold (64) requests above the
-idlest and more than --balance-rel-threshold (1.5) times it, every request goes to the idlest, its text still added
-to the tree. Every --eviction-interval-secs (60) the tree drops its least recently used leaves down to
---max-tree-size nodes. Affinity first, load only past a threshold: the trade in two numbers."""
+asks a worker what is cached. A request's longest match in the tree goes to the worker that first sent that
+text (the node's tenant, set when the node is made), if the match is more than --cache-threshold (0.3) of its
+characters, else to the worker with the fewest requests in flight, the first of equals; and when the loads drift
+apart, the busiest more than --balance-abs-threshold (64) requests above the idlest and more than
+--balance-rel-threshold (1.5) times it, every request goes to the idlest, its text still added to the tree. Every
+--eviction-interval-secs (60) the tree drops its least recently used leaves until each worker's text is within
+--max-tree-size characters. Affinity first, load only past a threshold: the trade in two numbers."""
 ROUTER_MEMORY = """The memory to buy per replica: under round robin every replica sees every conversation, so each
 needs a pool for the whole working set, N times over in all; a router that keeps conversations together splits it,
 each replica holding the histories of its own users (python prefix_caching.py --analyze on each replica's share
