@@ -286,15 +286,17 @@ def op_allocator_call(handle, method, args):
         return {"error": describe(err), "state": allocator_state(alloc)}
 
 
-def op_allocator_churn(handle, prompts):
-    """allocate_with_prefix then free, one request after the other; answer the allocations.
-    The grader times this call from its side: the allocator is built in an earlier call."""
+def op_allocator_churn(handle, prompts, free=True):
+    """allocate_with_prefix, then free unless told not to, one request after the other; answer
+    the allocations. The grader times this call from its side: the allocator is built in an
+    earlier call."""
     alloc = OBJECTS[handle]
     answers = []
     for request_id, prompt in prompts:
         got = alloc.allocate_with_prefix(request_id, prompt)
         answers.append([int(got[0]), int(got[1])])
-        alloc.free(request_id)
+        if free:
+            alloc.free(request_id)
     return answers
 
 
