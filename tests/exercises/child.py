@@ -410,7 +410,12 @@ def op_gather(spec, data, block_ids):
 
 
 def op_pool_new(spec):
-    """A pool kept for timed gathers (its numbers are zeros: only the time is measured)."""
+    """A pool kept for timed gathers (its numbers are zeros: only the time is measured). Torch
+    runs on one thread from here on: on a busy machine, a kernel split between threads waits for
+    the other thread's core, and the timings would measure the machine, not the code."""
+    import torch
+
+    torch.set_num_threads(1)
     return new_object((make_pool(dict(spec), None), config_of(spec)))
 
 
