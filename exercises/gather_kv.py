@@ -33,8 +33,12 @@ class PagedKVPool(PoolBase):
         """A fresh DynamicCache holding the K/V of `block_ids`, in order. No blocks (a cold
         request) give a cache of 0 tokens."""
         kv = self.tokens_of(block_ids)  # (layers, K/V, 1, num_kv_heads, tokens, head_dim)
-        # TODO exercise 5b: a DynamicCache of one (keys, values) pair per layer, in layer order:
-        # DynamicCache(list_of_pairs, config=config)
+        # TODO exercise 5b: the cache the model reads as past_key_values. It must hold, for
+        # every layer, that layer's keys and values, each (batch=1, num_kv_heads, tokens,
+        # head_dim), the same tokens in the same order in every layer, and nothing else.
+        # transformers' DynamicCache takes such tensors when it is built (its docstring says
+        # how; pass config=config so it knows the model's layers). Check what you built on
+        # the shapes `python lessons/07_real_model.py --tiny` prints.
         raise NotImplementedError("exercise 5b: the DynamicCache in PagedKVPool.gather is not built yet (exercises/gather_kv.py)")
 
     def tokens_of(self, block_ids: list[int]):
