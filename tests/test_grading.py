@@ -205,6 +205,48 @@ def test_a_mistake_fails_its_exercise_naming_the_rule(mistake, pytester, monkeyp
     assert rule in output, f"{mistake}: no failure says {rule!r}:\n{output[-3000:]}"
 
 
+# --- a message, followed, fixes the mistake it names ---------------------------------------------------
+# Each: a mistake above, the words of its failure that say what to do, and that advice applied
+# to the mistaken file (old, new). The fixed file must pass every test of the exercise.
+FOLLOWED = {
+    "the lookup goes on past the first miss": ("break, not continue", ("                continue", "                break")),
+    "the lookup goes on past a hash that is not cached": (
+        "A missed hash ends the lookup (break, not continue)", ("                continue", "                break")),
+    "the room check scans self.blocks": ("The room check reads len(self.free_queue)", (
+        "sum(1 for b in self.blocks if b.ref_cnt == 0)", "len(self.free_queue)")),
+    "a hit on an in-use block sets ref_cnt to 2": ("a hit adds one to ref_cnt", (
+        "block.ref_cnt = 1 if block.ref_cnt == 0 else 2", "block.ref_cnt += 1")),
+    "the parent cut to 8 bytes": ("the whole parent hash (all 32 bytes) enters the encoding", (
+        "else parent_hash[:8]", "else parent_hash")),
+    "an MD5 digest": ("hashlib.sha256(encoding).digest()", ("hashlib.md5(", "hashlib.sha256(")),
+    "a loop over the blocks hidden from the operation count": (
+        "index_select, or indexing with a tensor of block ids", (
+            "with torch._C.DisableTorchFunction():\n"
+            "            kv = torch.cat([self.data[:, :, b] for b in block_ids] or [self.data[:, :, :0].flatten(2, 3)], 2)",
+            "index = torch.tensor(block_ids, dtype=torch.long, device=self.device)\n"
+            "        kv = self.data.index_select(2, index).flatten(2, 3)")),
+    "a copy of the whole pool in every gather": ("Index the pool for the blocks asked for", (
+        "self.data.clone().index_select", "self.data.index_select")),
+    "a bf16 pool gathered into float32": ("the gathered K/V keep the pool's dtype", (".unsqueeze(2).float()",
+                                                                                  ".unsqueeze(2)")),
+}
+
+
+@pytest.mark.parametrize("mistake", FOLLOWED)
+def test_a_failure_message_followed_fixes_the_mistake(mistake, pytester, monkeypatch, tmp_path):
+    test_file, files, _ = MISTAKES[mistake]
+    advice, (old, new) = FOLLOWED[mistake]
+    select = "not finish_line and not engine" if "gather" in test_file else ""
+    outcomes, output = grade(pytester, monkeypatch, tmp_path / "mistake", test_file, files, select=select)
+    assert outcomes.get("failed", 0) >= 1 and advice in output, f"{mistake}: no failure says {advice!r}:\n{output[-3000:]}"
+    (name, source), = files.items()
+    assert source.count(old) == 1, f"{mistake}: the mistaken {name}.py no longer holds {old!r} once"
+    outcomes, output = grade(pytester, monkeypatch, tmp_path / "followed", test_file, {name: source.replace(old, new)},
+                             select=select)
+    assert "failed" not in outcomes and "error" not in outcomes and outcomes.get("passed"), (
+        f"{mistake}: the advice {advice!r}, followed, still fails: {outcomes}\n{output[-3000:]}")
+
+
 # --- cheats earn nothing -----------------------------------------------------------------------------
 
 STARTER = {name: (ROOT / "exercises" / f"{name}.py").read_text() for name in ("block_hash", "free_queue")}
