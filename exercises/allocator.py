@@ -12,7 +12,8 @@ Finish lines:
 Exercise 2's tests free blocks with exercise 4's rule written into the test, so you can do
 it before free. Exercise 4's finish line is the design doc's worked example, replayed block
 for block on all four of your pieces: request 2 gets blocks [0, 1, 2, 7, 8, 9, 4, 3] and
-block 3's old hash is evicted.
+block 3's old hash is evicted; and allocate and free take as long on a pool of 100,000 blocks
+as on one of 100 (timed by the grader: no call walks the pool or the free queue).
 """
 
 from typing import Sequence

@@ -256,6 +256,10 @@ def timed_call(child: Child, op: str, **args) -> tuple:
     return answer, time.perf_counter() - start
 
 
+def times(ratio: float) -> str:
+    return f"{ratio:.1f} times" if ratio < 10 else f"{ratio:,.0f} times"
+
+
 def milliseconds(seconds: float) -> str:
     return f"{seconds * 1e3:.2f} ms" if seconds < 0.1 else f"{seconds * 1e3:,.0f} ms"
 

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from grading import GRADING, SCALING_LIMIT, RemoteQueue, drawn, fastest_times, milliseconds, timed_call
+from grading import GRADING, SCALING_LIMIT, RemoteQueue, drawn, fastest_times, milliseconds, timed_call, times
 
 EXERCISE = "free_queue"
 
@@ -170,7 +170,7 @@ def test_an_operation_takes_as_long_in_a_queue_of_100_000_as_in_one_of_100(child
     small, big = fastest_times(at(QUEUE_SIZES[0]), at(QUEUE_SIZES[1]))
     assert big < SCALING_LIMIT * small, (
         f"{TIMED} calls of {operation} took {milliseconds(small)} in a queue of {QUEUE_SIZES[0]} blocks and "
-        f"{milliseconds(big)} in one of {QUEUE_SIZES[1]:,}, {big / small:.0f} times longer (timed by the grader; an "
+        f"{milliseconds(big)} in one of {QUEUE_SIZES[1]:,}, {times(big / small)} longer (timed by the grader; an "
         f"O(1) {operation} takes about as long in both): it walks or searches the queue (a loop over the links, "
         "list.remove or index, a list kept beside the links, wherever it is kept). Rewire the block and its two "
         "neighbours, nothing else"

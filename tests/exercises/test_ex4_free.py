@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import prefix_caching
-from grading import GRADING, SCALING_LIMIT, RemoteAllocator, drawn, fastest_times, milliseconds, timed_call
+from grading import GRADING, SCALING_LIMIT, RemoteAllocator, drawn, fastest_times, milliseconds, timed_call, times
 from prefix_caching import OutOfBlocksError
 
 EXERCISE = "allocator"
@@ -143,7 +143,7 @@ def test_allocate_and_free_take_as_long_on_a_pool_of_100_000_as_on_one_of_100(ch
     small, big = fastest_times(at(POOL_SIZES[0]), at(POOL_SIZES[1]))
     assert big < SCALING_LIMIT * small, (
         f"{REQUESTS} requests, each allocated then freed, took {milliseconds(small)} on a pool of {POOL_SIZES[0]} "
-        f"blocks and {milliseconds(big)} on one of {POOL_SIZES[1]:,}, {big / small:.0f} times longer (timed by the "
+        f"blocks and {milliseconds(big)} on one of {POOL_SIZES[1]:,}, {times(big / small)} longer (timed by the "
         "grader; their work does not grow with the pool): something walks the pool or the free queue on every "
         "call. The room check reads len(self.free_queue), a hit leaves the queue by remove, a block joins it by "
         "append, never a scan of self.blocks or a `block in self.free_queue`; and if test_ex3_free_queue.py "

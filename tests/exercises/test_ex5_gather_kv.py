@@ -21,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import LlamaConfig
 
-from grading import GRADING, SCALING_LIMIT, drawn, fastest_times, milliseconds, remote_pool_class, timed_call
+from grading import GRADING, SCALING_LIMIT, drawn, fastest_times, milliseconds, remote_pool_class, timed_call, times
 from helpers import hf_greedy
 from kv_pool import PagedKVPool
 
@@ -155,7 +155,7 @@ def test_each_block_gathered_costs_no_more_than_a_few_times_the_references(child
     reference_per_block = max(reference_many - reference_few, 1e-6) / (GATHERED[1] - GATHERED[0])
     assert per_block < SCALING_LIMIT * reference_per_block, (
         f"gathering {GATHERED[1]:,} blocks took {milliseconds(many)} and {GATHERED[0]} blocks {milliseconds(few)}: "
-        f"{per_block * 1e6:.2f} µs more a block, {per_block / reference_per_block:.0f} times kv_pool's "
+        f"{per_block * 1e6:.2f} µs more a block, {times(per_block / reference_per_block)} kv_pool's "
         f"{reference_per_block * 1e6:.2f} µs (timed by the grader): the gather runs Python code for every block "
         "(a loop, a comprehension, a tensor made per block), and a real prefix has hundreds of blocks in every "
         "step. One index of all the block ids picks them at once (index_select, or indexing with a tensor of "
@@ -177,7 +177,7 @@ def test_a_gather_takes_as_long_from_a_pool_of_16_384_blocks_as_from_one_of_16(c
     small, big = fastest_times(at(POOLS[0]), at(POOLS[1]))
     assert big < SCALING_LIMIT * small, (
         f"gathering 4 blocks took {milliseconds(small)} from a pool of {POOLS[0]} blocks and {milliseconds(big)} from "
-        f"one of {POOLS[1]:,}, {big / small:.0f} times longer (timed by the grader): the gather copies or walks the "
+        f"one of {POOLS[1]:,}, {times(big / small)} longer (timed by the grader): the gather copies or walks the "
         "whole pool (clone, contiguous or tolist of self.data, a loop over its blocks). Index the pool for the "
         "blocks asked for; it holds every request's K/V, and a gather copies one request's"
     )
