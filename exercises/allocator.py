@@ -12,7 +12,8 @@ Finish lines:
 Exercise 2's tests free blocks with exercise 4's rule written into the test, so you can do
 it before free. Exercise 4's finish line is the design doc's worked example, replayed block
 for block on all four of your pieces: request 2 gets blocks [0, 1, 2, 7, 8, 9, 4, 3] and
-block 3's old hash is evicted.
+block 3's old hash is evicted; and allocate and free take as long on a pool of 100,000 blocks
+as on one of 100 (timed by the grader: no call walks the pool or the free queue).
 """
 
 from typing import Sequence
@@ -38,31 +39,30 @@ class PrefixCachingAllocator:
     # --- exercise 2 ---------------------------------------------------------------------
 
     def allocate_with_prefix(self, request_id: str, token_ids: Sequence[int], cache_salt: str | None = None) -> Allocation:
-        """Give a new request its blocks, reusing the longest cached prefix.
+        """Give a new request its blocks, reusing the longest cached prefix; return
+        Allocation(num_cached_tokens, num_new_tokens). The design doc's "Block Allocation",
+        and stage 5, show it at work; what follows is what must hold, not how to get there.
 
-        In this order (the design doc's "Block Allocation"; prefix_caching.py names the
-        same five steps):
-          1. lookup  Hash the prompt's full blocks. Walk them from block 0: block i hits while
-                     its hash is in self.cached_blocks AND that block's token_ids equal the
-                     prompt's tokens of block i (a cheap guard against collisions). Stop at
-                     the first miss (break, not continue: block i + 1's K/V were computed
-                     after block i's tokens, not after this prompt's). Hit at most
-                     (len(token_ids) - 1) // block_size blocks: the model must compute at
-                     least one token to produce logits.
-          2. room    The prompt needs ceil(len / block_size) blocks; the hits cover some.
-                     Hits whose ref_cnt is 0 sit in the free queue, so taking them uses up
-                     free blocks too. Not enough free blocks: raise OutOfBlocksError before
-                     changing anything.
-          3. touch   Each hit: ref_cnt 0 means it is in the free queue, so remove it from
-                     there; then ref_cnt += 1. Touch before taking new blocks: a pop must
-                     never evict a block this request is about to reuse.
-          4. take    Each new block comes from the head of the free queue. If it still holds
-                     a hash, evict it: drop that hash from self.cached_blocks, set block_hash
-                     None (its slots are about to hold other tokens). Its ref_cnt becomes 1.
-          5. cache   Store each new block's tokens in block.token_ids. A full one gets its
-                     block_hash and joins self.cached_blocks under it.
-        Record the block table (hits first, then new blocks) and return
-        Allocation(num_cached_tokens, num_new_tokens).
+        When it returns:
+          - The block table (self.block_tables[request_id]) holds ceil(len / block_size)
+            blocks, in prompt order: first the hits, then blocks taken new.
+          - A hit is a cached block whose K/V are exactly what this prompt needs there: the
+            same tokens, computed after the same tokens before them. A matching hash is not
+            enough on its own: the block's token_ids must equal the prompt's tokens there (a
+            guard against hash collisions). Ask yourself which blocks can still be hits once
+            one block of the prompt is not.
+          - The model computes at least one prompt token, or it has no logits to sample from.
+          - ref_cnt of every block = the number of block tables that hold it.
+          - The free queue holds exactly the blocks with ref_cnt 0, in the order they were
+            freed; blocks taken new come from its head, and a block this request hits is
+            never taken as new.
+          - Every full block of the prompt is cached: it has its hash and the cache map finds
+            it under that hash. A block taken new answers to no old hash any more and holds
+            only its new tokens. Two blocks may hold the same content (see the cache map
+            above): losing one of them must not lose the other.
+          - If the free queue cannot supply every block this request takes out of it (count
+            them: new blocks, and hits that are sitting in it), raise OutOfBlocksError and
+            leave everything exactly as it was.
         """
         # TODO exercise 2
         raise NotImplementedError("exercise 2: allocate_with_prefix is not written yet (exercises/allocator.py)")
@@ -70,12 +70,18 @@ class PrefixCachingAllocator:
     # --- exercise 4 ---------------------------------------------------------------------
 
     def free(self, request_id: str) -> None:
-        """Release a request's blocks, last block first, and forget its block table.
+        """Release a request's blocks and forget its block table.
 
-        Each block: ref_cnt -= 1; one that reaches 0 joins the tail of the free queue. Keep
-        its hash and tokens: a later request can still hit it until it is popped again.
-        Why last first: the last block names the longest prefix and is the least likely to
-        be shared, so it should be evicted first.
+        When it returns:
+          - ref_cnt of every block = the number of block tables that still hold it, and the
+            free queue holds exactly the blocks with ref_cnt 0: a block another request
+            still holds is not free.
+          - A block that became free stays cached (its hash, its tokens, findable in the cache
+            map) until a later allocation takes it: until then a request can still hit it.
+          - Eviction order: the head of the free queue is taken first, so blocks freed now go
+            behind every block already free (least recently used first). Among this
+            request's own blocks, the first to be evicted should be the one least likely to
+            be hit again. Which one is that, and why? (The design doc's Time 4 and stage 6.)
         """
         # TODO exercise 4
         raise NotImplementedError("exercise 4: free is not written yet (exercises/allocator.py)")

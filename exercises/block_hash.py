@@ -31,8 +31,9 @@ def hash_block_tokens(parent_hash: BlockHash | None, token_ids: Sequence[int], e
     Turn the three parts into bytes such that no two different inputs give the same bytes:
     [1, 23] and [12, 3] must differ, and so must extra keys ("a", "b"), ("ab",), ("a,b",)
     and ("b", "a"), whatever separator you pick. A token id is not a byte: real vocabularies
-    have 50,000 to 260,000 ids. It is an integer, whatever its type: ids that come as numpy
-    integers (a list of numpy.int64, a numpy array) hash like the same Python ints.
+    have 50,000 to 260,000 ids, and the tests send ids of up to 8 bytes. It is an integer,
+    whatever its type: ids that come as numpy integers (a list of numpy.int64, a numpy array)
+    hash like the same Python ints.
     Never use Python's hash(): it changes from one process to the next for text, and squeezes
     the token ids into 64 bits.
 

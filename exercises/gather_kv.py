@@ -13,8 +13,10 @@ slot p % block_size: the block table can point anywhere in the pool, in any orde
 
 The constructor (self.data, self.dtype, self.device) comes from exercises/given.py. Write the
 two parts marked TODO, with tensor operations only: no Python loop over tokens or blocks (a
-real prefix has thousands of tokens in hundreds of blocks, and one index picks them all). A
-test counts the tensor operations of a 1-block and a 12-block gather: they must be as many.
+real prefix has thousands of tokens in hundreds of blocks, and one index picks them all), and
+no copy of the whole pool. The grader times your gather from outside your process: each block
+of 4,096 must cost less than 10 times what one costs kv_pool's gather, and 4 blocks must take
+as long from a pool of 16,384 blocks as from one of 16.
 The gathered K/V keep the pool's dtype (a bfloat16 pool gives bfloat16 keys) and its device.
 
 Finish line:
@@ -33,8 +35,12 @@ class PagedKVPool(PoolBase):
         """A fresh DynamicCache holding the K/V of `block_ids`, in order. No blocks (a cold
         request) give a cache of 0 tokens."""
         kv = self.tokens_of(block_ids)  # (layers, K/V, 1, num_kv_heads, tokens, head_dim)
-        # TODO exercise 5b: a DynamicCache of one (keys, values) pair per layer, in layer order:
-        # DynamicCache(list_of_pairs, config=config)
+        # TODO exercise 5b: the cache the model reads as past_key_values. It must hold, for
+        # every layer, that layer's keys and values, each (batch=1, num_kv_heads, tokens,
+        # head_dim), the same tokens in the same order in every layer, and nothing else.
+        # transformers' DynamicCache takes such tensors when it is built (its docstring says
+        # how; pass config=config so it knows the model's layers). Check what you built on
+        # the shapes `python lessons/07_real_model.py --tiny` prints.
         raise NotImplementedError("exercise 5b: the DynamicCache in PagedKVPool.gather is not built yet (exercises/gather_kv.py)")
 
     def tokens_of(self, block_ids: list[int]):

@@ -156,6 +156,46 @@ MISTAKES = {
 }
 
 
+# Rules about cost, caught from the grader's side, where nothing in the child can rewrite the check.
+WALKING_QUEUE = (SOLUTIONS / "plain" / "free_queue.py").read_text().replace(
+    "    def remove(self, block):\n",
+    "    def remove(self, block):\n"
+    "        node = vars(self._head)[\"next_free\"]  # a walk no attribute count in the child sees\n"
+    "        while node is not block and node is not self._tail:\n"
+    "            node = vars(node)[\"next_free\"]\n")
+LIST_IN_THE_HEAD = (SOLUTIONS / "plain" / "free_queue.py").read_text().replace(
+    "    def _insert_after(self, prev: KVCacheBlock, block: KVCacheBlock) -> None:\n",
+    "    def _insert_after(self, prev: KVCacheBlock, block: KVCacheBlock) -> None:\n"
+    "        vars(self._head).setdefault(\"order\", []).append(block)  # a list where vars(queue) does not look\n"
+).replace(
+    "    def remove(self, block):\n",
+    "    def remove(self, block):\n"
+    "        order = vars(self._head)[\"order\"]\n"
+    "        del order[next(i for i, b in enumerate(order) if b is block)]\n")
+MISTAKES |= {
+    "remove walks the queue through vars()": ("test_ex3_free_queue.py", {"free_queue": WALKING_QUEUE},
+                                              "it walks or searches the queue"),
+    "a list of the queue kept in the head sentinel": ("test_ex3_free_queue.py", {"free_queue": LIST_IN_THE_HEAD},
+                                                      "it walks or searches the queue"),
+    "the room check scans self.blocks": ("test_ex4_free.py", with_mistake(
+        "allocator", "> len(self.free_queue):", "> sum(1 for b in self.blocks if b.ref_cnt == 0):"),
+        "something walks the pool or the free queue on every call"),
+    "Python's hash of the token ids, taken under another name": ("test_ex1_block_hash.py", {"block_hash": (
+        with_mistake("block_hash", 'b"".join(int(t).to_bytes(8, "little") for t in token_ids)',
+                     '_h(tuple(int(t) for t in token_ids)).to_bytes(8, "little", signed=True)')["block_hash"]
+        .replace("import json\n", "import json\nfrom builtins import hash as _h\n"))},
+        "Python's hash() made the block's name"),
+    "a loop over the blocks hidden from the operation count": ("test_ex5_gather_kv.py", with_mistake(
+        "gather_kv", "kv = self.data.index_select(2, index).flatten(2, 3)",
+        "with torch._C.DisableTorchFunction():\n"
+        "            kv = torch.cat([self.data[:, :, b] for b in block_ids] or [self.data[:, :, :0].flatten(2, 3)], 2)"),
+        "the gather runs Python code for every block"),
+    "a copy of the whole pool in every gather": ("test_ex5_gather_kv.py", with_mistake(
+        "gather_kv", "kv = self.data.index_select(2, index)", "kv = self.data.clone().index_select(2, index)"),
+        "the gather copies or walks the whole pool"),
+}
+
+
 @pytest.mark.parametrize("mistake", MISTAKES)
 def test_a_mistake_fails_its_exercise_naming_the_rule(mistake, pytester, monkeypatch, tmp_path):
     test_file, files, rule = MISTAKES[mistake]
@@ -163,6 +203,48 @@ def test_a_mistake_fails_its_exercise_naming_the_rule(mistake, pytester, monkeyp
     outcomes, output = grade(pytester, monkeypatch, tmp_path, test_file, files, select=select)
     assert outcomes.get("failed", 0) >= 1, f"{mistake}: every test of {test_file} passed"
     assert rule in output, f"{mistake}: no failure says {rule!r}:\n{output[-3000:]}"
+
+
+# --- a message, followed, fixes the mistake it names ---------------------------------------------------
+# Each: a mistake above, the words of its failure that say what to do, and that advice applied
+# to the mistaken file (old, new). The fixed file must pass every test of the exercise.
+FOLLOWED = {
+    "the lookup goes on past the first miss": ("break, not continue", ("                continue", "                break")),
+    "the lookup goes on past a hash that is not cached": (
+        "A missed hash ends the lookup (break, not continue)", ("                continue", "                break")),
+    "the room check scans self.blocks": ("The room check reads len(self.free_queue)", (
+        "sum(1 for b in self.blocks if b.ref_cnt == 0)", "len(self.free_queue)")),
+    "a hit on an in-use block sets ref_cnt to 2": ("a hit adds one to ref_cnt", (
+        "block.ref_cnt = 1 if block.ref_cnt == 0 else 2", "block.ref_cnt += 1")),
+    "the parent cut to 8 bytes": ("the whole parent hash (all 32 bytes) enters the encoding", (
+        "else parent_hash[:8]", "else parent_hash")),
+    "an MD5 digest": ("hashlib.sha256(encoding).digest()", ("hashlib.md5(", "hashlib.sha256(")),
+    "a loop over the blocks hidden from the operation count": (
+        "index_select, or indexing with a tensor of block ids", (
+            "with torch._C.DisableTorchFunction():\n"
+            "            kv = torch.cat([self.data[:, :, b] for b in block_ids] or [self.data[:, :, :0].flatten(2, 3)], 2)",
+            "index = torch.tensor(block_ids, dtype=torch.long, device=self.device)\n"
+            "        kv = self.data.index_select(2, index).flatten(2, 3)")),
+    "a copy of the whole pool in every gather": ("Index the pool for the blocks asked for", (
+        "self.data.clone().index_select", "self.data.index_select")),
+    "a bf16 pool gathered into float32": ("the gathered K/V keep the pool's dtype", (".unsqueeze(2).float()",
+                                                                                  ".unsqueeze(2)")),
+}
+
+
+@pytest.mark.parametrize("mistake", FOLLOWED)
+def test_a_failure_message_followed_fixes_the_mistake(mistake, pytester, monkeypatch, tmp_path):
+    test_file, files, _ = MISTAKES[mistake]
+    advice, (old, new) = FOLLOWED[mistake]
+    select = "not finish_line and not engine" if "gather" in test_file else ""
+    outcomes, output = grade(pytester, monkeypatch, tmp_path / "mistake", test_file, files, select=select)
+    assert outcomes.get("failed", 0) >= 1 and advice in output, f"{mistake}: no failure says {advice!r}:\n{output[-3000:]}"
+    (name, source), = files.items()
+    assert source.count(old) == 1, f"{mistake}: the mistaken {name}.py no longer holds {old!r} once"
+    outcomes, output = grade(pytester, monkeypatch, tmp_path / "followed", test_file, {name: source.replace(old, new)},
+                             select=select)
+    assert "failed" not in outcomes and "error" not in outcomes and outcomes.get("passed"), (
+        f"{mistake}: the advice {advice!r}, followed, still fails: {outcomes}\n{output[-3000:]}")
 
 
 # --- cheats earn nothing -----------------------------------------------------------------------------

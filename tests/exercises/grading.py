@@ -225,6 +225,45 @@ class Child:
                 return decode(message["reply"])
 
 
+# --- how the work grows with the size ---------------------------------------------------------------
+# Three rules are about cost, not answers: a free-queue operation is O(1), allocate and free do
+# not walk the pool, a gather runs no Python loop over its blocks. Each is checked from this
+# process: the same work is timed at two sizes far apart (a queue of 100 blocks and one of
+# 100,000), the child having built both in earlier calls, and the times compared. An O(1) or
+# vectorized answer takes about as long at both sizes; one that walks the queue or loops over
+# the blocks takes hundreds of times longer at the large one. Nothing the graded code does in
+# its process changes this clock, which is why these checks stand where the counts taken in
+# the child (link reads, lists kept, tensor operations) could be rewritten.
+
+SCALING_LIMIT = 10  # the large size's time over the small one's: about 1 to 3 when the cost is flat
+
+
+def fastest_times(small, big, repeats: int = 5) -> tuple[float, float]:
+    """The fastest of `repeats` runs of small(r) and of big(r), taken in turn; each returns the
+    seconds its timed call took (timed_call). Other programs on the machine can only slow a call
+    down, so the fastest is the nearest to the code's own cost."""
+    times: tuple[list, list] = ([], [])
+    for r in range(repeats):
+        times[0].append(small(r))
+        times[1].append(big(r))
+    return min(times[0]), min(times[1])
+
+
+def timed_call(child: Child, op: str, **args) -> tuple:
+    """(the answer, the seconds the call took), timed here: the request sent, run, answered."""
+    start = time.perf_counter()
+    answer = child.call(op, **args)
+    return answer, time.perf_counter() - start
+
+
+def times(ratio: float) -> str:
+    return f"{ratio:.1f} times" if ratio < 10 else f"{ratio:,.0f} times"
+
+
+def milliseconds(seconds: float) -> str:
+    return f"{seconds * 1e3:.2f} ms" if seconds < 0.1 else f"{seconds * 1e3:,.0f} ms"
+
+
 # --- differences with the reference ----------------------------------------------------------------
 
 DIFFERENCES: list[str] = []  # the first difference of each object in the running test (conftest.py)

@@ -127,6 +127,26 @@ def test_python_hash_is_never_used(impl):
     )
 
 
+# Python's hash() of an int is the int modulo 2**61 - 1, so ids that differ by that much hash
+# alike under it, and so do tuples of them: this catches hash() however the code reaches it,
+# where the spy above sees only the builtin it replaced, in the child, at call time.
+def test_ids_that_pythons_hash_confuses_hash_apart(impl):
+    modulus = 2**61 - 1
+    tokens, block_size = prompts_of_this_run("python hash")[0]
+    block = tokens[:block_size]
+    other = [block[0] + modulus, *block[1:]]
+    try:
+        a, b = impl.hash_block_tokens(None, block), impl.hash_block_tokens(None, other)
+    except (ValueError, OverflowError) as err:
+        pytest.fail(f"hashing token id {other[0]} (2**61 + {block[0] - 1}) failed ({type(err).__name__}: {err}): a "
+                    "token id is an integer of up to 8 bytes; give each id 8 bytes (array('q', token_ids).tobytes(), "
+                    "or int.to_bytes(8, ...))", pytrace=False)
+    assert_differ(a, b, f"token ids {block[0]} and {other[0]} (= {block[0]} + 2**61 - 1) give a block the same hash: "
+                        "Python's hash() made the block's name, which squeezes an int into 61 bits (hash(n) is n mod "
+                        "2**61 - 1, and a tuple's hash is built from those). Hash an encoding that keeps every bit of "
+                        "every id with SHA-256")
+
+
 def prompts_of_this_run(name: str) -> list[tuple[list[int], int]]:
     """Three (token ids, block size) of a real vocabulary, drawn for this run."""
     rng = drawn(name)
@@ -172,7 +192,7 @@ def test_hashes_are_the_same_in_every_process_whatever_came_before():
         process = Child(EXERCISE, env={"PYTHONHASHSEED": hash_seed})
         try:
             remote = RemoteBlockHash(process)
-            outputs.append({tuple(tokens): remote.compute_block_hashes(tokens, size, None, ("lora-1",))
+            outputs.append({tuple(tokens): remote.compute_block_hashes(tokens, size, "tenant-a", ("lora-1",))
                             for tokens, size in order})
         finally:
             process.stop()

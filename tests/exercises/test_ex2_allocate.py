@@ -251,6 +251,26 @@ def test_an_evicted_hash_leaves_the_cache_map(pool):
     assert got == 4, f"block 1 holds [1, 2, 3, 4] and is cached: d should hit 4 tokens, got {got}"
 
 
+def test_evicting_one_of_two_blocks_of_the_same_content_keeps_the_other(pool):
+    alloc = pool(6)
+    alloc.allocate_with_prefix("a", [1, 2, 3, 4])  # block 0
+    alloc.allocate_with_prefix("b", [1, 2, 3, 4])  # all cached, but a token must be computed: block 1 again
+    assert alloc.block_tables["b"] == [1] and alloc.blocks[1].block_hash == alloc.blocks[0].block_hash, (
+        f"b's 4 tokens are all in block 0, but at least one token is computed, so b's only block is a new one, "
+        f"block 1, holding the same content under the same hash: got b's table {alloc.block_tables['b']}")
+    release(alloc, "a")
+    release(alloc, "b")  # free queue: 2 3 4 5 0 1
+    alloc.allocate_with_prefix("x", list(range(100, 120)))  # takes 2 3 4 5 0: block 0 is evicted, block 1 is not
+    release(alloc, "x")
+    got = alloc.allocate_with_prefix("c", [1, 2, 3, 4, 5])
+    assert tuple(got) == (4, 1), (
+        f"blocks 0 and 1 both held [1, 2, 3, 4] under one hash; x's take evicted block 0 alone, yet c, sending "
+        f"[1, 2, 3, 4, 5], got {tuple(got)}, not (4, 1): block 1 still holds that content and is still cached. "
+        "Evicting a block takes that block out of the cache map, not the hash with every block under it (that is "
+        "why the map keeps {block_id: block} for each hash)"
+    )
+
+
 def test_a_hit_adds_one_to_the_ref_count_of_a_block_in_use(pool):
     alloc = pool()
     for request_id in ("a", "b", "c"):

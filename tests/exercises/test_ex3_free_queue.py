@@ -1,8 +1,10 @@
 """Exercise 3: the free queue's O(1) operations (exercises/free_queue.py). Needs no other exercise.
 
-Every operation also runs on prefix_caching's queue, and the orders are compared. Two rules
-are about how the queue works, not what it answers (the links an operation reads, the lists
-it keeps): the child counts those beside your code.
+Every operation also runs on prefix_caching's queue, and the orders are compared. That each
+operation is O(1) is checked from the grader's side: 50 operations are timed in a queue of 100
+blocks and in one of 100,000, and must take about as long in both. Two more tests count what
+an operation reads and the lists the queue keeps; those counts are taken in your process,
+beside your code, and only explain what the timing found.
 """
 
 import random
@@ -11,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from grading import GRADING, RemoteQueue
+from grading import GRADING, SCALING_LIMIT, RemoteQueue, drawn, fastest_times, milliseconds, timed_call, times
 
 EXERCISE = "free_queue"
 
@@ -128,6 +130,51 @@ def test_agrees_with_a_list_over_1000_random_operations(make):
             model.insert(len(model) if op == "append" else 0, block.block_id)
         assert queue.block_ids() == model, f"after {op}, the queue is {queue.block_ids()}; a list gives {model}"
     assert_linked(queue, blocks)
+
+
+QUEUE_SIZES = (100, 100_000)
+TIMED = 50  # operations per timed call
+
+
+@pytest.mark.parametrize("operation", ["remove", "popleft", "append", "appendleft"])
+def test_an_operation_takes_as_long_in_a_queue_of_100_000_as_in_one_of_100(child, operation):
+    """50 operations timed at each size, here in the grader's process: the fastest of 5 runs."""
+    rng = drawn(f"queue scaling {operation}")
+
+    def at(n: int):
+        handle = child.call("queue_new", n=n)  # built before the clock starts
+        middle = rng.sample(range(n // 4, 3 * n // 4), min(n // 2, 5 * TIMED))  # blocks still at their place
+
+        def run(method: str, ids: list) -> tuple:
+            return timed_call(child, "queue_run", handle=handle, steps=[[method, b] for b in ids])
+
+        def timed(r: int) -> float:
+            if operation == "popleft":
+                popped, seconds = run("popleft", [None] * TIMED)
+                expected = [(r * TIMED + i) % n for i in range(TIMED)]
+                assert popped == expected, (
+                    f"a queue of blocks 0 to {n - 1} (each block popped put back at the tail) gave {popped[:6]}... "
+                    f"from {TIMED} poplefts, not {expected[:6]}...: popleft takes the head")
+                run("append", popped)
+                return seconds
+            ids = middle[r * TIMED:(r + 1) * TIMED] if n > 10 * TIMED else rng.sample(range(n), TIMED)
+            if operation == "remove":
+                seconds = run("remove", ids)[1]
+                run("append", ids)
+                return seconds
+            run("remove", ids)
+            return run(operation, ids)[1]
+
+        return timed
+
+    small, big = fastest_times(at(QUEUE_SIZES[0]), at(QUEUE_SIZES[1]))
+    assert big < SCALING_LIMIT * small, (
+        f"{TIMED} calls of {operation} took {milliseconds(small)} in a queue of {QUEUE_SIZES[0]} blocks and "
+        f"{milliseconds(big)} in one of {QUEUE_SIZES[1]:,}, {times(big / small)} longer (timed by the grader; an "
+        f"O(1) {operation} takes about as long in both): it walks or searches the queue (a loop over the links, "
+        "list.remove or index, a list kept beside the links, wherever it is kept). Rewire the block and its two "
+        "neighbours, nothing else"
+    )
 
 
 @pytest.mark.parametrize("operation", ["remove", "popleft", "append", "appendleft"])

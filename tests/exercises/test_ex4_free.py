@@ -1,13 +1,16 @@
 """Exercise 4: free in reverse order (exercises/allocator.py), ending with the design doc's
 worked example. Needs exercises 1 to 3: the allocator runs on your hashes, your
 allocate_with_prefix and, from here on, your free queue. Every call also runs on
-prefix_caching's allocator, and the states are compared."""
+prefix_caching's allocator, and the states are compared. That allocate and free do not walk
+the pool is timed from the grader's side: the same requests on a pool of 100 blocks and on one
+of 100,000 must take about as long."""
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from grading import GRADING, RemoteAllocator
+import prefix_caching
+from grading import GRADING, SCALING_LIMIT, RemoteAllocator, drawn, fastest_times, milliseconds, timed_call, times
 from prefix_caching import OutOfBlocksError
 
 EXERCISE = "allocator"
@@ -102,6 +105,50 @@ def test_finish_line_the_design_docs_worked_example_block_for_block(pool):
     expect("request 2 left (its table [0, 1, 2, 7, 8, 9, 4, 3] joins the tail from its end: 3 4 9 8 7 2 1 0); "
            "free walks the block table backwards, it does not sort the block ids", alloc.free_queue.block_ids(),
            [6, 5, 3, 4, 9, 8, 7, 2, 1, 0])
+
+
+POOL_SIZES = (100, 100_000)
+REQUESTS = 20  # allocate then free, per timed call
+
+
+def test_allocate_and_free_take_as_long_on_a_pool_of_100_000_as_on_one_of_100(child):
+    """A request holds the first half of the pool; then 20 requests share 2 cached blocks, now in
+    use, now free at the tail of the queue (a hit takes them out of it), each computing 2 new
+    blocks from the second half and freeing all 4. Timed here, in the grader's process, at each
+    pool size: the fastest of 5 runs."""
+    rng = drawn("allocator scaling")
+    shared = [rng.randrange(262_144) for _ in range(8)]
+
+    def at(n: int):
+        handle = child.call("allocator_new", num_blocks=n, block_size=4, queue="yours")  # before the clock
+        reference = prefix_caching.PrefixCachingAllocator(n, 4)
+        half = [["first half", list(range(n // 2 * 4))]]
+        child.call("allocator_churn", handle=handle, prompts=half, free=False)
+        reference.allocate_with_prefix(*half[0])
+
+        def timed(r: int) -> float:
+            prompts = [[f"r{r}.{i}", shared + [rng.randrange(262_144) for _ in range(5)]] for i in range(REQUESTS)]
+            answers, seconds = timed_call(child, "allocator_churn", handle=handle, prompts=prompts)
+            expected = []
+            for request_id, prompt in prompts:
+                expected.append(list(reference.allocate_with_prefix(request_id, prompt)))
+                reference.free(request_id)
+            assert answers == expected, (
+                f"on a pool of {n:,} blocks, {REQUESTS} requests sharing their first 8 tokens, each freed before "
+                f"the next, got {answers[:4]}...; expected {expected[:4]}...")
+            return seconds
+
+        return timed
+
+    small, big = fastest_times(at(POOL_SIZES[0]), at(POOL_SIZES[1]))
+    assert big < SCALING_LIMIT * small, (
+        f"{REQUESTS} requests, each allocated then freed, took {milliseconds(small)} on a pool of {POOL_SIZES[0]} "
+        f"blocks and {milliseconds(big)} on one of {POOL_SIZES[1]:,}, {times(big / small)} longer (timed by the "
+        "grader; their work does not grow with the pool): something walks the pool or the free queue on every "
+        "call. The room check reads len(self.free_queue), a hit leaves the queue by remove, a block joins it by "
+        "append, never a scan of self.blocks or a `block in self.free_queue`; and if test_ex3_free_queue.py "
+        "finds an operation of your queue slow, that is the walk"
+    )
 
 
 @settings(GRADING, max_examples=40)

@@ -12,6 +12,7 @@ gathered per KV head where they belong per layer, or a block size taken for a he
 the wrong shape whatever the run.
 """
 
+import time
 from dataclasses import replace
 
 import pytest
@@ -20,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import LlamaConfig
 
-from grading import GRADING, drawn, remote_pool_class
+from grading import GRADING, SCALING_LIMIT, drawn, fastest_times, milliseconds, remote_pool_class, timed_call, times
 from helpers import hf_greedy
 from kv_pool import PagedKVPool
 
@@ -109,6 +110,76 @@ def test_a_longer_prefix_takes_no_more_tensor_operations(child):
         f"(more: {extra}): the work grows with the prefix, so a Python loop runs over its tokens or blocks, and a "
         "real prefix has thousands. Pick every block at once (index_select, or indexing with a tensor of block "
         "ids), then reshape"
+    )
+
+
+# Two rules about cost, timed here in the grader's process (the counts above are taken in the
+# child, beside the code they count). The pools are built in earlier calls, before the clock.
+GATHERED = (4, 4096)  # blocks gathered from one pool
+POOLS = (16, 16_384)  # blocks in the pool, 4 of them gathered
+
+
+def test_each_block_gathered_costs_no_more_than_a_few_times_the_references(child):
+    """A Python loop over the blocks costs microseconds a block (a tensor operation each), one
+    index a fraction of one: the extra time of 4,096 blocks over 4, yours against kv_pool's on
+    the same pool, the fastest of 5 runs each."""
+    spec = {"num_layers": 1, "num_kv_heads": 1, "head_dim": 2, "num_blocks": GATHERED[1], "block_size": 1}
+    handle = child.call("pool_new", spec=spec)
+    reference = PagedKVPool(**spec)
+    config = LlamaConfig(num_hidden_layers=1, num_attention_heads=1, num_key_value_heads=1, hidden_size=2)
+    rng = drawn("gather scaling")
+    block_ids = {n: rng.sample(range(GATHERED[1]), n) for n in GATHERED}
+
+    def yours(n: int):
+        def timed(r: int) -> float:
+            (length, _), seconds = timed_call(child, "gather_length", handle=handle, block_ids=block_ids[n])
+            assert length == n, f"gathering {n} blocks of 1 token gave a cache of {length} tokens"
+            return seconds
+        return timed
+
+    def references(n: int):
+        def timed(r: int) -> float:
+            start = time.perf_counter()
+            reference.gather(block_ids[n], config)
+            return time.perf_counter() - start
+        return timed
+
+    few, many = fastest_times(yours(GATHERED[0]), yours(GATHERED[1]))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the child does for these gathers
+    try:
+        reference_few, reference_many = fastest_times(references(GATHERED[0]), references(GATHERED[1]))
+    finally:
+        torch.set_num_threads(threads)
+    per_block = (many - few) / (GATHERED[1] - GATHERED[0])
+    reference_per_block = max(reference_many - reference_few, 1e-6) / (GATHERED[1] - GATHERED[0])
+    assert per_block < SCALING_LIMIT * reference_per_block, (
+        f"gathering {GATHERED[1]:,} blocks took {milliseconds(many)} and {GATHERED[0]} blocks {milliseconds(few)}: "
+        f"{per_block * 1e6:.2f} µs more a block, {times(per_block / reference_per_block)} kv_pool's "
+        f"{reference_per_block * 1e6:.2f} µs (timed by the grader): the gather runs Python code for every block "
+        "(a loop, a comprehension, a tensor made per block), and a real prefix has hundreds of blocks in every "
+        "step. One index of all the block ids picks them at once (index_select, or indexing with a tensor of "
+        "block ids), then views reshape"
+    )
+
+
+def test_a_gather_takes_as_long_from_a_pool_of_16_384_blocks_as_from_one_of_16(child):
+    """4 blocks gathered from pools of 16 and 16,384 blocks (64 MB): the fastest of 5 runs."""
+    spec = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 8, "block_size": 16}
+
+    def at(num_blocks: int):
+        handle = child.call("pool_new", spec={**spec, "num_blocks": num_blocks})
+
+        def timed(r: int) -> float:
+            return timed_call(child, "gather_length", handle=handle, block_ids=[3, 1, 2, 0])[1]
+        return timed
+
+    small, big = fastest_times(at(POOLS[0]), at(POOLS[1]))
+    assert big < SCALING_LIMIT * small, (
+        f"gathering 4 blocks took {milliseconds(small)} from a pool of {POOLS[0]} blocks and {milliseconds(big)} from "
+        f"one of {POOLS[1]:,}, {times(big / small)} longer (timed by the grader): the gather copies or walks the "
+        "whole pool (clone, contiguous or tolist of self.data, a loop over its blocks). Index the pool for the "
+        "blocks asked for; it holds every request's K/V, and a gather copies one request's"
     )
 
 
