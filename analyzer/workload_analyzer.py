@@ -3,19 +3,21 @@ The workload analyzer: how much would prefix caching save on your own traffic, a
 must the pool be? It reads a request log, tokenizes it with the model's tokenizer and
 replays it through this course's allocator, offline, on a CPU.
 
-    python prefix_caching.py --analyze LOG [--model M] [--block-size 16] [--num-blocks N] [--plot FILE.png]
-        [--like vllm|sglang|llamacpp|engine] [--kv-model NAME|CONFIG --concurrency N --context TOKENS]
+    python prefix_caching.py --analyze LOG [--model M] [--chat-template FILE] [--block-size 16] [--num-blocks N]
+        [--plot FILE.png] [--like vllm|sglang|llamacpp|engine] [--kv-model NAME|CONFIG --concurrency N --context TOKENS]
 
 Read request_logs.py (what a log holds), prefix_caching.py (the allocator it replays
 through) and caching_models.py (its steps in a fast form, and two other servers' caches)
 first; kv_memory.py turns the working set into GiB. In this file:
 
-    1. tokenize        every prompt with the model's tokenizer, thousands in one call
+    1. tokenize        the log as it streams, thousands of prompts in one call, their token ids
+                       to a temporary file that every replay reads back
     2. replay          one request after another through PrefixCachingAllocator: the tokens
                        each one found cached, on a pool of a given size
     3. the curve       hit rate and prefill saved from the smallest pool to one that never
                        evicts; the working set, where the curve flattens
-    4. what to act on  the prefixes behind the hits (a tree), the block size, warnings
+    4. what to act on  the prefixes behind the hits (a tree), the block size, warnings (a
+                       chat template that leaves the requests' tools out among them)
     5. the command     the report; with --kv-model, the memory to buy (kv_memory.py)
 
 What the replay is, and is not. It sends the log's requests one after another, each freed
@@ -585,8 +587,8 @@ class ToolsSeen:
         notes = []
         if self.with_tools and not self.renders_tools:
             notes.append(
-                f"{self.with_tools:,} of {requests:,} requests send tools ({len(self.tool_sets):,} distinct lists), and "
-                f"the model's chat template has no tool block: {self.tool_tokens:,} tokens of tool definitions "
+                f"{self.with_tools:,} of {requests:,} requests send tools ({len(self.tool_sets):,} distinct lists), "
+                f"and the model's chat template has no tool block: {self.tool_tokens:,} tokens of tool definitions "
                 f"(as JSON, {self.tool_tokens / self.with_tools:,.0f} a request) are not in the replay. A server with "
                 f"this template leaves them out too; if yours serves another one, give it with --chat-template.")
         if self.with_calls and not self.renders_calls:
