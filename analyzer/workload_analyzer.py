@@ -44,10 +44,10 @@ measures it.
 from __future__ import annotations
 
 import argparse
+import io
 import itertools
 import json
 import math
-import os
 import re
 import tempfile
 import time
@@ -125,6 +125,7 @@ class TokenizedLog:
         self.salts: list[str | None] = []
 
     def append(self, prompt: array, salt: str | None) -> None:
+        self.file.seek(0, io.SEEK_END)  # a reader may have moved the position
         prompt.tofile(self.file)
         self.lengths.append(len(prompt))
         self.salts.append(salt)
@@ -134,18 +135,17 @@ class TokenizedLog:
 
     def __iter__(self) -> Iterator[array]:
         self.file.flush()
-        with open(os.dup(self.file.fileno()), "rb", closefd=True) as f:  # its own position: replays may nest
-            f.seek(0)
-            buffered, at = array("I"), 0
-            for length in self.lengths:
-                if at + length > len(buffered):  # read on: what is left, and the next READ_BYTES at least
-                    buffered = buffered[at:]
-                    more = max(length - len(buffered), self.READ_BYTES // 4)
-                    chunk = f.read(4 * more)
-                    buffered.frombytes(chunk[: len(chunk) // 4 * 4])
-                    at = 0
-                yield buffered[at : at + length]
-                at += length
+        buffered, at, position = array("I"), 0, 0  # its own position: two readers may take turns
+        for length in self.lengths:
+            if at + length > len(buffered):  # read on: what is left, and the next READ_BYTES at least
+                buffered = buffered[at:]
+                self.file.seek(position)
+                chunk = self.file.read(4 * max(length - len(buffered), self.READ_BYTES // 4))
+                position += len(chunk)
+                buffered.frombytes(chunk)
+                at = 0
+            yield buffered[at : at + length]
+            at += length
 
     def close(self) -> None:
         self.file.close()

@@ -96,6 +96,7 @@ def test_a_log_replayed_from_its_file_finds_what_the_prompts_in_memory_find(toke
             streamed.append(ids, salt)
         assert list(streamed) == in_memory and streamed.salts == salts and list(streamed.lengths) == list(
             map(len, in_memory))
+        assert all(a == b for a, b in zip(streamed, streamed))  # two readers taking turns each read in order
         for model in (LIKE["vllm"], LIKE["engine"], SGLang(), LlamaCpp(2)):
             assert replay(streamed, salts, 40, 4, model=model).cached == replay(in_memory, salts, 40, 4,
                                                                                 model=model).cached
