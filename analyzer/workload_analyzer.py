@@ -76,9 +76,11 @@ from prompts import tokenize_prompts
 # on every core, where one call per prompt spends most of its time in Python (about 1 ms for
 # a 650-token chat on the 2-core VM of the README, against about 0.5 ms batched).
 # The log is read as it streams: each batch of requests is tokenized and its token ids
-# written to a temporary file, 4 bytes a token, and the request itself let go. What stays in
-# memory is a length and a salt a request; every replay reads the token ids back from the
-# file in order, so the memory a replay needs is its pool's, whatever the size of the log.
+# written to a temporary file, 4 bytes a token, and the request itself let go. Every replay
+# reads the token ids back from the file in order. What stays in memory is a length and a
+# salt a request, and while the replays at one block size run, each request's block hashes
+# (4 bytes a block): a few hundred bytes a request, where its prompt took kilobytes, beside
+# the pool the replay keeps.
 
 TOKENIZE_BATCH = 2000
 
