@@ -12,7 +12,7 @@ tokenizes and replays what this file reads.
                         APIs take, an optional "cache_salt"; an OpenAI batch file's lines,
                         whose "body" holds one) or ShareGPT conversations (one request per user
                         turn, with the history before it)
-                        interleave(requests, n): n conversations at a time, taking turns
+                        interleaved(requests, n): n conversations at a time, taking turns
     2. example logs     chatbot, multi-turn chat, RAG, code completion, batch summarisation,
                         random prompts, a chatbot whose system prompt opens with a
                         timestamp, and an agent that sends tools and calls them:
@@ -528,7 +528,12 @@ def check(prompt, where: str) -> None:
         raise LogError(f"{where}: {err}") from None
 
 
-def interleave(requests: Iterable[LoggedRequest], at_once: int) -> Iterator[LoggedRequest]:
+def interleave(requests: Iterable[LoggedRequest], at_once: int) -> list[LoggedRequest]:
+    """interleaved(requests, at_once) as a list."""
+    return list(interleaved(requests, at_once))
+
+
+def interleaved(requests: Iterable[LoggedRequest], at_once: int) -> Iterator[LoggedRequest]:
     """The log's conversations `at_once` at a time, taking turns: users who chat at the same
     time, whose next turn comes after the others' (a request outside a conversation is one
     of a single turn). A file of conversations lists each one's turns back to back, which
@@ -537,7 +542,7 @@ def interleave(requests: Iterable[LoggedRequest], at_once: int) -> Iterator[Logg
     requests that name it, as the reader hands them).
 
     >>> log = [LoggedRequest("", None, w, conversation=w[0]) for w in ("a1", "a2", "b1", "b2", "c1")]
-    >>> [r.where for r in interleave(log, 2)]
+    >>> [r.where for r in interleaved(log, 2)]
     ['a1', 'b1', 'a2', 'b2', 'c1']
     """
     runs = itertools.groupby(enumerate(requests), key=lambda pair: pair[1].conversation or pair[0])

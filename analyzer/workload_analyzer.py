@@ -64,7 +64,7 @@ from rich.tree import Tree
 
 from analyzer.caching_models import ENGINE, EVICTION_POLICIES, VLLM, LlamaCpp, RadixTree, SGLang, block_hash_ids
 from analyzer.kv_memory import KNOWN_MODELS, UnsupportedModel, kv_shape, memory_to_buy, server_flags
-from analyzer.request_logs import Log, LoggedRequest, LogError, add_log_arguments, interleave
+from analyzer.request_logs import Log, LoggedRequest, LogError, add_log_arguments, interleaved
 from flags import positive_int
 from model_files import DEFAULT_MODEL, load_tokenizer
 from prompts import tokenize_prompts
@@ -815,7 +815,7 @@ def read_log_streaming(args: argparse.Namespace, tokenizer, prompts: TokenizedLo
     with Progress(*columns, console=console, transient=True, disable=not console.is_terminal) as progress:
         task = progress.add_task("", total=None, requests=0, rate=0)
         file_read = lambda done, size: progress.update(task, completed=done, total=size)  # noqa: E731
-        requests = interleave(log.stream(args.log, args.max_log_bytes, args.skip_bad, file_read),
+        requests = interleaved(log.stream(args.log, args.max_log_bytes, args.skip_bad, file_read),
                               args.conversations_at_once)
         tokens = 0
         for request, ids in tokenized_batches(requests, tokenizer):
