@@ -111,7 +111,7 @@ def run_measured(command: list[str], cwd: Path) -> tuple[str, float, float]:
 def measure_memory(size: int, folder: Path, baseline: Path | None) -> dict:
     path = folder / f"chat_{size}_bytes.jsonl"
     requests = repeated_chat_log(path, size)
-    result = {"log_mib": round(path.stat().st_size / 2**20), "requests": requests}
+    result = {"log_mib": round(path.stat().st_size / 2**20, 1), "requests": requests}
     checkouts = {"this": Path(__file__).resolve().parents[1]} | ({"baseline": baseline} if baseline else {})
     for name, checkout in checkouts.items():
         out, seconds, peak = run_measured([sys.executable, "prefix_caching.py", "--analyze", str(path)], checkout)

@@ -241,3 +241,13 @@ def test_the_analyzer_benchmark_times_a_log_it_keeps(tmp_path):
     assert run["same_curve"] and run["baseline_analysis_s"] >= run["baseline_reading_and_tokenizing_s"] > 0
     assert len(read_log(tmp_path / "chat_1000.jsonl")) == 1_000
     assert results == [run]
+
+
+def test_the_analyzer_benchmark_measures_the_peak_memory_of_a_big_log(tmp_path):
+    from benchmarks import analyzer
+
+    (run,) = analyzer.main(["--log-size", "300KiB", "--logs", str(tmp_path), "--baseline", str(ROOT),
+                            "--json", str(tmp_path / "out.json")])
+    assert run["log_mib"] == 0.3 and 100 < run["requests"] < 200  # 300 KiB of chat requests of about 2 KiB
+    assert run["this_peak_rss_mib"] > 0 and run["baseline_peak_rss_mib"] > 0 and run["same_curve"]
+    assert json.loads((tmp_path / "out.json").read_text())["requests"] == run["requests"]
