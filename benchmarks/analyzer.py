@@ -117,7 +117,8 @@ def measure_memory(size: int, folder: Path, baseline: Path | None) -> dict:
         out, seconds, peak = run_measured([sys.executable, "prefix_caching.py", "--analyze", str(path)], checkout)
         result[f"{name}_seconds"], result[f"{name}_peak_rss_mib"] = round(seconds, 1), round(peak)
         result[f"{name}_curve"] = curve_rows(out)
-        result[f"{name}_first_line"] = out.splitlines()[0] if out else ""
+        tokens = re.search(r"requests, ([\d,]+) prompt tokens", out)
+        result[f"{name}_prompt_tokens"] = int(tokens[1].replace(",", "")) if tokens else None
     if baseline:
         result["same_curve"] = bool(result["this_curve"]) and result["this_curve"] == result["baseline_curve"]
     return result
@@ -152,8 +153,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                       f"{load:.1f}, after {os.getloadavg()[0]:.1f}: {r['requests']:,} requests, {r['log_mib']:,} MiB")
         for name in ("this", "baseline"):
             if f"{name}_seconds" in r:
-                console.print(f"  {name}: {r[name + '_seconds']} s, peak RSS {r[name + '_peak_rss_mib']:,} MiB; "
-                              f"{r[name + '_first_line']}")
+                console.print(f"  {name}: {r[name + '_seconds']} s, peak RSS {r[name + '_peak_rss_mib']:,} MiB, "
+                              f"{r[name + '_prompt_tokens']:,} prompt tokens")
         if "same_curve" in r:
             console.print(f"  same curve: {'yes' if r['same_curve'] else '[red]NO[/]'}")
         save_json(args.json, r, console)

@@ -250,4 +250,5 @@ def test_the_analyzer_benchmark_measures_the_peak_memory_of_a_big_log(tmp_path):
                             "--json", str(tmp_path / "out.json")])
     assert run["log_mib"] == 0.3 and 100 < run["requests"] < 200  # 300 KiB of chat requests of about 2 KiB
     assert run["this_peak_rss_mib"] > 0 and run["baseline_peak_rss_mib"] > 0 and run["same_curve"]
+    assert run["this_prompt_tokens"] == run["baseline_prompt_tokens"] > 50_000
     assert json.loads((tmp_path / "out.json").read_text())["requests"] == run["requests"]
