@@ -117,7 +117,7 @@ def measure_memory(size: int, folder: Path, baseline: Path | None) -> dict:
         out, seconds, peak = run_measured([sys.executable, "prefix_caching.py", "--analyze", str(path)], checkout)
         result[f"{name}_seconds"], result[f"{name}_peak_rss_mib"] = round(seconds, 1), round(peak)
         result[f"{name}_curve"] = curve_rows(out)
-        tokens = re.search(r"requests, ([\d,]+) prompt tokens", out)
+        tokens = re.search(r"requests,\s+([\d,]+)\s+prompt\s+tokens", out)  # the line may wrap
         result[f"{name}_prompt_tokens"] = int(tokens[1].replace(",", "")) if tokens else None
     if baseline:
         result["same_curve"] = bool(result["this_curve"]) and result["this_curve"] == result["baseline_curve"]
