@@ -10,7 +10,7 @@ Read request_logs.py (what a log holds), prefix_caching.py (the allocator it rep
 through) and caching_models.py (its steps in a fast form, and two other servers' caches)
 first; kv_memory.py turns the working set into GiB. In this file:
 
-    1. tokenize        the log as it streams, thousands of prompts in one call, their token ids
+    1. tokenize        the log as it streams, hundreds of prompts in one call, their token ids
                        to a temporary file that every replay reads back
     2. replay          one request after another through PrefixCachingAllocator: the tokens
                        each one found cached, on a pool of a given size
