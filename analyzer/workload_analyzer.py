@@ -179,12 +179,12 @@ def lengths_of(prompts) -> Sequence[int]:
 HOT = 5  # a block hit by this many requests is a hot prefix: its eviction is worth a warning
 
 
-@dataclass
+@dataclass(slots=True)  # one for every block hit: slots and an array keep it to about 200 bytes
 class PrefixBlock:
     """A cached block some request hit: where it sits in the chain, and how often it served."""
 
     parent: int | None  # the block (hash, numbered) before it in the prompt (None: the first block)
-    token_ids: list[int]  # its tokens, to show the prefix as text
+    token_ids: array  # its tokens, to show the prefix as text
     hits: int = 0  # requests that found it cached
     last_hit: int = 0  # the index of the last of them
 
@@ -271,7 +271,7 @@ def watch_request(prompt: array, hash_ids: array, index: int, num_hits: int, res
         if block is None:
             parent = hash_ids[i - 1] if i else None
             tokens = prompt[i * block_size : (i + 1) * block_size]
-            block = result.prefix_blocks[hash_ids[i]] = PrefixBlock(parent, list(tokens))
+            block = result.prefix_blocks[hash_ids[i]] = PrefixBlock(parent, tokens)
         block.hits += 1
         block.last_hit = index
     # The last block of a prompt that is all cached prefix is computed again on purpose (a
