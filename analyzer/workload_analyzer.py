@@ -473,7 +473,9 @@ def first_text(prompt) -> str:
 
 
 class StartsSeen:
-    """The starts of the prompts, gathered as the log streams by, for variable_starts."""
+    """The starts of the prompts, gathered as the log streams by, for variable_starts. It
+    keeps each distinct start and the first text that opened with it: few on a log of shared
+    system prompts, but every prompt of a log whose prompts all start differently."""
 
     def __init__(self) -> None:
         self.groups: dict[str, dict[str, str]] = {}  # blanked start -> {start as written: the whole text}
