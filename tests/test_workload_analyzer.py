@@ -210,6 +210,7 @@ def test_the_command_reports_the_curve_and_writes_the_plot(tmp_path):
     (["none.jsonl"], "no such file"),
     (["lessons/data/chatbot.jsonl.xz", "--model", "no/such-model"], "could not load the model 'no/such-model'"),
     (["lessons/data/chatbot.jsonl.xz", "--num-blocks", "3"], "--num-blocks 3 cannot hold the longest prompt"),
+    (["lessons/data/chatbot.jsonl.xz", "--chat-template", "none.jinja"], "--chat-template none.jinja: No such file"),
 ])
 def test_the_command_refuses_what_it_cannot_use_without_a_traceback(args, message):
     result = subprocess.run([sys.executable, "prefix_caching.py", "--analyze", *args], capture_output=True, text=True,
