@@ -17,6 +17,7 @@ whole log here, so both count the same tokens.
 
 from __future__ import annotations
 
+import json
 from typing import Sequence
 
 from jinja2 import TemplateError
@@ -56,12 +57,16 @@ def check_prompt(prompt, vocab_size: int | None = None) -> str:
     return "messages"
 
 
-def tokenize_prompts(tokenizer, prompts: Sequence, vocab_size: int | None = None) -> list[list[int]]:
+def tokenize_prompts(tokenizer, prompts: Sequence, vocab_size: int | None = None,
+                     tools: Sequence[list | None] | None = None) -> list[list[int]]:
     """Token ids of each prompt (see check_prompt for the kinds), every one checked first.
 
     Texts are encoded as they are; messages go through the chat template with the
-    assistant's turn opened. Both in one batch call each: the tokenizer's Rust code then
-    works through thousands of prompts at a time (a workload log) instead of one by one.
+    assistant's turn opened, and with their request's `tools` (one list or None a prompt)
+    where given, as vLLM's server passes them (apply_chat_template(..., tools=...)). One
+    batch call for the texts and one for each set of tools the chats send: the tokenizer's
+    Rust code then works through thousands of prompts at a time (a workload log) instead of
+    one by one.
     """
     kinds = [check_prompt(prompt, vocab_size) for prompt in prompts]
     if "messages" in kinds and not tokenizer.chat_template:
@@ -71,24 +76,28 @@ def tokenize_prompts(tokenizer, prompts: Sequence, vocab_size: int | None = None
     if texts:
         for i, encoded in zip(texts, tokenizer([prompts[i] for i in texts])["input_ids"]):
             ids[i] = encoded
-    chats = [i for i, kind in enumerate(kinds) if kind == "messages"]
-    if chats:
+    by_tools: dict[str, list[int]] = {}  # the chats that send the same tools (most send none) share a call
+    for i, kind in enumerate(kinds):
+        if kind == "messages":
+            by_tools.setdefault(json.dumps(tools[i] if tools else None, sort_keys=True), []).append(i)
+    for chats in by_tools.values():
+        these_tools = tools[chats[0]] if tools else None
         try:
-            rendered = tokenizer.apply_chat_template([list(prompts[i]) for i in chats], add_generation_prompt=True,
-                                                     return_dict=False)
+            rendered = tokenizer.apply_chat_template([list(prompts[i]) for i in chats], tools=these_tools,
+                                                     add_generation_prompt=True, return_dict=False)
         except TemplateError:
-            raise ValueError(refused_by_template(tokenizer, prompts, chats)) from None
+            raise ValueError(refused_by_template(tokenizer, prompts, chats, these_tools)) from None
         for i, encoded in zip(chats, rendered):
             ids[i] = list(encoded)
     return ids
 
 
-def refused_by_template(tokenizer, prompts: Sequence, chats: list[int]) -> str:
+def refused_by_template(tokenizer, prompts: Sequence, chats: list[int], tools: list | None = None) -> str:
     """Why the model's chat template refused a batch: the first prompt it refuses alone, and
     the template's own words (a template may demand alternating roles, or no system turn)."""
     for i in chats:
         try:
-            tokenizer.apply_chat_template(list(prompts[i]), add_generation_prompt=True)
+            tokenizer.apply_chat_template(list(prompts[i]), tools=tools, add_generation_prompt=True)
         except TemplateError as err:
             where = f"prompt {i}" if len(prompts) > 1 else "the messages"
             return f"the model's chat template refused {where}: {err}; change the roles or their order"

@@ -12,10 +12,11 @@ tokenizes and replays what this file reads.
                         APIs take, an optional "cache_salt"; an OpenAI batch file's lines,
                         whose "body" holds one) or ShareGPT conversations (one request per user
                         turn, with the history before it)
-                        interleave(requests, n): n conversations at a time, taking turns
+                        interleaved(requests, n): n conversations at a time, taking turns
     2. example logs     chatbot, multi-turn chat, RAG, code completion, batch summarisation,
-                        random prompts, and a chatbot whose system prompt opens with a
-                        timestamp: `python -m analyzer.request_logs --out DIR` writes them
+                        random prompts, a chatbot whose system prompt opens with a
+                        timestamp, and an agent that sends tools and calls them:
+                        `python -m analyzer.request_logs --out DIR` writes them
 
     >>> [r.prompt for r in requests_from_record({"prompt": ["Hi", "Hello"]}, "line 1")]
     ['Hi', 'Hello']
@@ -31,6 +32,7 @@ import argparse
 import bz2
 import codecs
 import gzip
+import itertools
 import json
 import lzma
 import random
@@ -39,7 +41,7 @@ import zlib
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterable, Iterator
 
 from prefix_caching import check_cache_salt
 from prompts import check_prompt
@@ -79,6 +81,7 @@ class LoggedRequest:
     cache_salt: str | None  # the request's tenant, when the log has one
     where: str  # its place in the log, for messages: "line 12", "line 12, turn 3"
     conversation: str | None = None  # the turns of one ShareGPT conversation share it
+    tools: list[dict] | None = None  # a chat request's "tools", as vLLM hands them to the chat template
 
 
 class LogError(ValueError):
@@ -96,32 +99,42 @@ class Log:
 
     @classmethod
     def read(cls, path: str | Path, max_bytes: int = DEFAULT_MAX_LOG_BYTES, skip_bad: bool = False) -> Log:
-        """Every request of the log, in its order. A bad record raises LogError naming its
+        """Every request of the log, in its order, kept in memory (see stream)."""
+        log = cls([])
+        log.requests.extend(log.stream(path, max_bytes, skip_bad))
+        return log
+
+    def stream(self, path: str | Path, max_bytes: int = DEFAULT_MAX_LOG_BYTES, skip_bad: bool = False,
+               progress: Callable[[int, int], None] | None = None) -> Iterator[LoggedRequest]:
+        """The log's requests one at a time, in its order, as the file is read: nothing of a
+        request is kept here once it is handed on. A bad record raises LogError naming its
         line; with skip_bad it is left out and its error kept in bad_records. Refused either
         way: a log larger than max_bytes decompressed, a damaged archive, and a JSON array
-        whose syntax breaks (nothing says where its next element starts)."""
+        whose syntax breaks (nothing says where its next element starts).
+        `progress(bytes of the file read, its size)` is called as the file is read."""
         path = Path(path)
         if not path.is_file():
             raise LogError(f"{path}: no such file; give a JSONL log of OpenAI request bodies or ShareGPT conversations")
-        log = cls([])
-        for where, record in records(path, max_bytes):
+        handed = 0
+        for where, record in records(path, max_bytes, progress):
             parts = Counter()  # counted only if the record is read
             try:
                 if isinstance(record, LogError):
                     raise record
-                log.requests.extend(requests_from_record(record, where, parts))
+                requests = requests_from_record(record, where, parts)
             except LogError as err:
                 if not skip_bad:
                     raise
-                log.bad_records += 1
-                if len(log.bad_examples) < EXAMPLES:
-                    log.bad_examples.append(str(err))
+                self.bad_records += 1
+                if len(self.bad_examples) < EXAMPLES:
+                    self.bad_examples.append(str(err))
                 continue
-            log.skipped_parts.update(parts)
-        if not log.requests:
-            skipped = f" ({log.bad_records:,} bad records skipped)" if log.bad_records else ""
+            self.skipped_parts.update(parts)
+            handed += len(requests)
+            yield from requests
+        if not handed:
+            skipped = f" ({self.bad_records:,} bad records skipped)" if self.bad_records else ""
             raise LogError(f"{path}: the log holds no request{skipped}")
-        return log
 
     def notes(self) -> list[str]:
         """What the analysis of this log leaves out, in words."""
@@ -168,16 +181,17 @@ def byte_count(text: str) -> int:
 # --- The file: its bytes as they decompress, then one record at a time
 
 
-def decompressed(path: Path, max_bytes: int) -> Iterator[bytes]:
+def decompressed(path: Path, max_bytes: int, progress: Callable[[int, int], None] | None = None) -> Iterator[bytes]:
     """The log's bytes, CHUNK_BYTES at a time, decompressed as its first bytes say (gzip, xz,
-    bzip2, or none); LogError past max_bytes, or when the file is cut short or damaged."""
+    bzip2, or none); LogError past max_bytes, or when the file is cut short or damaged.
+    `progress(bytes of the file read, its size)` after each chunk."""
     with open(path, "rb") as f:
         head = f.read(8)
     if head.startswith(ZSTD):
         raise LogError(f"{path}: zstd is not read here; decompress it (zstd -d) or compress it with xz or gzip")
-    opener = next((opener for magic, opener in COMPRESSED.items() if head.startswith(magic)), open)
-    total = 0
-    with opener(path, "rb") as f:
+    opener = next((opener for magic, opener in COMPRESSED.items() if head.startswith(magic)), None)
+    total, size = 0, path.stat().st_size
+    with open(path, "rb") as raw, (opener(raw, "rb") if opener else raw) as f:  # raw.tell(): how far the file is read
         while True:
             try:
                 chunk = f.read(CHUNK_BYTES)
@@ -190,14 +204,17 @@ def decompressed(path: Path, max_bytes: int) -> Iterator[bytes]:
             if total > max_bytes:
                 raise LogError(f"{path}: more than {max_bytes:,} bytes decompressed, the limit of --max-log-bytes; "
                                f"raise it, or split the log")
+            if progress is not None:
+                progress(raw.tell(), size)
             yield chunk
 
 
-def records(path: Path, max_bytes: int) -> Iterator[tuple[str, object]]:
+def records(path: Path, max_bytes: int, progress: Callable[[int, int], None] | None = None
+            ) -> Iterator[tuple[str, object]]:
     """(where, record) for each record of the log: the elements of one JSON array, or else
     one per line. A line that is not UTF-8 or not JSON comes as the LogError that says so,
     in its place, so that a caller may skip it and go on."""
-    chunks = decompressed(path, max_bytes)
+    chunks = decompressed(path, max_bytes, progress)
     first = next(chunks, b"").removeprefix(codecs.BOM_UTF8)  # Windows tools open UTF-8 text with one
     chunks = prepend(first, chunks)
     if first.lstrip().startswith(b"["):  # one JSON array (how ShareGPT files are often shared)
@@ -343,8 +360,10 @@ def requests_from_record(record, where: str, skipped_parts: Counter | None = Non
         salt = check_cache_salt(record.get("cache_salt"))
     except (TypeError, ValueError) as err:
         raise LogError(f"{where}: {err}") from None
+    tools = None
     if "messages" in record:
         prompts = [chat_messages(record["messages"], where, Counter() if skipped_parts is None else skipped_parts)]
+        tools = template_tools(record.get("tools"), where)
     elif "prompt" in record:
         prompts = completion_prompts(record["prompt"], where)
     elif "conversations" in record:
@@ -355,7 +374,28 @@ def requests_from_record(record, where: str, skipped_parts: Counter | None = Non
                        f"request body or a ShareGPT conversation")
     for prompt in prompts:
         check(prompt, where)
-    return [LoggedRequest(prompt, salt, where) for prompt in prompts]
+    return [LoggedRequest(prompt, salt, where, tools=tools) for prompt in prompts]
+
+
+def template_tools(tools, where: str) -> list[dict] | None:
+    """A chat request's tools as vLLM's server hands them to the chat template: each one's
+    pydantic model dumped, so a function's description and parameters are there, None when
+    the request left them out (vllm/entrypoints/openai/serving_chat.py: tool_dicts =
+    [tool.model_dump() for tool in request.tools]; ChatCompletionToolsParam and
+    FunctionDefinition in vllm/entrypoints/openai/protocol.py). No tools, or an empty list: None.
+
+    >>> template_tools([{"type": "function", "function": {"name": "now"}}], "line 1")
+    [{'type': 'function', 'function': {'name': 'now', 'description': None, 'parameters': None}}]
+    """
+    if tools is None or tools == []:
+        return None
+    if not (isinstance(tools, list) and all(isinstance(t, dict) and isinstance(t.get("function"), dict)
+                                            and isinstance(t["function"].get("name"), str) for t in tools)):
+        raise LogError(f'{where}: "tools" is a list of {{"type": "function", "function": {{"name", "description", '
+                       f'"parameters"}}}}, got {tools!r:.60}')
+    return [{"type": tool.get("type", "function"),
+             "function": {"name": tool["function"]["name"], "description": tool["function"].get("description"),
+                          "parameters": tool["function"].get("parameters")}} for tool in tools]
 
 
 def chat_messages(messages, where: str, skipped_parts: Counter) -> list[dict]:
@@ -488,31 +528,40 @@ def check(prompt, where: str) -> None:
         raise LogError(f"{where}: {err}") from None
 
 
-def interleave(requests: list[LoggedRequest], at_once: int) -> list[LoggedRequest]:
+def interleave(requests: Iterable[LoggedRequest], at_once: int) -> list[LoggedRequest]:
+    """interleaved(requests, at_once) as a list."""
+    return list(interleaved(requests, at_once))
+
+
+def interleaved(requests: Iterable[LoggedRequest], at_once: int) -> Iterator[LoggedRequest]:
     """The log's conversations `at_once` at a time, taking turns: users who chat at the same
     time, whose next turn comes after the others' (a request outside a conversation is one
     of a single turn). A file of conversations lists each one's turns back to back, which
-    no server sees: a pool must hold every live history between two of its turns.
+    no server sees: a pool must hold every live history between two of its turns. Read as
+    the log streams: only the live conversations are held (a conversation is the run of
+    requests that name it, as the reader hands them).
 
     >>> log = [LoggedRequest("", None, w, conversation=w[0]) for w in ("a1", "a2", "b1", "b2", "c1")]
-    >>> [r.where for r in interleave(log, 2)]
+    >>> [r.where for r in interleaved(log, 2)]
     ['a1', 'b1', 'a2', 'b2', 'c1']
     """
-    conversations: dict[object, list[LoggedRequest]] = {}
-    for i, request in enumerate(requests):
-        conversations.setdefault(request.conversation or i, []).append(request)
-    waiting = [iter(turns) for turns in conversations.values()][::-1]
-    live, order = [], []
-    while live or waiting:
-        while waiting and len(live) < at_once:
-            live.append(waiting.pop())
+    runs = itertools.groupby(enumerate(requests), key=lambda pair: pair[1].conversation or pair[0])
+    waiting = ([request for _, request in run] for _, run in runs)
+    live: list[Iterator[LoggedRequest]] = []
+    while True:
+        while len(live) < at_once:
+            turns = next(waiting, None)
+            if turns is None:
+                break
+            live.append(iter(turns))
+        if not live:
+            return
         for turns in list(live):
             request = next(turns, None)
             if request is None:
                 live.remove(turns)
             else:
-                order.append(request)
-    return order
+                yield request
 
 
 # -----------------------------------------------------------------------------
@@ -665,6 +714,42 @@ def agent(n: int = 6, at_once: int = 3, seed: int = 0) -> list[dict]:
     return records
 
 
+TOOL_NAMES = ("search_orders", "get_customer", "refund_payment", "track_parcel", "update_address", "list_products",
+              "check_stock", "open_ticket", "send_email")
+
+
+def agent_with_tools(n: int = 252, seed: int = 0) -> list[dict]:
+    """An agent's chat requests (OpenAI bodies): one system prompt and the same 9 tools in
+    every request, a task, then rounds of the assistant calling a tool (no text, or a line
+    of it) and the tool's answer, each round one more request that sends the whole history
+    back. The tools' definitions are longer than the system prompt: a template without a
+    tool block leaves most of what a tool-aware server computes out."""
+    w = Writer(seed)
+    system = "You are the operations agent of a shop. Use the tools to act; answer briefly. " + w.words(120)
+    tools = [{"type": "function", "function": {
+        "name": name, "description": w.sentence(15, 30),
+        "parameters": {"type": "object", "properties": {
+            field: {"type": kind, "description": w.sentence(4, 10)}
+            for field, kind in (("id", "string"), ("limit", "integer"), ("note", "string"))[: w.rng.randint(1, 3)]},
+            "required": ["id"]}}} for name in TOOL_NAMES]
+    requests: list[dict] = []
+    session = 0
+    while len(requests) < n:
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": w.sentence(10, 40)}]
+        requests.append({"model": "any", "messages": list(messages), "tools": tools})
+        for step in range(w.rng.randint(2, 5)):
+            call_id = f"call_{session}_{step}"
+            tool = w.rng.choice(tools)["function"]
+            arguments = {"id": f"{w.rng.choice(WORDS)}-{w.rng.randint(100, 999)}", "limit": w.rng.randint(1, 20)}
+            messages.append({"role": "assistant", "content": None if w.rng.random() < 0.7 else w.sentence(4, 12),
+                             "tool_calls": [{"id": call_id, "type": "function",
+                                             "function": {"name": tool["name"], "arguments": json.dumps(arguments)}}]})
+            messages.append({"role": "tool", "tool_call_id": call_id, "content": w.words(w.rng.randint(30, 150))})
+            requests.append({"model": "any", "messages": list(messages), "tools": tools})
+        session += 1
+    return requests[:n]
+
+
 # The file name of each example log, its maker, and the article's hit rate for its workload.
 EXAMPLE_LOGS = {
     "chatbot.jsonl.xz": (chatbot, "92-97%"),
@@ -675,6 +760,7 @@ EXAMPLE_LOGS = {
     "random_prompts.jsonl.xz": (random_prompts, "0-2%"),
     "chatbot_with_timestamp.jsonl.xz": (chatbot_with_timestamp, "(not in the article)"),
 }
+OTHER_LOGS = {"agent_with_tools.jsonl.xz": agent_with_tools}  # workloads the article's table has no row for
 
 
 def write_log(path: Path, records: list[dict]) -> None:
@@ -692,7 +778,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="folder for the logs (default: lessons/data)")
     out = parser.parse_args(argv).out
     out.mkdir(parents=True, exist_ok=True)
-    for name, (make, _) in EXAMPLE_LOGS.items():
+    makers = {name: make for name, (make, _) in EXAMPLE_LOGS.items()} | OTHER_LOGS
+    for name, make in makers.items():
         write_log(out / name, make())
         print(f"wrote {out / name} ({(out / name).stat().st_size // 1024} KiB)")
 

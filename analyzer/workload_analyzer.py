@@ -3,8 +3,8 @@ The workload analyzer: how much would prefix caching save on your own traffic, a
 must the pool be? It reads a request log, tokenizes it with the model's tokenizer and
 replays it through this course's allocator, offline, on a CPU.
 
-    python prefix_caching.py --analyze LOG [--model M] [--block-size 16] [--num-blocks N] [--plot FILE.png]
-        [--like vllm|sglang|llamacpp|engine] [--kv-model NAME|CONFIG --concurrency N --context TOKENS]
+    python prefix_caching.py --analyze LOG [--model M] [--chat-template FILE] [--block-size 16] [--num-blocks N]
+        [--plot FILE.png] [--like vllm|sglang|llamacpp|engine] [--kv-model NAME|CONFIG --concurrency N --context TOKENS]
         [--replicas N --router cache_aware|round_robin|random|power_of_two] [--json FILE]
 
 Read request_logs.py (what a log holds), prefix_caching.py (the allocator it replays
@@ -12,12 +12,14 @@ through) and caching_models.py (its steps in a fast form, and two other servers'
 first; kv_memory.py turns the working set into GiB, fleet.py routes a log among replicas.
 In this file:
 
-    1. tokenize        every prompt with the model's tokenizer, thousands in one call
+    1. tokenize        the log as it streams, hundreds of prompts in one call, their token ids
+                       to a temporary file that every replay reads back
     2. replay          one request after another through PrefixCachingAllocator: the tokens
                        each one found cached, on a pool of a given size
     3. the curve       hit rate and prefill saved from the smallest pool to one that never
                        evicts; the working set, where the curve flattens
-    4. what to act on  the prefixes behind the hits (a tree), the block size, warnings
+    4. what to act on  the prefixes behind the hits (a tree), the block size, warnings (a
+                       chat template that leaves the requests' tools out among them)
     5. a fleet         --replicas N: the router's pick for each request (fleet.py), then each
                        replica's pool replayed with the requests it got
     6. the command     the report; with --kv-model, the memory to buy (kv_memory.py)
@@ -46,22 +48,28 @@ measures it.
 from __future__ import annotations
 
 import argparse
+import io
+import itertools
 import json
 import math
 import re
+import tempfile
 import time
 from array import array
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable, Iterable, Iterator, Sequence
 
+from jinja2 import TemplateError
 from rich.console import Console
+from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from rich.tree import Tree
 
 from analyzer.caching_models import ENGINE, EVICTION_POLICIES, VLLM, LlamaCpp, RadixTree, SGLang, block_hash_ids
 from analyzer.fleet import POLICIES, NotRoutable, RouterFlags, Routing, route_log
 from analyzer.kv_memory import KNOWN_MODELS, UnsupportedModel, kv_shape, memory_to_buy, server_flags
-from analyzer.request_logs import Log, LoggedRequest, LogError, add_log_arguments, interleave
+from analyzer.request_logs import Log, LoggedRequest, LogError, add_log_arguments, interleaved
 from flags import positive_int
 from model_files import DEFAULT_MODEL, load_tokenizer, training_context
 from prompts import tokenize_prompts
@@ -69,31 +77,98 @@ from prompts import tokenize_prompts
 # -----------------------------------------------------------------------------
 # 1. Tokenize
 #
-# One batch call per few thousand prompts: the tokenizer's Rust code then works through them
+# One batch call per few hundred prompts: the tokenizer's Rust code then works through them
 # on every core, where one call per prompt spends most of its time in Python (about 1 ms for
-# a 650-token chat on the 2-core VM of the README, against about 0.5 ms batched).
-# Token ids are kept as 4-byte arrays: 100,000 prompts of 500 tokens as Python lists of ints
-# would take about 2 GB, as arrays 200 MB.
+# a 650-token chat on the 2-core VM of the README, against about 0.5 ms batched). Not more:
+# what a batch call works in stays with the tokenizer's threads after it returns (2,000 chats
+# of 500 tokens left about 130 MB more resident than 500 did).
+# The log is read as it streams: each batch of requests is tokenized and its token ids
+# written to a temporary file, 4 bytes a token, and the request itself let go. Every replay
+# reads the token ids back from the file in order. What stays in memory is a length and a
+# salt a request, and while the replays at one block size run, each request's block hashes
+# (4 bytes a block): a few hundred bytes a request, where its prompt took kilobytes, beside
+# the pool the replay keeps.
 
-TOKENIZE_BATCH = 2000
+TOKENIZE_BATCH = 500
 
 
-def tokenize_log(requests: list[LoggedRequest], tokenizer) -> list[array]:
-    """The token ids of every logged prompt, as Engine.tokenize makes them."""
-    ids = []
-    for start in range(0, len(requests), TOKENIZE_BATCH):
-        batch = requests[start : start + TOKENIZE_BATCH]
+def tokenized_batches(requests: Iterable[LoggedRequest], tokenizer) -> Iterator[tuple[LoggedRequest, array]]:
+    """(request, its token ids as Engine.tokenize makes them) for every request, in order,
+    TOKENIZE_BATCH at a time; a request its chat template refuses raises LogError naming it."""
+    requests = iter(requests)
+    while batch := list(itertools.islice(requests, TOKENIZE_BATCH)):
         try:
-            tokenized = tokenize_prompts(tokenizer, [r.prompt for r in batch])
+            tokenized = tokenize_prompts(tokenizer, [r.prompt for r in batch], tools=[r.tools for r in batch])
         except ValueError:  # the model's chat template refused one: name it by its place in the log
             for r in batch:
                 try:
-                    tokenize_prompts(tokenizer, [r.prompt])
+                    tokenize_prompts(tokenizer, [r.prompt], tools=[r.tools])
                 except ValueError as err:
                     raise LogError(f"{r.where}: {err}") from None
             raise
-        ids.extend(array("I", prompt_ids) for prompt_ids in tokenized)
-    return ids
+        for request, prompt_ids in zip(batch, tokenized):
+            yield request, array("I", prompt_ids)
+
+
+def tokenize_log(requests: list[LoggedRequest], tokenizer) -> list[array]:
+    """The token ids of every logged prompt, kept in memory (a small log, a test)."""
+    return [ids for _, ids in tokenized_batches(requests, tokenizer)]
+
+
+class TokenizedLog:
+    """A log's token ids in a temporary file, read back in order as often as a replay asks:
+    a sequence of prompts (array('I') each) like a list of them, with `lengths` and `salts`
+    in memory. A context manager: the file goes when it closes.
+
+    >>> with TokenizedLog() as log:
+    ...     log.append(array("I", [1, 2, 3]), None); log.append(array("I", [4]), "tenant-a")
+    ...     [p.tolist() for p in log], log.lengths.tolist(), log.salts
+    ([[1, 2, 3], [4]], [3, 1], [None, 'tenant-a'])
+    """
+
+    READ_BYTES = 1 << 22  # read back at a time
+
+    def __init__(self) -> None:
+        self.file = tempfile.TemporaryFile()
+        self.lengths = array("Q")
+        self.salts: list[str | None] = []
+
+    def append(self, prompt: array, salt: str | None) -> None:
+        self.file.seek(0, io.SEEK_END)  # a reader may have moved the position
+        prompt.tofile(self.file)
+        self.lengths.append(len(prompt))
+        self.salts.append(salt)
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def __iter__(self) -> Iterator[array]:
+        self.file.flush()
+        buffered, at, position = array("I"), 0, 0  # its own position: two readers may take turns
+        for length in self.lengths:
+            if at + length > len(buffered):  # read on: what is left, and the next READ_BYTES at least
+                buffered = buffered[at:]
+                self.file.seek(position)
+                chunk = self.file.read(4 * max(length - len(buffered), self.READ_BYTES // 4))
+                position += len(chunk)
+                buffered.frombytes(chunk)
+                at = 0
+            yield buffered[at : at + length]
+            at += length
+
+    def close(self) -> None:
+        self.file.close()
+
+    def __enter__(self) -> TokenizedLog:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def lengths_of(prompts) -> Sequence[int]:
+    """Every prompt's length, without reading a TokenizedLog's file."""
+    return prompts.lengths if isinstance(prompts, TokenizedLog) else [len(p) for p in prompts]
 
 
 # -----------------------------------------------------------------------------
@@ -109,12 +184,12 @@ def tokenize_log(requests: list[LoggedRequest], tokenizer) -> list[array]:
 HOT = 5  # a block hit by this many requests is a hot prefix: its eviction is worth a warning
 
 
-@dataclass
+@dataclass(slots=True)  # one for every block hit: slots and an array keep it to about 200 bytes
 class PrefixBlock:
     """A cached block some request hit: where it sits in the chain, and how often it served."""
 
     parent: int | None  # the block (hash, numbered) before it in the prompt (None: the first block)
-    token_ids: list[int]  # its tokens, to show the prefix as text
+    token_ids: array  # its tokens, to show the prefix as text
     hits: int = 0  # requests that found it cached
     last_hit: int = 0  # the index of the last of them
 
@@ -155,7 +230,7 @@ class Replay:
 
 def smallest_pool(prompts: list[array], block_size: int, model: CacheModel = LIKE["vllm"]) -> int:
     """The fewest blocks that hold the longest prompt (and vLLM's null block)."""
-    longest = max(-(-len(p) // block_size) for p in prompts)
+    longest = -(-max(lengths_of(prompts)) // block_size)
     return longest + (isinstance(model, VLLM) and model.null_block)
 
 
@@ -176,13 +251,16 @@ def replay(prompts: list[array], salts: list[str | None], num_blocks: int, block
     if num_blocks < smallest_pool(prompts, block_size, model):
         raise ValueError(f"a pool of {num_blocks} blocks cannot hold the longest prompt; "
                          f"give at least {smallest_pool(prompts, block_size, model)}")
-    result = Replay(num_blocks, block_size, array("I"), sum(map(len, prompts)), 0)
+    lengths = lengths_of(prompts)
+    result = Replay(num_blocks, block_size, array("I"), sum(lengths), 0)
     if watch and not isinstance(model, VLLM):
         raise ValueError("the prefix tree and the hot misses are read from vLLM's block hashes: use VLLM or ENGINE")
     if isinstance(model, VLLM):
         hash_ids = hash_ids if hash_ids is not None else block_hash_ids(prompts, salts, block_size)
-        watcher = (lambda i, num_hits: watch_request(prompts[i], hash_ids[i], i, num_hits, result)) if watch else None
-        counts = model.replay(hash_ids, [len(p) for p in prompts], num_blocks, block_size, watch=watcher)
+        in_order = iter(prompts)  # the watcher is called once a request, in the log's order
+        watcher = ((lambda i, num_hits: watch_request(next(in_order), hash_ids[i], i, num_hits, result))
+                   if watch else None)
+        counts = model.replay(hash_ids, lengths, num_blocks, block_size, watch=watcher)
     elif isinstance(model, SGLang):
         counts = model.replay(prompts, salts, num_blocks * block_size)
     else:  # llama.cpp has no cache_salt: salted prompts share like any others
@@ -200,7 +278,7 @@ def watch_request(prompt: array, hash_ids: array, index: int, num_hits: int, res
         if block is None:
             parent = hash_ids[i - 1] if i else None
             tokens = prompt[i * block_size : (i + 1) * block_size]
-            block = result.prefix_blocks[hash_ids[i]] = PrefixBlock(parent, list(tokens))
+            block = result.prefix_blocks[hash_ids[i]] = PrefixBlock(parent, tokens)
         block.hits += 1
         block.last_hit = index
     # The last block of a prompt that is all cached prefix is computed again on purpose (a
@@ -257,11 +335,11 @@ def footprint(prompts: list[array], salts: list[str | None], block_size: int, mo
         seen.update(ids)
     smallest = smallest_pool(prompts, block_size, model)
     if isinstance(model, SGLang):
-        tree = RadixTree(model, capacity=sum(map(len, prompts)))  # room for everything: it never evicts
+        tree = RadixTree(model, capacity=sum(lengths_of(prompts)))  # room for everything: it never evicts
         tree.replay(prompts, salts)
         return Footprint(len(seen), len(shared), -(-tree.size // block_size) + smallest)
     if isinstance(model, LlamaCpp):
-        return Footprint(len(seen), len(shared), -(-sum(map(len, prompts)) // block_size) + smallest)
+        return Footprint(len(seen), len(shared), -(-sum(lengths_of(prompts)) // block_size) + smallest)
     return Footprint(len(seen), len(shared), len(seen) + smallest)
 
 
@@ -401,6 +479,48 @@ def first_text(prompt) -> str:
     return prompt[0]["content"] if prompt and isinstance(prompt[0], dict) else ""
 
 
+class StartsSeen:
+    """The starts of the prompts, gathered as the log streams by, for variable_starts. It
+    keeps each distinct start and the first text that opened with it: few on a log of shared
+    system prompts, but every prompt of a log whose prompts all start differently."""
+
+    def __init__(self) -> None:
+        self.groups: dict[str, dict[str, str]] = {}  # blanked start -> {start as written: the whole text}
+        self.sizes: dict[str, int] = {}
+        self.blanked_of: dict[str, str] = {}  # most logs repeat a few starts: blank each one once
+        self.requests = 0
+
+    def add(self, prompt) -> None:
+        self.requests += 1
+        text = first_text(prompt)
+        if text:
+            start = text[:HEAD_CHARS]
+            blanked = self.blanked_of.get(start)
+            if blanked is None:
+                blanked = self.blanked_of[start] = VARIABLE.sub("#", start)
+            self.groups.setdefault(blanked, {}).setdefault(start, text)
+            self.sizes[blanked] = self.sizes.get(blanked, 0) + 1
+
+    def found(self, tokenizer) -> list[VariableStart]:
+        found = []
+        for blanked, spellings in self.groups.items():
+            size = self.sizes[blanked]
+            if size < max(MIN_GROUP, self.requests // 100) or len(spellings) < max(2, size // 2):
+                continue
+            a, b = (spellings[start] for start in sorted(spellings)[:2])
+            position = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+            # The text both share after the first difference, read with every number blanked out.
+            blank_a, blank_b = VARIABLE.sub("#", a), VARIABLE.sub("#", b)
+            common = next((i for i, (x, y) in enumerate(zip(blank_a, blank_b)) if x != y),
+                          min(len(blank_a), len(blank_b)))
+            after = blank_a[len(VARIABLE.sub("#", a[:position])) : common]
+            tokens_after = len(tokenizer.encode(after, add_special_tokens=False)) if tokenizer else len(after.split())
+            found.append(VariableStart(size, len(spellings), position,
+                                       (a[max(0, position - 14):position + 24], b[max(0, position - 14):position + 24]),
+                                       tokens_after))
+        return sorted(found, key=lambda v: -v.requests * v.tokens_after)
+
+
 def variable_starts(requests: list[LoggedRequest], tokenizer) -> list[VariableStart]:
     """Groups of prompts whose starts are equal once every number is blanked out, but not as
     written: a timestamp or a request id early in a shared system prompt.
@@ -411,39 +531,95 @@ def variable_starts(requests: list[LoggedRequest], tokenizer) -> list[VariableSt
     >>> found[0].requests, found[0].position, found[0].examples[0][:16], found[0].tokens_after
     (6, 12, 'Time 09:00:00. Y', 41)
     """
-    groups: dict[str, dict[str, str]] = {}  # blanked start -> {start as written: the whole text}
-    sizes: dict[str, int] = {}
-    blanked_of: dict[str, str] = {}  # most logs repeat a few starts: blank each one once
+    starts = StartsSeen()
     for request in requests:
-        text = first_text(request.prompt)
-        if text:
-            start = text[:HEAD_CHARS]
-            blanked = blanked_of.get(start)
-            if blanked is None:
-                blanked = blanked_of[start] = VARIABLE.sub("#", start)
-            groups.setdefault(blanked, {}).setdefault(start, text)
-            sizes[blanked] = sizes.get(blanked, 0) + 1
-    found = []
-    for blanked, spellings in groups.items():
-        if sizes[blanked] < max(MIN_GROUP, len(requests) // 100) or len(spellings) < max(2, sizes[blanked] // 2):
-            continue
-        a, b = (spellings[start] for start in sorted(spellings)[:2])
-        position = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
-        # The text both share after the first difference, read with every number blanked out.
-        blank_a, blank_b = VARIABLE.sub("#", a), VARIABLE.sub("#", b)
-        common = next((i for i, (x, y) in enumerate(zip(blank_a, blank_b)) if x != y), min(len(blank_a), len(blank_b)))
-        after = blank_a[len(VARIABLE.sub("#", a[:position])) : common]
-        tokens_after = len(tokenizer.encode(after, add_special_tokens=False)) if tokenizer else len(after.split())
-        found.append(VariableStart(sizes[blanked], len(spellings), position,
-                                   (a[max(0, position - 14):position + 24], b[max(0, position - 14):position + 24]),
-                                   tokens_after))
-    return sorted(found, key=lambda v: -v.requests * v.tokens_after)
+        starts.add(request.prompt)
+    return starts.found(tokenizer)
 
 
-def warnings(requests, tokenizer, curve: Curve, studied: Replay) -> list[str]:
+# --- Tools: what a chat template without a tool block leaves out
+#
+# vLLM hands a request's tools to the chat template (apply_chat_template(..., tools=...),
+# vllm/entrypoints/openai/serving_chat.py) and an assistant's tool_calls with the message; a
+# template that has no tool block renders neither, so the server computes no tokens for them
+# and neither does the replay. Which is right depends on the deployed model's template:
+# --chat-template gives it. A template is probed once with a made-up tool and call; what it
+# leaves out is counted as the JSON a tool-aware template writes (`tool | tojson`).
+
+
+def template_renders_tools(tokenizer) -> tuple[bool, bool]:
+    """(does the chat template render a request's tools, does it render an assistant's tool_calls)."""
+    tool = {"type": "function", "function": {"name": "probe_tool_name", "description": None, "parameters": None}}
+    call = {"id": "call_0", "type": "function", "function": {"name": "probe_call_name", "arguments": {}}}
+    chat = [{"role": "user", "content": "Hi"}]
+    try:
+        with_tools = tokenizer.apply_chat_template(chat, tools=[tool], tokenize=False, add_generation_prompt=True)
+        with_call = tokenizer.apply_chat_template(chat + [{"role": "assistant", "content": "", "tool_calls": [call]},
+                                                          {"role": "tool", "content": "ok", "tool_call_id": "call_0"}],
+                                                  tokenize=False, add_generation_prompt=True)
+    except TemplateError:  # a template strict about roles: it is not the one to count tools with
+        return True, True
+    return "probe_tool_name" in with_tools, "probe_call_name" in with_call
+
+
+@dataclass
+class ToolsSeen:
+    """The requests that send tools or tool calls, and the tokens a template without a tool
+    block leaves out of them, gathered as the log streams by."""
+
+    renders_tools: bool
+    renders_calls: bool
+    count_tokens: Callable[[str], int]
+    with_tools: int = 0  # requests that send tools
+    tool_sets: set = field(default_factory=set)  # the distinct lists of tools they send
+    tool_tokens: int = 0  # tokens of their definitions the template left out
+    with_calls: int = 0  # requests whose history holds an assistant turn that calls tools
+    call_tokens: int = 0  # tokens of those calls the template left out
+    empty_turns: int = 0  # of those turns, the ones with no text: rendered as empty messages
+
+    def add(self, request: LoggedRequest) -> None:
+        if request.tools:
+            key = json.dumps(request.tools, sort_keys=True)
+            self.with_tools += 1
+            self.tool_sets.add(key)
+            if not self.renders_tools:
+                self.tool_tokens += self.count_tokens(json.dumps(request.tools))
+        if not isinstance(request.prompt, list):
+            return
+        calls = [m for m in request.prompt if isinstance(m, dict) and m.get("tool_calls")]
+        if calls:
+            self.with_calls += 1
+            if not self.renders_calls:
+                for message in calls:
+                    self.empty_turns += not message["content"]
+                    self.call_tokens += self.count_tokens(json.dumps(
+                        [{"name": c["function"].get("name"), "arguments": c["function"].get("arguments")}
+                         for c in message["tool_calls"]]))
+
+    def notes(self, requests: int) -> list[str]:
+        notes = []
+        if self.with_tools and not self.renders_tools:
+            notes.append(
+                f"{self.with_tools:,} of {requests:,} requests send tools ({len(self.tool_sets):,} distinct lists), "
+                f"and the model's chat template has no tool block: {self.tool_tokens:,} tokens of tool definitions "
+                f"(as JSON, {self.tool_tokens / self.with_tools:,.0f} a request) are not in the replay. A server with "
+                f"this template leaves them out too; if yours serves another one, give it with --chat-template.")
+        if self.with_calls and not self.renders_calls:
+            notes.append(
+                f"{self.with_calls:,} requests send back assistant turns that call tools, and the model's chat "
+                f"template renders no tool_calls: {self.call_tokens:,} tokens of calls (as JSON) are not in the "
+                f"replay, and {self.empty_turns:,} turns that only call tools render as empty messages.")
+        return notes
+
+    @property
+    def left_out(self) -> int:
+        return self.tool_tokens + self.call_tokens
+
+
+def warnings(starts: StartsSeen, tokenizer, curve: Curve, studied: Replay, replies: bool = False) -> list[str]:
     """What a user can change, worded from what the replay found."""
     notes = []
-    for v in variable_starts(requests, tokenizer)[:3]:
+    for v in starts.found(tokenizer)[:3]:
         notes.append(
             f"{v.requests:,} prompts start alike but for numbers ({v.distinct:,} spellings): at character {v.position} "
             f"one says {v.examples[0]!r}, another {v.examples[1]!r}. Blocks are named by every token before them, so "
@@ -459,11 +635,15 @@ def warnings(requests, tokenizer, curve: Curve, studied: Replay) -> list[str]:
             f"them (a burst of other traffic). LRU counts when a block was last used, not how often; "
             + (f"a pool of {curve.working_set:,} blocks (the working set) keeps them."
                if studied.num_blocks < curve.working_set else "a bigger pool keeps them longer."))
-    if any(isinstance(r.prompt, list) and any(m.get("role") == "assistant" for m in r.prompt if isinstance(m, dict))
-           for r in requests):
+    if replies:
         notes.append("The log sends replies back (assistant turns): a server also caches the blocks a reply fills "
                      "while it decodes, so a later turn can hit more than this replay, which caches prompts only.")
     return notes
+
+
+def sends_replies(prompt) -> bool:
+    """Does a prompt send an assistant turn back?"""
+    return isinstance(prompt, list) and any(isinstance(m, dict) and m.get("role") == "assistant" for m in prompt)
 
 
 # -----------------------------------------------------------------------------
@@ -599,6 +779,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_log_arguments(parser)
     parser.add_argument("--model", default=None,
                         help=f"whose tokenizer and chat template (default: {DEFAULT_MODEL}, offline)")
+    parser.add_argument("--chat-template", type=Path, default=None, metavar="FILE",
+                        help="the chat template your server renders with, a Jinja file (vLLM's --chat-template); "
+                        "default: the model's own")
     parser.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block (default: 16, vLLM's)")
     parser.add_argument("--num-blocks", type=positive_int, default=None,
                         help="your deployment's pool (vLLM logs its KV cache size in tokens at start-up: divide by the "
@@ -727,28 +910,88 @@ def main(argv: list[str] | None = None, console: Console | None = None) -> Summa
     console = console or Console()
     start = time.perf_counter()
     try:
-        log = Log.read(args.log, args.max_log_bytes, args.skip_bad)
-    except LogError as err:
-        parser.error(str(err))
-    requests = interleave(log.requests, args.conversations_at_once)
-    try:
         tokenizer = load_tokenizer(args.model)
     except OSError as err:
         parser.error(str(err))
-    try:
-        prompts = tokenize_log(requests, tokenizer)
-    except LogError as err:
-        parser.error(str(err))
-    salts = [r.cache_salt for r in requests]
+    if args.chat_template is not None:
+        try:
+            tokenizer.chat_template = args.chat_template.read_text(encoding="utf-8")
+        except OSError as err:
+            parser.error(f"--chat-template {args.chat_template}: {err.strerror}; give a Jinja file")
+    with TokenizedLog() as prompts:
+        try:
+            read = read_log_streaming(args, tokenizer, prompts, console)
+        except LogError as err:
+            parser.error(str(err))
+        return analyse(args, parser, model, shape, flags, tokenizer, prompts, read, console, start)
+
+
+@dataclass
+class ReadLog:
+    """What reading the log found besides the token ids: for the report and the warnings."""
+
+    log: Log  # its notes: bad records, content parts left out
+    starts: StartsSeen
+    tools: ToolsSeen
+    replies: bool  # some chat sends an assistant turn back
+    seconds: float
+    requests: list[LoggedRequest] | None  # kept for --replicas only: the router's tree holds every text anyway
+
+
+def read_log_streaming(args: argparse.Namespace, tokenizer, prompts: TokenizedLog, console: Console) -> ReadLog:
+    """Read, tokenize and keep the log's token ids in `prompts`, a batch at a time, with a
+    progress bar: how much of the file is read, the requests and tokens a second."""
+    start = time.perf_counter()
+    log = Log([])
+    renders_tools, renders_calls = template_renders_tools(tokenizer)
+    counted: dict[str, int] = {}  # a tool list or call's tokens, counted once (an agent sends the same ones)
+
+    def count_tokens(text: str) -> int:
+        if text not in counted:
+            if len(counted) > 10_000:
+                counted.clear()
+            counted[text] = len(tokenizer.encode(text, add_special_tokens=False))
+        return counted[text]
+
+    starts, tools, replies = StartsSeen(), ToolsSeen(renders_tools, renders_calls, count_tokens), False
+    kept = [] if args.replicas is not None else None
+    columns = (TextColumn("reading and tokenizing"), BarColumn(), TaskProgressColumn(),
+               TextColumn("{task.fields[requests]:,} requests, {task.fields[rate]:,.0f} tokens/s"),
+               TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=True, disable=not console.is_terminal) as progress:
+        task = progress.add_task("", total=None, requests=0, rate=0)
+        file_read = lambda done, size: progress.update(task, completed=done, total=size)  # noqa: E731
+        requests = interleaved(log.stream(args.log, args.max_log_bytes, args.skip_bad, file_read),
+                              args.conversations_at_once)
+        tokens = 0
+        for request, ids in tokenized_batches(requests, tokenizer):
+            prompts.append(ids, request.cache_salt)
+            starts.add(request.prompt)
+            tools.add(request)
+            if kept is not None:
+                kept.append(request)
+            replies = replies or sends_replies(request.prompt)
+            tokens += len(ids)
+            if len(prompts) % TOKENIZE_BATCH == 0:
+                progress.update(task, requests=len(prompts), rate=tokens / (time.perf_counter() - start))
+    return ReadLog(log, starts, tools, replies, time.perf_counter() - start, kept)
+
+
+def analyse(args, parser, model: CacheModel, shape, flags: RouterFlags, tokenizer, prompts: TokenizedLog,
+            read: ReadLog, console: Console, start: float) -> Summary:
+    """The report on a log read and tokenized: the curve, the working set, the tree, warnings."""
+    salts = prompts.salts
     tokenized = time.perf_counter()
-    total = sum(map(len, prompts))
-    console.print(f"{args.log}: {len(requests):,} requests, {total:,} prompt tokens "
-                  f"({total / len(requests):,.0f} a request), read and tokenized in {tokenized - start:.1f} s")
+    total = sum(prompts.lengths)
+    left_out = (f"; the chat template leaves out {read.tools.left_out:,} tokens of tools, see the warnings"
+                if read.tools.left_out else "")
+    console.print(f"{args.log}: {len(prompts):,} requests, {total:,} prompt tokens "
+                  f"({total / len(prompts):,.0f} a request{left_out}), read and tokenized in {tokenized - start:.1f} s")
     smallest = smallest_pool(prompts, args.block_size, model)
     if args.num_blocks is not None and args.num_blocks < smallest:
         parser.error(f"--num-blocks {args.num_blocks} cannot hold the longest prompt; give at least {smallest}")
 
-    with console.status(f"replaying {len(requests):,} requests at {CURVE_POINTS + NARROWING_STEPS} pool sizes"):
+    with console.status(f"replaying {len(prompts):,} requests at {CURVE_POINTS + NARROWING_STEPS} pool sizes"):
         curve = hit_rate_curve(prompts, salts, args.block_size, model)
     most = curve.replays[-1]
     table = Table("num_blocks", "tokens", "hit rate", "prefill tokens saved", "evictions",
@@ -768,7 +1011,7 @@ def main(argv: list[str] | None = None, console: Console | None = None) -> Summa
         f"churn) gives {curve.footprint.shared_blocks:,} x 1.2 = {rule:,} blocks ({curve.footprint.distinct_blocks:,} distinct "
         f"full blocks in the log).")
     if shape is not None:
-        print_memory_to_buy(console, shape, args, curve.working_set, args.context or max(map(len, prompts)))
+        print_memory_to_buy(console, shape, args, curve.working_set, args.context or max(prompts.lengths))
 
     studied_size = args.num_blocks or curve.working_set
     by_blocks = isinstance(model, VLLM)  # the tree, the hot misses and the block sizes are read from block hashes
@@ -793,22 +1036,23 @@ def main(argv: list[str] | None = None, console: Console | None = None) -> Summa
 
     if args.replicas is not None:
         try:
-            routing = route_log(requests, args.replicas, flags)
+            routing = route_log(read.requests, args.replicas, flags)
         except NotRoutable as err:
             parser.error(str(err))
-        fleet = replay_fleet(prompts, salts, routing, studied_size, args.block_size, model)
-        print_fleet(console, fleet, requests, studied, flags, args.like)
+        fleet = replay_fleet(list(prompts), salts, routing, studied_size, args.block_size, model)
+        print_fleet(console, fleet, read.requests, studied, flags, args.like)
         if args.json is not None:
-            args.json.write_text(json.dumps(fleet_json(fleet, requests, args, flags), indent=1))
+            args.json.write_text(json.dumps(fleet_json(fleet, read.requests, args, flags), indent=1))
             console.print(f"wrote {args.json}")
 
-    notes = log.notes() + warnings(requests, tokenizer, curve, studied)
+    notes = read.log.notes() + read.tools.notes(len(prompts)) + warnings(read.starts, tokenizer, curve, studied,
+                                                                         read.replies)
     for note in notes:
         console.print(f"[yellow]warning:[/] {note}")
     if args.plot:
-        plot_curve(curve, args.plot, f"{args.log.name}: hit rate vs cache size ({len(requests):,} requests)")
+        plot_curve(curve, args.plot, f"{args.log.name}: hit rate vs cache size ({len(prompts):,} requests)")
         console.print(f"wrote {args.plot}")
     seconds = time.perf_counter() - start
-    console.print(f"{len(requests):,} requests analysed in {seconds:.1f} s "
+    console.print(f"{len(prompts):,} requests analysed in {seconds:.1f} s "
                   f"({tokenized - start:.1f} s reading and tokenizing).")
-    return Summary(len(requests), total, curve.working_set, tokenized - start, seconds)
+    return Summary(len(prompts), total, curve.working_set, tokenized - start, seconds)

@@ -6,6 +6,7 @@
     python prefix_caching.py --bench analyzer --sizes 10000 --logs /tmp/logs   # keep the log to analyse it again
     python prefix_caching.py --bench analyzer --sizes 10000 --like vllm llamacpp   # two caching models, one log
     git worktree add /tmp/base HEAD~3 && python prefix_caching.py --bench analyzer --baseline /tmp/base
+    python prefix_caching.py --bench analyzer --log-size 1GiB --logs /tmp/logs   # peak memory on a big log
 
 For each size it writes a log of chat requests (OpenAI bodies: one of 20 system prompts of
 about 300 tokens, the popular ones more often, then a question of 50 to 350 tokens: about 500
@@ -17,12 +18,18 @@ with --like, each caching model analyses the same log in turn. With --baseline D
 checkout of another commit) the same log then goes through DIR's own `python prefix_caching.py
 --analyze`, whose report says how long it took (reading and tokenizing apart, as here), and
 both reports' curves must be equal: a faster replay must find the same.
+
+With --log-size SIZE the log is the chat log of 10,000 requests written again and again up to
+SIZE bytes (plain JSONL: ordinary records, most of them seen before), and the command runs in a
+process of its own, whose peak resident memory (getrusage's ru_maxrss, from os.wait4) is
+reported beside its time; with --baseline, the baseline's too.
 """
 
 from __future__ import annotations
 
 import argparse
 import io
+import json
 import os
 import platform
 import re
@@ -36,7 +43,7 @@ from rich.console import Console
 from rich.table import Table
 
 from analyzer import workload_analyzer
-from analyzer.request_logs import Writer, chat, write_log
+from analyzer.request_logs import Writer, byte_count, chat, write_log
 from benchmarks import save_json
 from flags import positive_int
 
@@ -75,6 +82,52 @@ def time_analysis(path: Path, num_requests: int, like: str = "vllm", baseline: P
     return result
 
 
+def repeated_chat_log(path: Path, size: int) -> int:
+    """Write the chat log of 10,000 requests again and again, up to about `size` bytes; its requests."""
+    lines = [json.dumps(record) + "\n" for record in chat_log(10_000)]
+    written = count = 0
+    with open(path, "w", encoding="utf-8") as f:
+        while written < size:
+            for line in lines:
+                f.write(line)
+                written += len(line.encode())
+                count += 1
+                if written >= size:
+                    break
+    return count
+
+
+def run_measured(command: list[str], cwd: Path) -> tuple[str, float, float]:
+    """Run a command; its stdout, seconds, and its own peak resident memory in MiB (os.wait4's
+    rusage: this process and no other child)."""
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        start = time.perf_counter()
+        process = subprocess.Popen(command, cwd=cwd, stdout=out, stderr=err, env={**os.environ, "COLUMNS": "120"})
+        _, status, usage = os.wait4(process.pid, 0)
+        seconds = time.perf_counter() - start
+        process.returncode = os.waitstatus_to_exitcode(status)  # reaped here: Popen must not wait again
+        out.seek(0), err.seek(0)
+        if process.returncode:
+            raise RuntimeError(f"{' '.join(command)} failed: {err.read()[-2000:]}")
+        return out.read(), seconds, usage.ru_maxrss / 1024  # ru_maxrss is in KiB on Linux
+
+
+def measure_memory(size: int, folder: Path, baseline: Path | None) -> dict:
+    path = folder / f"chat_{size}_bytes.jsonl"
+    requests = repeated_chat_log(path, size)
+    result = {"log_mib": round(path.stat().st_size / 2**20, 1), "requests": requests}
+    checkouts = {"this": Path(__file__).resolve().parents[1]} | ({"baseline": baseline} if baseline else {})
+    for name, checkout in checkouts.items():
+        out, seconds, peak = run_measured([sys.executable, "prefix_caching.py", "--analyze", str(path)], checkout)
+        result[f"{name}_seconds"], result[f"{name}_peak_rss_mib"] = round(seconds, 1), round(peak)
+        result[f"{name}_curve"] = curve_rows(out)
+        tokens = re.search(r"requests,\s+([\d,]+)\s+prompt\s+tokens", out)  # the line may wrap
+        result[f"{name}_prompt_tokens"] = int(tokens[1].replace(",", "")) if tokens else None
+    if baseline:
+        result["same_curve"] = bool(result["this_curve"]) and result["this_curve"] == result["baseline_curve"]
+    return result
+
+
 def curve_rows(report: str) -> list[tuple[str, ...]]:
     """The (pool size, hit rate, tokens saved, evictions) rows of a report's curve table."""
     row = r"^│ ([\d,]+)[^│]*│ [\d,]+ +│ ([\d.]+%) +│ ([\d,]+) +│ ([\d,]+) +│$"
@@ -91,8 +144,27 @@ def main(argv: list[str] | None = None) -> list[dict]:
                         help="a checkout of another commit: time its analyzer on the same logs, check the same curve")
     parser.add_argument("--like", choices=list(workload_analyzer.LIKE), nargs="+", default=["vllm"],
                         help="the caching models to time, each on the same log (default: vllm)")
+    parser.add_argument("--log-size", type=byte_count, default=None, metavar="SIZE",
+                        help="instead: one log of about SIZE bytes (such as 1GiB), the command's peak memory and time")
     parser.add_argument("--json", default=None, help="also write the results to this JSON file")
     args = parser.parse_args(argv)
+    if args.log_size is not None:
+        load = os.getloadavg()[0]
+        with tempfile.TemporaryDirectory() as folder:
+            if args.logs:
+                args.logs.mkdir(parents=True, exist_ok=True)
+            r = measure_memory(args.log_size, args.logs or Path(folder), args.baseline)
+        console = Console()
+        console.print(f"{platform.machine()}, {platform.python_version()}, load average before "
+                      f"{load:.1f}, after {os.getloadavg()[0]:.1f}: {r['requests']:,} requests, {r['log_mib']:,} MiB")
+        for name in ("this", "baseline"):
+            if f"{name}_seconds" in r:
+                console.print(f"  {name}: {r[name + '_seconds']} s, peak RSS {r[name + '_peak_rss_mib']:,} MiB, "
+                              f"{r[name + '_prompt_tokens']:,} prompt tokens")
+        if "same_curve" in r:
+            console.print(f"  same curve: {'yes' if r['same_curve'] else '[red]NO[/]'}")
+        save_json(args.json, r, console)
+        return [r]
     sizes = [1_000] if args.quick else args.sizes
     console = Console()
     console.print(f"{platform.machine()}, {platform.python_version()}, {os.cpu_count()} cores, load average "

@@ -9,6 +9,7 @@ import gzip
 import itertools
 import json
 import lzma
+from array import array
 from pathlib import Path
 
 import pytest
@@ -30,6 +31,43 @@ TOOL_CHAT = [  # a developer message, content parts, a tool call with null conte
     {"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}},
                                  {"type": "file", "file": {"file_id": "file-1"}}]},
 ]
+
+
+# A chat template with a tool block, written here in the shape of Qwen2.5-Instruct's (the chat_template of
+# Qwen/Qwen2.5-7B-Instruct's tokenizer_config.json): the tools as JSON lines between <tools> tags in the system
+# turn, each call as JSON between <tool_call> tags, a tool's answer in a user turn between <tool_response> tags.
+TOOL_TEMPLATE = (
+    "{%- if messages[0].role == 'system' %}{%- set system = messages[0].content %}{%- set rest = messages[1:] %}"
+    "{%- else %}{%- set system = 'You are a helpful assistant.' %}{%- set rest = messages %}{%- endif %}"
+    "{{- '<|im_start|>system\\n' + system }}"
+    "{%- if tools %}{{- '\\n\\n# Tools\\n\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}{{- '\\n</tools>' }}{%- endif %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- for m in rest %}"
+    "{%- if m.role == 'assistant' and m.tool_calls %}{{- '<|im_start|>assistant' }}"
+    "{%- if m.content %}{{- '\\n' + m.content }}{%- endif %}"
+    "{%- for call in m.tool_calls %}{{- '\\n<tool_call>\\n' + ({'name': call.function.name, "
+    "'arguments': call.function.arguments} | tojson) + '\\n</tool_call>' }}{%- endfor %}{{- '<|im_end|>\\n' }}"
+    "{%- elif m.role == 'tool' %}{{- '<|im_start|>user\\n<tool_response>\\n' + m.content + "
+    "'\\n</tool_response><|im_end|>\\n' }}"
+    "{%- else %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+WEATHER = {"type": "function", "function": {
+    "name": "weather", "description": "Today's weather.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+AGENT_RECORD = {"model": "m", "tools": [WEATHER, {"type": "function", "function": {"name": "now"}}], "messages": [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Warm in Oslo?"},
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": "{\"city\": \"Oslo\"}"}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "4 C"}]}
+
+
+def with_template(tokenizer, template: str):
+    tool_aware = copy.deepcopy(tokenizer)
+    tool_aware.chat_template = template
+    return tool_aware
 
 
 def write(path: Path, records: list, opener=open, prefix: str = "") -> Path:
@@ -60,6 +98,84 @@ def test_chat_messages_are_rendered_as_vllm_hands_them_to_the_chat_template(tmp_
     text = tokenizer.decode(ids)
     assert "<|im_start|>developer\nAnswer in one line.<|im_end|>" in text
     assert "<|im_start|>tool\n4 C<|im_end|>\n<|im_start|>assistant\nI cannot tell" in text
+
+
+def test_a_requests_tools_reach_the_chat_template_as_vllm_hands_them(tmp_path, tokenizer):
+    """vLLM's server hands the template each tool's model_dump() (a description and parameters
+    left out are None) and the assistant's calls with their arguments parsed; a template with a
+    tool block renders both, and the ids are those of the text this test writes by hand."""
+    (request,) = read_log(write(tmp_path / "agent.jsonl", [AGENT_RECORD]))
+    assert request.tools == [WEATHER, {"type": "function", "function": {"name": "now", "description": None,
+                                                                         "parameters": None}}]
+    tool_aware = with_template(tokenizer, TOOL_TEMPLATE)
+    (ids,) = tokenize_prompts(tool_aware, [request.prompt], tools=[request.tools])
+    by_hand = (
+        "<|im_start|>system\nBe brief.\n\n# Tools\n\n<tools>\n"
+        '{"type": "function", "function": {"name": "weather", "description": "Today\'s weather.", "parameters": '
+        '{"type": "object", "properties": {"city": {"type": "string"}}}}}\n'
+        '{"type": "function", "function": {"name": "now", "description": null, "parameters": null}}\n'
+        "</tools><|im_end|>\n"
+        "<|im_start|>user\nWarm in Oslo?<|im_end|>\n"
+        '<|im_start|>assistant\n<tool_call>\n{"name": "weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+        "<|im_end|>\n"
+        "<|im_start|>user\n<tool_response>\n4 C\n</tool_response><|im_end|>\n"
+        "<|im_start|>assistant\n")
+    assert ids == tool_aware.encode(by_hand, add_special_tokens=False)
+    # SmolLM2's own template has no tool block: the same request renders without them, the call as an empty turn.
+    (plain,) = tokenize_prompts(tokenizer, [request.prompt], tools=[request.tools])
+    assert "<|im_start|>assistant\n<|im_end|>" in tokenizer.decode(plain) and "weather" not in tokenizer.decode(plain)
+
+
+def test_chats_with_different_tools_in_one_batch_each_get_their_own(tmp_path, tokenizer):
+    """The batch call is made once per list of tools; each chat still gets its own."""
+    records = [AGENT_RECORD, {**AGENT_RECORD, "tools": [WEATHER]}, {"messages": AGENT_RECORD["messages"]}]
+    requests = read_log(write(tmp_path / "mixed.jsonl", records))
+    tool_aware = with_template(tokenizer, TOOL_TEMPLATE)
+    one_by_one = [tool_aware.apply_chat_template(r.prompt, tools=r.tools, add_generation_prompt=True, return_dict=False)
+                  for r in requests]
+    assert tokenize_log(requests, tool_aware) == [array("I", ids) for ids in one_by_one]
+    assert len({len(ids) for ids in one_by_one}) == 3
+
+
+def test_a_template_without_a_tool_block_is_reported_with_what_it_leaves_out(tmp_path, tokenizer):
+    from analyzer.workload_analyzer import main, template_renders_tools
+
+    assert template_renders_tools(tokenizer) == (False, False)  # SmolLM2's template: no tool block
+    assert template_renders_tools(with_template(tokenizer, TOOL_TEMPLATE)) == (True, True)
+    path = write(tmp_path / "agent.jsonl", [AGENT_RECORD] * 3 + [{"prompt": "no tools here " * 4}])
+    console = Console(record=True, width=400)
+    main([str(path), "--block-size", "4"], console=console)
+    text = console.export_text()
+    # The rules by hand: a request's tools as one JSON list, each turn's calls as a JSON list of name and arguments.
+    definitions = len(tokenizer.encode(json.dumps(read_log(path)[0].tools), add_special_tokens=False))
+    calls = len(tokenizer.encode('[{"name": "weather", "arguments": {"city": "Oslo"}}]', add_special_tokens=False))
+    assert (f"3 of 4 requests send tools (1 distinct lists), and the model's chat template has no tool block: "
+            f"{3 * definitions:,} tokens of tool definitions (as JSON, {definitions:,} a request)") in text
+    assert (f"3 requests send back assistant turns that call tools, and the model's chat template renders no "
+            f"tool_calls: {3 * calls:,} tokens of calls (as JSON) are not in the replay, and 3 turns that only call "
+            f"tools render as empty messages") in text
+    assert f"the chat template leaves out {3 * (definitions + calls):,} tokens of tools" in text
+    # The served template, given: the tools are counted, nothing is said to be left out.
+    template = tmp_path / "tool_template.jinja"
+    template.write_text(TOOL_TEMPLATE)
+    console = Console(record=True, width=400)
+    summary = main([str(path), "--block-size", "4", "--chat-template", str(template)], console=console)
+    tool_aware = with_template(tokenizer, TOOL_TEMPLATE)
+    assert summary.prompt_tokens == sum(map(len, tokenize_log(read_log(path), tool_aware)))
+    assert "no tool block" not in console.export_text() and "leaves out" not in console.export_text()
+
+
+def test_the_agent_log_counts_its_tools_with_a_template_that_renders_them(tokenizer):
+    from analyzer.request_logs import TOOL_NAMES
+
+    requests = read_log("lessons/data/agent_with_tools.jsonl.xz")
+    assert len(requests) == 252 and all([t["function"]["name"] for t in r.tools] == list(TOOL_NAMES) for r in requests)
+    tool_aware = with_template(tokenizer, TOOL_TEMPLATE)
+    with_tools = sum(map(len, tokenize_log(requests, tool_aware)))
+    assert with_tools == sum(len(tool_aware.apply_chat_template(r.prompt, tools=r.tools, add_generation_prompt=True,
+                                                                return_dict=False))
+                             for r in requests)  # the server's call, request by request
+    assert with_tools > 3 * sum(map(len, tokenize_log(requests, tokenizer)))  # the tools are most of each prompt
 
 
 def test_every_role_the_reader_takes_the_engine_takes_and_the_same_check_refuses_the_rest(tmp_path):
@@ -145,6 +261,7 @@ def test_a_log_past_the_size_bound_is_refused_naming_the_limit(tmp_path):
     ('{"messages": [{"role": "user", "content": [{"text": "x"}]}]}', 'a content part is an object with a "type"'),
     ('{"messages": [{"role": "user", "content": [{"type": "text"}]}]}', 'a "text" part holds its text in "text"'),
     ('{"messages": [{"role": "assistant", "content": null, "tool_calls": [{"id": "1"}]}]}', "tool_calls is a list of"),
+    ('{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}', '"tools" is a list of'),
     ('{"conversations": [{"from": ["gpt"], "value": "Hi"}]}', "line 2, turn 1: a turn is"),
     ("[" * 100_000 + "]" * 100_000, "line 2: JSON nested too deep"),
 ])

@@ -2,6 +2,7 @@
 the curve's last pool (room for the whole log) never evicts in vLLM's order, the warnings
 fire on what they describe, and a bad log gets an error that names the line."""
 
+import gzip
 import json
 import os
 import subprocess
@@ -11,8 +12,9 @@ from pathlib import Path
 import pytest
 
 from analyzer.request_logs import LogError, Writer, interleave, read_log, write_log
+from analyzer.caching_models import LlamaCpp, SGLang
 from analyzer.workload_analyzer import (
-    LIKE, footprint, hit_rate_curve, prefix_tree, replay, tokenize_log, variable_starts,
+    LIKE, TokenizedLog, footprint, hit_rate_curve, prefix_tree, replay, tokenize_log, variable_starts,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -81,6 +83,42 @@ def test_the_curves_last_pool_holds_the_whole_log_never_evicts_and_saves_the_mos
     at_working_set = curve.at(curve.working_set)
     assert at_working_set.cached_tokens >= 0.95 * last.cached_tokens
     assert all(r.cached_tokens < 0.95 * last.cached_tokens for r in curve.replays if r.num_blocks < curve.working_set)
+
+
+def test_a_log_replayed_from_its_file_finds_what_the_prompts_in_memory_find(tokenizer, log):
+    """The analyzer keeps a log's token ids in a file and reads them back for every replay: every
+    model, the watched replay and the curve count what the same prompts in a list count."""
+    requests = read_log(log)
+    in_memory, salts = tokenize_log(requests, tokenizer), [r.cache_salt for r in requests]
+    with TokenizedLog() as streamed:
+        streamed.READ_BYTES = 64  # many reads, prompts split across them
+        for ids, salt in zip(in_memory, salts):
+            streamed.append(ids, salt)
+        assert list(streamed) == in_memory and streamed.salts == salts and list(streamed.lengths) == list(
+            map(len, in_memory))
+        assert all(a == b for a, b in zip(streamed, streamed))  # two readers taking turns each read in order
+        for model in (LIKE["vllm"], LIKE["engine"], SGLang(), LlamaCpp(2)):
+            assert replay(streamed, salts, 40, 4, model=model).cached == replay(in_memory, salts, 40, 4,
+                                                                                model=model).cached
+            assert footprint(streamed, salts, 4, model) == footprint(in_memory, salts, 4, model)
+        ours, theirs = (replay(p, salts, 40, 4, watch=True) for p in (streamed, in_memory))
+        assert ours.prefix_blocks == theirs.prefix_blocks and ours.hot_misses == theirs.hot_misses
+        ours, theirs = (hit_rate_curve(p, salts, block_size=4) for p in (streamed, in_memory))
+        assert [(r.num_blocks, r.cached) for r in ours.replays] == [(r.num_blocks, r.cached) for r in theirs.replays]
+        assert ours.working_set == theirs.working_set and ours.footprint == theirs.footprint
+
+
+def test_the_reader_says_how_much_of_the_file_it_has_read(tmp_path):
+    from analyzer.request_logs import Log
+
+    path = tmp_path / "big.jsonl.gz"
+    with gzip.open(path, "wt") as f:  # 4 MiB of text, a few chunks
+        f.writelines(json.dumps({"prompt": "x" * 1000}) + "\n" for _ in range(4096))
+    seen = []
+    reader = Log([]).stream(path, progress=lambda done, size: seen.append((done, size)))
+    assert next(reader).prompt == "x" * 1000 and seen and seen[-1][0] < path.stat().st_size  # read as it goes
+    assert sum(1 for _ in reader) == 4095
+    assert len(seen) > 2 and seen[-1] == (path.stat().st_size, path.stat().st_size)
 
 
 def test_a_timestamp_early_in_a_shared_system_prompt_is_found(tokenizer, tmp_path):
@@ -172,6 +210,7 @@ def test_the_command_reports_the_curve_and_writes_the_plot(tmp_path):
     (["none.jsonl"], "no such file"),
     (["lessons/data/chatbot.jsonl.xz", "--model", "no/such-model"], "could not load the model 'no/such-model'"),
     (["lessons/data/chatbot.jsonl.xz", "--num-blocks", "3"], "--num-blocks 3 cannot hold the longest prompt"),
+    (["lessons/data/chatbot.jsonl.xz", "--chat-template", "none.jinja"], "--chat-template none.jinja: No such file"),
 ])
 def test_the_command_refuses_what_it_cannot_use_without_a_traceback(args, message):
     result = subprocess.run([sys.executable, "prefix_caching.py", "--analyze", *args], capture_output=True, text=True,
@@ -180,14 +219,15 @@ def test_the_command_refuses_what_it_cannot_use_without_a_traceback(args, messag
 
 
 def test_the_example_logs_are_what_the_command_writes(tmp_path):
-    from analyzer.request_logs import EXAMPLE_LOGS
+    from analyzer.request_logs import EXAMPLE_LOGS, OTHER_LOGS
 
     result = subprocess.run([sys.executable, "-m", "analyzer.request_logs", "--out", str(tmp_path)],
                             capture_output=True, text=True, timeout=120, cwd=ROOT)  # the command the README gives
     assert result.returncode == 0, result.stderr
-    for name in EXAMPLE_LOGS:
+    names = [*EXAMPLE_LOGS, *OTHER_LOGS]
+    for name in names:
         assert (tmp_path / name).read_bytes() == (ROOT / "lessons" / "data" / name).read_bytes(), name
-    assert sum((ROOT / "lessons" / "data" / name).stat().st_size for name in EXAMPLE_LOGS) < 500_000  # small in git
+    assert sum((ROOT / "lessons" / "data" / name).stat().st_size for name in names) < 500_000  # small in git
 
 
 def test_the_analyzer_benchmark_times_a_log_it_keeps(tmp_path):
@@ -202,3 +242,14 @@ def test_the_analyzer_benchmark_times_a_log_it_keeps(tmp_path):
     assert run["same_curve"] and run["baseline_analysis_s"] >= run["baseline_reading_and_tokenizing_s"] > 0
     assert len(read_log(tmp_path / "chat_1000.jsonl")) == 1_000
     assert results == [run]
+
+
+def test_the_analyzer_benchmark_measures_the_peak_memory_of_a_big_log(tmp_path):
+    from benchmarks import analyzer
+
+    (run,) = analyzer.main(["--log-size", "300KiB", "--logs", str(tmp_path), "--baseline", str(ROOT),
+                            "--json", str(tmp_path / "out.json")])
+    assert run["log_mib"] == 0.3 and 100 < run["requests"] < 200  # 300 KiB of chat requests of about 2 KiB
+    assert run["this_peak_rss_mib"] > 0 and run["baseline_peak_rss_mib"] > 0 and run["same_curve"]
+    assert run["this_prompt_tokens"] == run["baseline_prompt_tokens"] > 50_000
+    assert json.loads((tmp_path / "out.json").read_text())["requests"] == run["requests"]
