@@ -32,7 +32,7 @@ import itertools
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 
 
@@ -73,7 +73,7 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 # allocator, request by request.
 
 
-def block_hash_ids(prompts: list[array], salts: list[str | None], block_size: int) -> list[array]:
+def block_hash_ids(prompts: Iterable[array], salts: Iterable[str | None], block_size: int) -> list[array]:
     """Each prompt's full blocks as ints: two blocks get the same int when they hold the same
     tokens after the same blocks, under the same salt. That is what a chained block hash
     names (prefix_caching.compute_block_hashes); numbering the blocks in a dict keyed by
@@ -82,8 +82,13 @@ def block_hash_ids(prompts: list[array], salts: list[str | None], block_size: in
     >>> block_hash_ids([array("I", range(10)), array("I", range(9))], [None, None], 4)
     [array('I', [0, 1]), array('I', [0, 1])]
     """
+    return list(iter_block_hash_ids(prompts, salts, block_size))
+
+
+def iter_block_hash_ids(prompts: Iterable[array], salts: Iterable[str | None], block_size: int) -> Iterator[array]:
+    """block_hash_ids one prompt at a time: a replay that reads each prompt's ids once never
+    holds the whole log's (on a big log, at 8 tokens a block, most of the command's memory)."""
     ids: dict[tuple, int] = {}
-    result = []
     for prompt, salt in zip(prompts, salts):
         raw = (prompt if isinstance(prompt, array) and prompt.typecode == "I" else array("I", prompt)).tobytes()
         step = block_size * 4  # bytes a block: 4 a token id
@@ -95,8 +100,7 @@ def block_hash_ids(prompts: list[array], salts: list[str | None], block_size: in
             if parent is None:
                 parent = ids[key] = len(ids)
             row.append(parent)
-        result.append(row)
-    return result
+        yield row
 
 
 @dataclass(frozen=True)
@@ -106,7 +110,7 @@ class VLLM:
     null_block: bool = True  # vllm/v1/core/block_pool.py keeps block 0 aside
     free_uncached_first: bool = True
 
-    def replay(self, hash_ids: list[array], lengths: Sequence[int], num_blocks: int, block_size: int,
+    def replay(self, hash_ids: Iterable[array], lengths: Sequence[int], num_blocks: int, block_size: int,
                watch: Callable[[int, int], None] | None = None) -> Counts:
         """`num_blocks` counts vLLM's num_gpu_blocks (the null block among them, if any);
         `watch(i, num_hits)` is called for each request, once its hits are known."""

@@ -66,7 +66,8 @@ from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, T
 from rich.table import Table
 from rich.tree import Tree
 
-from analyzer.caching_models import ENGINE, EVICTION_POLICIES, VLLM, LlamaCpp, RadixTree, SGLang, block_hash_ids
+from analyzer.caching_models import (ENGINE, EVICTION_POLICIES, VLLM, LlamaCpp, RadixTree, SGLang, block_hash_ids,
+                                     iter_block_hash_ids)
 from analyzer.fleet import POLICIES, NotRoutable, RouterFlags, Routing, route_log
 from analyzer.kv_memory import KNOWN_MODELS, UnsupportedModel, kv_shape, memory_to_buy, server_flags
 from analyzer.request_logs import Log, LoggedRequest, LogError, add_log_arguments, interleaved
@@ -256,11 +257,21 @@ def replay(prompts: list[array], salts: list[str | None], num_blocks: int, block
     if watch and not isinstance(model, VLLM):
         raise ValueError("the prefix tree and the hot misses are read from vLLM's block hashes: use VLLM or ENGINE")
     if isinstance(model, VLLM):
-        hash_ids = hash_ids if hash_ids is not None else block_hash_ids(prompts, salts, block_size)
-        in_order = iter(prompts)  # the watcher is called once a request, in the log's order
-        watcher = ((lambda i, num_hits: watch_request(next(in_order), hash_ids[i], i, num_hits, result))
-                   if watch else None)
-        counts = model.replay(hash_ids, lengths, num_blocks, block_size, watch=watcher)
+        # Each prompt's hashes made as the replay reads them, unless the caller has them all.
+        rows = iter(hash_ids) if hash_ids is not None else iter_block_hash_ids(prompts, salts, block_size)
+        if watch:  # the watcher is called once a request, in the log's order, with the row just read
+            in_order, last_row = iter(prompts), []
+
+            def read_rows(made: Iterator[array]) -> Iterator[array]:
+                for row in made:
+                    last_row[:] = [row]
+                    yield row
+
+            rows = read_rows(rows)
+            watcher = lambda i, num_hits: watch_request(next(in_order), last_row[0], i, num_hits, result)  # noqa: E731
+        else:
+            watcher = None
+        counts = model.replay(rows, lengths, num_blocks, block_size, watch=watcher)
     elif isinstance(model, SGLang):
         counts = model.replay(prompts, salts, num_blocks * block_size)
     else:  # llama.cpp has no cache_salt: salted prompts share like any others
