@@ -14,9 +14,11 @@ slot p % block_size: the block table can point anywhere in the pool, in any orde
 The constructor (self.data, self.dtype, self.device) comes from exercises/given.py. Write the
 two parts marked TODO, with tensor operations only: no Python loop over tokens or blocks (a
 real prefix has thousands of tokens in hundreds of blocks, and one index picks them all), and
-no copy of the whole pool. The grader times your gather from outside your process: each block
-of 4,096 must cost less than 10 times what one costs kv_pool's gather, and 4 blocks must take
-as long from a pool of 16,384 blocks as from one of 16.
+no copy of the whole pool. The grader times your gather from outside your process, with each
+line of Python in your file costing 10 µs, so that a loop over the blocks shows: each block of
+4,096 must cost less than 10 times what one costs kv_pool's gather, all 4,096 less than 20
+times what they cost it, and 4 blocks must take as long from a pool of 16,384 blocks as from
+one of 16.
 The gathered K/V keep the pool's dtype (a bfloat16 pool gives bfloat16 keys) and its device.
 
 Finish line:
