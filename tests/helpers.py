@@ -9,6 +9,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from http.server import BaseHTTPRequestHandler
 
 import openai
 import torch
@@ -192,3 +193,24 @@ def until(ready, timeout: float = 30.0, what: str = "the condition"):
             return value
         time.sleep(0.01)
     raise AssertionError(f"{what} did not hold within {timeout} s")
+
+
+class StubWorker(BaseHTTPRequestHandler):
+    """A worker for SGLang's router without a model: it answers the router's probes (the
+    model's name on /server_info, "ok" elsewhere); subclasses answer POSTs with reply()."""
+
+    model_name = MODEL
+
+    def log_message(self, *args):
+        pass
+
+    def reply(self, body: dict) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self):
+        self.reply({"served_model_name": self.model_name} if self.path == "/server_info" else {"status": "ok"})

@@ -8,7 +8,7 @@ import random
 import threading
 import urllib.request
 from array import array
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 
 import pytest
 
@@ -18,6 +18,7 @@ from analyzer.fleet import (
 )
 from analyzer.request_logs import LoggedRequest, write_log
 from analyzer.workload_analyzer import LIKE, main, replay_fleet
+from helpers import StubWorker
 
 
 def chat(*contents: str, salt: str | None = None, where: str = "line 1") -> LoggedRequest:
@@ -202,26 +203,13 @@ def test_json_without_replicas_is_refused(tmp_path, capsys):
 HOLD = " [hold]"
 
 
-class HoldingWorker(BaseHTTPRequestHandler):
-    """A worker that answers what the router asks for, names itself in each reply, and holds
-    a prompt that ends with HOLD until `release` is set."""
+class HoldingWorker(StubWorker):
+    """A worker that names itself in each reply, and holds a prompt that ends with HOLD until
+    `release` is set."""
 
+    model_name = "m"
     arrived = threading.Semaphore(0)
     release = threading.Event()
-
-    def log_message(self, *args):
-        pass
-
-    def reply(self, body: dict) -> None:
-        data = json.dumps(body).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def do_GET(self):
-        self.reply({"served_model_name": "m"} if self.path == "/server_info" else {"status": "ok"})
 
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))

@@ -17,14 +17,14 @@ import json
 import threading
 import urllib.error
 import urllib.request
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 
 import pytest
 
 from analyzer.request_logs import LoggedRequest
 from benchmarks.router import Fleet, replay_through_router, router
 from engine import Engine
-from helpers import MODEL, serve, wait_until_idle
+from helpers import MODEL, StubWorker, serve, wait_until_idle
 from server import create_app
 from server_requests import CHAT, COMPLETIONS, Settings, parse_generation_request
 
@@ -146,24 +146,10 @@ def test_sglang_fields_that_would_change_the_reply_are_refused(field, value):
 # --- 3. what it passes on: recorded by a worker that keeps every request ----------------------------
 
 
-class Recorder(BaseHTTPRequestHandler):
-    """A worker that answers what the router asks for and keeps what it was sent."""
+class Recorder(StubWorker):
+    """A worker that keeps what it was sent."""
 
     seen: list = []
-
-    def log_message(self, *args):
-        pass
-
-    def reply(self, body: dict) -> None:
-        data = json.dumps(body).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def do_GET(self):
-        self.reply({"served_model_name": MODEL} if self.path == "/server_info" else {"status": "ok"})
 
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
