@@ -27,8 +27,8 @@ engine's cascade_attention) and used only where the step's counted work says it 
 weighs it too (use_cascade_attention in vllm/v1/attention/backends/flash_attn.py) but since
 March 2026 leaves it off unless asked (disable_cascade_attn=True in vllm/config/model.py,
 vllm-project/vllm pull request 36318: opt-in, to avoid potential numerical issues). Here it
-stays on: its results are checked against attention without it (tests/test_shared_prefix.py,
-tests/test_batching.py), and on this course's CPU path it makes the decode steps of many
+stays on: its results are checked against attention without it (tests/engine/test_shared_prefix.py,
+tests/engine/test_batching.py), and on this course's CPU path it makes the decode steps of many
 chats behind one system prompt much faster, while the decision keeps every other step as
 fast as without it (python prefix_caching.py --bench attention measures both).
 

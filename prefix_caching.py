@@ -13,7 +13,7 @@ is its bookkeeping, built in the order the ideas depend on each other:
                           take, cache), append_token, free; touch and evict by name
 
 It is pure Python: no torch, no model. The rest of the course builds on it, one role per
-file; the README's table "The code, in reading order" lists them (tests/test_layers.py checks
+file; the README's table "The code, in reading order" lists them (tests/project/test_layers.py checks
 that each file imports only the files above it there).
 
 References:

@@ -1,7 +1,7 @@
 """
 What a client sends to server.py, read and checked: the body, who is asking, and the
 generation request. Plain functions of plain values (bytes, dicts, headers), no Flask: each
-is tested without HTTP (tests/test_server_requests.py), and every failure is an APIError
+is tested without HTTP (tests/server/test_server_requests.py), and every failure is an APIError
 whose message says what was wrong and what to send instead.
 
     parse_generation_request({"prompt": "Hi", "max_tokens": 8}, GENERATE, Settings("my-model"), headers={})

@@ -8,7 +8,7 @@ on a CPU, without torch:
 
 Read prefix_caching.py (the allocator it replays through) and prompts.py (what a prompt may
 be, tokenized as the engine does) first; then, in this order, each file importing only
-those above it (tests/test_layers.py checks it):
+those above it (tests/project/test_layers.py checks it):
 
     request_logs.py       a request log read into prompts (OpenAI request bodies, ShareGPT
                           conversations), and example logs shaped like the article's workloads
@@ -22,6 +22,6 @@ those above it (tests/test_layers.py checks it):
     workload_analyzer.py  the command: hit rate vs pool size, the working set, the prefixes
                           behind the hits, warnings; a fleet's replicas replayed side by side
 
-Nothing here imports torch or the engine (tests/test_layers.py checks that too): a log needs
+Nothing here imports torch or the engine (tests/project/test_layers.py checks that too): a log needs
 a tokenizer (model_files.py), never the weights, so the analyzer never waits for torch to load.
 """

@@ -69,7 +69,7 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 # needed. This is PrefixCachingAllocator's allocate_with_prefix then free, step for step, on
 # plain dicts: an OrderedDict as the free queue (O(1) removal from the middle, as vLLM's
 # FreeKVCacheBlockQueue), and each block hash replaced by a small int, numbered once per
-# block size for every replay of the log. tests/test_caching_models.py checks it against the
+# block size for every replay of the log. tests/analyzer/test_caching_models.py checks it against the
 # allocator, request by request.
 
 
@@ -397,7 +397,7 @@ class RadixTree:
 # prompt cache as it does for any request), the idle slots were saved, and release() marks
 # it used now. So a refused request computes nothing and finds nothing, yet its slot counts
 # as the most recently used and keeps its sequence (llama-server build 10434 agrees:
-# tests/test_caching_models.py replays the case).
+# tests/analyzer/test_caching_models.py replays the case).
 #
 # llama.cpp searches its prompt cache entry by entry; on a long log with a big cache that
 # grows with the square of the log's length. Here the entries live in a radix tree of their

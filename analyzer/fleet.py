@@ -42,7 +42,7 @@ prefixes as if unsalted; a completions request keeps unknown fields (CompletionR
 `other`, src/protocols/completion.rs), so its salt reaches the replica, whose pool separates
 it as one server's does.
 
-tests/test_fleet.py replays these rules by hand, and holds requests in flight at workers behind
+tests/analyzer/test_fleet.py replays these rules by hand, and holds requests in flight at workers behind
 the real router to see its tree's rules with loads apart; benchmarks/fleet.py checks the
 prediction against the real router request by request, on two logs.
 """

@@ -27,7 +27,7 @@ In this file:
 What the replay is, and is not. It sends the log's requests one after another, each freed
 before the next, and decodes nothing: the engine of this course, given the same requests in
 the same order with max_tokens=1 and a pool of the same size, reports the same cached tokens
-for every request (tests/test_workload_analyzer.py checks it). A server differs in two ways. It also caches the
+for every request (tests/analyzer/test_workload_analyzer.py checks it). A server differs in two ways. It also caches the
 blocks a reply fills while it decodes, so a later turn that sends the reply back can hit more
 than the replay counts; and it holds many running requests' blocks at once, which leaves less
 of a small pool for the cache. By default the pool is replayed as vLLM v1 runs one:

@@ -271,7 +271,7 @@ def main(argv: list[str] | None = None) -> dict:
                   f"attention where 16 or more share 448 tokens: "
                   f"{', '.join(f'{x:.2f}x' for x in faster) or 'no such case'} faster (target >= 2x); "
                   f"the step on at most {slowest:.2f}x off (target <= 1.10x). The counts do not depend on the "
-                  f"machine; the times were measured in this run on {device} (tests/test_shared_prefix.py checks "
+                  f"machine; the times were measured in this run on {device} (tests/engine/test_shared_prefix.py checks "
                   "that both ways attend to the same numbers).")
     results = {"machine": device, "threads": torch.get_num_threads(), "rows": rows, "floor_ms": floor, "ratio": ratio,
                "chats": chat_rows, "chat_ratio": chat_ratio, "cascade": cascade}

@@ -24,10 +24,10 @@ model in analyzer/caching_models.py says.
   --no-deps, then unzip: installing it would pull a CUDA build of torch). Its RadixCache runs
   on the CPU with no model through the serial steps the caching model describes (match, make
   room, insert), its own code doing each step. (vLLM's model is this course's allocator,
-  checked against vLLM's KVCacheManager before; tests/test_caching_models.py checks the fast
+  checked against vLLM's KVCacheManager before; tests/analyzer/test_caching_models.py checks the fast
   replay against the allocator.)
 
-No real server runs in the tests: tests/test_caching_models.py checks each model against a
+No real server runs in the tests: tests/analyzer/test_caching_models.py checks each model against a
 hand replay of its rules instead (and this command's report of a server that dies).
 """
 

@@ -43,7 +43,7 @@ That is why the replay is one request after another, and why a replica started w
 (--api-keys, --salt-by-api-key), whose /health shows no figures without one, cannot be replayed.
 
 What the router does to a request on its way (sglang-router 0.3.2, checked against this server
-by tests/test_router.py): it forwards Authorization (so --api-keys, --salt-by-api-key and the
+by tests/server/test_router.py): it forwards Authorization (so --api-keys, --salt-by-api-key and the
 per-key limits hold) and sends no X-Forwarded-For, so every request reaches a replica from the
 router's address and --forwarded-allow-ips has nothing to read. A replica's per-address cap
 (--max-connections-per-client) would then cap the whole class's unkeyed requests to it:

@@ -16,7 +16,7 @@ the reference gives them: the same names and fields, none of the code an exercis
                        the scheduler's types and queues (request.py, scheduler.py);
                        exercise 6 adds schedule and _preempt
 
-tests/test_given_types.py checks that each of these matches the reference's, and lists
+tests/grader/test_given_types.py checks that each of these matches the reference's, and lists
 what is left out on purpose.
 """
 

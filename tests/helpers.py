@@ -1,6 +1,9 @@
 """Helpers the test files share: the oracle (plain Hugging Face generate), a token counter,
 the rule every engine test ends with (the pool whole), and a real server on a real port with
-the curl-style calls the HTTP tests make. Fixtures are in conftest.py."""
+the curl-style calls the HTTP tests make. Fixtures are in the conftest.py files.
+
+The analyzer's tests import the HTTP helpers without a model, so torch, openai and the server
+are imported by the functions that need them, not here."""
 
 import contextlib
 import json
@@ -10,11 +13,6 @@ import time
 import urllib.error
 import urllib.request
 from http.server import BaseHTTPRequestHandler
-
-import openai
-import torch
-
-from server import serve_in_background
 
 MODEL = "tiny-llama"
 SYSTEM = "You are a patient teacher. Answer every question in one short sentence. "
@@ -26,6 +24,8 @@ CHAT = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What
 
 def hf_greedy(model, prompt_ids: list[int], max_tokens: int) -> list[int]:
     """What plain Hugging Face generates, greedy, on the whole prompt."""
+    import torch
+
     input_ids = torch.tensor([prompt_ids])
     out = model.generate(
         input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
@@ -72,6 +72,8 @@ def wait_until_idle(engine, timeout: float = 30.0) -> None:
 def serve(app, **limits):
     """Run `app` on a free port of 127.0.0.1 in a thread; yields its base URL. limits: the
     connection limits of server.ClassServer."""
+    from server import serve_in_background
+
     url, server = serve_in_background(app, **limits)
     try:
         yield url
@@ -120,7 +122,10 @@ def wait_for_log(caplog, words: str, timeout: float = 20.0) -> str:
     raise AssertionError(f"no log line with {words!r} in {timeout} s")
 
 
-def client(url: str, api_key: str = "unused") -> openai.OpenAI:
+def client(url: str, api_key: str = "unused"):
+    """An OpenAI client of the server at `url`, which never retries."""
+    import openai
+
     return openai.OpenAI(base_url=url + "/v1", api_key=api_key, max_retries=0)
 
 

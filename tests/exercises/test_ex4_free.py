@@ -111,6 +111,7 @@ POOL_SIZES = (100, 100_000)
 REQUESTS = 20  # allocate then free, per timed call
 
 
+@pytest.mark.slow
 def test_allocate_and_free_take_as_long_on_a_pool_of_100_000_as_on_one_of_100(child):
     """A request holds the first half of the pool; then 20 requests share 2 cached blocks, now in
     use, now free at the tail of the queue (a hit takes them out of it), each computing 2 new

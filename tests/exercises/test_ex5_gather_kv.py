@@ -25,6 +25,8 @@ from grading import GRADING, SCALING_LIMIT, drawn, fastest_times, milliseconds, 
 from helpers import hf_greedy
 from kv_pool import PagedKVPool
 
+pytestmark = [pytest.mark.model]
+
 EXERCISE = "gather_kv"
 SIZES = drawn("pool shape")
 NUM_LAYERS, NUM_KV_HEADS, BLOCK_SIZE = SIZES.sample(range(2, 8), 3)

@@ -650,6 +650,7 @@ STEP = st.tuples(st.lists(REQUEST, max_size=3), st.sampled_from([None, None, 2, 
                  st.one_of(st.none(), st.none(), st.integers(0, 7)))
 
 
+@pytest.mark.slow
 @settings(GRADING, max_examples=60)
 @given(st.lists(STEP, min_size=1, max_size=12), st.sampled_from([(8, 2, 4), (8, 3, 6), (10, 4, 8), (16, 4, 12)]))
 def test_any_script_of_requests_matches_the_reference(scheduler, script, size):

@@ -17,6 +17,8 @@ from model_runner import ModelRunner
 from sampling import SamplingParams
 from static_decode import block_widths, decode_sizes, forward, padded_to
 
+pytestmark = [pytest.mark.gpu, pytest.mark.model]
+
 SHARED = list(range(300, 330))  # 30 tokens: 7 full blocks of 4 and a partial one
 # Logits of the tiny model reach about 8; padded matmuls sum in another order, so in float32
 # the two steps differ by about 1e-5 at most.

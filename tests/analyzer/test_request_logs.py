@@ -227,6 +227,7 @@ def test_a_json_array_with_a_bom_reads_its_elements_as_records(tmp_path):
         ("a", "chats.json, record 1"), ("b", "chats.json, record 2"), ("c", "chats.json, record 3")]
 
 
+@pytest.mark.slow
 def test_the_reader_streams_a_line_or_an_array_element_at_a_time():
     """Endless input: each reader gives its first records without reading to an end."""
     endless = itertools.chain([b'{"pro'], itertools.repeat(b'mpt": "x"}\n{"pro'))  # lines across chunks

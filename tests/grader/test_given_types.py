@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 GIVEN = ROOT / "exercises" / "given.py"
 
 # given.py's name -> (the reference module that defines it, its name there).
@@ -192,6 +192,15 @@ def given_module():
         sys.dont_write_bytecode = previous
 
 
+@pytest.fixture(scope="module", autouse=True)
+def imported():
+    """The reference modules and given.py imported before the first test (kv_pool and given.py
+    import torch): no single test pays for it."""
+    for module, _ in REFERENCE.values():
+        importlib.import_module(module)
+    given_module()
+
+
 def given_names() -> dict[str, ast.AST]:
     return {name: node for name, node in top_level_names(module_tree(GIVEN)).items() if not name.startswith("_")}
 
@@ -219,7 +228,7 @@ DATACLASSES = [name for name in CLASSES if dataclasses.is_dataclass(getattr(give
 
 def test_every_name_given_defines_has_its_reference():
     missing = sorted(set(given_names()) - set(REFERENCE))
-    assert not missing, (f"exercises/given.py defines {missing}, which REFERENCE (tests/test_given_types.py) does "
+    assert not missing, (f"exercises/given.py defines {missing}, which REFERENCE (tests/grader/test_given_types.py) does "
                          "not map to the reference: add a row naming the module and name it copies")
     stale = sorted(set(REFERENCE) - set(given_names()))
     assert not stale, f"REFERENCE maps {stale}, which exercises/given.py no longer defines: drop the rows"
@@ -303,7 +312,7 @@ def test_a_dataclass_has_the_reference_fields_in_order(name):
     assert got == expected, (
         f"given.{name}'s fields differ from {'.'.join(REFERENCE[name])}'s, less OMITTED_FIELDS (! marks a "
         "difference):\n" + "\n".join(lines) + "\ncopy the reference's fields into exercises/given.py, or list a "
-        "field the grading child must go without in OMITTED_FIELDS (tests/test_given_types.py) with the reason")
+        "field the grading child must go without in OMITTED_FIELDS (tests/grader/test_given_types.py) with the reason")
     options = [(o, getattr(ours.__dataclass_params__, o), getattr(theirs.__dataclass_params__, o))
                for o in DATACLASS_OPTIONS]
     assert all(a == b for _, a, b in options), f"given.{name}'s @dataclass options differ: {options}"
@@ -321,7 +330,7 @@ def test_a_class_has_the_reference_methods(name):
     assert not extra, f"given.{name} has {extra}, which {module}.{ref_name} does not: drop them or copy them there"
     missing = sorted(m for m in set(theirs) - set(ours) if (name, m) not in OMITTED)
     assert not missing, (f"given.{name} lacks {module}.{ref_name}'s {missing}: copy them into exercises/given.py, "
-                         "or add them to OMITTED (tests/test_given_types.py) with the reason a starter goes without")
+                         "or add them to OMITTED (tests/grader/test_given_types.py) with the reason a starter goes without")
     listed = sorted(m for (n, m) in OMITTED if n == name and m in ours)
     assert not listed, f"OMITTED lists given.{name}'s {listed}, which given.py has now: drop the entries"
 
@@ -368,7 +377,7 @@ def test_a_copied_method_has_the_reference_code(name, method, ours, theirs):
     assert code_of(ours) == code_of(theirs), (
         f"given.{name}.{method} is not {module}.{ref_name}.{method}'s code:\n--- given.py\n{ast.unparse(ours)}\n"
         f"--- {module}.py\n{ast.unparse(theirs)}\ncopy the reference's code into exercises/given.py, or, if the "
-        "grading child needs its own, list it in OWN_CODE (tests/test_given_types.py) with the reason")
+        "grading child needs its own, list it in OWN_CODE (tests/grader/test_given_types.py) with the reason")
 
 
 # --- what the copies do ---------------------------------------------------------------------------------

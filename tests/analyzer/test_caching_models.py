@@ -15,7 +15,7 @@ from analyzer.request_logs import Log, interleave
 from analyzer.workload_analyzer import LIKE, hit_rate_curve, replay, smallest_pool, tokenize_log
 from prefix_caching import PrefixCachingAllocator
 
-EXAMPLE_LOGS = sorted((Path(__file__).resolve().parents[1] / "lessons" / "data").glob("*.jsonl.xz"))
+EXAMPLE_LOGS = sorted((Path(__file__).resolve().parents[2] / "lessons" / "data").glob("*.jsonl.xz"))
 
 
 def ids(*runs) -> array:

@@ -26,10 +26,12 @@ import tokenize
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
+
 import engine
 import step_budget
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 NUM = r"(?P<n>(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?)"  # the number a phrase states: 400, 2,048, 2.2
 
 
@@ -189,7 +191,7 @@ def problems(checked: list[Default]) -> tuple[list[str], set[int]]:
                     span = match.span()
                     if not inside(span, allowed) and not any(a < span[1] and span[0] < b for a, b in stated):
                         say(span, f"writes {default.name}'s value ({default.value:g}) where no phrase of "
-                                  "tests/test_defaults_written.py reads it: if it states the default, add a phrase "
+                                  "tests/project/test_defaults_written.py reads it: if it states the default, add a phrase "
                                   "(or name the constant); if it is another figure, add it to ALLOWED with the reason")
     return found, used
 
@@ -197,17 +199,20 @@ def problems(checked: list[Default]) -> tuple[list[str], set[int]]:
 # --- the tests --------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_the_prose_states_each_default_as_it_is():
     found, _ = problems(defaults())
     assert not found, "the prose and the defaults disagree:\n" + "\n".join(found)
 
 
+@pytest.mark.slow
 def test_every_allowed_place_is_still_there():
     _, used = problems(defaults())
     stale = [ALLOWED[i][:2] for i in range(len(ALLOWED)) if i not in used]
     assert not stale, f"ALLOWED lists text no file holds any more: drop these entries {stale}"
 
 
+@pytest.mark.slow
 def test_a_changed_default_names_every_copy():
     """This test's own check: given other values, it reports the copies of today's."""
     found, _ = problems(defaults(target=300.0, stall=2.5, cap=3000))

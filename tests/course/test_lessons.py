@@ -5,13 +5,14 @@ import doctest
 import importlib
 import os
 import re
+import runpy
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 LESSONS = ROOT / "lessons"
 sys.path.insert(0, str(LESSONS))  # the lessons' helper modules: workloads, radix_tree, words, figures, models
 
@@ -121,13 +122,19 @@ def run_stage(path: Path) -> str:
 
 
 @pytest.mark.parametrize("path", STAGES, ids=lambda path: path.name)
-def test_stage_answers_help_with_its_usage_and_runs_nothing(path):
-    result = subprocess.run([sys.executable, str(path), "--help"], capture_output=True, text=True, timeout=120,
-                            cwd=ROOT)
-    assert result.returncode == 0, f"{path.name} --help failed:\n{result.stderr[-3000:]}"
-    assert result.stdout.startswith("usage:"), f"{path.name} --help printed no usage:\n{result.stdout[:500]}"
+def test_stage_answers_help_with_its_usage_and_runs_nothing(path, monkeypatch, capsys):
+    # In this process, as `python lessons/NN_stage.py --help` runs the file: a stage imports
+    # torch and the engine at its top, which an interpreter of its own would pay for again.
+    monkeypatch.setattr(sys, "argv", [str(path), "--help"])
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the stage puts the root on it
+    with pytest.raises(SystemExit) as exit:
+        runpy.run_path(str(path), run_name="__main__")
+    out = capsys.readouterr().out
+    assert exit.value.code in (0, None), f"{path.name} --help failed:\n{out[-3000:]}"
+    assert out.startswith("usage:"), f"{path.name} --help printed no usage:\n{out[:500]}"
     # A stage that runs prints the code it teaches first, as "Read: file.py:LINE" (reading.py).
-    assert not re.search(r"\.py:\d+", result.stdout), f"{path.name} --help ran the stage"
+    assert not re.search(r"\.py:\d+", out), f"{path.name} --help ran the stage"
 
 
 def test_tiny_and_model_together_are_refused(capsys):
@@ -144,7 +151,16 @@ def test_the_allocator_stages_exist():
             "10_going_further.py"} <= names
 
 
-@pytest.mark.parametrize("path", STAGES, ids=lambda path: path.name)
+# What running each stage costs (tests/conftest.py): the model stages run the tiny model, stage 10
+# SmolLM2 behind SGLang's router; every one is an interpreter of its own.
+STAGE_COSTS = {"01_naive_prefill.py": ["model"], "02_kv_cache.py": ["model"], "07_real_model.py": ["model"],
+               "08_many_requests.py": ["model"], "09_serving.py": ["model", "server"],
+               "10_going_further.py": ["model", "real_model", "server", "router"]}
+
+
+@pytest.mark.subprocess
+@pytest.mark.parametrize("path", [pytest.param(path, marks=[getattr(pytest.mark, cost) for cost in STAGE_COSTS.get(path.name, [])])
+                                  for path in STAGES], ids=lambda path: path.name)
 def test_stage_runs_to_the_end(path):
     output = run_stage(path)
     for sentence in EXPECTED_OUTPUT.get(path.name, []):
@@ -168,6 +184,7 @@ def test_the_syllabus_shows_the_curl_commands_stage_9_prints():
 # --- the claims of stage 10 -----------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_the_radix_tree_and_the_hash_table_agree_on_whole_blocks():
     from workloads import WORKLOADS, radix_vs_hash
 
@@ -201,6 +218,7 @@ def test_an_lru_burst_evicts_the_hot_system_prompt_from_its_end():
     assert hits == sorted(hits, reverse=True)
 
 
+@pytest.mark.slow
 def test_hit_rates_follow_the_workloads():
     from workloads import hit_rate_table
 
@@ -223,6 +241,7 @@ def test_the_design_doc_example_with_free_uncached_first():
 # --- figures --------------------------------------------------------------------------------------
 
 
+@pytest.mark.subprocess
 def test_figures_command_writes_small_pngs(tmp_path):
     result = subprocess.run([sys.executable, str(LESSONS / "figures.py"), "--out", str(tmp_path)],
                             capture_output=True, text=True, timeout=300, cwd=ROOT)

@@ -290,7 +290,7 @@ def test_groups_cover_every_request_once_in_a_bounded_number_of_calls(contexts, 
 #
 # A prefix is shared only where that pays (batch_attention.decode_groups: at least
 # CASCADE_MIN_REQUESTS decodes sharing CASCADE_MIN_TOKENS tokens, then counted work);
-# tests/test_shared_prefix.py pins that decision. Here: the whole model, with and without.
+# tests/engine/test_shared_prefix.py pins that decision. Here: the whole model, with and without.
 
 SYSTEM = list(range(1000, 1260))  # 260 tokens: a system prompt long enough to share
 

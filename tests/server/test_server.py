@@ -428,10 +428,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.server
+@pytest.mark.real_model
+@pytest.mark.subprocess
 def test_python_server_py_serves_the_default_model():
     port = free_port()
     command = [sys.executable, "server.py", "--port", str(port), "--num-blocks", "64"]
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     process = subprocess.Popen(command, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                text=True, env={**os.environ, "COLUMNS": "200", "PYTHONUNBUFFERED": "1"})
     try:

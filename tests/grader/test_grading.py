@@ -2,7 +2,7 @@
 each case below is a folder of student files, graded by running a test file of
 tests/exercises with EXERCISE_IMPL=starter and EXERCISE_DIR pointing at it.
 
-1. Four correct solutions in different styles (tests/grading_solutions/) pass every test.
+1. Four correct solutions in different styles (tests/grader/solutions/) pass every test.
 2. Wrong solutions fail: each is a correct solution with one mistake a student made, and a
    test must fail with a message naming the rule it breaks.
 3. Cheats earn nothing: a file that rewrites pytest, the grading code or the tests, or
@@ -19,10 +19,17 @@ import textwrap
 from pathlib import Path
 
 import pytest
+# pytester puts sys.modules back as it found them when a test began, and torch's C extension
+# cannot register its operators a second time in one process: what exercise 5's graded tests
+# import is imported here, before any test, so it stays.
+import torch  # noqa: F401
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM  # noqa: F401
 
-ROOT = Path(__file__).resolve().parents[1]
+import kv_pool  # noqa: F401
+
+ROOT = Path(__file__).resolve().parents[2]
 EXERCISE_TESTS = ROOT / "tests" / "exercises"
-SOLUTIONS = ROOT / "tests" / "grading_solutions"
+SOLUTIONS = ROOT / "tests" / "grader" / "solutions"
 TEST_FILES = {"block_hash": ["test_ex1_block_hash.py"], "allocator": ["test_ex2_allocate.py", "test_ex4_free.py"],
               "free_queue": ["test_ex3_free_queue.py"], "gather_kv": ["test_ex5_gather_kv.py"],
               "scheduler": ["test_ex6_schedule.py"]}
@@ -218,18 +225,57 @@ MISTAKES |= {
 }
 
 
-@pytest.mark.parametrize("mistake", MISTAKES)
-def test_a_mistake_fails_its_exercise_naming_the_rule(mistake, pytester, monkeypatch, tmp_path):
-    test_file, files, rule = MISTAKES[mistake]
-    select = "not finish_line and not engine" if "gather" in test_file else ""
-    outcomes, output = grade(pytester, monkeypatch, tmp_path, test_file, files, select=select)
-    assert outcomes.get("failed", 0) >= 1, f"{mistake}: every test of {test_file} passed"
-    assert rule in output, f"{mistake}: no failure says {rule!r}:\n{output[-3000:]}"
+# The test that names each mistake's rule: a mistake is graded by that test alone, in one
+# nested session, rather than by its whole exercise file.
+NAMED_BY = {
+    "a hit on an in-use block sets ref_cnt to 2": "test_a_hit_adds_one_to_the_ref_count_of_a_block_in_use",
+    "a partial block keeps its previous owner's tokens": "test_a_block_taken_from_the_free_queue_holds_only_its_new_tokens",
+    "numpy ints hash differently": "test_numpy_token_ids_hash_like_python_ints",
+    "keys joined with '|'": "test_no_separator_inside_a_key_can_split_it",
+    "an MD5 digest": "test_each_block_hash_is_a_sha256_digest_of_32_bytes",
+    "the encoding itself, no digest": "test_each_block_hash_is_a_sha256_digest_of_32_bytes",
+    "Python's hash of a tuple": "test_each_block_hash_is_a_sha256_digest_of_32_bytes",
+    "the parent cut to 8 bytes": "test_every_byte_of_the_parent_hash_counts",
+    "a bf16 pool gathered into float32": "test_a_bfloat16_pool_gives_bfloat16_keys_and_values",
+    "the salt passed to peek as an extra key": "test_a_salted_request_finds_its_own_tenants_blocks",
+    "a resumed request samples on every chunk past its prompt": "test_a_resumed_request_samples_only_at_the_end_of_its_tokens",
+    "admission chunks rounded down to a block edge": "test_a_request_over_the_budget_gets_a_chunk_and_stops_admission",
+    "a prompt prefilling takes all the budget left, not its share":
+        "test_a_short_request_behind_a_prefilling_prompt_is_prefilled_beside_it",
+    "shares handed out in queue order, not smallest need first":
+        "test_a_short_request_behind_a_prefilling_prompt_is_prefilled_beside_it",
+    "a request waiting for its hit stops admission": "test_the_second_worked_example_step_by_step",
+    "the lookup goes on past the first miss": "test_a_hit_needs_the_same_tokens_and_the_block_table_stops_at_the_first_miss",
+    "the lookup goes on past a hash that is not cached": "test_a_block_cached_after_a_miss_is_not_a_hit",
+    "schedule(budget) over max_num_batched_tokens plans the whole budget":
+        "test_a_budget_over_max_num_batched_tokens_plans_at_most_max_num_batched_tokens",
+    "the scheduler's preemption count copied from the request":
+        "test_self_num_preemptions_counts_every_preemption_of_every_request",
+    "a running request with a share of 0 planned for 0 tokens": "test_a_running_request_whose_share_is_0_is_left_out_of_the_plan",
+    "one (keys, values) pair per KV head, not per layer": "test_a_bfloat16_pool_gives_bfloat16_keys_and_values",
+    "remove walks the queue through vars()": "test_an_operation_takes_as_long_in_a_queue_of_100_000_as_in_one_of_100",
+    "a list of the queue kept in the head sentinel": "test_an_operation_takes_as_long_in_a_queue_of_100_000_as_in_one_of_100",
+    "the room check scans self.blocks": "test_allocate_and_free_take_as_long_on_a_pool_of_100_000_as_on_one_of_100",
+    "Python's hash of the token ids, taken under another name": "test_ids_that_pythons_hash_confuses_hash_apart",
+    "a loop over the blocks hidden from the operation count":
+        "test_each_block_gathered_costs_no_more_than_a_few_times_the_references",
+    "a copy of the whole pool in every gather": "test_a_gather_takes_as_long_from_a_pool_of_16_384_blocks_as_from_one_of_16",
+    "a loop of numpy copies over the blocks": "test_each_block_gathered_costs_no_more_than_a_few_times_the_references",
+    "a loop of numpy copies, every gather padded to 100 ms":
+        "test_each_block_gathered_costs_no_more_than_a_few_times_the_references",
+}
+
+
+def test_every_mistake_names_a_test_of_its_exercise():
+    assert NAMED_BY.keys() == MISTAKES.keys()
+    for mistake, (test_file, _, _) in MISTAKES.items():
+        assert f"def {NAMED_BY[mistake]}(" in (EXERCISE_TESTS / test_file).read_text(), mistake
 
 
 # --- a message, followed, fixes the mistake it names ---------------------------------------------------
 # Each: a mistake above, the words of its failure that say what to do, and that advice applied
-# to the mistaken file (old, new). The fixed file must pass every test of the exercise.
+# to the mistaken file (old, new). The fixed file must pass every test of the exercise: where it is
+# the plain solution again, test_a_correct_solution_passes_every_test has shown that already.
 FOLLOWED = {
     "the lookup goes on past the first miss": ("break, not continue", ("                continue", "                break")),
     "the lookup goes on past a hash that is not cached": (
@@ -254,19 +300,31 @@ FOLLOWED = {
 }
 
 
-@pytest.mark.parametrize("mistake", FOLLOWED)
-def test_a_failure_message_followed_fixes_the_mistake(mistake, pytester, monkeypatch, tmp_path):
-    test_file, files, _ = MISTAKES[mistake]
+
+
+@pytest.mark.parametrize("mistake", MISTAKES)
+def test_a_mistake_fails_the_test_that_names_its_rule_and_the_advice_fixes_it(mistake, pytester, monkeypatch, tmp_path):
+    test_file, files, rule = MISTAKES[mistake]
+    outcomes, output = grade(pytester, monkeypatch, tmp_path / "mistake", test_file, files, select=NAMED_BY[mistake])
+    assert outcomes.get("failed", 0) >= 1, f"{mistake}: {NAMED_BY[mistake]} passed"
+    assert rule in output, f"{mistake}: no failure says {rule!r}:\n{output[-3000:]}"
+    if mistake not in FOLLOWED:
+        return
     advice, (old, new) = FOLLOWED[mistake]
-    select = "not finish_line and not engine" if "gather" in test_file else ""
-    outcomes, output = grade(pytester, monkeypatch, tmp_path / "mistake", test_file, files, select=select)
-    assert outcomes.get("failed", 0) >= 1 and advice in output, f"{mistake}: no failure says {advice!r}:\n{output[-3000:]}"
+    assert advice in output, f"{mistake}: no failure says {advice!r}:\n{output[-3000:]}"
     (name, source), = files.items()
     assert source.count(old) == 1, f"{mistake}: the mistaken {name}.py no longer holds {old!r} once"
-    outcomes, output = grade(pytester, monkeypatch, tmp_path / "followed", test_file, {name: source.replace(old, new)},
-                             select=select)
+    fixed = source.replace(old, new)
+    if fixed == (SOLUTIONS / "plain" / f"{name}.py").read_text():
+        return  # the plain solution, which passes every test (test_a_correct_solution_passes_every_test)
+    select = "not finish_line and not engine" if "gather" in test_file else ""
+    outcomes, output = grade(pytester, monkeypatch, tmp_path / "followed", test_file, {name: fixed}, select=select)
     assert "failed" not in outcomes and "error" not in outcomes and outcomes.get("passed"), (
         f"{mistake}: the advice {advice!r}, followed, still fails: {outcomes}\n{output[-3000:]}")
+
+
+def test_every_followed_advice_belongs_to_a_mistake():
+    assert FOLLOWED.keys() <= MISTAKES.keys()
 
 
 # --- cheats earn nothing -----------------------------------------------------------------------------

@@ -278,7 +278,7 @@ class SchedulerMachine(RuleBasedStateMachine):
 
 
 SchedulerMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=40, deadline=None)
-test_scheduler_invariants_hold_under_random_workloads = SchedulerMachine.TestCase
+test_scheduler_invariants_hold_under_random_workloads = pytest.mark.slow(SchedulerMachine.TestCase)
 
 
 def test_a_budget_policy_caps_single_requests_and_sees_what_each_would_compute():

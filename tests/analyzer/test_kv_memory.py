@@ -13,7 +13,7 @@ from rich.console import Console
 from analyzer.kv_memory import KNOWN_MODELS, UnsupportedModel, kv_shape, memory_to_buy, server_flags
 from analyzer.request_logs import Writer, chat, write_log
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("name, per_token", [("Llama-3.1-8B", 128 * 1024), ("Llama-3.1-70B", 320 * 1024),
@@ -79,6 +79,7 @@ def test_the_working_set_and_the_running_requests_become_gib_and_flags():
     assert flags["llama.cpp"].startswith("-c 4000 --parallel 4 --kv-unified --cache-ram 2048")
 
 
+@pytest.mark.slow
 def test_the_analyzer_prints_the_memory_to_buy_for_each_caching_model(tmp_path):
     from analyzer import workload_analyzer
 

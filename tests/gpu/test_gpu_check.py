@@ -14,7 +14,9 @@ import pytest
 
 from benchmarks import gpu
 
-ROOT = Path(__file__).resolve().parents[1]
+pytestmark = [pytest.mark.gpu, pytest.mark.model, pytest.mark.subprocess]
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture

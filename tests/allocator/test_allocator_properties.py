@@ -1,5 +1,6 @@
 """Random operation sequences must never break the pool's invariants (hypothesis)."""
 
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -101,4 +102,4 @@ AllocatorMachine.TestCase.settings = settings(
     max_examples=300, stateful_step_count=40, deadline=None, derandomize=True,
     suppress_health_check=[HealthCheck.too_slow],
 )
-TestAllocatorMachine = AllocatorMachine.TestCase
+TestAllocatorMachine = pytest.mark.slow(AllocatorMachine.TestCase)  # 300 random sequences: seconds

@@ -17,7 +17,7 @@ from analyzer.workload_analyzer import (
     LIKE, TokenizedLog, footprint, hit_rate_curve, prefix_tree, replay, tokenize_log, variable_starts,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def small_traffic(seed: int = 0) -> list[dict]:
@@ -194,6 +194,7 @@ def test_a_bad_record_is_refused_with_its_line(tmp_path, line, message):
         read_log(path)
 
 
+@pytest.mark.subprocess
 def test_the_command_reports_the_curve_and_writes_the_plot(tmp_path):
     plot = tmp_path / "curve.png"
     result = subprocess.run(
@@ -212,12 +213,14 @@ def test_the_command_reports_the_curve_and_writes_the_plot(tmp_path):
     (["lessons/data/chatbot.jsonl.xz", "--num-blocks", "3"], "--num-blocks 3 cannot hold the longest prompt"),
     (["lessons/data/chatbot.jsonl.xz", "--chat-template", "none.jinja"], "--chat-template none.jinja: No such file"),
 ])
+@pytest.mark.subprocess
 def test_the_command_refuses_what_it_cannot_use_without_a_traceback(args, message):
     result = subprocess.run([sys.executable, "prefix_caching.py", "--analyze", *args], capture_output=True, text=True,
                             timeout=120, cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr
 
 
+@pytest.mark.slow
 def test_the_example_logs_are_what_the_command_writes(tmp_path):
     from analyzer.request_logs import EXAMPLE_LOGS, OTHER_LOGS
 
@@ -230,6 +233,7 @@ def test_the_example_logs_are_what_the_command_writes(tmp_path):
     assert sum((ROOT / "lessons" / "data" / name).stat().st_size for name in names) < 500_000  # small in git
 
 
+@pytest.mark.subprocess
 def test_the_analyzer_benchmark_times_a_log_it_keeps(tmp_path):
     from benchmarks import analyzer
 
@@ -244,6 +248,7 @@ def test_the_analyzer_benchmark_times_a_log_it_keeps(tmp_path):
     assert results == [run]
 
 
+@pytest.mark.subprocess
 def test_the_analyzer_benchmark_measures_the_peak_memory_of_a_big_log(tmp_path):
     from benchmarks import analyzer
 
@@ -253,3 +258,4 @@ def test_the_analyzer_benchmark_measures_the_peak_memory_of_a_big_log(tmp_path):
     assert run["this_peak_rss_mib"] > 0 and run["baseline_peak_rss_mib"] > 0 and run["same_curve"]
     assert run["this_prompt_tokens"] == run["baseline_prompt_tokens"] > 50_000
     assert json.loads((tmp_path / "out.json").read_text())["requests"] == run["requests"]
+

@@ -22,6 +22,8 @@ from batch_attention import MAX_GROUPS, build_step, pool_attention
 from kv_pool import PagedKVPool
 from scheduler import Request, ScheduledRequest, StepPlan
 
+pytestmark = [pytest.mark.model]
+
 # Constants under which every shared prefix that reads fewer slots is taken: the other paths
 # of the decision (families cut by length, stragglers) come up in far more random cases.
 EAGER = {"CASCADE_MIN_REQUESTS": 2, "CASCADE_MIN_TOKENS": 1, "CASCADE_OWN_COST": 1.0, "CASCADE_GROUP_SLOTS": 0}

@@ -28,6 +28,8 @@ from helpers import MODEL, StubWorker, serve, wait_until_idle
 from server import create_app
 from server_requests import CHAT, COMPLETIONS, Settings, parse_generation_request
 
+pytestmark = [pytest.mark.router, pytest.mark.server]
+
 
 def make_engine(tiny_model, tokenizer) -> Engine:
     return Engine(model=tiny_model, tokenizer=tokenizer, block_size=4, num_blocks=128, batching=True,

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # Bottom to top: the order of the README's table.
 ORDER = [
@@ -103,6 +103,7 @@ def test_no_reference_module_imports_the_lessons_or_the_tests():
         assert not imports & ({"lessons", "tests"} | LESSONS), f"{name} imports the course material"
 
 
+@pytest.mark.subprocess
 def test_the_allocator_the_prompts_and_the_analyzer_load_without_torch():
     """A fresh interpreter (this one has torch already): `--analyze` never waits for it."""
     code = f"import sys, {', '.join(TORCH_FREE)}; assert 'torch' not in sys.modules"

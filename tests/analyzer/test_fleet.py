@@ -221,6 +221,7 @@ class HoldingWorker(StubWorker):
                     "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}})
 
 
+@pytest.mark.router
 def test_with_loads_held_the_real_router_picks_what_the_model_picks():
     from benchmarks.router import router
 
@@ -275,6 +276,7 @@ def test_with_loads_held_the_real_router_picks_what_the_model_picks():
     assert len(set(order.values())) == 3
 
 
+@pytest.mark.router
 def test_the_fleet_benchmark_finds_the_prediction_equal_to_the_real_router_where_it_does_not_draw(tmp_path):
     from benchmarks.fleet import main as bench
 

@@ -14,6 +14,8 @@ from benchmarks import cache_probe, server_load
 from benchmarks.openai_api import OpenAIServer, Spread
 from engine import Engine
 
+pytestmark = [pytest.mark.server]
+
 
 @pytest.fixture(scope="module")
 def engine(tiny_model, tokenizer):
