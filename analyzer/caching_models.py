@@ -429,12 +429,13 @@ class LlamaCpp:
         n_ctx = -(-self.n_ctx // 256) * 256
         return n_ctx if self.kv_unified else -(-(n_ctx // self.parallel) // 256) * 256
 
-    def refusals(self, prompts: list[array], refused: Sequence[int]) -> str:
-        """What the analyzer says of the requests a slot's context turns away."""
-        named = ", ".join(f"{i} ({len(prompts[i]):,} tokens)" for i in refused[:10])
+    def refusals(self, lengths: Sequence[int], refused: Sequence[int]) -> str:
+        """What the analyzer says of the requests a slot's context turns away, from every
+        prompt's length (a TokenizedLog's `lengths`: the prompts themselves are in a file)."""
+        named = ", ".join(f"{i} ({lengths[i]:,} tokens)" for i in refused[:10])
         more = f" and {len(refused) - 10:,} more" if len(refused) > 10 else ""
         share = "all of -c, the KV cache unified" if self.kv_unified else f"-c {self.n_ctx:,} over {self.parallel} slots"
-        return (f"{len(refused):,} of {len(prompts):,} requests refused: a slot holds {self.n_ctx_slot():,} tokens "
+        return (f"{len(refused):,} of {len(lengths):,} requests refused: a slot holds {self.n_ctx_slot():,} tokens "
                 f"({share}), and llama-server answers a prompt that long or longer with HTTP 400, \"request exceeds "
                 f"the available context size\". Requests {named}{more} (their place in the log, from 0). They are "
                 f"left out of the hit rate, as the server computes none of their tokens; a larger --ctx-size, fewer "

@@ -277,7 +277,7 @@ def replay(prompts: list[array], salts: list[str | None], num_blocks: int, block
     else:  # llama.cpp has no cache_salt: salted prompts share like any others
         counts = model.replay(prompts, num_blocks * block_size)
     result.cached, result.evictions, result.refused = counts.cached, counts.evictions, counts.refused
-    result.prompt_tokens -= sum(len(prompts[i]) for i in counts.refused)
+    result.prompt_tokens -= sum(lengths[i] for i in counts.refused)  # a TokenizedLog has lengths, no [i]
     return result
 
 
@@ -1031,7 +1031,7 @@ def analyse(args, parser, model: CacheModel, shape, flags: RouterFlags, tokenize
                   f"{studied.hit_rate:.1%}, {studied.cached_tokens:,} of {studied.prompt_tokens:,} prompt tokens "
                   f"not computed again, {studied.evictions:,} evictions.")
     if studied.refused:
-        console.print(f"[yellow]{model.refusals(prompts, studied.refused)}[/]")
+        console.print(f"[yellow]{model.refusals(lengths_of(prompts), studied.refused)}[/]")
     if by_blocks:
         console.print(prefix_tree(studied, tokenizer.decode, top=args.top))
         table = Table("block size", "num_blocks", "hit rate", "prefill tokens saved",

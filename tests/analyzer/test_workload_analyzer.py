@@ -259,3 +259,34 @@ def test_the_analyzer_benchmark_measures_the_peak_memory_of_a_big_log(tmp_path):
     assert run["this_prompt_tokens"] == run["baseline_prompt_tokens"] > 50_000
     assert json.loads((tmp_path / "out.json").read_text())["requests"] == run["requests"]
 
+
+@pytest.mark.subprocess
+@pytest.mark.parametrize("flags", [["--parallel", "2", "--ctx-size", "512"], ["--ctx-size", "256"]],
+                         ids=["two slots", "one unified cache"])
+def test_the_llamacpp_command_with_refusals_prints_what_replay_counts(tmp_path, tokenizer, flags):
+    # The command streams the log into a TokenizedLog, which has lengths but no prompt by index:
+    # a refused request once crashed it here. Its figures must be replay's on the same prompts.
+    # A slot holds 256 tokens with either flags (llama-server rounds -c up to 256 a slot).
+    w, log = Writer(3), tmp_path / "long_and_short.jsonl"
+    shared = w.words(120)
+    write_log(log, [{"prompt": shared + " " + w.words(n)} for n in (10, 150, 20, 200, 15, 5)])
+    parallel = int(flags[1]) if flags[0] == "--parallel" else None
+    model = LlamaCpp(parallel or 4, kv_unified=parallel is None, n_ctx=int(flags[-1]))
+    requests = read_log(log)
+    prompts = tokenize_log(requests, tokenizer)
+    with TokenizedLog() as streamed:
+        for prompt, request in zip(prompts, requests):
+            streamed.append(prompt, request.cache_salt)
+        expected = replay(streamed, streamed.salts, 64, 16, model=model)
+    assert expected.refused and len(expected.refused) < len(prompts), "the flags must refuse some requests, not all"
+    assert expected.prompt_tokens == sum(map(len, prompts)) - sum(len(prompts[i]) for i in expected.refused)
+    result = subprocess.run([sys.executable, "prefix_caching.py", "--analyze", str(log), "--like", "llamacpp",
+                             "--num-blocks", "64", *flags], capture_output=True, text=True, timeout=300, cwd=ROOT,
+                            env={**os.environ, "COLUMNS": "250"})
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    out = " ".join(result.stdout.split())
+    assert (f"At 64 blocks (--num-blocks): hit rate {expected.hit_rate:.1%}, {expected.cached_tokens:,} of "
+            f"{expected.prompt_tokens:,} prompt tokens not computed again") in out, out[-3000:]
+    assert f"{len(expected.refused):,} of {len(prompts):,} requests refused" in out, out[-3000:]
+    first = expected.refused[0]
+    assert f"Requests {first} ({len(prompts[first]):,} tokens)" in out
