@@ -3,7 +3,9 @@ the rule every engine test ends with (the pool whole), and a real server on a re
 the curl-style calls the HTTP tests make. Fixtures are in the conftest.py files.
 
 The analyzer's tests import the HTTP helpers without a model, so torch, openai and the server
-are imported by the functions that need them, not here."""
+are imported by the functions that need them, not here. The waits below guard against a hang,
+not a slow machine: each is tens of times what it takes on a quiet one, and stretched by the
+load (machine.py); a wait that runs out says the load it met."""
 
 import contextlib
 import json
@@ -13,6 +15,8 @@ import time
 import urllib.error
 import urllib.request
 from http.server import BaseHTTPRequestHandler
+
+import machine
 
 MODEL = "tiny-llama"
 SYSTEM = "You are a patient teacher. Answer every question in one short sentence. "
@@ -58,7 +62,7 @@ def wait_until_idle(engine, timeout: float = 30.0) -> None:
     """Every request finished or cancelled, every block back. A client that left is noticed
     by its server thread, and (batching) its request freed by the loop before its next step,
     moments later."""
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + machine.scaled(timeout)
     while (engine.allocator.block_tables or (engine.loop and engine.loop.live)) and time.monotonic() < deadline:
         time.sleep(0.02)
     assert engine.loop is None or engine.loop.live == {}
@@ -113,13 +117,14 @@ def raw_request(url: str, head: list[str], body: bytes = b"") -> socket.socket:
 
 def wait_for_log(caplog, words: str, timeout: float = 20.0) -> str:
     """The first log message holding `words`; a server thread may write it a moment later."""
-    deadline = time.monotonic() + timeout
+    limit = machine.scaled(timeout)
+    deadline = time.monotonic() + limit
     while time.monotonic() < deadline:
         found = [r.getMessage() for r in caplog.records if words in r.getMessage()]
         if found:
             return found[0]
         time.sleep(0.02)
-    raise AssertionError(f"no log line with {words!r} in {timeout} s")
+    raise AssertionError(f"no log line with {words!r} in {limit:.0f} s ({machine.load_note()})")
 
 
 def client(url: str, api_key: str = "unused"):
@@ -191,13 +196,14 @@ def connect_from(url: str, address: str, timeout: float = 30) -> socket.socket:
 
 def until(ready, timeout: float = 30.0, what: str = "the condition"):
     """Poll ready() until it returns something true; that value."""
-    deadline = time.monotonic() + timeout
+    limit = machine.scaled(timeout)
+    deadline = time.monotonic() + limit
     while time.monotonic() < deadline:
         value = ready()
         if value:
             return value
         time.sleep(0.01)
-    raise AssertionError(f"{what} did not hold within {timeout} s")
+    raise AssertionError(f"{what} did not hold within {limit:.0f} s ({machine.load_note()})")
 
 
 class StubWorker(BaseHTTPRequestHandler):
