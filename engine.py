@@ -47,7 +47,7 @@ from kv_pool import PagedKVPool
 from model_loader import load_model
 from one_request import EngineParts, forward, run_request
 from outputs import Generation, StreamEvent
-from prefix_caching import PrefixCachingAllocator, check_cache_salt, check_text
+from prefix_caching import HASH_ALGOS, PrefixCachingAllocator, check_cache_salt, check_text
 from prompts import tokenize_prompts
 from request import FINISHED, SamplingParams
 from scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS, check_step_size
@@ -96,14 +96,29 @@ class EngineConfig:
     static_decode: bool | None = None
 
     def __post_init__(self):
+        for name in ("enable_caching", "free_uncached_first", "batching", "enable_chunked_prefill",
+                     "cascade_attention", "choose_threads", "fair_share"):
+            if not isinstance(getattr(self, name), bool):  # a string such as 'False' is truthy
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r:.40}")
+        if self.static_decode is not None and not isinstance(self.static_decode, bool):
+            raise ValueError(f"static_decode must be True, False or None, got {self.static_decode!r:.40}")
+        for name in ("block_size", "num_blocks", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if (value is not None or name == "block_size") and not is_count(value):
+                raise ValueError(f"{name} must be an int >= 1{'' if name == 'block_size' else ' or None'}, "
+                                 f"got {value!r:.40}")
+        memory = self.kv_memory_gb
+        if memory is not None and not (is_number(memory) and 0 < memory < math.inf):
+            raise ValueError(f"kv_memory_gb must be a number of GiB above 0, got {memory!r:.40}")
+        if self.hash_algo not in HASH_ALGOS:
+            raise ValueError(f"hash_algo must be one of {HASH_ALGOS}, got {self.hash_algo!r:.40}")
         if self.num_blocks is not None and self.kv_memory_gb is not None:
             raise ValueError("size the pool by num_blocks or by kv_memory_gb, not both")
         if self.max_num_batched_tokens is not None and self.target_step_ms is not None:
             raise ValueError("give max_num_batched_tokens (the same budget every step) or target_step_ms (a budget "
                              "from a step time), not both")
         target = self.target_step_ms
-        number = isinstance(target, (int, float)) and not isinstance(target, bool)
-        if target is not None and not (number and 0 < target < math.inf):
+        if target is not None and not (is_number(target) and 0 < target < math.inf):
             raise ValueError(f"target_step_ms must be a number of milliseconds above 0, got {target!r:.40}")
         check_step_size(self.max_num_seqs, self.token_cap)
 
@@ -126,6 +141,16 @@ class EngineConfig:
 
 
 CONFIG_FIELDS = tuple(f.name for f in fields(EngineConfig))
+
+
+def is_number(value) -> bool:
+    """An int or a float, not a bool (True is an int to Python, not a size)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def is_count(value) -> bool:
+    """A whole number >= 1, not a bool."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingParams))
 
 

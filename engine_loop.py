@@ -23,7 +23,7 @@ import queue
 import threading
 import time
 import weakref
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Callable
 
@@ -154,10 +154,11 @@ class EngineLoop:
         many requests would then wait for admission."""
         self.check_alive()
         ids = [r.request_id for r in requests]
+        repeated = sorted(i for i, n in Counter(ids).items() if n > 1)  # outside the locks: linear in the requests
         with self.parts.allocator_lock, self._wake:
             if self._closed:
                 raise EngineStoppedError(self._closed)
-            taken = sorted({i for i in ids if i in self.live or ids.count(i) > 1})
+            taken = sorted({*repeated, *(i for i in ids if i in self.live)})
             if taken:
                 raise ValueError(f"request id {taken[0]!r} is already running; pick another id")
             waiting = len(self.scheduler.waiting) + len(self._inbox)

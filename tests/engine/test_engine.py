@@ -6,7 +6,8 @@ full forward pass. Most tests use the tiny random model of conftest.py, in float
 
 
 import copy
-from dataclasses import replace
+import math
+from dataclasses import fields, replace
 
 import pytest
 import torch
@@ -375,6 +376,25 @@ def test_a_memory_budget_sizes_the_pool_in_whole_blocks(make_engine):
     assert make_engine(num_blocks=None, kv_memory_gb=100.5 * 2048 / 2**30).allocator.num_blocks == 100
     with pytest.raises(ValueError, match="less than one block"):
         make_engine(num_blocks=None, kv_memory_gb=1e-9)
+
+
+# Every EngineConfig field, with a value of the wrong type and one of the right type out of range.
+WRONG_CONFIG = {
+    "block_size": ["16", 0], "num_blocks": [64.0, -1], "kv_memory_gb": ["1", math.inf], "enable_caching": ["False", 0],
+    "hash_algo": [b"sha256", "md5"], "free_uncached_first": ["no", None], "batching": ["no", 1],
+    "max_num_seqs": [True, 0], "max_num_batched_tokens": [2048.0, 0], "target_step_ms": ["400", math.nan],
+    "enable_chunked_prefill": ["yes", None], "cascade_attention": [1, None], "choose_threads": ["True", None],
+    "fair_share": [[], None], "static_decode": ["auto", 0],
+}
+
+
+def test_every_config_field_is_checked_by_type_and_range_when_made():
+    assert WRONG_CONFIG.keys() == {f.name for f in fields(EngineConfig)}, "a new field needs its wrong values here"
+    for name, values in WRONG_CONFIG.items():
+        for value in values:
+            with pytest.raises(ValueError, match=f"^{name} must be"):
+                EngineConfig(**{name: value})
+    EngineConfig(block_size=4, num_blocks=8, batching=True, static_decode=None, hash_algo="xxhash")  # the right kinds
 
 
 def test_engine_arguments_are_checked(tiny_model, tokenizer):

@@ -11,6 +11,7 @@ import pytest
 from hypothesis import seed
 
 import grading
+import machine
 
 
 def pytest_sessionstart(session):
@@ -52,6 +53,9 @@ def pytest_runtest_makereport(item, call):
     report = yield
     if report.failed:
         report.sections.append(("grading seed", f"grading seed {grading.SEED}: {grading.REPRODUCE}"))
+        # The timed rules compare the fastest of several runs, which a busy machine slows alike;
+        # the load is here so that a failure can be read against it.
+        report.sections.append(("load", f"graded at {machine.load_note()}"))
     return report
 
 
