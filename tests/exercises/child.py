@@ -1,6 +1,6 @@
 """The process a student's exercise files run in while the tests grade them.
 
-    python -I tests/exercises/child.py MODE EXERCISE_DIR ROOT
+    python -I tests/exercises/child.py MODE EXERCISE_DIR ROOT SCRATCH
 
 The grader (grading.py, in the pytest process) starts this script and sends it one JSON
 object a line: build an allocator, call allocate_with_prefix, gather these blocks, plan a
@@ -14,7 +14,12 @@ names exercises.<file>, after two locks:
     and the tests cannot be imported: their import fails, saying why;
   - an audit hook refuses the plain ways to open a file of ROOT outside the exercises and
     the installed packages (the reference's source, the tests: open, io.open, os.open by
-    path) and to start a process.
+    path) and to start a process;
+  - the same hook refuses to write, create, move or delete a file anywhere but in
+    EXERCISE_DIR and SCRATCH, an empty folder the grader made for this child (its home, its
+    temporary folder and its working directory) and removes when it ends: a .pth or a
+    sitecustomize.py in site-packages, a file in the home, would outlive the run and change
+    every later one.
 These stop a casual import or read, not a determined reader: other ways to reach a file of
 the disk stay open in any Python process (exercises/README.md says so, and what applies).
 In reference mode the same requests run the reference modules, so CI grades the grader.
@@ -34,7 +39,7 @@ import traceback
 import types
 from collections import Counter
 
-MODE, EXERCISE_DIR, ROOT = sys.argv[1], os.path.realpath(sys.argv[2]), os.path.realpath(sys.argv[3])
+MODE, EXERCISE_DIR, ROOT, SCRATCH = sys.argv[1], *(os.path.realpath(arg) for arg in sys.argv[2:5])
 REFERENCE = {"block_hash": "prefix_caching", "allocator": "prefix_caching", "free_queue": "prefix_caching",
              "gather_kv": "kv_pool", "scheduler": "scheduler"}
 TOP_LEVEL = {name[:-3] for name in os.listdir(ROOT) if name.endswith(".py")} | {"tests", "lessons", "benchmarks",
@@ -73,7 +78,31 @@ def inside(path: str, folder: str) -> bool:
     return path == folder or path.startswith(folder + os.sep)
 
 
+# What may write: an open for writing, and the events that create, move or delete a path.
+WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
+PATH_EVENTS = {"os.remove": (0,), "os.rmdir": (0,), "os.mkdir": (0,), "os.truncate": (0,), "os.chmod": (0,),
+               "os.chown": (0,), "os.utime": (0,), "os.rename": (0, 1), "os.link": (1,), "os.symlink": (1,),
+               "shutil.rmtree": (0,), "shutil.copyfile": (1,), "shutil.copytree": (1,), "shutil.move": (0, 1)}
+WRITABLE = [EXERCISE_DIR, SCRATCH]
+
+
+def written(event: str, args: tuple) -> list:
+    """The paths `event` would write (create, change, move or delete)."""
+    if event == "open":
+        mode, flags = args[1], args[2]
+        writes = (isinstance(mode, str) and any(c in mode for c in "wax+")) or (
+            isinstance(flags, int) and flags & WRITE_FLAGS)
+        return [args[0]] if writes else []
+    return [args[i] for i in PATH_EVENTS.get(event, ()) if i < len(args)]
+
+
 def audit(event: str, args: tuple) -> None:
+    for path in written(event, args):
+        if isinstance(path, (str, bytes, os.PathLike)):
+            path = os.path.realpath(os.fsdecode(path))
+            if not any(inside(path, folder) for folder in WRITABLE):
+                raise PermissionError(f"writing {path} is refused while your exercises are graded: nothing your "
+                                      "code does may outlive its run, except in your own folder (exercises/README.md)")
     if event in PROCESS_EVENTS:
         raise PermissionError(f"{event} is refused while your exercises are graded: your code runs alone, "
                               "in a process that starts no other (exercises/README.md)")

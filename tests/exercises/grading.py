@@ -168,11 +168,15 @@ class Child:
 
     def start(self) -> None:
         self.stderr = tempfile.TemporaryFile()
+        # The child's home, temporary folder and working directory: empty, and gone when it stops.
+        self.scratch = tempfile.TemporaryDirectory(prefix="grading-child-")
         # The seed stays with the grader: from it the child could draw every input again.
         env = {key: value for key, value in os.environ.items() if key not in SEED_VARIABLES} | self.env
-        command = [sys.executable, "-I", str(CHILD), mode(), str(exercise_dir()), str(ROOT)]
+        env |= {name: self.scratch.name for name in ("HOME", "TMPDIR", "XDG_CACHE_HOME", "XDG_CONFIG_HOME",
+                                                     "XDG_DATA_HOME")}
+        command = [sys.executable, "-I", str(CHILD), mode(), str(exercise_dir()), str(ROOT), self.scratch.name]
         self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr,
-                                        env=env, cwd=exercise_dir())
+                                        env=env, cwd=self.scratch.name)
         self.buffer = b""
         self.started = False
         self.read(START_LIMIT)
@@ -182,6 +186,7 @@ class Child:
             self.process.kill()
             self.process.wait()
             self.process = None
+            self.scratch.cleanup()
 
     def output(self) -> str:
         self.stderr.seek(0)

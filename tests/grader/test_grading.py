@@ -12,6 +12,7 @@ tests/exercises with EXERCISE_IMPL=starter and EXERCISE_DIR pointing at it.
 """
 
 import configparser
+import os
 import re
 import shutil
 import sys
@@ -463,7 +464,8 @@ def compute_block_hashes(token_ids, block_size, cache_salt=None, extra_keys=()):
 
 
 def test_answers_recorded_in_one_run_fail_the_next(pytester, monkeypatch, tmp_path):
-    table = f"TABLE = {str(tmp_path / 'answers.jsonl')!r}\n"
+    # Written in the student's own folder, the one place a graded file may write.
+    table = f"TABLE = {str(tmp_path / 'record' / 'exercises' / 'answers.jsonl')!r}\n"
     monkeypatch.setenv("GRADING_SEED", "1")
     recorded, output = grade(pytester, monkeypatch, tmp_path / "record", "test_ex1_block_hash.py",
                              {"block_hash": table + RECORDER})
@@ -476,6 +478,60 @@ def test_answers_recorded_in_one_run_fail_the_next(pytester, monkeypatch, tmp_pa
                              {"block_hash": table + REPLAYER})
     assert replayed.get("failed", 0) >= 1, f"answers recorded with seed 1 passed with seed 2: {replayed}"
     assert "grading seed 2: GRADING_SEED=2 gives this run's inputs again" in output, output[-3000:]
+
+
+# --- nothing a graded file does outlives its run ---------------------------------------------------
+
+
+def left_behind(targets: list[Path]) -> str:
+    """The plain exercise-1 solution, which on import tries to write each of `targets` and goes on."""
+    attempts = "".join(f"""
+try:
+    with open({str(path)!r}, "x") as file:
+        file.write("# written by a graded file\\n")
+except OSError:
+    pass
+""" for path in targets)
+    return (SOLUTIONS / "plain" / "block_hash.py").read_text() + attempts
+
+
+def test_a_graded_file_cannot_leave_a_pth_a_sitecustomize_or_a_file_in_the_home_or_tmp(pytester, monkeypatch, tmp_path):
+    # A .pth in site-packages runs in every later Python of this environment, sitecustomize.py
+    # too: either could make every later run grade the reference. The home and /tmp outlive a run.
+    import pwd
+    import sysconfig
+    import tempfile
+
+    site_packages = Path(sysconfig.get_paths()["purelib"])
+    home = Path(pwd.getpwuid(os.getuid()).pw_dir)  # the user's, not the one pytester sets for a test
+    targets = [site_packages / "zz_graded_file.pth", site_packages / "sitecustomize.py", home / ".graded_file", Path(tempfile.gettempdir()) / "graded_file", ROOT / "graded_file.py"]
+    there = [path for path in targets if path.exists()]
+    assert not there, f"left by an earlier run: {there}"
+    try:
+        outcomes, output = grade(pytester, monkeypatch, tmp_path, "test_ex1_block_hash.py", {"block_hash": left_behind(targets)})
+        written = [path for path in targets if path.exists()]
+        assert not written, f"a graded file wrote {written}"
+        assert "failed" not in outcomes and "error" not in outcomes and outcomes.get("passed"), output[-3000:]
+    finally:
+        for path in targets:
+            if path not in there:
+                path.unlink(missing_ok=True)
+
+
+def test_a_refused_write_says_why_and_the_child_sees_no_seed(pytester, monkeypatch, tmp_path):
+    monkeypatch.setenv("GRADING_SEED", "7")  # as a teacher exports it for a class
+    source = (SOLUTIONS / "plain" / "block_hash.py").read_text() + f"""
+import os
+if "GRADING_SEED" in os.environ or "PYTEST_XDIST_TESTRUNUID" in os.environ:
+    raise RuntimeError("the graded child can read the seed")
+open({str(tmp_path / "outside.txt")!r}, "w")
+"""
+    outcomes, output = grade(pytester, monkeypatch, tmp_path / "run", "test_ex1_block_hash.py", {"block_hash": source},
+                             select="test_every_token_counts")
+    assert outcomes.get("failed") == 1, output[-3000:]
+    assert "the graded child can read the seed" not in output, output[-3000:]
+    assert f"writing {tmp_path / 'outside.txt'} is refused while your exercises are graded" in output, output[-3000:]
+    assert not (tmp_path / "outside.txt").exists()
 
 
 def test_the_reference_cannot_be_imported_and_says_why(pytester, monkeypatch, tmp_path):
