@@ -147,6 +147,58 @@ def test_ids_that_pythons_hash_confuses_hash_apart(impl):
                         "every id with SHA-256")
 
 
+def test_ids_whose_bytes_split_into_other_ids_hash_apart(impl):
+    # Each id in as few bytes as it needs, with nothing before it: the two ids [x, y] and the
+    # two ids the same bytes read another way give one encoding, in either byte order.
+    rng = drawn("split bytes")
+    for _ in range(3):
+        x, y = rng.randrange(257, 65_536), rng.randrange(1, 256)
+        if x % 256 == 0:
+            x += 1
+        little = [x % 256, x // 256 + y * 256]  # x's low byte; then x's high byte and y, little-endian
+        big = [x // 256, (x % 256) * 256 + y]  # x's high byte; then x's low byte and y, big-endian
+        for other in (little, big):
+            assert_differ(impl.hash_block_tokens(None, [x, y]), impl.hash_block_tokens(None, other),
+                          f"tokens {[x, y]} and {other} hash alike: their bytes run together the same way when each "
+                          "id takes only the bytes it needs. Give every id the same width (8 bytes: "
+                          "int.to_bytes(8, ...) or array('q', token_ids)), or its length before it")
+
+
+# CPython's tuple hash (Objects/tupleobject.c, xxHash's round) can be run backwards: for a
+# drawn block [a, b] and a drawn first id c, the second id d that gives (c, d) the same hash.
+XXPRIME_1, XXPRIME_2, XXPRIME_5 = 11400714785074694791, 14029467366897019727, 2870177450012600261
+MASK = 2**64 - 1
+
+
+def tuple_hash_partner(a: int, b: int, c: int) -> int | None:
+    """The id d < 2**61 - 1 for which hash((c, d)) == hash((a, b)), if there is one."""
+    def lane_round(acc: int, lane: int) -> int:
+        acc = (acc + lane * XXPRIME_2) & MASK
+        return ((((acc << 31) | (acc >> 33)) & MASK) * XXPRIME_1) & MASK
+
+    target = lane_round(lane_round(XXPRIME_5, hash(a)), hash(b))
+    after_c = lane_round(XXPRIME_5, hash(c))
+    rotated = (target * pow(XXPRIME_1, -1, 2**64)) & MASK
+    acc = ((rotated >> 31) | (rotated << 33)) & MASK  # undo the rotation by 31
+    d = ((acc - after_c) * pow(XXPRIME_2, -1, 2**64)) & MASK
+    return d if d < 2**61 - 1 and hash((c, d)) == hash((a, b)) else None
+
+
+def test_blocks_that_pythons_tuple_hash_confuses_hash_apart(impl):
+    rng = drawn("tuple hash")
+    found = []
+    while len(found) < 2:  # about one first id in eight has a partner below 2**61 - 1
+        a, b, c = (rng.randrange(262_144) for _ in range(3))
+        d = tuple_hash_partner(a, b, c)
+        if d is not None:
+            found.append(([a, b], [c, d]))
+    for block, other in found:
+        assert_differ(impl.hash_block_tokens(None, block), impl.hash_block_tokens(None, other),
+                      f"tokens {block} and {other} give a block the same hash: they are a collision of Python's "
+                      "hash() of a tuple (hash((a, b)) is built from the ids by a round anyone can run backwards). "
+                      "Hash an encoding that keeps every bit of every id with SHA-256")
+
+
 def prompts_of_this_run(name: str) -> list[tuple[list[int], int]]:
     """Three (token ids, block size) of a real vocabulary, drawn for this run."""
     rng = drawn(name)

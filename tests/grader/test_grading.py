@@ -211,6 +211,15 @@ MISTAKES |= {
                      '_h(tuple(int(t) for t in token_ids)).to_bytes(8, "little", signed=True)')["block_hash"]
         .replace("import json\n", "import json\nfrom builtins import hash as _h\n"))},
         "Python's hash() made the block's name"),
+    "each id in as few bytes as it needs, nothing before it": ("test_ex1_block_hash.py", with_mistake(
+        "block_hash", 'b"".join(int(t).to_bytes(8, "little") for t in token_ids)',
+        'b"".join(int(t).to_bytes(max(1, (int(t).bit_length() + 7) // 8), "little") for t in token_ids)'),
+        "their bytes run together the same way"),
+    "Python's tuple hash, each id's quotient by 2**61 - 1 beside it": ("test_ex1_block_hash.py", {"block_hash": (
+        with_mistake("block_hash", 'b"".join(int(t).to_bytes(8, "little") for t in token_ids)',
+                     'repr((_h(tuple(int(t) for t in token_ids)), [int(t) // (2**61 - 1) for t in token_ids])).encode()')
+        ["block_hash"].replace("import json\n", "import json\nfrom builtins import hash as _h\n"))},
+        "a collision of Python's hash() of a tuple"),
     "a loop over the blocks hidden from the operation count": ("test_ex5_gather_kv.py", with_mistake(
         "gather_kv", "kv = self.data.index_select(2, index).flatten(2, 3)",
         "with torch._C.DisableTorchFunction():\n"
@@ -258,6 +267,9 @@ NAMED_BY = {
     "a list of the queue kept in the head sentinel": "test_an_operation_takes_as_long_in_a_queue_of_100_000_as_in_one_of_100",
     "the room check scans self.blocks": "test_allocate_and_free_take_as_long_on_a_pool_of_100_000_as_on_one_of_100",
     "Python's hash of the token ids, taken under another name": "test_ids_that_pythons_hash_confuses_hash_apart",
+    "each id in as few bytes as it needs, nothing before it": "test_ids_whose_bytes_split_into_other_ids_hash_apart",
+    "Python's tuple hash, each id's quotient by 2**61 - 1 beside it":
+        "test_blocks_that_pythons_tuple_hash_confuses_hash_apart",
     "a loop over the blocks hidden from the operation count":
         "test_each_block_gathered_costs_no_more_than_a_few_times_the_references",
     "a copy of the whole pool in every gather": "test_a_gather_takes_as_long_from_a_pool_of_16_384_blocks_as_from_one_of_16",
