@@ -271,6 +271,35 @@ def test_evicting_one_of_two_blocks_of_the_same_content_keeps_the_other(pool):
     )
 
 
+def test_of_two_blocks_under_one_hash_the_hit_is_the_one_cached_first(pool):
+    alloc = pool(6)
+    alloc.allocate_with_prefix("f", list(range(100, 112)))  # blocks 0 1 2
+    alloc.allocate_with_prefix("a", list(range(1, 9)))  # blocks 3 4, both cached
+    release(alloc, "f")  # free queue: 5 2 1 0
+    alloc.allocate_with_prefix("g", list(range(200, 204)))  # block 5
+    alloc.allocate_with_prefix("b", list(range(1, 9)))  # hits 3; its last block computed again: block 2
+    assert alloc.block_tables["b"] == [3, 2], f"b should hit block 3 and take block 2, got {alloc.block_tables['b']}"
+    got = alloc.allocate_with_prefix("c", list(range(1, 10)))
+    assert alloc.block_tables["c"] == [3, 4, 1], (
+        f"blocks 4 and 2 both hold tokens 5-8 under one hash, block 4 cached first; c, sending tokens 1-9, got "
+        f"the table {alloc.block_tables['c']}, not [3, 4, 1]: of the blocks under one hash, the hit is the block "
+        "cached first (the first of the hash's {block_id: block} map, in the order blocks joined it), not the "
+        f"lowest id. It found {tuple(got)}")
+
+
+def test_a_refusal_after_hits_in_the_middle_of_the_free_queue_keeps_its_order(pool):
+    alloc = pool(7)
+    alloc.allocate_with_prefix("a", list(range(1, 10)))  # blocks 0 1 2; 0 and 1 cached
+    alloc.allocate_with_prefix("x", list(range(50, 62)))  # blocks 3 4 5
+    alloc.allocate_with_prefix("y", list(range(90, 94)))  # block 6, held
+    release(alloc, "a")
+    release(alloc, "x")  # free queue: 2 1 0 5 4 3, the hits 0 and 1 in the middle, not at the tail
+    assert_refused(alloc, "c", list(range(1, 9)) + list(range(70, 87)),
+                   "it needs 5 new blocks beside its 2 hits that sit in the free queue, 7 of its 6 blocks. Check for "
+                   "room before touching a hit: touched and put back, a hit goes to the tail, and the refusal has "
+                   "changed the LRU order")
+
+
 def test_a_hit_adds_one_to_the_ref_count_of_a_block_in_use(pool):
     alloc = pool()
     for request_id in ("a", "b", "c"):

@@ -220,6 +220,30 @@ MISTAKES |= {
                      'repr((_h(tuple(int(t) for t in token_ids)), [int(t) // (2**61 - 1) for t in token_ids])).encode()')
         ["block_hash"].replace("import json\n", "import json\nfrom builtins import hash as _h\n"))},
         "a collision of Python's hash() of a tuple"),
+    "of duplicates under one hash, the lowest id hit": ("test_ex2_allocate.py", with_mistake(
+        "allocator", "block = next(iter(holders.values())) if holders else None",
+        "block = holders[min(holders)] if holders else None"),
+        "the hit is the block cached first"),
+    "hits touched before the room check, put back on a refusal": ("test_ex2_allocate.py", with_mistake(
+        "allocator",
+        "        num_free_hits = sum(1 for b in hits if b.ref_cnt == 0)\n"
+        "        if num_needed - len(hits) + num_free_hits > len(self.free_queue):\n"
+        "            raise OutOfBlocksError(f\"{request_id} does not fit\")\n"
+        "        for block in hits:\n"
+        "            if block.ref_cnt == 0:\n"
+        "                self.free_queue.remove(block)\n"
+        "            block.ref_cnt += 1\n",
+        "        for block in hits:\n"
+        "            if block.ref_cnt == 0:\n"
+        "                self.free_queue.remove(block)\n"
+        "            block.ref_cnt += 1\n"
+        "        if num_needed - len(hits) > len(self.free_queue):\n"
+        "            for block in reversed(hits):\n"
+        "                block.ref_cnt -= 1\n"
+        "                if block.ref_cnt == 0:\n"
+        "                    self.free_queue.append(block)\n"
+        "            raise OutOfBlocksError(f\"{request_id} does not fit\")\n"),
+        "a refused request must change nothing"),
     "a loop over the blocks hidden from the operation count": ("test_ex5_gather_kv.py", with_mistake(
         "gather_kv", "kv = self.data.index_select(2, index).flatten(2, 3)",
         "with torch._C.DisableTorchFunction():\n"
@@ -268,6 +292,9 @@ NAMED_BY = {
     "the room check scans self.blocks": "test_allocate_and_free_take_as_long_on_a_pool_of_100_000_as_on_one_of_100",
     "Python's hash of the token ids, taken under another name": "test_ids_that_pythons_hash_confuses_hash_apart",
     "each id in as few bytes as it needs, nothing before it": "test_ids_whose_bytes_split_into_other_ids_hash_apart",
+    "of duplicates under one hash, the lowest id hit": "test_of_two_blocks_under_one_hash_the_hit_is_the_one_cached_first",
+    "hits touched before the room check, put back on a refusal":
+        "test_a_refusal_after_hits_in_the_middle_of_the_free_queue_keeps_its_order",
     "Python's tuple hash, each id's quotient by 2**61 - 1 beside it":
         "test_blocks_that_pythons_tuple_hash_confuses_hash_apart",
     "a loop over the blocks hidden from the operation count":
