@@ -290,3 +290,26 @@ def test_the_llamacpp_command_with_refusals_prints_what_replay_counts(tmp_path, 
     assert f"{len(expected.refused):,} of {len(prompts):,} requests refused" in out, out[-3000:]
     first = expected.refused[0]
     assert f"Requests {first} ({len(prompts[first]):,} tokens)" in out
+
+
+@pytest.mark.subprocess
+@pytest.mark.parametrize("like, suffix", [("vllm", ".jsonl"), ("engine", ".jsonl.xz"), ("sglang", ".jsonl.gz")])
+def test_the_command_as_typed_prints_what_replay_counts_for_each_server(tmp_path, tokenizer, like, suffix):
+    # Each caching model at its defaults, on a log compressed or not, through the command a user
+    # types: the streamed log it builds, replayed, against replay on the same streamed type.
+    log = tmp_path / f"traffic{suffix}"
+    write_log(log, small_traffic())
+    requests = read_log(log)
+    with TokenizedLog() as streamed:
+        for prompt, request in zip(tokenize_log(requests, tokenizer), requests):
+            streamed.append(prompt, request.cache_salt)
+        expected = replay(streamed, streamed.salts, 24, 16, model=LIKE[like])
+    assert 0 < expected.cached_tokens < expected.prompt_tokens and expected.evictions  # a pool that hits and evicts
+    result = subprocess.run([sys.executable, "prefix_caching.py", "--analyze", str(log), "--like", like,
+                             "--num-blocks", "24"], capture_output=True, text=True, timeout=300, cwd=ROOT,
+                            env={**os.environ, "COLUMNS": "250"})
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    out = " ".join(result.stdout.split())
+    assert (f"At 24 blocks (--num-blocks): hit rate {expected.hit_rate:.1%}, {expected.cached_tokens:,} of "
+            f"{expected.prompt_tokens:,} prompt tokens not computed again, {expected.evictions:,} evictions") in out, (
+        out[-3000:])
