@@ -163,7 +163,7 @@ def decode_steps(console: Console, engine: Engine, runner: BatchRunner, requests
     console.print(
         f"erin's prompt came in {len(chunks)} chunks, in steps {chunks[0].number}-{chunks[-1].number}, each beside "
         f"the four decodes: a step's budget of {BUDGET} tokens goes to the running requests first (one token "
-        f"each), and what is left to the next chunk of her prompt. Nobody waited for her, and she waited for nobody."
+        f"each), and what is left to the next chunk of her prompt. The four decoded in every step of her prompt, and her prompt did not wait for them to finish; those steps were longer, as the times below show."
     )
     grown = ", ".join(f"after step {number}: {computed:,} computed, {hit:,} findable ({hit // block_size} blocks)"
                       for number, computed, hit in findable)
