@@ -440,13 +440,14 @@ def op_gather(spec, data, block_ids):
 
 
 def op_pool_new(spec):
-    """A pool kept for timed gathers (its numbers are zeros: only the time is measured). Torch
-    runs on one thread from here on: on a busy machine, a kernel split between threads waits for
-    the other thread's core, and the timings would measure the machine, not the code."""
+    """A pool kept for timed gathers, every number its own flat index (numbered), so that what a
+    timed gather returned can be checked after it (op_last_gathered). Torch runs on one thread
+    from here on: on a busy machine, a kernel split between threads waits for the other thread's
+    core, and the timings would measure the machine, not the code."""
     import torch
 
     torch.set_num_threads(1)
-    return new_object((make_pool(dict(spec), None), config_of(spec)))
+    return new_object((make_pool(dict(spec), "numbered"), config_of(spec)))
 
 
 def op_gather_length(handle, block_ids, line_cost=0.0):
@@ -460,7 +461,18 @@ def op_gather_length(handle, block_ids, line_cost=0.0):
         cache = pool.gather(block_ids, config)
     finally:
         sys.settrace(None)
+    LAST_GATHERED[handle] = cache
     return [int(cache.get_seq_length()), len(cache.layers)]
+
+
+LAST_GATHERED: dict = {}  # pool handle -> the cache its last timed gather returned
+
+
+def op_last_gathered(handle):
+    """The keys and values the pool's last timed gather returned, the very objects it returned:
+    a timed call is checked like any other, after the clock."""
+    cache = LAST_GATHERED.pop(handle)
+    return [[layer.keys, layer.values] for layer in cache.layers]
 
 
 LIBRARIES = tuple(os.path.realpath(p) + os.sep for p in {sys.prefix, sys.base_prefix})

@@ -123,6 +123,24 @@ LINE_COST = 10e-6  # seconds each line of the graded file costs in the gathers t
 WHOLE_LIMIT = 20  # a gather of GATHERED[1] blocks over kv_pool's: about 2 to 3 when vectorized
 
 
+def numbered(pool: PagedKVPool) -> PagedKVPool:
+    """kv_pool's pool numbered as the child numbers the pools it times (op_pool_new)."""
+    pool.data.copy_(torch.arange(pool.data.numel(), dtype=pool.data.dtype).view_as(pool.data))
+    return pool
+
+
+def assert_timed_gather_right(child, handle, reference: PagedKVPool, block_ids: list[int], config) -> None:
+    """What the timed gather returned, fetched after the clock stopped, equals kv_pool's gather
+    of the same blocks: a timed call answers like any other."""
+    got = child.call("last_gathered", handle=handle)
+    want = reference.gather(block_ids, config)
+    same = len(got) == len(want.layers) and all(
+        torch.equal(keys, layer.keys) and torch.equal(values, layer.values)
+        for (keys, values), layer in zip(got, want.layers))
+    assert same, (f"a timed gather of {len(block_ids)} blocks returned keys and values other than kv_pool's gather of "
+                  "the same blocks: a gather that is timed must be as right as one that is not")
+
+
 def test_each_block_gathered_costs_no_more_than_a_few_times_the_references(child):
     """A vectorized gather spends about 0.1 µs on each block id here (the list made a tensor,
     index_select); a Python loop over the blocks a few times that, too close to tell apart on
@@ -134,7 +152,7 @@ def test_each_block_gathered_costs_no_more_than_a_few_times_the_references(child
     sleep) do not hide a loop. The fastest of 5 runs each."""
     spec = {"num_layers": 1, "num_kv_heads": 1, "head_dim": 2, "num_blocks": GATHERED[1], "block_size": 1}
     handle = child.call("pool_new", spec=spec)
-    reference = PagedKVPool(**spec)
+    reference = numbered(PagedKVPool(**spec))
     config = LlamaConfig(num_hidden_layers=1, num_attention_heads=1, num_key_value_heads=1, hidden_size=2)
     rng = drawn("gather scaling")
     block_ids = {n: rng.sample(range(GATHERED[1]), n) for n in GATHERED}
@@ -144,6 +162,7 @@ def test_each_block_gathered_costs_no_more_than_a_few_times_the_references(child
             (length, _), seconds = timed_call(child, "gather_length", handle=handle, block_ids=block_ids[n],
                                               line_cost=LINE_COST)
             assert length == n, f"gathering {n} blocks of 1 token gave a cache of {length} tokens"
+            assert_timed_gather_right(child, handle, reference, block_ids[n], config)
             return seconds
         return timed
 
@@ -187,9 +206,13 @@ def test_a_gather_takes_as_long_from_a_pool_of_16_384_blocks_as_from_one_of_16(c
 
     def at(num_blocks: int):
         handle = child.call("pool_new", spec={**spec, "num_blocks": num_blocks})
+        reference = numbered(PagedKVPool(**spec, num_blocks=num_blocks))
+        config = LlamaConfig(num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, hidden_size=16)
 
         def timed(r: int) -> float:
-            return timed_call(child, "gather_length", handle=handle, block_ids=[3, 1, 2, 0])[1]
+            seconds = timed_call(child, "gather_length", handle=handle, block_ids=[3, 1, 2, 0])[1]
+            assert_timed_gather_right(child, handle, reference, [3, 1, 2, 0], config)
+            return seconds
         return timed
 
     small, big = fastest_times(at(POOLS[0]), at(POOLS[1]))

@@ -198,6 +198,16 @@ PADDED_LOOP = NUMPY_LOOP.replace("import numpy as np\n", "import time\n\nimport 
     "            time.sleep(max(0.0, 0.1 - (time.perf_counter() - start)))\n"
     "\n"
     "    def unpadded_gather(self, block_ids, config):\n", 1)
+# Right everywhere but under the clock: the graded child's timed gathers run in op_gather_length,
+# and this file answers them with empty tensors of the right shape.
+EMPTY_WHEN_TIMED = with_mistake(
+    "gather_kv", "    def gather(self, block_ids, config):\n",
+    "    def gather(self, block_ids, config):\n"
+    "        import sys\n"
+    "        if block_ids and sys._getframe(1).f_code.co_name == \"op_gather_length\":\n"
+    "            empty = torch.empty(1, self.num_kv_heads, len(block_ids) * self.block_size, self.head_dim,\n"
+    "                                dtype=self.data.dtype)\n"
+    "            return DynamicCache([(empty, empty) for _ in range(self.num_layers)], config=config)\n")
 MISTAKES |= {
     "remove walks the queue through vars()": ("test_ex3_free_queue.py", {"free_queue": WALKING_QUEUE},
                                               "it walks or searches the queue"),
@@ -254,6 +264,8 @@ MISTAKES |= {
         "the gather copies or walks the whole pool"),
     "a loop of numpy copies over the blocks": ("test_ex5_gather_kv.py", {"gather_kv": NUMPY_LOOP},
                                                "the gather runs Python code for every block"),
+    "empty tensors of the right shape under the clock": ("test_ex5_gather_kv.py", EMPTY_WHEN_TIMED,
+                                                           "a gather that is timed must be as right as one that is not"),
     "a loop of numpy copies, every gather padded to 100 ms": ("test_ex5_gather_kv.py", {"gather_kv": PADDED_LOOP},
                                                               "A gather of many blocks costs a few times kv_pool's"),
 }
@@ -302,6 +314,8 @@ NAMED_BY = {
     "a copy of the whole pool in every gather": "test_a_gather_takes_as_long_from_a_pool_of_16_384_blocks_as_from_one_of_16",
     "a loop of numpy copies over the blocks": "test_each_block_gathered_costs_no_more_than_a_few_times_the_references",
     "a loop of numpy copies, every gather padded to 100 ms":
+        "test_each_block_gathered_costs_no_more_than_a_few_times_the_references",
+    "empty tensors of the right shape under the clock":
         "test_each_block_gathered_costs_no_more_than_a_few_times_the_references",
 }
 
