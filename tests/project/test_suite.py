@@ -73,7 +73,8 @@ def suite(pytester, limit: float) -> None:
 
 
 @pytest.mark.subprocess
-def test_an_unmarked_test_over_its_limit_fails_naming_the_markers_and_the_load(pytester):
+def test_an_unmarked_test_over_its_limit_fails_naming_the_markers_and_the_load(pytester, monkeypatch):
+    monkeypatch.delenv("EXERCISE_IMPL", raising=False)
     suite(pytester, 0.01)  # 0.01 s on a quiet machine: half a second is over it at any load under 50 a core
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:xdist")
     result.assert_outcomes(passed=3, failed=1)
@@ -89,3 +90,11 @@ def test_fast_leaves_out_what_a_fixture_marks_heavy(pytester):
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:xdist", "--fast", "-v")
     result.assert_outcomes(passed=3, deselected=1)
     assert "test_with_a_model" not in result.stdout.str().replace("deselected", "")
+
+
+@pytest.mark.subprocess
+def test_a_students_slow_code_is_judged_by_the_grader_not_by_the_unmarked_limit(pytester, monkeypatch):
+    suite(pytester, 0.01)
+    monkeypatch.setenv("EXERCISE_IMPL", "starter")  # the graded tests time the student's code
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:xdist")
+    result.assert_outcomes(passed=4)
