@@ -13,8 +13,9 @@ the marker to add. `pytest --fast` (make test-fast) runs only the tests whose ma
 not in HEAVY: the allocator, the request, the scheduler, the exercises' reference and the
 analyzer's pure parts.
 
-This file imports no torch: the allocator's and the exercises' tests start in a second. The
-model fixtures below import the engine inside their bodies, when a test first asks for one.
+This file imports no torch: the allocator's tests and those of exercises 1 to 4 and 6 start in a
+second. The model fixtures below import the engine inside their bodies, when a test first asks
+for one.
 """
 
 import os
