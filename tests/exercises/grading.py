@@ -17,7 +17,8 @@ kept. A test's own assertions name the rule they check; a difference they did no
 fails the test at its end (conftest.py), naming the rule of what differed.
 
 A call the student's code takes longer than TIME_LIMIT seconds on fails, and the child is
-stopped (the limits are a quiet machine's, stretched by the load: tests/machine.py) (an endless loop costs one test, not the run); the next call starts a new one.
+stopped (an endless loop costs one test, not the run); the next call starts a new one. The
+limits are a quiet machine's, stretched by the machine's load (tests/machine.py).
 
 The exercises follow the stages: 1 block hash (stage 4), 2 allocate (5), 3 free queue (6),
 4 free (6), 5 gather K/V (7), 6 schedule (8). An exercise's tests use the student's code
