@@ -19,7 +19,11 @@ names exercises.<file>, after two locks:
     EXERCISE_DIR and SCRATCH, an empty folder the grader made for this child (its home, its
     temporary folder and its working directory) and removes when it ends: a .pth or a
     sitecustomize.py in site-packages, a file in the home, would outlive the run and change
-    every later one.
+    every later one;
+  - the student's code runs on a thread of its own (Worker), every call from the same loop,
+    and the hook refuses the graded files the ways to this process's other frames and to
+    the trace (sys._getframe, a traceback's frame, sys._current_frames, gc's object lists,
+    sys.settrace): a call the grader times cannot be told from another by where it came from.
 These stop a casual import or read, not a determined reader: other ways to reach a file of
 the disk stay open in any Python process (exercises/README.md says so, and what applies).
 In reference mode the same requests run the reference modules, so CI grades the grader.
@@ -33,7 +37,9 @@ import importlib
 import itertools
 import json
 import os
+import queue
 import sys
+import threading
 import time
 import traceback
 import types
@@ -96,7 +102,34 @@ def written(event: str, args: tuple) -> list:
     return [args[i] for i in PATH_EVENTS.get(event, ()) if i < len(args)]
 
 
+# What reads the stack, the objects of the process or the trace: refused when a graded file
+# asks (the standard library's own uses, namedtuple's or logging's, go on). The graded code runs
+# on a thread of its own (graded()) whose stack is the same in every call, so these could only
+# reach this process's other frames: the request being answered.
+STACK_EVENTS = ("sys._getframe", "sys._current_frames", "sys.settrace", "sys.setprofile", "gc.get_objects",
+                "gc.get_referrers", "gc.get_referents")
+FRAME_ATTRIBUTES = ("tb_frame", "gi_frame", "cr_frame", "ag_frame")
+AUDITING = threading.local()  # set while audit() looks at its caller, whose look is an event too
+
+
+def asked_by_a_graded_file() -> bool:
+    if getattr(AUDITING, "on", False):
+        return False
+    AUDITING.on = True
+    try:
+        caller = sys._getframe(2)  # 0 is this function, 1 audit(), 2 the code that raised the event
+        return inside(os.path.realpath(caller.f_code.co_filename), EXERCISE_DIR)
+    finally:
+        AUDITING.on = False
+
+
 def audit(event: str, args: tuple) -> None:
+    stack = event in STACK_EVENTS or (event in ("object.__getattr__", "object.__setattr__")
+                                      and args[1] in FRAME_ATTRIBUTES)
+    if stack and asked_by_a_graded_file():
+        raise PermissionError(f"{event}{' ' + args[1] if event.startswith('object.') else ''} is refused while your "
+                              "exercises are graded: your code is graded on what it returns, not on where it is "
+                              "called from (exercises/README.md)")
     for path in written(event, args):
         if isinstance(path, (str, bytes, os.PathLike)):
             path = os.path.realpath(os.fsdecode(path))
@@ -120,10 +153,52 @@ def lock_out_the_reference() -> None:
 
 
 def load(exercise: str) -> types.ModuleType:
-    """The module graded for `exercise`: the reference's, or exercises.<exercise> from EXERCISE_DIR."""
+    """The module graded for `exercise`: the reference's, or exercises.<exercise> from EXERCISE_DIR,
+    imported on the graded code's thread."""
     if MODE == "reference":
-        return importlib.import_module(REFERENCE[exercise])
-    return importlib.import_module(f"exercises.{exercise}")
+        return graded(importlib.import_module, REFERENCE[exercise])
+    return graded(importlib.import_module, f"exercises.{exercise}")
+
+
+# --- the graded code's thread ------------------------------------------------------------------
+
+
+class Worker:
+    """The one thread that runs the graded code. Every call a test makes of it, timed by the
+    grader or not, one of fifty or alone, starts from this same loop with the same locals, and
+    in exercise 5 under the same trace (TRACE): nothing on its stack says why it was called.
+    The requests being answered, with their sizes and counts, live on the main thread, whose
+    frames the audit hook keeps from the graded file."""
+
+    def __init__(self):
+        self.jobs, self.done = queue.SimpleQueue(), queue.SimpleQueue()
+        self.thread = threading.Thread(target=self.serve, name="graded", daemon=True)
+        self.thread.start()
+
+    def serve(self) -> None:
+        while True:
+            function, args, kwargs = self.jobs.get()
+            sys.settrace(TRACE[0])
+            try:
+                result = (True, function(*args, **kwargs))
+            except BaseException as err:  # noqa: BLE001  (raised again on the main thread)
+                result = (False, err)
+            finally:
+                sys.settrace(None)
+            self.done.put(result)
+
+    def __call__(self, function, *args, **kwargs):
+        if threading.current_thread() is self.thread:  # a call of this module's already on the thread
+            return function(*args, **kwargs)
+        self.jobs.put((function, args, kwargs))
+        ok, value = self.done.get()
+        if not ok:
+            raise value
+        return value
+
+
+TRACE = [None]  # the trace every graded call runs under: exercise 5's costly_lines, else none
+graded = Worker()
 
 
 # --- plain data in and out ---------------------------------------------------------------------
@@ -202,11 +277,11 @@ def parent_of(value):
 
 
 def op_hash_block_tokens(parent, tokens, keys, numpy=None):
-    return load("block_hash").hash_block_tokens(parent_of(parent), as_tokens(tokens, numpy), keys_of(keys))
+    return graded(load("block_hash").hash_block_tokens, parent_of(parent), as_tokens(tokens, numpy), keys_of(keys))
 
 
 def op_compute_block_hashes(tokens, block_size, salt=None, keys=(), numpy=None):
-    return load("block_hash").compute_block_hashes(as_tokens(tokens, numpy), block_size, salt, keys_of(keys))
+    return graded(load("block_hash").compute_block_hashes, as_tokens(tokens, numpy), block_size, salt, keys_of(keys))
 
 
 def op_calls_python_hash(tokens, keys, salt):
@@ -220,8 +295,8 @@ def op_calls_python_hash(tokens, keys, salt):
 
     builtins.hash = spy
     try:
-        module.hash_block_tokens(None, tokens, tuple(keys))
-        module.compute_block_hashes(tokens, 4, salt, tuple(keys))
+        graded(module.hash_block_tokens, None, tokens, tuple(keys))
+        graded(module.compute_block_hashes, tokens, 4, salt, tuple(keys))
     finally:
         builtins.hash = original
     return called
@@ -261,7 +336,7 @@ def op_allocator_new(num_blocks, block_size, queue):
     if queue == "yours":
         module.FreeKVCacheBlockQueue = load("free_queue").FreeKVCacheBlockQueue
     try:
-        return new_object(module.PrefixCachingAllocator(num_blocks, block_size))
+        return new_object(graded(module.PrefixCachingAllocator, num_blocks, block_size))
     finally:
         module.FreeKVCacheBlockQueue = original
 
@@ -293,41 +368,42 @@ def evict(alloc, block) -> None:
     block.block_hash = None
 
 
-def op_allocator_call(handle, method, args):
-    alloc = OBJECTS[handle]
-    try:
-        if method == "allocate_with_prefix":
-            result = alloc.allocate_with_prefix(*args)
-            result = [int(result[0]), int(result[1])]
-        elif method == "free":
-            result = alloc.free(*args)
-        elif method == "release":
-            result = release(alloc, *args)
-        elif method == "set_tokens":  # the tests forge a block's content to play a hash collision
-            block_id, tokens = args
-            alloc.blocks[block_id].token_ids = list(tokens)
-            result = None
-        elif method == "evict":  # the tests evict one block of a chain, and keep the blocks after it
-            result = evict(alloc, alloc.blocks[args[0]])
-        else:
-            raise ValueError(f"no allocator call {method!r}")
-        return {"result": result, "state": allocator_state(alloc)}
-    except Exception as err:  # noqa: BLE001  (reported to the grader, which judges it)
-        return {"error": describe(err), "state": allocator_state(alloc)}
+def allocator_call(alloc, method: str, args: list):
+    if method == "allocate_with_prefix":
+        result = alloc.allocate_with_prefix(*args)
+        return [int(result[0]), int(result[1])]
+    if method == "free":
+        return alloc.free(*args)
+    if method == "release":
+        return release(alloc, *args)
+    if method == "set_tokens":  # the tests forge a block's content to play a hash collision
+        block_id, tokens = args
+        alloc.blocks[block_id].token_ids = list(tokens)
+        return None
+    if method == "evict":  # the tests evict one block of a chain, and keep the blocks after it
+        return evict(alloc, alloc.blocks[args[0]])
+    raise ValueError(f"no allocator call {method!r}")
 
 
-def op_allocator_churn(handle, prompts, free=True):
-    """allocate_with_prefix, then free unless told not to, one request after the other; answer
-    the allocations. The grader times this call from its side: the allocator is built in an
-    earlier call."""
+def op_allocator_run(handle, calls):
+    """Run (method, args) calls on an allocator built by allocator_new, one after the other;
+    answer each call's result, up to the first that raises, whose error ends the answer. Every
+    call of a test on an allocator runs here, one or forty, timed by the grader or not, and
+    every answer is checked, and the allocator after them (allocator_state), against the
+    reference's: a file cannot tell the timed calls apart by where it is called from."""
     alloc = OBJECTS[handle]
     answers = []
-    for request_id, prompt in prompts:
-        got = alloc.allocate_with_prefix(request_id, prompt)
-        answers.append([int(got[0]), int(got[1])])
-        if free:
-            alloc.free(request_id)
+    for method, args in calls:
+        try:
+            answers.append({"result": graded(allocator_call, alloc, method, args)})
+        except Exception as err:  # noqa: BLE001  (reported to the grader, which judges it)
+            answers.append({"error": describe(err)})
+            break
     return answers
+
+
+def op_allocator_state(handle):
+    return graded(allocator_state, OBJECTS[handle])
 
 
 # --- exercise 3: the free queue ----------------------------------------------------------------
@@ -345,32 +421,37 @@ def block_class():
     return load_given().KVCacheBlock if MODE == "starter" else load("free_queue").KVCacheBlock
 
 
-def op_queue_new(n):
+def op_queue_new(n, order=None):
+    """A queue of blocks 0 to n-1, handed to the constructor in `order` (by id when None)."""
     module = load("free_queue")
-    blocks = [block_class()(i) for i in range(n)]
-    return new_object((module.FreeKVCacheBlockQueue(blocks), blocks))
-
-
-def op_queue_call(handle, method, block=None):
-    queue, blocks = OBJECTS[handle]
-    try:
-        result = getattr(queue, method)(*([] if block is None else [blocks[block]]))
-        result = result.block_id if result is not None else None
-        return {"result": result, "state": queue_state(queue, blocks)}
-    except Exception as err:  # noqa: BLE001
-        return {"error": describe(err), "state": queue_state(queue, blocks)}
+    kind = block_class()
+    blocks = [kind(i) for i in range(n)]
+    given = blocks if order is None else [blocks[i] for i in order]
+    return new_object((graded(module.FreeKVCacheBlockQueue, given), blocks))
 
 
 def op_queue_run(handle, steps):
-    """Run (method, block id or None) steps on a queue built by queue_new; answer what popleft
-    gave. The grader times this call from its side: the queue is built in an earlier call."""
+    """Run (method, block id or None) steps on a queue built by queue_new; answer each step's
+    result (popleft's block id, else None), up to the first that raises, whose error ends the
+    answer. Every call of a test on a queue runs here, one step or fifty, timed or not: the
+    grader times some from its side and checks every answer, and the queue after them
+    (queue_state), against the reference's, so a file cannot tell the timed calls apart by
+    where it is called from, nor gain by doing so."""
     queue, blocks = OBJECTS[handle]
-    popped = []
+    answers = []
     for method, block in steps:
-        got = getattr(queue, method)(*([] if block is None else [blocks[block]]))
-        if got is not None:
-            popped.append(got.block_id)
-    return popped
+        try:
+            got = graded(getattr(queue, method), *([] if block is None else [blocks[block]]))
+        except Exception as err:  # noqa: BLE001  (reported to the grader, which judges it)
+            answers.append({"error": describe(err)})
+            break
+        answers.append(None if got is None else getattr(got, "block_id", repr(got)))
+    return answers
+
+
+def op_queue_state(handle):
+    queue, blocks = OBJECTS[handle]
+    return graded(queue_state, queue, blocks)
 
 
 def op_queue_cost(n, operation):
@@ -391,19 +472,23 @@ def op_queue_cost(n, operation):
         __hash__ = object.__hash__
 
     blocks = [CountingBlock(i) for i in range(n)]
-    queue = module.FreeKVCacheBlockQueue(blocks)
+    queue = graded(module.FreeKVCacheBlockQueue, blocks)
     middle = blocks[n // 2]
     if operation in ("append", "appendleft"):
-        queue.remove(middle)
+        graded(queue.remove, middle)
     counts.clear()
-    getattr(queue, operation)(*([] if operation == "popleft" else [middle]))
+    graded(getattr(queue, operation), *([] if operation == "popleft" else [middle]))
     return dict(counts)
 
 
 def op_queue_sizes(n):
     """The length of every sized attribute of a queue of n blocks."""
-    module = load("free_queue")
-    queue = module.FreeKVCacheBlockQueue([block_class()(i) for i in range(n)])
+    return graded(queue_sizes, n)
+
+
+def queue_sizes(n):
+    module, kind = load("free_queue"), block_class()
+    queue = module.FreeKVCacheBlockQueue([kind(i) for i in range(n)])
     return {name: [type(v).__name__, len(v)] for name, v in vars(queue).items()
             if hasattr(v, "__len__") and not isinstance(v, (str, bytes))}
 
@@ -416,7 +501,7 @@ def make_pool(spec: dict, data):
 
     module = load("gather_kv")
     dtype = getattr(torch, spec.pop("dtype", "float32"))
-    pool = module.PagedKVPool(**spec, dtype=dtype)
+    pool = graded(module.PagedKVPool, **spec, dtype=dtype)
     if data == "numbered":
         pool.data.copy_(torch.arange(pool.data.numel(), dtype=pool.data.dtype).view_as(pool.data))
     elif data is not None:
@@ -431,48 +516,46 @@ def config_of(spec: dict):
                        num_key_value_heads=spec["num_kv_heads"], hidden_size=spec["num_kv_heads"] * spec["head_dim"])
 
 
-def op_gather(spec, data, block_ids):
-    config = config_of(spec)
-    cache = make_pool(dict(spec), data).gather(block_ids, config)
+def op_pool_new(spec, data=None):
+    """A pool whose gathers the tests call (op_pool_gather): its data sent by the grader, or
+    every number its own flat index (numbered) for the timed gathers, so that what a timed
+    gather returned can be checked after it (op_last_gathered). Torch runs on one thread from
+    here on: on a busy machine, a kernel split between threads waits for the other thread's
+    core, and the timings would measure the machine, not the code."""
+    import torch
+
+    torch.set_num_threads(1)
+    return new_object((make_pool(dict(spec), "numbered" if data is None else data), config_of(spec)))
+
+
+def op_pool_gather(handle, block_ids, line_cost):
+    """Gather from a pool built by pool_new; answer the tokens cached and the layers, and keep
+    the cache for op_last_gathered. Every gather of the tests runs here, timed by the grader
+    or not, and under the same trace, where each line of Python run outside the installed
+    packages (the graded file's) costs `line_cost` seconds (costly_lines): a file cannot tell
+    a timed gather from another, and what any gather returns is checked."""
+    pool, config = OBJECTS[handle]
+    if TRACE[0] is None:
+        TRACE[0] = costly_lines(line_cost)
+    LAST_GATHERED[handle] = cache = graded(pool.gather, block_ids, config)
+    return [int(cache.get_seq_length()), len(cache.layers)]
+
+
+LAST_GATHERED: dict = {}  # pool handle -> the cache its last gather returned
+
+
+def op_last_gathered(handle):
+    """What the pool's last gather returned, the very objects it returned: its type, the tokens
+    it holds and each layer's keys and values."""
+    cache = LAST_GATHERED.pop(handle)
     length = int(cache.get_seq_length())
     layers = [[layer.keys, layer.values] for layer in cache.layers] if length else []
     return {"type": type(cache).__name__, "length": length, "layers": layers}
 
 
-def op_pool_new(spec):
-    """A pool kept for timed gathers, every number its own flat index (numbered), so that what a
-    timed gather returned can be checked after it (op_last_gathered). Torch runs on one thread
-    from here on: on a busy machine, a kernel split between threads waits for the other thread's
-    core, and the timings would measure the machine, not the code."""
-    import torch
-
-    torch.set_num_threads(1)
-    return new_object((make_pool(dict(spec), "numbered"), config_of(spec)))
-
-
-def op_gather_length(handle, block_ids, line_cost=0.0):
-    """Gather from a pool built by pool_new; answer the tokens cached and the layers. The
-    grader times this call from its side; with a line_cost (seconds), each line of Python run
-    outside the installed packages (the graded file's) costs at least that (costly_lines)."""
-    pool, config = OBJECTS[handle]
-    if line_cost:
-        sys.settrace(costly_lines(line_cost))
-    try:
-        cache = pool.gather(block_ids, config)
-    finally:
-        sys.settrace(None)
-    LAST_GATHERED[handle] = cache
-    return [int(cache.get_seq_length()), len(cache.layers)]
-
-
-LAST_GATHERED: dict = {}  # pool handle -> the cache its last timed gather returned
-
-
-def op_last_gathered(handle):
-    """The keys and values the pool's last timed gather returned, the very objects it returned:
-    a timed call is checked like any other, after the clock."""
-    cache = LAST_GATHERED.pop(handle)
-    return [[layer.keys, layer.values] for layer in cache.layers]
+def op_drop(handle):
+    OBJECTS.pop(handle, None)
+    LAST_GATHERED.pop(handle, None)
 
 
 LIBRARIES = tuple(os.path.realpath(p) + os.sep for p in {sys.prefix, sys.base_prefix})
@@ -496,10 +579,16 @@ def costly_lines(cost: float):
         code = frame.f_code
         if code not in GRADED_CODE:
             path = code.co_filename
-            GRADED_CODE[code] = not (path.startswith("<frozen ") or os.path.realpath(path).startswith(LIBRARIES))
+            GRADED_CODE[code] = not (path.startswith("<frozen ") or os.path.realpath(path).startswith(LIBRARIES)
+                                     or os.path.realpath(path) == os.path.realpath(__file__))
         return line if GRADED_CODE[code] else None
 
     return call
+
+
+def counted_gather(ops, pool, block_ids, config) -> None:
+    with ops:
+        pool.gather(block_ids, config)
 
 
 def op_gather_count(spec, block_ids_list):
@@ -523,8 +612,8 @@ def op_gather_count(spec, block_ids_list):
     for block_ids in block_ids_list:
         pool = make_pool(dict(spec), None)
         config = config_of(spec)
-        with Operations() as ops:
-            pool.gather(block_ids, config)
+        ops = Operations()
+        graded(counted_gather, ops, pool, block_ids, config)
         counted.append({"names": dict(ops.names), "devices": {k: sorted(v) for k, v in ops.devices.items()}})
     return counted
 
@@ -577,7 +666,7 @@ def scheduler_state(s) -> dict:
 def op_scheduler_new(handle, options):
     module = load("scheduler")
     OBJECTS["OutOfBlocksError"] = getattr(module, "OutOfBlocksError", None) or load_given().OutOfBlocksError
-    OBJECTS[handle] = module.Scheduler(RemoteAllocator(handle), **options)
+    OBJECTS[handle] = graded(module.Scheduler, RemoteAllocator(handle), **options)
     return handle
 
 
@@ -587,12 +676,15 @@ def load_given():
 
 def op_scheduler_add(handle, request):
     kind = load_given().Request if MODE == "starter" else load("scheduler").Request
-    OBJECTS[handle].add(kind(**request))
-    return scheduler_state(OBJECTS[handle])
+    graded(OBJECTS[handle].add, kind(**request))
+    return graded(scheduler_state, OBJECTS[handle])
 
 
 def op_scheduler_step(handle, budget, token):
-    s = OBJECTS[handle]
+    return graded(scheduler_step, OBJECTS[handle], budget, token)
+
+
+def scheduler_step(s, budget, token):
     plan = s.schedule() if budget is None else s.schedule(budget)
     scheduled = [[r.request.request_id, r.start, r.end, bool(r.samples)] for r in plan.scheduled]
     for r in plan.scheduled:  # play the model: the tokens are computed, the last one samples
@@ -603,7 +695,10 @@ def op_scheduler_step(handle, budget, token):
 
 
 def op_scheduler_finish(handle, request_id):
-    s = OBJECTS[handle]
+    return graded(scheduler_finish, OBJECTS[handle], request_id)
+
+
+def scheduler_finish(s, request_id):
     s.finish(next(r for r in [*s.running, *s.waiting] if r.request_id == request_id))
     return scheduler_state(s)
 

@@ -257,7 +257,10 @@ class Child:
 SCALING_LIMIT = 10  # the large size's time over the small one's: about 1 to 3 when the cost is flat
 
 
-def fastest_times(small, big, repeats: int = 5) -> tuple[float, float]:
+REPEATS = 5  # timed runs of each size
+
+
+def fastest_times(small, big, repeats: int = REPEATS) -> tuple[float, float]:
     """The fastest of `repeats` runs of small(r) and of big(r), taken in turn; each returns the
     seconds its timed call took (timed_call). Other programs on the machine can only slow a call
     down, so the fastest is the nearest to the code's own cost."""
@@ -479,23 +482,44 @@ class RemoteAllocator(Twin):
 
     def run(self, method: str, args: list, on_reference):
         self.history.append(f"{method}({', '.join(map(repr, args))})")
-        answer = self.child.call("allocator_call", handle=self.handle, method=method, args=args)
-        expected, expected_error = outcome(on_reference)
-        self.state = answer["state"]
+        (answer,) = self.child.call("allocator_run", handle=self.handle, calls=[[method, args]])
+        self.compare(method, answer, *outcome(on_reference))
+        if "error" not in answer or answer["error"]["type"] == "OutOfBlocksError":
+            self.refresh()
+        else:
+            self.state = self.child.call("allocator_state", handle=self.handle)
+        if "error" in answer:
+            raise raised(answer["error"])
+        return tuple(answer["result"]) if isinstance(answer["result"], list) else answer["result"]
+
+    def steps(self, calls: list) -> tuple[list, float]:
+        """(method, args) calls of allocate_with_prefix and free, sent to the child in one call
+        the way every other is, each answer compared with the reference's; (the answers, the
+        seconds the call took, timed here). The allocator is compared after (refresh), outside
+        the caller's clock."""
+        self.history.append(f"{len(calls)} calls: " + ", ".join(f"{m}({', '.join(map(repr, a))})" for m, a in calls[:2])
+                            + ", ...")
+        answers, seconds = timed_call(self.child, "allocator_run", handle=self.handle, calls=calls)
+        for (method, args), answer in zip(calls, answers):
+            self.compare(method, answer, *outcome(getattr(self.reference, method), *args))
+        return [a.get("result") for a in answers], seconds
+
+    def compare(self, method: str, answer: dict, expected, expected_error) -> None:
         got = None if "error" in answer else answer["result"]
         got = tuple(got) if isinstance(got, list) else got
         error = answer["error"]["type"] if "error" in answer else None
-        if method == "allocate_with_prefix" and (got, error) != (expected, expected_error):
+        if method == "allocate_with_prefix" and (got, error) != (
+                None if expected is None else tuple(expected), expected_error):
             self.differ("the answer", error or got, expected_error or expected, ALLOCATOR_RULES["the answer"])
-        if error is None or error == "OutOfBlocksError":
-            yours, theirs = allocator_state(self.state), allocator_state(reference_allocator_state(self.reference))
-            for what in yours:
-                if yours[what] != theirs[what]:
-                    self.differ(what, yours[what], theirs[what], ALLOCATOR_RULES[what])
-                    break
-        if "error" in answer:
-            raise raised(answer["error"])
-        return got
+
+    def refresh(self) -> None:
+        """Fetch the child's allocator and compare it with the reference's."""
+        self.state = self.child.call("allocator_state", handle=self.handle)
+        yours, theirs = allocator_state(self.state), allocator_state(reference_allocator_state(self.reference))
+        for what in yours:
+            if yours[what] != theirs[what]:
+                self.differ(what, yours[what], theirs[what], ALLOCATOR_RULES[what])
+                break
 
 
 def release(alloc, request_id: str) -> None:
@@ -534,20 +558,25 @@ class QueueBlock:
 
 
 class RemoteQueue(Twin):
-    """The student's FreeKVCacheBlockQueue over n blocks, in the child, and its twin here."""
+    """The student's FreeKVCacheBlockQueue over blocks 0 to n-1 (handed to its constructor in
+    `order`), in the child, and its twin here.
 
-    def __init__(self, child: Child, n: int):
+    Every call, one operation or a timed run of fifty, goes to the child the same way
+    (op_queue_run) and every answer is compared with the reference's; the queue itself is
+    fetched after the call (op_queue_state), outside any clock."""
+
+    def __init__(self, child: Child, n: int, order: list[int] | None = None):
         super().__init__()
         import prefix_caching
 
         self.child = child
-        self.handle = child.call("queue_new", n=n)
+        self.handle = child.call("queue_new", n=n, order=order)
         self.reference_blocks = [prefix_caching.KVCacheBlock(i) for i in range(n)]
-        self.reference = prefix_caching.FreeKVCacheBlockQueue(self.reference_blocks)
+        self.reference = prefix_caching.FreeKVCacheBlockQueue(
+            self.reference_blocks if order is None else [self.reference_blocks[i] for i in order])
         self.blocks = [QueueBlock(self, i) for i in range(n)]
         self.sentinel = QueueBlock(self, -1)
-        self.state = {"ids": self.reference.block_ids(), "len": n, "links": []}
-        self.state = self.child.call("queue_call", handle=self.handle, method="block_ids")["state"]
+        self.refresh()
 
     def block_ids(self) -> list[int]:
         return list(self.state["ids"])
@@ -555,23 +584,40 @@ class RemoteQueue(Twin):
     def __len__(self) -> int:
         return self.state["len"]
 
-    def run(self, method: str, block: QueueBlock | None = None):
-        block_id = None if block is None else block.block_id
-        self.history.append(f"{method}({'' if block is None else f'block {block_id}'})")
-        answer = self.child.call("queue_call", handle=self.handle, method=method, block=block_id)
-        args = [] if block is None else [self.reference_blocks[block_id]]
-        expected, expected_error = outcome(getattr(self.reference, method), *args)
-        expected = expected.block_id if expected is not None else None
-        self.state = answer["state"]
-        got, error = answer.get("result"), answer["error"]["type"] if "error" in answer else None
-        if (got, error) != (expected, expected_error):
-            self.differ(f"{method}'s answer", error or got, expected_error or expected, QUEUE_RULE)
-        elif (self.state["ids"], self.state["len"]) != (self.reference.block_ids(), len(self.reference)):
+    def refresh(self) -> None:
+        """Fetch the child's queue and compare it with the reference's."""
+        self.state = self.child.call("queue_state", handle=self.handle)
+        if (self.state["ids"], self.state["len"]) != (self.reference.block_ids(), len(self.reference)):
             self.differ("the queue (ids, len)", (self.state["ids"], self.state["len"]),
                         (self.reference.block_ids(), len(self.reference)), QUEUE_RULE)
-        if "error" in answer:
+
+    def steps(self, method: str, block_ids: list) -> tuple[list, float]:
+        """`method` on each block id in turn (None for popleft), in the child, compared answer
+        by answer with the reference's; (the child's answers, the seconds the call took, timed
+        here). The queue is not fetched: a caller that times does so after its clock."""
+        calls = [f"{method}({'' if b is None else f'block {b}'})" for b in block_ids]
+        self.history.append(calls[0] if len(calls) == 1 else f"{len(calls)} calls: {', '.join(calls[:3])}, ...")
+        answers, seconds = timed_call(self.child, "queue_run", handle=self.handle,
+                                      steps=[[method, b] for b in block_ids])
+        for i, block_id in enumerate(block_ids):
+            args = [] if block_id is None else [self.reference_blocks[block_id]]
+            expected, expected_error = outcome(getattr(self.reference, method), *args)
+            expected = expected.block_id if expected is not None else None
+            got = answers[i] if i < len(answers) else None
+            error = got["error"]["type"] if isinstance(got, dict) else None
+            if (None if error else got, error) != (expected, expected_error):
+                self.differ(f"{method}({'' if block_id is None else f'block {block_id}'})'s answer",
+                            error or got, expected_error or expected, QUEUE_RULE)
+            if error or expected_error:
+                break
+        return answers, seconds
+
+    def run(self, method: str, block: QueueBlock | None = None):
+        (answer,), _ = self.steps(method, [None if block is None else block.block_id])
+        self.refresh()
+        if isinstance(answer, dict):
             raise raised(answer["error"])
-        return None if got is None else self.blocks[got]
+        return None if answer is None else self.blocks[answer]
 
     def popleft(self):
         return self.run("popleft")
@@ -593,6 +639,19 @@ GATHER_RULE = ("gather gives a DynamicCache of one (keys, values) pair per layer
                "at slot p % block_size")
 
 
+LINE_COST = 10e-6  # seconds each line of the graded file costs in every gather (child.py's costly_lines)
+
+
+def gathered(child: Child, handle: int, block_ids: list[int], drop: bool = False) -> dict:
+    """The student's gather of `block_ids` from the child's pool `handle`: the call every gather
+    of the tests makes (pool_gather), then what it returned, fetched (last_gathered)."""
+    child.call("pool_gather", handle=handle, block_ids=list(block_ids), line_cost=LINE_COST)
+    answer = child.call("last_gathered", handle=handle)
+    if drop:
+        child.call("drop", handle=handle)
+    return answer
+
+
 def remote_pool_class():
     """kv_pool.PagedKVPool whose gather runs the student's, in the child, on this pool's data."""
     import kv_pool
@@ -612,8 +671,8 @@ def remote_pool_class():
         def gather(self, block_ids: list[int], config):
             self.twin.history.append(f"gather({list(block_ids)}) on a {self.spec()} pool")
             try:
-                answer = self.child.call("gather", spec=self.spec(), data=encode_tensor(self.data),
-                                         block_ids=list(block_ids))
+                answer = gathered(self.child, self.child.call("pool_new", spec=self.spec(),
+                                                              data=encode_tensor(self.data)), block_ids, drop=True)
             except NotImplementedError:
                 raise
             except Exception as err:  # noqa: BLE001  (an index past a size is often a size mixed up)

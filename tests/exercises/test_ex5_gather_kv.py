@@ -7,6 +7,10 @@ data must equal, bit for bit. The finish line is the oracle of stage 7: on the t
 prefix gathered from the pool plus the suffix computed on top of it gives the logits of one
 full forward pass.
 
+Every gather, timed or not, reaches your code the same way (child.py's op_pool_gather), with
+each line of your file costing the same few microseconds (grading.LINE_COST), and what every
+gather returned is compared with kv_pool's: nothing tells a timed gather from another.
+
 The pool's shape is drawn anew each run (grading.SEED), its four sizes all different: keys
 gathered per KV head where they belong per layer, or a block size taken for a head_dim, give
 the wrong shape whatever the run.
@@ -21,7 +25,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import LlamaConfig
 
-from grading import GRADING, SCALING_LIMIT, drawn, fastest_times, milliseconds, remote_pool_class, timed_call, times
+from grading import (GRADING, LINE_COST, SCALING_LIMIT, drawn, fastest_times, milliseconds, remote_pool_class,
+                     timed_call, times)
 from helpers import hf_greedy
 from kv_pool import PagedKVPool
 
@@ -119,7 +124,6 @@ def test_a_longer_prefix_takes_no_more_tensor_operations(child):
 # child, beside the code they count). The pools are built in earlier calls, before the clock.
 GATHERED = (4, 4096)  # blocks gathered from one pool
 POOLS = (16, 16_384)  # blocks in the pool, 4 of them gathered
-LINE_COST = 10e-6  # seconds each line of the graded file costs in the gathers timed per block
 WHOLE_LIMIT = 20  # a gather of GATHERED[1] blocks over kv_pool's: about 2 to 3 when vectorized
 
 
@@ -132,7 +136,7 @@ def numbered(pool: PagedKVPool) -> PagedKVPool:
 def assert_timed_gather_right(child, handle, reference: PagedKVPool, block_ids: list[int], config) -> None:
     """What the timed gather returned, fetched after the clock stopped, equals kv_pool's gather
     of the same blocks: a timed call answers like any other."""
-    got = child.call("last_gathered", handle=handle)
+    got = child.call("last_gathered", handle=handle)["layers"]
     want = reference.gather(block_ids, config)
     same = len(got) == len(want.layers) and all(
         torch.equal(keys, layer.keys) and torch.equal(values, layer.values)
@@ -144,7 +148,7 @@ def assert_timed_gather_right(child, handle, reference: PagedKVPool, block_ids: 
 def test_each_block_gathered_costs_no_more_than_a_few_times_the_references(child):
     """A vectorized gather spends about 0.1 µs on each block id here (the list made a tensor,
     index_select); a Python loop over the blocks a few times that, too close to tell apart on
-    a busy machine. So in these gathers each line of Python in the graded file costs LINE_COST
+    a busy machine. So in every gather each line of Python in the graded file costs LINE_COST
     (the child's costly_lines): the few lines of a vectorized gather cost the same for 4 blocks
     as for 4,096, a loop costs LINE_COST or more a block. Then, timed here: the extra time of
     4,096 blocks over 4, yours against kv_pool's on the same pool (which runs here, untraced),
@@ -159,7 +163,7 @@ def test_each_block_gathered_costs_no_more_than_a_few_times_the_references(child
 
     def yours(n: int):
         def timed(r: int) -> float:
-            (length, _), seconds = timed_call(child, "gather_length", handle=handle, block_ids=block_ids[n],
+            (length, _), seconds = timed_call(child, "pool_gather", handle=handle, block_ids=block_ids[n],
                                               line_cost=LINE_COST)
             assert length == n, f"gathering {n} blocks of 1 token gave a cache of {length} tokens"
             assert_timed_gather_right(child, handle, reference, block_ids[n], config)
@@ -210,7 +214,7 @@ def test_a_gather_takes_as_long_from_a_pool_of_16_384_blocks_as_from_one_of_16(c
         config = LlamaConfig(num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, hidden_size=16)
 
         def timed(r: int) -> float:
-            seconds = timed_call(child, "gather_length", handle=handle, block_ids=[3, 1, 2, 0])[1]
+            seconds = timed_call(child, "pool_gather", handle=handle, block_ids=[3, 1, 2, 0], line_cost=LINE_COST)[1]
             assert_timed_gather_right(child, handle, reference, [3, 1, 2, 0], config)
             return seconds
         return timed

@@ -99,7 +99,7 @@ MISTAKES = {
         "hash differently from the same ids as Python ints"),
     "keys joined with '|'": ("test_ex1_block_hash.py", with_mistake(
         "block_hash", "json.dumps(list(extra_keys)).encode()", '"|".join(map(str, extra_keys)).encode()'),
-        "extra keys ('a|b',) and ('a', 'b') hash alike"),
+        "hash alike: a separator that can occur inside a key separates nothing"),
     "an MD5 digest": ("test_ex1_block_hash.py", with_mistake(
         "block_hash", "return hashlib.sha256(", "return hashlib.md5("),
         "a block hash is the SHA-256 digest of your encoding, 32 bytes"),
@@ -198,16 +198,42 @@ PADDED_LOOP = NUMPY_LOOP.replace("import numpy as np\n", "import time\n\nimport 
     "            time.sleep(max(0.0, 0.1 - (time.perf_counter() - start)))\n"
     "\n"
     "    def unpadded_gather(self, block_ids, config):\n", 1)
-# Right everywhere but under the clock: the graded child's timed gathers run in op_gather_length,
-# and this file answers them with empty tensors of the right shape.
-EMPTY_WHEN_TIMED = with_mistake(
+# Right everywhere but under the clock, told apart by the caller's frame or by the trace: the
+# old child timed gathers in a function of their own (op_gather_length), traced only there, and
+# called the queue's and the allocator's timed runs from functions of their own. Every call now
+# runs on one thread from one loop, under one trace: the frame is refused, the trace is always on,
+# and the stack seen through inspect never names a timed call.
+EMPTY_WHEN_FRAME_SAYS_TIMED = with_mistake(
     "gather_kv", "    def gather(self, block_ids, config):\n",
     "    def gather(self, block_ids, config):\n"
     "        import sys\n"
-    "        if block_ids and sys._getframe(1).f_code.co_name == \"op_gather_length\":\n"
+    "        if block_ids and sys._getframe(1).f_code.co_name in (\"op_gather_length\", \"op_pool_gather\"):\n"
     "            empty = torch.empty(1, self.num_kv_heads, len(block_ids) * self.block_size, self.head_dim,\n"
     "                                dtype=self.data.dtype)\n"
     "            return DynamicCache([(empty, empty) for _ in range(self.num_layers)], config=config)\n")
+EMPTY_WHEN_TRACED = with_mistake(
+    "gather_kv", "    def gather(self, block_ids, config):\n",
+    "    def gather(self, block_ids, config):\n"
+    "        import sys\n"
+    "        if block_ids and sys.gettrace() is not None:\n"
+    "            empty = torch.empty(1, self.num_kv_heads, len(block_ids) * self.block_size, self.head_dim,\n"
+    "                                dtype=self.data.dtype)\n"
+    "            return DynamicCache([(empty, empty) for _ in range(self.num_layers)], config=config)\n")
+STACK_NAMES = """
+
+def _timed():  # whether a function of the old child's timed runs is on the stack
+    frame = __import__("inspect").currentframe()
+    while frame is not None and frame.f_code.co_name not in ("op_queue_run", "op_allocator_churn"):
+        frame = frame.f_back
+    return frame is not None
+"""
+WALKING_BUT_WHEN_TIMED = WALKING_QUEUE.replace(
+    "        node = vars(self._head)",
+    "        node = block if _timed() else vars(self._head)", 1) + STACK_NAMES
+SCANNING_BUT_WHEN_TIMED = {"allocator": with_mistake(
+    "allocator", "> len(self.free_queue):",
+    "> (len(self.free_queue) if _timed() else sum(1 for b in self.blocks if b.ref_cnt == 0)):")["allocator"]
+    + STACK_NAMES}
 MISTAKES |= {
     "remove walks the queue through vars()": ("test_ex3_free_queue.py", {"free_queue": WALKING_QUEUE},
                                               "it walks or searches the queue"),
@@ -264,8 +290,14 @@ MISTAKES |= {
         "the gather copies or walks the whole pool"),
     "a loop of numpy copies over the blocks": ("test_ex5_gather_kv.py", {"gather_kv": NUMPY_LOOP},
                                                "the gather runs Python code for every block"),
-    "empty tensors of the right shape under the clock": ("test_ex5_gather_kv.py", EMPTY_WHEN_TIMED,
-                                                           "a gather that is timed must be as right as one that is not"),
+    "empty tensors when the caller's frame says timed": ("test_ex5_gather_kv.py", EMPTY_WHEN_FRAME_SAYS_TIMED,
+                                                          "not on where it is called from"),
+    "empty tensors when a trace is on": ("test_ex5_gather_kv.py", EMPTY_WHEN_TRACED,
+                                         "a gather that is timed must be as right as one that is not"),
+    "a walk in remove but when the stack names a timed run": (
+        "test_ex3_free_queue.py", {"free_queue": WALKING_BUT_WHEN_TIMED}, "it walks or searches the queue"),
+    "a room check that scans but when the stack names a timed run": (
+        "test_ex4_free.py", SCANNING_BUT_WHEN_TIMED, "something walks the pool or the free queue on every call"),
     "a loop of numpy copies, every gather padded to 100 ms": ("test_ex5_gather_kv.py", {"gather_kv": PADDED_LOOP},
                                                               "A gather of many blocks costs a few times kv_pool's"),
 }
@@ -315,8 +347,13 @@ NAMED_BY = {
     "a loop of numpy copies over the blocks": "test_each_block_gathered_costs_no_more_than_a_few_times_the_references",
     "a loop of numpy copies, every gather padded to 100 ms":
         "test_each_block_gathered_costs_no_more_than_a_few_times_the_references",
-    "empty tensors of the right shape under the clock":
+    "empty tensors when the caller's frame says timed":
         "test_each_block_gathered_costs_no_more_than_a_few_times_the_references",
+    "empty tensors when a trace is on": "test_each_block_gathered_costs_no_more_than_a_few_times_the_references",
+    "a walk in remove but when the stack names a timed run":
+        "test_an_operation_takes_as_long_in_a_queue_of_100_000_as_in_one_of_100",
+    "a room check that scans but when the stack names a timed run":
+        "test_allocate_and_free_take_as_long_on_a_pool_of_100_000_as_on_one_of_100",
 }
 
 
@@ -531,6 +568,44 @@ def test_answers_recorded_in_one_run_fail_the_next(pytester, monkeypatch, tmp_pa
                              {"block_hash": table + REPLAYER})
     assert replayed.get("failed", 0) >= 1, f"answers recorded with seed 1 passed with seed 2: {replayed}"
     assert "grading seed 2: GRADING_SEED=2 gives this run's inputs again" in output, output[-3000:]
+
+
+# --- the timed calls look like every other -------------------------------------------------------
+
+# A correct solution that writes down, at every call of one method, what it could see of why it
+# was called: the functions on its stack and whether a trace is on.
+SEEN = """
+import inspect as _inspect
+import sys as _sys
+
+
+def _seen(method):
+    def seen(self, *args):
+        with open(SEEN, "a") as file:
+            stack = [f.function for f in _inspect.stack(0)[1:]]
+            file.write(repr((stack, _sys.gettrace() is not None)) + "\\n")
+        return method(self, *args)
+    return seen
+"""
+
+
+@pytest.mark.parametrize("name, method, select", [
+    ("free_queue", "FreeKVCacheBlockQueue.remove", "remove"),
+    ("allocator", "PrefixCachingAllocator.allocate_with_prefix", "100_000 or shared"),
+    ("gather_kv", "PagedKVPool.gather", "each_block or any_blocks or bfloat16"),
+])
+def test_a_timed_call_reaches_the_graded_code_as_every_other_does(name, method, select, pytester, monkeypatch,
+                                                                    tmp_path):
+    seen = tmp_path / "exercises" / "seen.txt"
+    cls, function = method.split(".")
+    source = f"SEEN = {str(seen)!r}\n" + SEEN + (SOLUTIONS / "plain" / f"{name}.py").read_text() + (
+        f"\n{cls}.{function} = _seen({cls}.{function})\n")
+    test_file = TEST_FILES[name][-1]
+    outcomes, output = grade(pytester, monkeypatch, tmp_path, test_file, {name: source}, select=select)
+    assert "failed" not in outcomes and outcomes.get("passed"), f"{outcomes}\n{output[-3000:]}"
+    calls = seen.read_text().splitlines()
+    assert len(calls) > 20 and len(set(calls)) == 1, (
+        f"{len(calls)} calls of {method} saw {len(set(calls))} different stacks or traces: {sorted(set(calls))[:3]}")
 
 
 # --- nothing a graded file does outlives its run ---------------------------------------------------
