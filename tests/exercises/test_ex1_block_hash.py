@@ -3,8 +3,9 @@
 The encoding a block's hash digests is the student's choice (any unambiguous one will do), so
 these tests compare hashes with each other, never with the reference's: each is a SHA-256
 digest (32 bytes); equal inputs, equal hashes; different inputs, different hashes; chained
-to the whole parent hash; the same in every process, whatever was hashed before. Token ids
-and prompt lengths are drawn anew each run (grading.SEED).
+to the whole parent hash; the same in every process, whatever was hashed before. Token ids,
+extra keys, salts and prompt lengths are drawn anew each run (grading.SEED); what a test keeps
+fixed is the shape (how many tokens, which of them repeat, which inputs a weak encoding confuses).
 """
 
 import pytest
@@ -14,7 +15,7 @@ from hypothesis import strategies as st
 from grading import Child, GRADING, RemoteBlockHash, drawn
 
 EXERCISE = "block_hash"
-BLOCK = [1, 2, 3, 4]
+VOCAB = 262_144  # Gemma 3's vocabulary (the largest named below): every drawn id is a real one
 
 
 @pytest.fixture(scope="module")
@@ -33,71 +34,136 @@ def assert_same(a: bytes, b: bytes, rule: str) -> None:
         pytest.fail(rule, pytrace=False)
 
 
+# --- this run's inputs: drawn, in the shape each test needs ----------------------------------------
+
+
+def tokens(rng, n: int) -> list[int]:
+    """n different token ids of a real vocabulary: tokens(rng, 3) -> [20_511, 7, 187_002]."""
+    return rng.sample(range(VOCAB), n)
+
+
+def names(rng, *prefixes: str) -> list[str]:
+    """Different texts for extra keys and salts: names(rng, "lora", "lora") -> ['lora-4031', 'lora-77160']."""
+    numbers = rng.sample(range(10**6), len(prefixes))
+    return [f"{prefix}-{number}" for prefix, number in zip(prefixes, numbers)]
+
+
+def same_digits(rng) -> tuple[list[int], list[int]]:
+    """Two blocks whose ids' decimal digits run together into one string, split at another
+    place: same_digits(rng) -> ([1, 23], [12, 3])."""
+    a, b, c = (str(rng.randrange(1, 250)) for _ in range(3))  # two run together: at most 249,249 < VOCAB
+    return [int(a), int(b + c)], [int(a + b), int(c)]
+
+
+def same_low_bytes(rng, width: int) -> tuple[int, int]:
+    """An id of a real vocabulary at or above `width` (256: one byte; 65,536: two) and the id
+    its low bytes hold: same_low_bytes(rng, 256) -> (3 * 256 + 7, 7) = (775, 7)."""
+    low = rng.randrange(width)
+    return rng.randrange(1, VOCAB // width) * width + low, low
+
+
+def prompts_of_this_run(rng) -> list[tuple[list[int], int]]:
+    """Three (token ids, block size) of a real vocabulary."""
+    prompts = []
+    for _ in range(3):
+        block_size = rng.choice([4, 16, 32])
+        length = rng.randrange(2 * block_size, 6 * block_size)
+        prompts.append(([rng.randrange(VOCAB) for _ in range(length)], block_size))
+    return prompts
+
+
+# --- one block ---------------------------------------------------------------------------------------
+
+
 def test_a_hash_is_bytes_and_the_same_every_time(impl):
-    first = impl.hash_block_tokens(None, BLOCK)
+    block = tokens(drawn("same every time"), 4)
+    first = impl.hash_block_tokens(None, block)
     assert isinstance(first, bytes) and len(first) >= 16, (
         f"a block hash is a digest of 16 bytes or more, got {first!r:.80}"
     )
-    assert_same(impl.hash_block_tokens(None, list(BLOCK)), first, "the same block must get the same hash every time")
+    assert_same(impl.hash_block_tokens(None, list(block)), first,
+                f"the same block {block} must get the same hash every time")
 
 
 def test_every_token_counts(impl):
-    assert_differ(impl.hash_block_tokens(None, [1, 2, 3, 4]), impl.hash_block_tokens(None, [1, 2, 3, 5]),
-                  "[1, 2, 3, 4] and [1, 2, 3, 5] hash alike: every token id must enter the hash")
-    assert_differ(impl.hash_block_tokens(None, [1, 2, 3, 4]), impl.hash_block_tokens(None, [4, 3, 2, 1]),
-                  "[1, 2, 3, 4] and [4, 3, 2, 1] hash alike: the order of the tokens must enter the hash")
+    ids = tokens(drawn("every token"), 5)
+    block, changed, reordered = ids[:4], [*ids[:3], ids[4]], ids[3::-1]
+    assert_differ(impl.hash_block_tokens(None, block), impl.hash_block_tokens(None, changed),
+                  f"{block} and {changed} hash alike: every token id must enter the hash")
+    assert_differ(impl.hash_block_tokens(None, block), impl.hash_block_tokens(None, reordered),
+                  f"{block} and {reordered} hash alike: the order of the tokens must enter the hash")
 
 
 # Real vocabularies are large: SmolLM2 has 49,152 token ids, Llama 3 128,256, Gemma 3 262,144.
-# A hash that takes each id as one byte works on ids below 256 and nowhere else.
-@pytest.mark.parametrize("token_ids, other", [
-    ([49_151, 128_255, 262_143, 256], [49_151, 128_255, 262_143, 257]),
-    ([256, 1, 2, 3], [0, 1, 2, 3]),  # 256 must not wrap round to 0
-    ([65_543, 1, 2, 3], [7, 1, 2, 3]),  # nor 65,543 to 7 (two bytes are not enough either)
-], ids=["large ids", "256 vs 0", "65543 vs 7"])
-def test_token_ids_of_a_real_vocabulary_hash_and_stay_apart(impl, token_ids, other):
+# A hash that takes each id as one byte works on ids below 256 and nowhere else; one that
+# takes two bytes, below 65,536.
+@pytest.mark.parametrize("width", [None, 256, 65_536], ids=["large ids", "one byte wraps", "two bytes wrap"])
+def test_token_ids_of_a_real_vocabulary_hash_and_stay_apart(impl, width):
+    rng = drawn(f"real vocabulary {width}")
+    if width is None:  # ids above one byte, the last ones one apart
+        large = rng.sample(range(256, VOCAB - 1), 4)
+        token_ids, other, why = large, [*large[:3], large[3] + 1], ""
+    else:  # an id must not wrap round to the id its low bytes hold
+        high, low = same_low_bytes(rng, width)
+        rest = tokens(rng, 3)
+        token_ids, other, why = [high, *rest], [low, *rest], f" ({high} is {low} + {high // width} * {width:,})"
     try:
         a, b = impl.hash_block_tokens(None, token_ids), impl.hash_block_tokens(None, other)
     except (ValueError, OverflowError) as err:
         pytest.fail(f"hashing token ids {token_ids} failed ({type(err).__name__}: {err}): a token id is not a "
                     "byte; give each id 8 bytes (array('q', token_ids).tobytes(), or int.to_bytes(8, ...))")
-    assert_differ(a, b, f"{token_ids} and {other} hash alike: each token id must keep all its bits in the encoding")
+    assert_differ(a, b, f"{token_ids} and {other} hash alike{why}: each token id must keep all its bits in the "
+                        "encoding")
 
 
 def test_the_parent_counts(impl):
-    parent_a = impl.hash_block_tokens(None, [9, 9, 9, 9])
-    parent_b = impl.hash_block_tokens(None, [8, 8, 8, 8])
-    assert_differ(impl.hash_block_tokens(parent_a, BLOCK), impl.hash_block_tokens(parent_b, BLOCK),
-                  "the same tokens under two different parents hash alike: the parent hash must enter the hash")
-    assert_differ(impl.hash_block_tokens(parent_a, BLOCK), impl.hash_block_tokens(None, BLOCK),
-                  "a block with a parent hashes like a first block: the parent hash must enter the hash")
+    ids = tokens(drawn("parent counts"), 12)
+    parent_a = impl.hash_block_tokens(None, ids[:4])
+    parent_b = impl.hash_block_tokens(None, ids[4:8])
+    block = ids[8:]
+    assert_differ(impl.hash_block_tokens(parent_a, block), impl.hash_block_tokens(parent_b, block),
+                  f"the same tokens {block} under two different parents (the hashes of {ids[:4]} and {ids[4:8]}) "
+                  "hash alike: the parent hash must enter the hash")
+    assert_differ(impl.hash_block_tokens(parent_a, block), impl.hash_block_tokens(None, block),
+                  f"block {block} with a parent (the hash of {ids[:4]}) hashes like a first block: the parent hash "
+                  "must enter the hash")
 
 
 def test_extra_keys_count(impl):
-    assert_differ(impl.hash_block_tokens(None, BLOCK, ("lora-1",)), impl.hash_block_tokens(None, BLOCK),
-                  "a block with extra key 'lora-1' hashes like one without: the extra keys must enter the hash")
-    assert_differ(impl.hash_block_tokens(None, BLOCK, ("lora-1",)), impl.hash_block_tokens(None, BLOCK, ("lora-2",)),
-                  "extra keys 'lora-1' and 'lora-2' hash alike: each key's text must enter the hash")
+    rng = drawn("extra keys")
+    block, (key, other_key) = tokens(rng, 4), names(rng, "lora", "lora")
+    assert_differ(impl.hash_block_tokens(None, block, (key,)), impl.hash_block_tokens(None, block),
+                  f"a block with extra key {key!r} hashes like one without: the extra keys must enter the hash")
+    assert_differ(impl.hash_block_tokens(None, block, (key,)), impl.hash_block_tokens(None, block, (other_key,)),
+                  f"extra keys {key!r} and {other_key!r} hash alike: each key's text must enter the hash")
 
 
 def test_the_encoding_is_unambiguous(impl):
-    assert_differ(impl.hash_block_tokens(None, [1, 23]), impl.hash_block_tokens(None, [12, 3]),
-                  "[1, 23] and [12, 3] hash alike: separate the token ids in your encoding")
-    assert_differ(impl.hash_block_tokens(None, [1, 2]), impl.hash_block_tokens(None, [1], ("2",)),
-                  "tokens [1, 2] and tokens [1] with extra key '2' hash alike: keep the tokens apart from the keys")
-    assert_differ(impl.hash_block_tokens(None, [1], ("a", "b")), impl.hash_block_tokens(None, [1], ("ab",)),
-                  "extra keys ('a', 'b') and ('ab',) hash alike: separate the keys in your encoding")
+    rng = drawn("unambiguous")
+    run_together, split_elsewhere = same_digits(rng)
+    (first, second), (a, b) = tokens(rng, 2), names(rng, "a", "b")
+    assert_differ(impl.hash_block_tokens(None, run_together), impl.hash_block_tokens(None, split_elsewhere),
+                  f"{run_together} and {split_elsewhere} hash alike: separate the token ids in your encoding")
+    assert_differ(impl.hash_block_tokens(None, [first, second]), impl.hash_block_tokens(None, [first], (str(second),)),
+                  f"tokens {[first, second]} and tokens {[first]} with extra key '{second}' hash alike: keep the "
+                  "tokens apart from the keys")
+    assert_differ(impl.hash_block_tokens(None, [first], (a, b)), impl.hash_block_tokens(None, [first], (a + b,)),
+                  f"extra keys {(a, b)} and {(a + b,)} hash alike: separate the keys in your encoding")
 
 
 def test_extra_keys_keep_their_order(impl):
-    assert_differ(impl.hash_block_tokens(None, [1], ("a", "b")), impl.hash_block_tokens(None, [1], ("b", "a")),
-                  "extra keys ('a', 'b') and ('b', 'a') hash alike: keep the keys in their order (a tuple, not a set)")
+    rng = drawn("key order")
+    block, (a, b) = tokens(rng, 1), names(rng, "a", "b")
+    assert_differ(impl.hash_block_tokens(None, block, (a, b)), impl.hash_block_tokens(None, block, (b, a)),
+                  f"extra keys {(a, b)} and {(b, a)} hash alike: keep the keys in their order (a tuple, not a set)")
 
 
 @pytest.mark.parametrize("separator", [",", "|", ":", " ", ";", "\\", "\n", "\x00", "-"], ids=repr)
 def test_no_separator_inside_a_key_can_split_it(impl, separator):
-    joined, split = (f"a{separator}b",), ("a", "b")
-    assert_differ(impl.hash_block_tokens(None, [1], joined), impl.hash_block_tokens(None, [1], split),
+    rng = drawn(f"separator {separator!r}")
+    block, (a, b) = tokens(rng, 1), names(rng, "a", "b")
+    joined, split = (f"{a}{separator}{b}",), (a, b)
+    assert_differ(impl.hash_block_tokens(None, block, joined), impl.hash_block_tokens(None, block, split),
                   f"extra keys {joined} and {split} hash alike: a separator that can occur inside a key separates "
                   "nothing. Encode the keys so none can be read two ways (json.dumps, or each key's length before it)")
 
@@ -105,21 +171,28 @@ def test_no_separator_inside_a_key_can_split_it(impl, separator):
 @pytest.mark.parametrize("kind", ["numpy ints", "int64", "int32"])
 def test_numpy_token_ids_hash_like_python_ints(impl, kind):
     """Token ids often come out of a tokenizer or a tensor as numpy integers."""
-    tokens = [5, 300, 70_000, 262_143]
-    rule = (f"token ids given as {'a list of numpy.int64' if kind == 'numpy ints' else f'a numpy {kind} array'} "
+    rng = drawn(f"numpy {kind}")
+    # an id of one byte, one of two, one of three, one at the top of the vocabulary
+    block = [rng.randrange(256), rng.randrange(256, 65_536), rng.randrange(65_536, VOCAB),
+             rng.randrange(VOCAB - 256, VOCAB)]
+    salt, key = names(rng, "tenant", "lora")
+    given_as = "a list of numpy.int64" if kind == "numpy ints" else f"a numpy {kind} array"
+    rule = (f"token ids {block} given as {given_as} "
             "hash differently from the same ids as Python ints: a token id is its integer value, whatever its type "
             "(encode int(t), or array('q', token_ids), never str() or the array's own bytes)")
     try:
-        as_numpy = impl.hash_block_tokens(None, tokens, ("k",), numpy=kind)
-        blocks = impl.compute_block_hashes(tokens * 2, 4, "s", ("k",), numpy=kind)
+        as_numpy = impl.hash_block_tokens(None, block, (key,), numpy=kind)
+        blocks = impl.compute_block_hashes(block * 2, 4, salt, (key,), numpy=kind)
     except (TypeError, ValueError, OverflowError) as err:
         pytest.fail(f"{rule}; it raised {type(err).__name__}: {err}", pytrace=False)
-    assert_same(as_numpy, impl.hash_block_tokens(None, tokens, ("k",)), rule)
-    assert_same(blocks[1], impl.compute_block_hashes(tokens * 2, 4, "s", ("k",))[1], rule)
+    assert_same(as_numpy, impl.hash_block_tokens(None, block, (key,)), rule)
+    assert_same(blocks[1], impl.compute_block_hashes(block * 2, 4, salt, (key,))[1], rule)
 
 
 def test_python_hash_is_never_used(impl):
-    called = impl.calls_python_hash(list(range(8)), ("lora-1",), "tenant-a")
+    rng = drawn("python hash never used")
+    key, salt = names(rng, "lora", "tenant")
+    called = impl.calls_python_hash(tokens(rng, 8), (key,), salt)
     assert not called, (
         f"hashing called Python's hash() (on {', '.join(sorted(set(called)))}): it squeezes the token ids into 64 "
         "bits, so two blocks can share a name, and for text it changes from one process to the next. Hash an "
@@ -132,8 +205,8 @@ def test_python_hash_is_never_used(impl):
 # where the spy above sees only the builtin it replaced, in the child, at call time.
 def test_ids_that_pythons_hash_confuses_hash_apart(impl):
     modulus = 2**61 - 1
-    tokens, block_size = prompts_of_this_run("python hash")[0]
-    block = tokens[:block_size]
+    prompt, block_size = prompts_of_this_run(drawn("python hash"))[0]
+    block = prompt[:block_size]
     other = [block[0] + modulus, *block[1:]]
     try:
         a, b = impl.hash_block_tokens(None, block), impl.hash_block_tokens(None, other)
@@ -188,7 +261,7 @@ def test_blocks_that_pythons_tuple_hash_confuses_hash_apart(impl):
     rng = drawn("tuple hash")
     found = []
     while len(found) < 2:  # about one first id in eight has a partner below 2**61 - 1
-        a, b, c = (rng.randrange(262_144) for _ in range(3))
+        a, b, c = (rng.randrange(VOCAB) for _ in range(3))
         d = tuple_hash_partner(a, b, c)
         if d is not None:
             found.append(([a, b], [c, d]))
@@ -199,24 +272,18 @@ def test_blocks_that_pythons_tuple_hash_confuses_hash_apart(impl):
                       "Hash an encoding that keeps every bit of every id with SHA-256")
 
 
-def prompts_of_this_run(name: str) -> list[tuple[list[int], int]]:
-    """Three (token ids, block size) of a real vocabulary, drawn for this run."""
-    rng = drawn(name)
-    prompts = []
-    for _ in range(3):
-        block_size = rng.choice([4, 16, 32])
-        length = rng.randrange(2 * block_size, 6 * block_size)
-        prompts.append(([rng.randrange(262_144) for _ in range(length)], block_size))
-    return prompts
+# --- a prompt's chain of blocks --------------------------------------------------------------------
 
 
 def test_each_block_hash_is_a_sha256_digest_of_32_bytes(impl):
-    for tokens, block_size in prompts_of_this_run("digest"):
-        hashes = impl.compute_block_hashes(tokens, block_size, "tenant-a", ("lora-1",))
+    rng = drawn("digest")
+    salt, key = names(rng, "tenant", "lora")
+    for prompt, block_size in prompts_of_this_run(rng):
+        hashes = impl.compute_block_hashes(prompt, block_size, salt, (key,))
         for i, block_hash in enumerate(hashes):
             if not isinstance(block_hash, bytes) or len(block_hash) != 32:
                 size = f"{len(block_hash)} bytes" if isinstance(block_hash, bytes) else f"a {type(block_hash).__name__}"
-                pytest.fail(f"block {i} of a {len(tokens)}-token prompt (blocks of {block_size}) hashed to {size}: a "
+                pytest.fail(f"block {i} of a {len(prompt)}-token prompt (blocks of {block_size}) hashed to {size}: a "
                             "block hash is the SHA-256 digest of your encoding, 32 bytes "
                             "(hashlib.sha256(encoding).digest()). MD5 gives 16 bytes and fewer bits to keep blocks "
                             "apart; the encoding itself grows with the block, and a hash that grows is no hash",
@@ -224,8 +291,8 @@ def test_each_block_hash_is_a_sha256_digest_of_32_bytes(impl):
 
 
 def test_every_byte_of_the_parent_hash_counts(impl):
-    tokens, block_size = prompts_of_this_run("parent bytes")[0]
-    parent, block = impl.hash_block_tokens(None, tokens[:block_size]), tokens[block_size : 2 * block_size]
+    prompt, block_size = prompts_of_this_run(drawn("parent bytes"))[0]
+    parent, block = impl.hash_block_tokens(None, prompt[:block_size]), prompt[block_size : 2 * block_size]
     expected = impl.hash_block_tokens(parent, block)
     for i in range(len(parent)):
         changed = parent[:i] + bytes([parent[i] ^ 0xFF]) + parent[i + 1 :]
@@ -236,7 +303,8 @@ def test_every_byte_of_the_parent_hash_counts(impl):
 
 
 def test_hashes_are_the_same_in_every_process_whatever_came_before():
-    prompts = prompts_of_this_run("processes")
+    rng = drawn("processes")
+    prompts, (salt, key) = prompts_of_this_run(rng), names(rng, "tenant", "lora")
     outputs = []
     # Python's own hash() differs between these two processes, and a hash that depends on what
     # was hashed before (a counter, a table of inputs seen) differs between the two orders.
@@ -244,8 +312,8 @@ def test_hashes_are_the_same_in_every_process_whatever_came_before():
         process = Child(EXERCISE, env={"PYTHONHASHSEED": hash_seed})
         try:
             remote = RemoteBlockHash(process)
-            outputs.append({tuple(tokens): remote.compute_block_hashes(tokens, size, "tenant-a", ("lora-1",))
-                            for tokens, size in order})
+            outputs.append({tuple(prompt): remote.compute_block_hashes(prompt, size, salt, (key,))
+                            for prompt, size in order})
         finally:
             process.stop()
     assert outputs[0] == outputs[1], (
@@ -256,113 +324,126 @@ def test_hashes_are_the_same_in_every_process_whatever_came_before():
 
 
 def test_only_full_blocks_get_a_hash(impl):
+    rng = drawn("full blocks")
     for length, expected in ((10, 2), (8, 2), (3, 0)):
-        got = len(impl.compute_block_hashes(list(range(length)), 4))
+        prompt = tokens(rng, length)
+        got = len(impl.compute_block_hashes(prompt, 4))
         assert got == expected, (
-            f"{length} tokens in blocks of 4 got {got} hashes, not {expected}: only full blocks get one"
+            f"{length} tokens {prompt} in blocks of 4 got {got} hashes, not {expected}: only full blocks get one"
         )
 
 
 def test_each_hash_is_chained_to_the_one_before(impl):
-    for tokens, size in prompts_of_this_run("chained"):
-        hashes = impl.compute_block_hashes(tokens, size)
-        assert len(hashes) == len(tokens) // size, (
-            f"{len(tokens)} tokens in blocks of {size} have {len(tokens) // size} full blocks, got {len(hashes)} hashes"
+    for prompt, size in prompts_of_this_run(drawn("chained")):
+        hashes = impl.compute_block_hashes(prompt, size)
+        assert len(hashes) == len(prompt) // size, (
+            f"{len(prompt)} tokens in blocks of {size} have {len(prompt) // size} full blocks, got {len(hashes)} hashes"
         )
-        assert_same(hashes[0], impl.hash_block_tokens(None, tokens[0:size]),
+        assert_same(hashes[0], impl.hash_block_tokens(None, prompt[0:size]),
                     f"block 0's hash must be hash_block_tokens(None, its {size} tokens)")
         for i in range(1, len(hashes)):
-            assert_same(hashes[i], impl.hash_block_tokens(hashes[i - 1], tokens[size * i : size * i + size]),
+            assert_same(hashes[i], impl.hash_block_tokens(hashes[i - 1], prompt[size * i : size * i + size]),
                         f"block {i}'s hash must be hash_block_tokens(block {i - 1}'s hash, its own {size} tokens): "
                         "the parent is the hash of the block just before, not None and not block 0's")
 
 
 def test_the_same_block_at_another_position_is_another_block(impl):
-    a = impl.compute_block_hashes([1, 2, 3, 4, 5, 6, 7, 8], 4)
-    b = impl.compute_block_hashes([5, 6, 7, 8, 1, 2, 3, 4], 4)
-    rule = ("the same 4 tokens got the same hash in block 0 and in block 1: a block's hash must depend on every "
-            "token before it, through its parent")
+    ids = tokens(drawn("position"), 8)
+    first, second = ids[:4], ids[4:]
+    a = impl.compute_block_hashes(first + second, 4)
+    b = impl.compute_block_hashes(second + first, 4)
+    rule = (f"prompts {first + second} and {second + first}: the same 4 tokens got the same hash in block 0 and in "
+            "block 1: a block's hash must depend on every token before it, through its parent")
     assert_differ(a[1], b[0], rule)
     assert_differ(a[0], b[1], rule)
 
 
 def test_extra_keys_enter_every_block(impl):
-    tokens = list(range(8))
-    plain = impl.compute_block_hashes(tokens, 4)
-    lora = impl.compute_block_hashes(tokens, 4, extra_keys=("lora-1",))
-    assert_same(lora[0], impl.hash_block_tokens(None, tokens[:4], ("lora-1",)), "block 0 must carry the extra keys")
-    assert_same(lora[1], impl.hash_block_tokens(lora[0], tokens[4:], ("lora-1",)),
+    rng = drawn("keys in every block")
+    prompt, (key,) = tokens(rng, 8), names(rng, "lora")
+    plain = impl.compute_block_hashes(prompt, 4)
+    lora = impl.compute_block_hashes(prompt, 4, extra_keys=(key,))
+    assert_same(lora[0], impl.hash_block_tokens(None, prompt[:4], (key,)), "block 0 must carry the extra keys")
+    assert_same(lora[1], impl.hash_block_tokens(lora[0], prompt[4:], (key,)),
                 "block 1 must carry the extra keys too: a LoRA adapter changes the K/V of every block")
-    assert_differ(plain[1], lora[1], "block 1 with extra key 'lora-1' hashes like block 1 without")
+    assert_differ(plain[1], lora[1], f"block 1 with extra key {key!r} hashes like block 1 without")
 
 
 def test_cache_salt_enters_block_0_only(impl):
-    tokens = list(range(8))
-    plain = impl.compute_block_hashes(tokens, 4)
-    salted = impl.compute_block_hashes(tokens, 4, cache_salt="tenant-a")
+    rng = drawn("salt in block 0")
+    prompt, (salt, other_salt) = tokens(rng, 8), names(rng, "tenant", "tenant")
+    plain = impl.compute_block_hashes(prompt, 4)
+    salted = impl.compute_block_hashes(prompt, 4, cache_salt=salt)
     assert_differ(salted[0], plain[0], "the salt must change block 0's hash")
-    assert_same(salted[1], impl.hash_block_tokens(salted[0], tokens[4:]), "block 1 must not carry the salt itself")
+    assert_same(salted[1], impl.hash_block_tokens(salted[0], prompt[4:]), "block 1 must not carry the salt itself")
     assert_differ(salted[1], plain[1], "block 1 differs from the unsalted one through the chain")
-    assert_differ(impl.compute_block_hashes(tokens, 4, cache_salt="tenant-b")[0], salted[0],
-                  "tenants 'tenant-a' and 'tenant-b' share block 0: the salt's text must enter the hash")
+    assert_differ(impl.compute_block_hashes(prompt, 4, cache_salt=other_salt)[0], salted[0],
+                  f"tenants {salt!r} and {other_salt!r} share block 0: the salt's text must enter the hash")
 
 
 def test_a_cache_salt_joins_the_extra_keys_of_block_0_and_does_not_replace_them(impl):
-    tokens = list(range(8))
-    lora_1 = impl.compute_block_hashes(tokens, 4, cache_salt="tenant-a", extra_keys=("lora-1",))
-    lora_2 = impl.compute_block_hashes(tokens, 4, cache_salt="tenant-a", extra_keys=("lora-2",))
+    rng = drawn("salt joins keys")
+    prompt, (salt, key_1, key_2) = tokens(rng, 8), names(rng, "tenant", "lora", "lora")
+    lora_1 = impl.compute_block_hashes(prompt, 4, cache_salt=salt, extra_keys=(key_1,))
+    lora_2 = impl.compute_block_hashes(prompt, 4, cache_salt=salt, extra_keys=(key_2,))
     assert_differ(lora_1[0], lora_2[0],
-                  "with a cache_salt, block 0 hashes alike under LoRA adapters 'lora-1' and 'lora-2': the salt "
+                  f"with a cache_salt, block 0 hashes alike under LoRA adapters {key_1!r} and {key_2!r}: the salt "
                   "replaced the extra keys, so one tenant's two adapters share block 0 although its K/V differ. "
                   "Block 0's keys are extra_keys + (('cache_salt', cache_salt),): the extra keys, then the salt, "
                   "tagged")
-    unsalted = impl.compute_block_hashes(tokens, 4, extra_keys=("lora-1",))
+    unsalted = impl.compute_block_hashes(prompt, 4, extra_keys=(key_1,))
     assert_differ(lora_1[0], unsalted[0], "with extra keys, the salt must still change block 0's hash")
 
 
 def test_a_salt_is_never_mistaken_for_an_extra_key_of_the_same_text(impl):
-    tokens = list(range(8))
-    salted = impl.compute_block_hashes(tokens, 4, cache_salt="lora-1")
-    keyed = impl.compute_block_hashes(tokens, 4, extra_keys=("lora-1",))
+    rng = drawn("salt or key")
+    prompt, (text,) = tokens(rng, 8), names(rng, "lora")
+    salted = impl.compute_block_hashes(prompt, 4, cache_salt=text)
+    keyed = impl.compute_block_hashes(prompt, 4, extra_keys=(text,))
     assert_differ(salted[0], keyed[0],
-                  "cache_salt 'lora-1' and extra key 'lora-1' give block 0 the same hash: a tenant named after an "
+                  f"cache_salt {text!r} and extra key {text!r} give block 0 the same hash: a tenant named after an "
                   "adapter would share its blocks. Tag the salt: block 0's keys are "
                   "extra_keys + (('cache_salt', cache_salt),)")
 
 
 # --- any inputs, not only the ones above ---------------------------------------------------------
+# The token ids the blocks are built from are this run's: the two blocks of same_digits, an id
+# and the one its low byte holds (same_low_bytes), and the single ids of the two parent blocks.
 
 KEYS = st.lists(st.text(alphabet="ab,|: 1", max_size=3), max_size=3)
-BLOCKS = st.tuples(st.sampled_from([None, 0, 1]), st.lists(st.sampled_from([0, 1, 12, 23, 256, 65_543]), max_size=4),
-                   KEYS)
+_RNG = drawn("different blocks")
+BLOCK_IDS = [*(t for block in same_digits(_RNG) for t in block), *same_low_bytes(_RNG, 256)]
+PARENT_IDS = tokens(_RNG, 2)
+BLOCKS = st.tuples(st.sampled_from([None, *PARENT_IDS]), st.lists(st.sampled_from(BLOCK_IDS), max_size=4), KEYS)
 
 
 @settings(GRADING, max_examples=60)
 @given(st.lists(BLOCKS, min_size=2, max_size=6, unique_by=lambda b: (b[0], tuple(b[1]), tuple(b[2]))))
 def test_different_blocks_get_different_hashes(impl, blocks):
-    parents = [None, impl.hash_block_tokens(None, [9]), impl.hash_block_tokens(None, [8])]
+    parents = {None: None} | {t: impl.hash_block_tokens(None, [t]) for t in PARENT_IDS}
     hashes = {}
-    for parent, tokens, keys in blocks:
-        block_hash = impl.hash_block_tokens(parents[0 if parent is None else parent + 1], tokens, tuple(keys))
+    for parent, block, keys in blocks:
+        block_hash = impl.hash_block_tokens(parents[parent], block, tuple(keys))
+        parent_text = "no parent" if parent is None else f"the parent hash of [{parent}]"
         assert block_hash not in hashes, (
-            f"(parent {parent}, tokens {tokens}, extra keys {tuple(keys)}) and {hashes.get(block_hash)} hash alike: "
+            f"({parent_text}, tokens {block}, extra keys {tuple(keys)}) and {hashes.get(block_hash)} hash alike: "
             "every part of a block must enter its encoding so that no two blocks share one"
         )
-        hashes[block_hash] = (parent, tokens, tuple(keys))
+        hashes[block_hash] = (parent_text, block, tuple(keys))
 
 
 @settings(GRADING, max_examples=60)
 @given(st.lists(st.integers(0, 262_143), max_size=14), st.integers(1, 5), st.sampled_from([None, "t", "lora"]), KEYS)
-def test_compute_block_hashes_is_the_chain_of_hash_block_tokens(impl, tokens, size, salt, keys):
-    hashes = impl.compute_block_hashes(tokens, size, salt, tuple(keys))
-    assert len(hashes) == len(tokens) // size, (
-        f"{len(tokens)} tokens in blocks of {size} have {len(tokens) // size} full blocks, got {len(hashes)} hashes")
+def test_compute_block_hashes_is_the_chain_of_hash_block_tokens(impl, prompt, size, salt, keys):
+    hashes = impl.compute_block_hashes(prompt, size, salt, tuple(keys))
+    assert len(hashes) == len(prompt) // size, (
+        f"{len(prompt)} tokens in blocks of {size} have {len(prompt) // size} full blocks, got {len(hashes)} hashes")
     parent = None
     for i, block_hash in enumerate(hashes):
         block_keys = (*keys, ("cache_salt", salt)) if i == 0 and salt is not None else tuple(keys)
-        expected = impl.hash_block_tokens(parent, tokens[size * i : size * i + size], block_keys)
+        expected = impl.hash_block_tokens(parent, prompt[size * i : size * i + size], block_keys)
         assert block_hash == expected, (
-            f"block {i} of {tokens} (blocks of {size}, salt {salt!r}, extra keys {tuple(keys)}) is not "
+            f"block {i} of {prompt} (blocks of {size}, salt {salt!r}, extra keys {tuple(keys)}) is not "
             f"hash_block_tokens(block {i - 1}'s hash, its {size} tokens, {block_keys}): block i's parent is block "
             "i - 1's hash, every block has the extra keys, and block 0 alone has ('cache_salt', salt) after them"
         )
