@@ -566,8 +566,81 @@ def test_answers_recorded_in_one_run_fail_the_next(pytester, monkeypatch, tmp_pa
     monkeypatch.setenv("GRADING_SEED", "2")
     replayed, output = grade(pytester, monkeypatch, tmp_path / "next run", "test_ex1_block_hash.py",
                              {"block_hash": table + REPLAYER})
-    assert replayed.get("failed", 0) >= 1, f"answers recorded with seed 1 passed with seed 2: {replayed}"
+    # every test's inputs are drawn, the fixed tests' too: not one answer recorded is asked again
+    assert "passed" not in replayed and replayed.get("failed") == recorded["passed"], (
+        f"answers recorded with seed 1 passed tests with seed 2: {replayed}")
     assert "grading seed 2: GRADING_SEED=2 gives this run's inputs again" in output, output[-3000:]
+
+
+# The same, per object, as a file can do it in the child for a whole exercise: every call the
+# child makes of the graded code goes through its `graded`, which the file replaces. Recording,
+# it keys each allocator's answers and states by the history of that allocator; replaying, it
+# answers from the table and builds no allocator at all.
+PER_OBJECT = """
+import json as _json
+import sys as _sys
+
+from exercises.given import OutOfBlocksError
+
+_graded = _sys.modules["__main__"].graded
+_made, _history = {}, {}  # allocators made by their arguments; id(allocator) -> its history
+if REPLAY:
+    with open(TABLE) as _table:
+        _ANSWERS = dict(_json.loads(line) for line in _table)
+
+
+def _answer(key, call):
+    if REPLAY:
+        kind, value = _ANSWERS[key]
+        if kind == "raise":
+            raise OutOfBlocksError(value)
+        return value
+    try:
+        value, kind = call(), "return"
+    except OutOfBlocksError as err:
+        value, kind = str(err), "raise"
+    with open(TABLE, "a") as table:
+        table.write(_json.dumps([key, [kind, value]]) + "\\n")
+    if kind == "raise":
+        raise OutOfBlocksError(value)
+    return value
+
+
+def _through(function, *args, **kwargs):
+    name = getattr(function, "__name__", "")
+    if name == "PrefixCachingAllocator":
+        _made[repr(args)] = _made.get(repr(args), 0) + 1
+        allocator = object() if REPLAY else _graded(function, *args)
+        _history[id(allocator)] = [repr(args), _made[repr(args)]]
+        return allocator
+    if name in ("allocator_call", "allocator_state"):
+        history = _history[id(args[0])]
+        if name == "allocator_call":
+            history.append(repr(args[1:]))
+        return _answer(repr(history + [name]), lambda: _graded(function, *args))
+    return _graded(function, *args, **kwargs)
+
+
+_sys.modules["__main__"].graded = _through
+"""
+
+
+def test_answers_recorded_per_object_in_one_run_fail_the_next(pytester, monkeypatch, tmp_path):
+    table = f"TABLE = {str(tmp_path / 'record' / 'exercises' / 'answers.jsonl')!r}\n"
+    recorder = (SOLUTIONS / "plain" / "allocator.py").read_text() + table + "REPLAY = False\n" + PER_OBJECT
+    replayer = ("class PrefixCachingAllocator:\n    pass\n\n\nFreeKVCacheBlockQueue = None\n" + table
+                + "REPLAY = True\n" + PER_OBJECT)
+    monkeypatch.setenv("GRADING_SEED", "1")
+    recorded, output = grade(pytester, monkeypatch, tmp_path / "record", "test_ex2_allocate.py", {"allocator": recorder})
+    assert "failed" not in recorded and recorded.get("passed"), output[-3000:]
+    replayed, output = grade(pytester, monkeypatch, tmp_path / "same seed", "test_ex2_allocate.py",
+                             {"allocator": replayer})
+    assert replayed == recorded, f"the table did not answer the same inputs: {replayed}\n{output[-3000:]}"
+    monkeypatch.setenv("GRADING_SEED", "2")
+    replayed, output = grade(pytester, monkeypatch, tmp_path / "next run", "test_ex2_allocate.py",
+                             {"allocator": replayer})
+    assert "passed" not in replayed and replayed.get("failed") == recorded["passed"], (
+        f"answers recorded per allocator with seed 1 passed tests with seed 2: {replayed}")
 
 
 # --- the timed calls look like every other -------------------------------------------------------
