@@ -21,7 +21,7 @@ failure of the step itself (the model, the sampler) raises, for the caller to en
 step's requests (engine_loop.py does).
 
 A runner takes the EngineParts it runs on (one_request.py), not the Engine. engine_loop.py
-steps one for callers in many threads (Engine(batching=True): the server's clients).
+steps one for callers in many threads (every Engine's requests: the server's clients too).
 """
 
 from __future__ import annotations
@@ -209,7 +209,7 @@ class BatchRunner:
             if not (plan.scheduled or plan.preempted or self.scheduler.running):
                 raise OutOfBlocksError(
                     f"the KV pool is held by other requests of this engine ({self.parts.allocator.num_free_blocks} "
-                    f"blocks free): use Engine(batching=True) to queue every caller's requests together"
+                    f"blocks free): engine.generate_batch queues every caller's requests together in the engine loop"
                 )
         for request in requests:
             if request.error is not None:

@@ -3,6 +3,9 @@ The demo: a course assistant whose long system prompt is shared by every request
 
     python prefix_caching.py --demo              # MISS, then HITs
     python prefix_caching.py --demo --no-cache   # the same requests with prefix caching off
+
+Each request runs stage 7's path over the engine's parts (one_request.generate): its cached
+prefix gathered from the pool into past_key_values, the model run on the rest.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ from cpu_threads import GPU_ATTENTION, ThreadChooser, cores_used_by_others, cpu_
 from engine import Engine, Generation
 from model_flags import pool_arguments
 from model_loader import DEFAULT_MODEL
+from one_request import generate
+from request import SamplingParams
 from walkthrough import render_free_queue, render_stats
 
 # -----------------------------------------------------------------------------
@@ -92,7 +97,8 @@ def run_demo(args: argparse.Namespace) -> list[Generation]:
     replies: list[Generation] = []
     started, machine = time.perf_counter(), cpu_sample()
     for i, (question, prompt) in enumerate(zip(DEMO_QUESTIONS, prompts), 1):
-        reply = engine.generate(prompt, max_tokens=DEMO_MAX_TOKENS)
+        # Stage 7's path (one_request.py): the cached prefix gathered into past_key_values
+        reply = generate(engine.parts, f"demo-{i}", engine.tokenize(prompt), SamplingParams(max_tokens=DEMO_MAX_TOKENS))
         replies.append(reply)
         hit = reply.cached_tokens > 0
         table = Table(title=f"request {i}: {question}", title_justify="left", title_style="bold",

@@ -1,17 +1,20 @@
 """
-The engine: a Hugging Face model served with automatic prefix caching, one front for both
-ways of running it.
+The engine: a Hugging Face model served with automatic prefix caching, the front of its one
+engine loop.
 
 Read prefix_caching.py (the allocator) first. The files under this one, each with one role,
 are listed in the README's reading-order table ("The code, in reading order"): the pool, the
 one finisher of reply text, a request (request.py), the sampler, the thread policy, stage 7's
-one-request engine (and EngineParts, what both engines are handed instead of the Engine),
+one-request path (and EngineParts, what it and the loop are handed instead of the Engine),
 and stage 8's scheduler, budget policies, attention, model runner, batch runner and loop.
 
 This file builds the model, the allocator and the pool (bundled once as EngineParts) from
 one EngineConfig, checks what callers send (the prompt, the SamplingParams, the salt, the
-request id) once, before any work, and hands the request to one of the two engines, which
-trust it. Nothing under it imports it.
+request id) once, before any work, and submits the request to the engine loop (stage 8's
+scheduler, budget and batch runner), which trusts it. Every caller's request runs there:
+generate, stream, generate_batch, the server, the benches. Stage 7's path (one_request.py's
+run_request) is the lesson's and the demo's, called by name over an Engine's parts, not a
+mode of the Engine. Nothing under this file imports it.
 
     EngineConfig       every option but the model, checked when made
     Engine             Engine(...), tokenize, generate, stream, generate_batch, snapshot,
@@ -31,21 +34,19 @@ from __future__ import annotations
 import itertools
 import math
 import threading
-import time
 import weakref
 from dataclasses import dataclass, fields, replace
 from typing import Callable, Iterator, Sequence
 
 import torch
 
-from batch_engine import BatchRunner
 from cpu_threads import ThreadChooser, one_pass, synchronize
 from engine_loop import (
     ClientGoneError, EngineLoop, EngineStoppedError, LoopSnapshot, QueueFullError, thaw_startup_heap,
 )
 from kv_pool import PagedKVPool
 from model_loader import load_model
-from one_request import EngineParts, forward, run_request
+from one_request import EngineParts, forward
 from outputs import Generation, StreamEvent
 from prefix_caching import HASH_ALGOS, PrefixCachingAllocator, check_cache_salt, check_text
 from prompts import tokenize_prompts
@@ -66,8 +67,7 @@ class EngineConfig:
 
     The pool: block_size, and num_blocks or kv_memory_gb (DEFAULT_KV_MEMORY_GB GiB when
     neither is given); enable_caching, hash_algo, free_uncached_first (the allocator's).
-    batching: False runs one request at a time (one_request.py); True submits every
-    caller's requests to one engine loop (engine_loop.py). A batched step: max_num_seqs
+    Every caller's requests run in one engine loop (engine_loop.py). A step: max_num_seqs
     requests at most, and a token budget that is max_num_batched_tokens every step when it
     is given (vLLM's meaning), or else as many tokens as fit in target_step_ms (step_budget.py,
     DEFAULT_TARGET_STEP_MS unless given), at most DEFAULT_MAX_NUM_BATCHED_TOKENS.
@@ -85,7 +85,6 @@ class EngineConfig:
     enable_caching: bool = True
     hash_algo: str = "sha256"
     free_uncached_first: bool = False
-    batching: bool = False
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     max_num_batched_tokens: int | None = None
     target_step_ms: float | None = None
@@ -96,7 +95,7 @@ class EngineConfig:
     static_decode: bool | None = None
 
     def __post_init__(self):
-        for name in ("enable_caching", "free_uncached_first", "batching", "enable_chunked_prefill",
+        for name in ("enable_caching", "free_uncached_first", "enable_chunked_prefill",
                      "cascade_attention", "choose_threads", "fair_share"):
             if not isinstance(getattr(self, name), bool):  # a string such as 'False' is truthy
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r:.40}")
@@ -187,7 +186,7 @@ class Engine:
         engine = Engine()                        # the offline default, SmolLM2-135M-Instruct
         engine = Engine("HuggingFaceTB/SmolLM2-360M-Instruct", device="cuda")
         engine = Engine(model=model, tokenizer=tokenizer, num_blocks=64)   # objects you already have
-        with Engine(batching=True) as engine: ...                       # closed at the end
+        with Engine() as engine: ...                                     # closed at the end
 
     Options are EngineConfig's, as keywords or as config=EngineConfig(...) (engine.config).
     engine.model, engine.tokenizer, engine.allocator (the block bookkeeping) and engine.kv
@@ -195,14 +194,14 @@ class Engine:
     the stop tokens (one_request.EngineParts): what every runner of the engine is handed,
     and what those attributes read.
 
-    One request at a time (the default): stream and generate run one_request.py's steps in
-    the caller's thread, gathering the cached prefix into a DynamicCache (what stage 7
-    teaches). batching=True: stream, generate and generate_batch submit to one engine loop
-    (engine_loop.py) that runs every caller's requests in the same forward passes, each
-    layer's attention copying every request's context out of the pool by its block table
-    (batch_engine.py says how much); a busy pool makes requests wait instead of refusing them.
-    generate_batch batches either way. A request's sampling is one SamplingParams, given as
-    params= or as its fields (max_tokens=32, temperature=0.7, stop=["\n"], ...).
+    stream, generate and generate_batch submit to one engine loop (engine_loop.py), in a
+    thread started by the first request, that runs every caller's requests in the same
+    forward passes, each layer's attention copying every request's context out of the pool
+    by its block table (batch_engine.py says how much); a busy pool makes requests wait
+    instead of refusing them. Stage 7's one request at a time, its cached prefix gathered
+    into a DynamicCache, is one_request.generate(engine.parts, ...): what the lesson and the
+    demo run. A request's sampling is one SamplingParams, given as params= or as its fields
+    (max_tokens=32, temperature=0.7, stop=["\n"], ...).
 
     Every argument is checked here, at the front, before any work; the layers under it
     trust what it hands them.
@@ -210,13 +209,17 @@ class Engine:
     close() (or the end of a `with` block, or dropping the last reference) stops the loop's
     thread and lets the pool and the model go: nothing else keeps a dropped Engine alive.
 
-    Two locks. engine.lock is held for every step (a request's allocation and prefill
-    together, or one decoded token); hold it yourself to read the pool between two steps.
+    Two locks. engine.lock is held for every step (the loop's, or one of stage 7's); hold it
+    yourself to read the pool between two steps.
     engine.allocator_lock is held only around the allocator's bookkeeping, microseconds at a
     time and never across a forward pass: hold it to read the allocator while a step runs.
     """
     def __init__(self, model_name_or_path: str | None = None, *, model=None, tokenizer=None, device=None, dtype=None,
                  config: EngineConfig | None = None, **options):
+        if "batching" in options:
+            raise TypeError("batching is not an option: every Engine runs its callers' requests in one engine loop "
+                            "(engine_loop.py); stage 7's one request at a time is one_request.generate(engine.parts, "
+                            "...)")
         unknown = sorted(set(options) - set(CONFIG_FIELDS))
         if unknown:
             raise TypeError(f"unknown option {unknown[0]!r}; an Engine takes {', '.join(CONFIG_FIELDS)}")
@@ -262,24 +265,18 @@ class Engine:
         self._parts: EngineParts | None = EngineParts(model, tokenizer, stop_token_ids, allocator, kv, device,
                                                       lock=threading.RLock(), allocator_lock=threading.RLock(),
                                                       threads=threads)
-        # batching=True: the engine's one scheduler, in a thread started by the first request.
-        self.loop = EngineLoop(self.parts, **self._runner_options()) if config.batching else None
+        # The engine's one scheduler, in a thread started by the first request.
+        self.loop = EngineLoop(self.parts, **self._runner_options())
         # Stops the loop's thread when the engine is closed or dropped; holds the loop, never the engine.
         self._finalizer = weakref.finalize(self, _close_loop, self.loop)
 
-    def _runner_options(self, **given) -> dict:
-        """BatchRunner's options from the config; given: a generate_batch's own step size."""
-        step_budget = None if "max_num_batched_tokens" in given else self.step_budget  # given: a fixed budget
+    def _runner_options(self) -> dict:
+        """The engine loop's BatchRunner options, from the config."""
         return {"cascade_attention": self.config.cascade_attention, "threads": self.threads,
-                "choose_threads": self.config.choose_threads, "step_budget": step_budget,
-                "static_decode": self.config.static_decode,
-                **self.config.scheduler_options, **given}
+                "choose_threads": self.config.choose_threads, "step_budget": self.step_budget,
+                "static_decode": self.config.static_decode, **self.config.scheduler_options}
 
     # --- the configuration, read from self.config ---------------------------------------------
-
-    @property
-    def batching(self) -> bool:
-        return self.config.batching
 
     @property
     def scheduler_options(self) -> dict:
@@ -295,10 +292,10 @@ class Engine:
     def cascade_attention(self) -> bool:
         return self.config.cascade_attention
 
-    # --- the parts: read from self.parts, so the engine and its runners never disagree --------
-    # To run on other parts (another pool, other stop tokens), replace the bundle:
-    # engine.parts = dataclasses.replace(engine.parts, kv=...). A runner made before, and the
-    # engine loop (made with the engine), keep the parts they were given.
+    # --- the parts: read from self.parts, so the engine and its loop never disagree ------------
+    # To run on other parts (other stop tokens, another lock), replace the bundle between
+    # requests: engine.parts = dataclasses.replace(engine.parts, stop_token_ids=...). The
+    # engine loop takes them for its next step; a runner made before keeps what it was given.
 
     @property
     def parts(self) -> EngineParts:
@@ -308,7 +305,7 @@ class Engine:
 
     @parts.setter
     def parts(self, parts: EngineParts) -> None:
-        self._parts = parts
+        self._parts = self.loop.parts = parts
 
     @property
     def model(self):
@@ -405,13 +402,11 @@ class Engine:
         """Run many requests together, one forward pass per step for all of them (continuous
         batching on the paged pool: batch_engine.py); their Generations, in the order given.
 
-        Every prompt is checked before any runs. Requests that do not all fit in the pool at
-        once wait, or are preempted and resumed, instead of being refused.
-        With batching=True they join the engine loop's queue, behind every request submitted
-        before them, and share its steps with every other caller; max_num_seqs and
-        max_num_batched_tokens are then the engine's settings, and giving other values is an
-        error. Without batching, a runner of their own steps them (with the engine's settings
-        unless given), and fails with OutOfBlocksError if other streams hold the pool.
+        Every prompt is checked before any runs. They join the engine loop's queue, behind
+        every request submitted before them, and share its steps with every other caller;
+        requests that do not all fit in the pool at once wait, or are preempted and resumed,
+        instead of being refused. max_num_seqs and max_num_batched_tokens are the engine's
+        settings: giving other values is an error.
         """
         params, cache_salt = sampling_params(params, sampling), checked_salt(cache_salt)
         given = {name: value for name, value in [("max_num_seqs", max_num_seqs),
@@ -419,32 +414,17 @@ class Engine:
                  if value is not None}
         for name, value in given.items():
             fixed = name != "max_num_batched_tokens" or self.target_step_ms is None
-            if self.batching and (value != self.scheduler_options[name] or not fixed):
+            if value != self.scheduler_options[name] or not fixed:
                 raise ValueError(
                     f"{name}={value!r:.40}: this engine batches every caller's requests in one loop, with "
                     f"{name}={self.scheduler_options[name]} (set it when making the Engine); leave it out"
                 )
-        options = self.scheduler_options | given
-        check_step_size(options["max_num_seqs"], options["max_num_batched_tokens"])
         if isinstance(prompts, str) or not isinstance(prompts, Sequence) or not prompts:
             raise ValueError("prompts must be a non-empty list of prompts (str, messages or token ids)")
         all_ids = tokenize_prompts(self.tokenizer, prompts, self.vocab_size)
         for ids in all_ids:
             self._check_fits(len(ids), params.max_tokens)
         request_ids = [f"batch-{next(self._request_counter)}" for _ in all_ids]
-        if self.batching:
-            return self._run_in_loop(request_ids, all_ids, params, cache_salt)
-        runner = BatchRunner(self.parts, **self._runner_options(**given))
-        requests = [runner.add(rid, ids, params, cache_salt) for rid, ids in zip(request_ids, all_ids)]
-        try:
-            return runner.run(requests)
-        finally:
-            with self.allocator_lock:
-                for request in requests:  # after a failure: give every block back
-                    runner.scheduler.finish(request)
-
-    def _run_in_loop(self, request_ids, all_ids, params, cache_salt) -> list[Generation]:
-        """generate_batch on a batching engine: submit every request at once, wait for each."""
         requests = [self.loop.new_request(rid, ids, params, cache_salt) for rid, ids in zip(request_ids, all_ids)]
         self.loop.submit(requests)
         replies = []
@@ -474,7 +454,7 @@ class Engine:
             contains, with finish_reason "stop", and the stop text is not part of it).
         cache_salt: requests hit each other's blocks only when their salts are equal
             (None and "" are the public cache).
-        A server's guards, for a batching engine only (the engine loop's, engine_loop.py):
+        A server's guards (the engine loop's, engine_loop.py):
         tenant: who asks (a budget policy may share steps by it);
         gone: a check the loop calls while the request waits and before each of its prefill
             steps; True drops the request, and iteration raises ClientGoneError (a check that
@@ -482,14 +462,9 @@ class Engine:
         max_waiting: QueueFullError at the first next() if more requests would then wait;
         timeout: seconds the whole request may take; then iteration raises TimeoutError.
         """
-        arrival = time.perf_counter()
         params, cache_salt = sampling_params(params, sampling), checked_salt(cache_salt)
         prompt_ids = self.tokenize(prompt)
         self._check_fits(len(prompt_ids), params.max_tokens)
-        guards = {name: value for name, value in [("tenant", tenant), ("gone", gone), ("max_waiting", max_waiting),
-                                                  ("timeout", timeout)] if value is not None}
-        if guards and not self.batching:
-            raise ValueError(f"{next(iter(guards))} is a guard of the batching engine's queue; this engine has none")
         if request_id is not None and (not isinstance(request_id, str) or not request_id):
             raise ValueError(f"request_id must be a non-empty str or None, got {request_id!r:.40}")
         with self.allocator_lock:
@@ -499,13 +474,11 @@ class Engine:
                     request_id = f"request-{next(self._request_counter)}"
             elif self._running(request_id):
                 raise ValueError(f"request id {request_id!r} is already running; pick another id")
-        if self.batching:
-            request = self.loop.new_request(request_id, prompt_ids, params, cache_salt, gone, tenant)
-            return self._stream_in_loop(request, max_waiting, timeout)
-        return run_request(self.parts, request_id, prompt_ids, params, cache_salt, arrival)
+        request = self.loop.new_request(request_id, prompt_ids, params, cache_salt, gone, tenant)
+        return self._stream_in_loop(request, max_waiting, timeout)
 
     def _running(self, request_id: str) -> bool:
-        return request_id in self.allocator.requests or (self.loop is not None and request_id in self.loop.live)
+        return request_id in self.allocator.requests or request_id in self.loop.live
 
     def _stream_in_loop(self, request, max_waiting: int | None, timeout: float | None) -> Iterator[StreamEvent]:
         """Submit to the engine loop when iteration starts; its events as they come."""
@@ -513,22 +486,20 @@ class Engine:
         loop.submit([request], max_waiting)
         yield from loop.events(request, timeout)
 
-    def snapshot(self) -> LoopSnapshot | None:
-        """The batching engine's queues and steps (who runs, who waits, the last step), read
-        without waiting for a forward pass; None for an engine that does not batch."""
-        return None if self.loop is None else self.loop.snapshot()
+    def snapshot(self) -> LoopSnapshot:
+        """The engine loop's queues and steps (who runs, who waits, the last step), read
+        without waiting for a forward pass."""
+        return self.loop.snapshot()
 
     def charge(self, tenant: str | None, num_tokens: int) -> None:
         """Count work done for `tenant` outside a step (a prompt tokenized, then refused)
-        against its fair share; nothing for an engine that does not batch."""
-        if self.loop is not None:
-            self.loop.charge(tenant, num_tokens)
+        against its fair share."""
+        self.loop.charge(tenant, num_tokens)
 
     def drain(self, grace: float) -> None:
-        """Shut the batching engine down gently (EngineLoop.drain): waiting requests end with
+        """Shut the engine down gently (EngineLoop.drain): waiting requests end with
         EngineStoppedError, running ones get `grace` seconds, then finish with "abort"."""
-        if self.loop is not None:
-            self.loop.drain(grace)
+        self.loop.drain(grace)
 
     def warm_up(self) -> None:
         """A throwaway prefill and one decode step after it, outside the pool and in the
@@ -541,10 +512,9 @@ class Engine:
         synchronize(self.device)
 
 
-def _close_loop(loop: EngineLoop | None) -> None:
+def _close_loop(loop: EngineLoop) -> None:
     """An Engine's finalizer: stop its loop's thread. The heap frozen for the loop's steps is
     thawed, so a collection can take the dropped engine's objects that sit in cycles."""
-    if loop is not None:
-        loop.stop()
-        thaw_startup_heap()
+    loop.stop()
+    thaw_startup_heap()
 

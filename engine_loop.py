@@ -2,8 +2,8 @@
 The engine loop: a thread that steps one BatchRunner for callers in many threads.
 
 Read batch_engine.py first: the step (schedule, one forward pass, a token per request).
-Engine(batching=True) (engine.py) submits every request here, whoever calls (a server's
-clients, generate_batch), so one scheduler plans every step. Callers read each request's
+Every Engine (engine.py) submits every request here, whoever calls (generate, stream,
+generate_batch, a server's clients), so one scheduler plans every step. Callers read each request's
 StreamEvents from a queue; the loop's thread is supervised, and a gentle shutdown drains it.
 
     1. the loop's pieces  POLL_S, freeze_startup_heap, the errors callers see, LoopSnapshot
@@ -133,6 +133,12 @@ class EngineLoop:
     @property
     def parts(self) -> EngineParts:
         return self.runner.parts
+
+    @parts.setter
+    def parts(self, parts: EngineParts) -> None:
+        """Other parts for the steps to come (the Engine's parts setter): its runner's and
+        its model runner's, replaced together."""
+        self.runner.parts = self.runner.model_runner.parts = parts
 
     @property
     def scheduler(self):

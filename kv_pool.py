@@ -7,7 +7,7 @@ K/V in and out of it:
 
     slot_ids      a token's place in the pool: its block (from the block table) and offset
     PagedKVPool   the tensors, sized once from the model's shape; gather copies cached
-                  blocks into a DynamicCache (stage 7's engine), write copies new K/V back;
+                  blocks into a DynamicCache (stage 7's path), write copies new K/V back;
                   one scratch block beyond the allocator's, for a padded decode step's
                   padding rows (static_decode.py)
 

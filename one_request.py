@@ -15,12 +15,14 @@ A request, from prompt to reply:
 A sampled token goes to the allocator only when its K/V is about to be computed, so the
 last token of a reply never does: no cached block ever holds a slot nobody wrote.
 
-engine.py's Engine runs this when it does not batch (Engine(batching=False), the server's
---no-batching); batch_engine.py runs many requests in one forward pass instead. Both take
-the same EngineParts (section 1), the Engine's model, pool and locks, and nothing else of it.
+This is the lesson's path, run by name: stage 7 and the demo (`python prefix_caching.py
+--demo`) call generate (below) over an Engine's parts, engine.parts. The Engine itself runs
+every caller's requests in its engine loop (engine_loop.py), many in one forward pass
+(batch_engine.py); both take the same EngineParts (section 1), the Engine's model, pool and
+locks, and nothing else of it, so the two share one pool and its cache.
 
     1. the parts        EngineParts: what a request runs on
-    2. one request      forward, run_request
+    2. one request      forward, run_request, generate
 
 References: vLLM v1 (vllm/v1/worker/gpu_model_runner.py, vllm/v1/core/kv_cache_manager.py);
 transformers' DynamicCache (past_key_values).
@@ -179,3 +181,15 @@ def run_request(parts: EngineParts, request_id: str, prompt_ids: list[int], para
     # The last event comes after the free, so whoever sees finish_reason sees the pool whole.
     reply.total_ms = (time.perf_counter() - arrival) * 1e3
     yield reply.event(token, text)
+
+
+def generate(parts: EngineParts, request_id: str, prompt_ids: list[int], params: SamplingParams,
+             cache_salt: str | None = None) -> Generation:
+    """run_request to its end, timed from this call: the reply's Generation. What stage 7
+    and the demo run, over an Engine's checked parts (engine.parts, engine.tokenize):
+
+        reply = generate(engine.parts, "q1", engine.tokenize(prompt), SamplingParams(max_tokens=48))
+    """
+    for event in run_request(parts, request_id, prompt_ids, params, cache_salt, time.perf_counter()):
+        pass
+    return event.generation

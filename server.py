@@ -4,7 +4,6 @@ and a page that shows the KV block pool live while the requests come in.
 
     python server.py                        # the offline default model on http://127.0.0.1:5000
     python server.py --num-blocks 64        # a small pool: watch blocks get evicted, requests wait
-    python server.py --no-batching          # one request at a time, as stage 7's engine runs it
     python server.py --salt-by-api-key --admin-key SECRET   # a cache per API key; only SECRET resets
     python server.py --salt-by-api-key --api-keys class.txt # ... and only the keys listed there
 
@@ -14,16 +13,10 @@ and a page that shows the KV block pool live while the requests come in.
 Routes: /generate, /health, /cache, /reset_prefix_cache, the OpenAI routes /v1/chat/completions,
 /v1/completions and /v1/models, and / (the live page): server_routes.py lists what each takes.
 
-Each client's request runs in a thread of its own; what the engine does with them depends
-on its kind:
-
-    batching (the default)  Engine(batching=True): an engine loop puts every running request
-                            in the same forward pass, one step after another (engine_loop.py).
-                            A request the pool has no room for now waits in a queue, or a
-                            running one is preempted and resumed later, as in vLLM.
-    --no-batching           stage 7's engine: one step (one request's prefill, or one decoded
-                            token) at a time, so replies interleave token by token; a request
-                            the pool has no room for is refused with a 503.
+Each client's request runs in a thread of its own, which submits it to the Engine's one
+engine loop: every running request shares the same forward pass, one step after another
+(engine_loop.py). A request the pool has no room for now waits in a queue, or a running one
+is preempted and resumed later, as in vLLM.
 
 A class leaning on it meets limits (queue length, prompt length, deadlines, connections in
 all and per address, generation requests per API key), each a flag with a default for a
@@ -94,8 +87,6 @@ def main(argv: list[str] | None = None) -> None:
     batching.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
                           help="split a prompt longer than the step's budget across steps (default: on); "
                                "--no-enable-chunked-prefill prefills it whole, in a step of its own")
-    batching.add_argument("--no-batching", action="store_true",
-                          help="one request's step at a time, as stage 7's engine runs it; a full pool answers 503")
     parser.add_argument("--salt-by-api-key", action="store_true", help="isolate each bearer token's cache")
     parser.add_argument("--admin-key", help="the bearer token POST /reset_prefix_cache needs "
                                             "(required for a reset under --salt-by-api-key)")
@@ -161,11 +152,8 @@ def main(argv: list[str] | None = None) -> None:
                          if name in ("max_num_seqs", "max_num_batched_tokens", "target_step_ms", "enable_chunked_prefill",
                                      "fair_share")
                          and value is not None}
-    if args.no_batching and scheduler_options:
-        flag = "--" + next(iter(scheduler_options)).replace("_", "-")
-        parser.error(f"{flag} is a setting of the batching engine: leave it out, or leave out --no-batching")
     try:  # every engine option checked at once, before the model loads
-        config = EngineConfig(**pool_arguments(args), batching=not args.no_batching, **scheduler_options)
+        config = EngineConfig(**pool_arguments(args), **scheduler_options)
     except ValueError as err:
         parser.error(str(err).replace("max_num_", "--max-num-").replace("batched_tokens", "batched-tokens"))
 
@@ -194,15 +182,12 @@ def main(argv: list[str] | None = None) -> None:
 
     url = f"http://{args.host}:{server.server_port}"
     console.print(f"{engine.kv}")
-    if engine.batching:
-        options = engine.scheduler_options
-        chunks = "a longer prompt in chunks" if options["enable_chunked_prefill"] else "a longer prompt alone"
-        budget = (f"as many tokens as fit in {engine.target_step_ms:g} ms (at most {options['max_num_batched_tokens']})"
-                  if engine.target_step_ms else f"{options['max_num_batched_tokens']} tokens")
-        console.print(f"batching: up to {options['max_num_seqs']} requests and {budget} a step, {chunks}; "
-                      f"a full pool makes requests wait")
-    else:
-        console.print("no batching: one request's step at a time; a full pool answers 503")
+    options = engine.scheduler_options
+    chunks = "a longer prompt in chunks" if options["enable_chunked_prefill"] else "a longer prompt alone"
+    budget = (f"as many tokens as fit in {engine.target_step_ms:g} ms (at most {options['max_num_batched_tokens']})"
+              if engine.target_step_ms else f"{options['max_num_batched_tokens']} tokens")
+    console.print(f"batching: up to {options['max_num_seqs']} requests and {budget} a step, {chunks}; "
+                  f"a full pool makes requests wait")
     console.print(f"[bold green]serving {app.extensions['server'].settings.model_name} on {url}[/]   (Ctrl+C stops)")
     if args.salt_by_api_key or api_keys is not None:
         console.print(f"  watch the cache:  open {url}/#key=YOUR-KEY in a browser (the key leaves the address bar)")

@@ -647,8 +647,4 @@ def drain(server: ClassServer, engine: Engine, grace: float) -> None:
         if connection.reading:  # a request still coming in: nothing will serve it now
             connection.cut()
     engine.drain(grace)
-    if not engine.batching:  # stage 7's engine: each request runs in its client's thread
-        deadline = time.monotonic() + grace
-        while engine.allocator.block_tables and time.monotonic() < deadline:
-            time.sleep(0.05)
     server.close_connections(CLOSE_S)

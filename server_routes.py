@@ -1,7 +1,7 @@
 """
 The routes of server.py, and what runs a generation request: the app that create_app builds.
 
-    app = create_app(Engine(batching=True), salt_by_api_key=True, admin_key="SECRET")
+    app = create_app(Engine(), salt_by_api_key=True, admin_key="SECRET")
     url, server = serve_in_background(app)      # server_connections.py; python server.py serves it too
 
 Routes:
@@ -50,7 +50,6 @@ from werkzeug.exceptions import ClientDisconnected, HTTPException
 from engine import (
     ClientGoneError, Engine, EngineStoppedError, Generation, QueueFullError, StreamEvent,
 )
-from prefix_caching import OutOfBlocksError
 from request import SamplingParams
 from server_connections import AFTER_BODY_LIMIT, HangUpCheck, connection_of
 from server_requests import (
@@ -66,26 +65,22 @@ log = logging.getLogger("server")
 # -----------------------------------------------------------------------------
 # 1. Running a request, and the OpenAI shapes of its reply
 #
-# No response is sent before the request's first token, so a bad request still gets a 4xx
-# (and, without batching, one the pool has no room for a 503). A reply then either streams
-# (server-sent events in OpenAI's chunk shapes) or runs to the end, watching between two
-# tokens whether its client is still there. Either way, closing the engine's stream stops the
-# request and frees its blocks: in the batching engine it cancels it in the engine loop.
+# No response is sent before the request's first token, so a bad request still gets a 4xx.
+# A reply then either streams (server-sent events in OpenAI's chunk shapes) or runs to the
+# end, watching between two tokens whether its client is still there. Either way, closing the
+# engine's stream stops the request and frees its blocks: it is cancelled in the engine loop.
 
 
 def start(server: ServerState, req: GenerationRequest, request_id: str, gone: HangUpCheck,
           tenant: str | None = None) -> tuple[Iterator[StreamEvent], StreamEvent]:
-    """The engine's stream and its first event (after the prefill, and with batching after
-    any wait in the queue). Counted for its cache_salt's tenant (/health); `tenant` is who
-    asks, as a budget policy shares steps by it (Asker.tenant). With batching the engine loop
-    watches the client meanwhile (`gone`, which never raises): one that hangs up while its
-    request waits or before a chunk of its prompt is computed is dropped there, its blocks
-    freed."""
+    """The engine's stream and its first event (after any wait in the queue and the prefill).
+    Counted for its cache_salt's tenant (/health); `tenant` is who asks, as a budget policy
+    shares steps by it (Asker.tenant). The engine loop watches the client meanwhile (`gone`,
+    which never raises): one that hangs up while its request waits or before a chunk of its
+    prompt is computed is dropped there, its blocks freed."""
     engine, settings = server.engine, server.settings
-    guards = {}
-    if engine.batching:  # the engine loop's guards (engine_loop.py, EngineLoop)
-        guards = {"tenant": tenant, "gone": gone, "max_waiting": settings.max_waiting,
-                  "timeout": settings.request_timeout}
+    # the engine loop's guards (engine_loop.py, EngineLoop)
+    guards = {"tenant": tenant, "gone": gone, "max_waiting": settings.max_waiting, "timeout": settings.request_timeout}
     try:
         params = SamplingParams(req.max_tokens, req.temperature, req.top_p, req.seed, req.stop)
         prompt_ids = engine.tokenize(req.prompt)
@@ -104,7 +99,7 @@ def start(server: ServerState, req: GenerationRequest, request_id: str, gone: Ha
 
 
 # What the engine may raise instead of an event: the request is refused or cut, not broken.
-REFUSALS = (OutOfBlocksError, QueueFullError, EngineStoppedError, TimeoutError, ClientGoneError)
+REFUSALS = (QueueFullError, EngineStoppedError, TimeoutError, ClientGoneError)
 
 
 # The one answer to a client whose end of the connection closed before its reply. A client
@@ -116,17 +111,12 @@ HUNG_UP = (f"the connection's end of stream came before the reply (the client cl
            f"send nothing more, until the reply has come")
 
 
-def refusal(err: Exception, replying: bool = False) -> APIError:
+def refusal(err: Exception) -> APIError:
     """A 503 with Retry-After for what a client may try again, a 400 for a client that hung
-    up (HUNG_UP). replying: the reply had begun."""
+    up (HUNG_UP)."""
     if isinstance(err, ClientGoneError):
         return APIError(400, HUNG_UP)
-    if isinstance(err, OutOfBlocksError):
-        # Only the one-request-at-a-time engine (--no-batching) refuses: the batching engine
-        # queues the request until blocks free up, as vLLM does.
-        message = (f"the KV pool filled up during the reply, try again later: {err}" if replying else
-                   f"the KV pool is full, try again when running requests finish: {err}")
-    elif isinstance(err, QueueFullError):
+    if isinstance(err, QueueFullError):
         message = f"the server is busy: {err} (--max-waiting-requests); try again in a moment"
     else:  # the request's deadline (--request-timeout), or an engine that stopped
         message = str(err)
@@ -142,8 +132,8 @@ def run_to_end(events: Iterator[StreamEvent], event: StreamEvent, path: str, gon
                          path, event.num_tokens)
                 raise APIError(400, HUNG_UP)
             event = next(events)
-    except REFUSALS as err:  # --no-batching: a decode step found no free block; or its deadline
-        raise refusal(err, replying=True)
+    except REFUSALS as err:  # its deadline, or an engine that stopped
+        raise refusal(err)
     finally:
         events.close()  # closing the engine's stream frees the request's blocks
     log_generation(path, event.generation)
@@ -201,7 +191,7 @@ def stream_response(events: Iterator[StreamEvent], first: StreamEvent, request_i
                 yield sse({**head, "choices": [], "usage": usage(gen)})
             log_generation(route.path, gen)
         except REFUSALS as err:  # the status is already sent: say it in the stream
-            refused = refusal(err, replying=True)
+            refused = refusal(err)
             yield sse(error_json(refused.status, refused.message))
         except GeneratorExit:  # the client hung up: the server's next write failed and closed us
             log.info("%s: the client left after %d tokens; freeing its blocks", route.path, event.num_tokens)
@@ -475,7 +465,7 @@ def create_app(
     api_keys: the keys a class may use: any other gets a 401 on every route but the page
     and a keyless /health. None: any key, or none.
     max_prompt_tokens, max_waiting (requests queued before a 503), request_timeout (seconds
-    a generation request may take): the limits of docs/server.md; the last two need batching.
+    a generation request may take): the limits of docs/server.md.
     A body may be as big as the longest prompt max_prompt_tokens accepts (PromptBounds).
     cache_page_every_s: how old /cache's rendering may be before it is rendered again (0: at
     every call, for a test that reads the pool right after changing it).

@@ -17,7 +17,7 @@ another tenant's traffic is scoped to its own requests or left out (null):
                                   queried_tokens, hit_tokens, hit_rate), block_tables,
                                   prefilling, waiting_queue, its blocks and their place in
                                   the free queue
-    the same for everyone         status, model, batching, num_blocks, block_size and the
+    the same for everyone         status, model, num_blocks, block_size and the
                                   scheduler's settings: what the teacher started it with
     null or left out              num_free_blocks, preemptions, steps, restarts (null);
                                   last_step, step_costs (left out); every other block is its
@@ -119,8 +119,7 @@ class ServerState:
 
     def failure(self) -> str | None:
         """Why the engine takes no requests any more (its loop failed for good), or None."""
-        loop = self.engine.snapshot()
-        return None if loop is None else loop.failure
+        return self.engine.snapshot().failure
 
     # --- /health ---
 
@@ -142,38 +141,37 @@ class ServerState:
                 own = [b for b in alloc.blocks if b.cache_salt == viewer.tenant and b.token_ids]
                 pool |= {"num_free_blocks": None, "num_cached_blocks": sum(b.block_hash is not None for b in own),
                          "blocks_in_use": sum(b.ref_cnt > 0 for b in own)}
-        if loop is not None:
-            last = loop.last_step
-            pool |= {
-                "waiting_requests": len(loop.waiting),
-                "prefilling_requests": len(loop.prefilling),  # running, part-way through their prompt
-                "preemptions": loop.num_preemptions,
-                "steps": loop.num_steps,
-                "restarts": loop.num_restarts,  # failures outside a step the engine loop recovered from
-                **engine.scheduler_options,  # max_num_seqs, max_num_batched_tokens, enable_chunked_prefill
-                "target_step_ms": engine.target_step_ms,  # None: max_num_batched_tokens every step
-                "fair_share": engine.config.fair_share,
+        last = loop.last_step
+        pool |= {
+            "waiting_requests": len(loop.waiting),
+            "prefilling_requests": len(loop.prefilling),  # running, part-way through their prompt
+            "preemptions": loop.num_preemptions,
+            "steps": loop.num_steps,
+            "restarts": loop.num_restarts,  # failures outside a step the engine loop recovered from
+            **engine.scheduler_options,  # max_num_seqs, max_num_batched_tokens, enable_chunked_prefill
+            "target_step_ms": engine.target_step_ms,  # None: max_num_batched_tokens every step
+            "fair_share": engine.config.fair_share,
+        }
+        if viewer.keyed:  # each of these moves with the other tenants' requests
+            mine = {rid for rid, salt in [*loop.running, *loop.waiting] if salt == viewer.tenant}
+            pool |= {"running_requests": sum(salt == viewer.tenant for _, salt in loop.running),
+                     "waiting_requests": sum(salt == viewer.tenant for _, salt in loop.waiting),
+                     "prefilling_requests": len(mine & set(loop.prefilling)),
+                     "preemptions": None, "steps": None, "restarts": None,
+                     **share_of(loop, viewer.tenant)}
+        else:
+            if loop.step_budget is not None:  # what a step costs on this machine, learned (step_budget.py)
+                pool["step_costs"] = loop.step_budget["learned"]
+            pool["last_step"] = None if last is None else {
+                "requests": last.num_requests, "tokens": last.num_tokens, "prefill_tokens": last.num_prefill_tokens,
             }
-            if viewer.keyed:  # each of these moves with the other tenants' requests
-                mine = {rid for rid, salt in [*loop.running, *loop.waiting] if salt == viewer.tenant}
-                pool |= {"running_requests": sum(salt == viewer.tenant for _, salt in loop.running),
-                         "waiting_requests": sum(salt == viewer.tenant for _, salt in loop.waiting),
-                         "prefilling_requests": len(mine & set(loop.prefilling)),
-                         "preemptions": None, "steps": None, "restarts": None,
-                         **share_of(loop, viewer.tenant)}
-            else:
-                if loop.step_budget is not None:  # what a step costs on this machine, learned (step_budget.py)
-                    pool["step_costs"] = loop.step_budget["learned"]
-                pool["last_step"] = None if last is None else {
-                    "requests": last.num_requests, "tokens": last.num_tokens, "prefill_tokens": last.num_prefill_tokens,
-                }
-                if last is not None and loop.step_budget is not None:  # the budget the target step time gave it
-                    pool["last_step"]["budget"] = loop.step_budget["last_budget"]
+            if last is not None and loop.step_budget is not None:  # the budget the target step time gave it
+                pool["last_step"]["budget"] = loop.step_budget["last_budget"]
         if viewer.keyed:
             with self.tenants_lock:
                 counters = self.tenants.get(viewer.tenant, TenantCounters()).as_dict()
         counted = "this API key" if viewer.keyed else "all requests"
-        return {"status": "ok", "model": self.settings.model_name, "batching": engine.batching, **pool,
+        return {"status": "ok", "model": self.settings.model_name, **pool,
                 "counted": counted, **counters}
 
     # --- /cache ---
@@ -200,7 +198,7 @@ class ServerState:
                 return True
         loop = self.engine.snapshot()
         with self.engine.allocator_lock:
-            return (loop is not None and any(salt == tenant for _, salt in [*loop.running, *loop.waiting])
+            return (any(salt == tenant for _, salt in [*loop.running, *loop.waiting])
                     or any(b.cache_salt == tenant for b in self.engine.allocator.blocks))
 
     def snapshot(self, viewer: Viewer) -> dict:
@@ -222,12 +220,11 @@ class ServerState:
         # A request's blocks all carry its salt: the first one tells whose request it is.
         snap["block_tables"] = {rid: table for rid, table in tables.items()
                                 if not viewer.keyed or table and blocks[table[0]].cache_salt == viewer.tenant}
-        if loop is not None:  # head first; under keys, a tenant's own requests only
-            salts = dict(loop.running)
-            snap["waiting_queue"] = [rid for rid, salt in loop.waiting if not viewer.keyed or salt == viewer.tenant]
-            snap["prefilling"] = {rid: {"computed_tokens": done, "prompt_tokens": total}
-                                  for rid, (done, total) in loop.prefilling.items()
-                                  if not viewer.keyed or salts[rid] == viewer.tenant}
+        salts = dict(loop.running)  # head first; under keys, a tenant's own requests only
+        snap["waiting_queue"] = [rid for rid, salt in loop.waiting if not viewer.keyed or salt == viewer.tenant]
+        snap["prefilling"] = {rid: {"computed_tokens": done, "prompt_tokens": total}
+                              for rid, (done, total) in loop.prefilling.items()
+                              if not viewer.keyed or salts[rid] == viewer.tenant}
         return snap
 
     @staticmethod

@@ -10,7 +10,7 @@ a Python process spinning on one core) and stops when it is done, even if it fai
     demo     `python prefix_caching.py --demo`, the whole command, in a process of its own,
              --demo-runs times: its seconds, and each HIT's TTFT against the MISS's (the
              lesson: beside busy programs every HIT still comes at least 4x sooner)
-    one      one request of --one-tokens new tokens on stage 7's one-request engine (cold pool,
+    one      one request of --one-tokens new tokens on stage 7's path, the demo's (cold pool,
              the median of three)
     (c)      --bench throughput's (c): --requests requests batched with caching
     (d)      --bench throughput's (d): transformers' own continuous batching
@@ -39,7 +39,7 @@ import torch
 from rich.table import Table
 
 from benchmarks import save_json
-from benchmarks.engines import open_engine
+from benchmarks.engines import open_engine, stage_7
 from benchmarks.throughput import questions, run_ours, run_transformers, summary
 from engine import Engine
 from flags import positive_int
@@ -69,13 +69,13 @@ def run_ways(engine: Engine, hf_model, prompts, max_tokens: int) -> tuple[dict, 
 
 
 def run_one(engine: Engine, prompt: list[int], max_tokens: int) -> tuple[float, list[int]]:
-    """One request on the one-request engine from a cold pool, three times: the median seconds,
+    """One request on stage 7's path from a cold pool, three times: the median seconds,
     and its tokens."""
     seconds, tokens = [], None
     for _ in range(3):
         engine.allocator.reset_prefix_cache()
         start = time.perf_counter()
-        reply = engine.generate(prompt, max_tokens=max_tokens)
+        reply = stage_7(engine, prompt, max_tokens)
         seconds.append(time.perf_counter() - start)
         tokens = reply.token_ids
     return statistics.median(seconds), tokens
@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> dict:
     for column in ("way", "quiet", "busy", "busy / quiet"):
         table.add_column(column, justify="left" if column == "way" else "right")
     rows = [("demo", f"python prefix_caching.py --demo (median of {args.demo_runs})", "demo"),
-            ("one", f"one request, {args.one_tokens} new tokens (one-request engine)", "one"),
+            ("one", f"one request, {args.one_tokens} new tokens (stage 7's path)", "one"),
             ("one fixed", "  the same with torch's thread count kept", "one"),
             ("c", f"(c) {args.requests} requests, this engine batched with caching", "c"),
             ("c fixed", "  the same with torch's thread count kept", "c"),

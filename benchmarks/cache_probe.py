@@ -153,8 +153,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     console = Console()
     if args.url is None:
-        console.print("starting a server of this course (batching, prefix caching on)…")
-    server, server_thread = open_server(parser, args, {}, batching=True)
+        console.print("starting a server of this course (prefix caching on)…")
+    server, server_thread = open_server(parser, args, {})
     rng = random.Random(args.seed)
     w = Writer(0)
     prefix, letter = w.words(args.prefix_words), "Please make this letter warm but firm.\n" + w.words(120)

@@ -1,16 +1,20 @@
 """What every model benchmark starts with: a console, the engine its flags ask for, the name of
-the machine the numbers are measured on (said with every figure), and a clean start for a timing."""
+the machine the numbers are measured on (said with every figure), and stage 7's path for the
+benchmarks that time it (the demo's)."""
 
 from __future__ import annotations
 
+import itertools
 import platform
 import sys
 
 import torch
 from rich.console import Console
 
-from engine import Engine
+from engine import Engine, Generation
 from model_flags import pool_arguments
+from one_request import generate
+from request import SamplingParams
 
 
 def open_console() -> Console:
@@ -30,3 +34,13 @@ def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     return platform.processor() or platform.machine()
+
+
+REQUEST_IDS = itertools.count()
+
+
+def stage_7(engine: Engine, prompt, max_tokens: int) -> Generation:
+    """One request on stage 7's path over the engine's parts (one_request.generate), as the
+    demo and lesson 7 run it: its cached prefix gathered into past_key_values, its phases
+    (lookup, gather, forward, write, sample) timed on its Generation."""
+    return generate(engine.parts, f"bench-{next(REQUEST_IDS)}", engine.tokenize(prompt), SamplingParams(max_tokens))

@@ -93,7 +93,7 @@ def start_replicas(n: int, num_blocks: int, block_size: int, stack):
     urls = []
     for _ in range(n):
         engine = Engine(model=model, tokenizer=tokenizer, block_size=block_size, num_blocks=num_blocks,
-                        free_uncached_first=True, batching=True)
+                        free_uncached_first=True)
         url, server = serve_in_background(create_app(engine, model_name="tiny-8k"))
         stack.callback(engine.close)
         stack.callback(server.shutdown)

@@ -15,9 +15,9 @@ It runs, one after another, then prints one table (--json writes the numbers):
 1. The demo's requests (demo.py): five questions behind one system prompt, a MISS then HITs,
    the TTFT of each.
 2. Exactness: prompts behind the demo's system prompt, long prompts of random tokens and short
-   ones, each against plain model.generate (greedy), on every path of the engine: one request
-   at a time (batching=False), batched with shared-prefix (cascade) attention allowed, batched
-   without. Required in fp32: a reply that differs makes the exit status 1. On CUDA also in
+   ones, each against plain model.generate (greedy), on every path a request can take: stage
+   7's one request at a time (one_request.generate over an Engine's parts), the engine loop
+   with shared-prefix (cascade) attention allowed, and without. Required in fp32: a reply that differs makes the exit status 1. On CUDA also in
    bf16, reported only: random weights give near-flat logits, and a near-tie can flip with the
    shape of the batch.
 3. TTFT cold vs warm (benchmarks/ttft.py's cold_vs_warm), prefixes up to the model's context.
@@ -51,7 +51,7 @@ from rich.table import Table
 from transformers import AutoConfig
 
 from benchmarks import save_json
-from benchmarks.engines import device_name, open_console
+from benchmarks.engines import device_name, open_console, stage_7
 from cpu_threads import synchronize
 from benchmarks.throughput import questions, run_ours, summary
 from benchmarks.ttft import SUFFIX_LEN, cold_vs_warm, random_tokens
@@ -60,6 +60,8 @@ from engine import Engine
 from model_files import DEFAULT_MODEL, converted_default, load_tokenizer
 from model_flags import add_model_arguments, pool_arguments
 from model_loader import load_model, random_model, resolve_device, resolve_dtype, tiny_llama
+from one_request import generate
+from request import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -80,10 +82,11 @@ ON_GPU = Sizes(shared_prompts=16, long_prompts=(600, 1000, 1400, 1800), exact_to
 SMALL = Sizes(shared_prompts=4, long_prompts=(100, 200), exact_tokens=8,
               prefixes=(64, 128), repeats=1, requests=(4, 8), new_tokens=4)
 SHORT_PROMPTS = ["Hello", "What is two plus two?", "Name a colour.", "Tell me a story about a cat."]
-# Every path a request can take through the engine, and the Engine options that choose it.
-PATHS = {"one request": {"batching": False},
-         "batched, cascade allowed": {"batching": True, "cascade_attention": True},
-         "batched, cascade off": {"batching": True, "cascade_attention": False}}
+# Every path a request can take, and the Engine options of each: stage 7's (None: one_request.py
+# over the engine's parts) and the engine loop's.
+PATHS = {"one request": None,
+         "batched, cascade allowed": {"cascade_attention": True},
+         "batched, cascade off": {"cascade_attention": False}}
 
 # Llama-3.2-1B's layers, widths and heads (llama_1b gives it random weights and the model's vocabulary).
 LLAMA_1B_SHAPE = {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
@@ -143,7 +146,7 @@ def demo_requests(engine: Engine) -> list[dict]:
     rows = []
     for question in DEMO_QUESTIONS:
         synchronize(engine.device)
-        reply = engine.generate([system, {"role": "user", "content": question}], max_tokens=DEMO_MAX_TOKENS)
+        reply = stage_7(engine, [system, {"role": "user", "content": question}], DEMO_MAX_TOKENS)
         rows.append({"cached_tokens": reply.cached_tokens, "computed_tokens": reply.computed_prompt_tokens,
                      "ttft_ms": reply.ttft_ms})
     return rows
@@ -172,11 +175,12 @@ def exactness(model, tokenizer, prompts: list[list[int]], max_tokens: int, pool:
     """How many replies of each of the engine's PATHS equal model.generate's, token for token."""
     replies = {}
     for name, options in PATHS.items():
-        with Engine(model=model, tokenizer=tokenizer, **pool, **options) as engine:
-            if engine.batching:
-                replies[name] = engine.generate_batch(prompts, max_tokens=max_tokens)
+        with Engine(model=model, tokenizer=tokenizer, **pool, **(options or {})) as engine:
+            if options is None:
+                replies[name] = [generate(engine.parts, f"exact-{i}", p, SamplingParams(max_tokens=max_tokens))
+                                 for i, p in enumerate(prompts)]
             else:
-                replies[name] = [engine.generate(p, max_tokens=max_tokens) for p in prompts]
+                replies[name] = engine.generate_batch(prompts, max_tokens=max_tokens)
             stop_token_ids = engine.stop_token_ids
     reference = [greedy_reference(model, p, max_tokens, stop_token_ids) for p in prompts]
     return {name: sum(r.token_ids == ref for r, ref in zip(got, reference)) for name, got in replies.items()}

@@ -1,13 +1,12 @@
 """How many requests per second does a server answer when a class hits it at once?
 
     python prefix_caching.py --bench server_load                  # 1 client, then 16, on the default model
-    python prefix_caching.py --bench server_load --no-batching    # the same on stage 7's engine
     python prefix_caching.py --bench server_load --clients 1 4 16 --requests 64 --json out.json
     python prefix_caching.py --bench server_load --url http://HOST:8000 --api-key KEY   # any OpenAI-compatible server
 
 Without --url it starts a server of this course in this process on a free port of 127.0.0.1
-(the default model and pool unless --model / --num-blocks say otherwise), batching as python
-server.py does. With --url every request goes to that server, wherever it runs: this course's,
+(the default model and pool unless --model / --num-blocks say otherwise), as python server.py
+does. With --url every request goes to that server, wherever it runs: this course's,
 vLLM, SGLang. It speaks only the OpenAI API: streamed /v1/chat/completions with
 stream_options.include_usage, timed at the client. Every request is a chat with the same
 system prompt and its own short question, max_tokens 16, greedy: the traffic of a class
@@ -25,11 +24,10 @@ would leave it other prompts than one without). Two measurements:
             the last of them has its answer
 
 Cached tokens come from usage.prompt_tokens_details.cached_tokens; a server that leaves it out
-(vLLM without --enable-prompt-tokens-details) gets "not reported", never a zero. The batching
-engine puts every running request in the same forward pass, so more clients mean more requests
-per second until a step is as large as the machine computes in the time of a small one; with
---no-batching the engine runs one request's step at a time, and more clients only share the
-same steps, each waiting longer. Each level stops after --time-limit s.
+(vLLM without --enable-prompt-tokens-details) gets "not reported", never a zero. The engine
+loop puts every running request in the same forward pass, so more clients mean more requests
+per second until a step is as large as the machine computes in the time of a small one. Each
+level stops after --time-limit s.
 """
 
 from __future__ import annotations
@@ -143,7 +141,6 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--class-size", type=positive_int, default=16, help="students who ask at the same moment")
     parser.add_argument("--max-tokens", type=positive_int, default=16)
     parser.add_argument("--time-limit", type=float, default=300, help="seconds per run at most")
-    parser.add_argument("--no-batching", action="store_true", help="serve stage 7's one-request-at-a-time engine")
     parser.add_argument("--no-caching", action="store_true", help="the same load with prefix caching off")
     parser.add_argument("--quick", action="store_true", help="1 and 4 clients, 8 requests of 4 tokens (for tests)")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
@@ -156,10 +153,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     console = Console()
     if args.url is None:
-        console.print(f"starting the server, batching {'off' if args.no_batching else 'on'}, "
-                      f"prefix caching {'off' if args.no_caching else 'on'}…")
-    server, own = open_server(parser, args, {"--no-caching": args.no_caching, "--no-batching": args.no_batching},
-                              enable_caching=not args.no_caching, batching=not args.no_batching)
+        console.print(f"starting the server, prefix caching {'off' if args.no_caching else 'on'}…")
+    server, own = open_server(parser, args, {"--no-caching": args.no_caching}, enable_caching=not args.no_caching)
     console.print(f"[bold]server load[/] of {server.url} from {platform.machine()}, {os.cpu_count()} CPU cores, "
                   f"model {server.model}, max_tokens {args.max_tokens}; the same prompts for any server: {PROMPT_RULE}")
 
@@ -189,7 +184,6 @@ def main(argv: list[str] | None = None) -> dict:
                   f"{burst['first_answer_ms']:,.0f} ms, the last after {burst['last_answer_ms']:,.0f} ms")
     results = {"machine": platform.platform(), "cpu_cores": os.cpu_count(), "url": server.url, "model": server.model,
                "prompts": PROMPT_RULE,
-               "batching": None if args.url else not args.no_batching,
                "caching": None if args.url else not args.no_caching,
                "runs": runs,
                "requests_per_s_ratio": ratio, "class": burst}

@@ -13,7 +13,7 @@ max_num_batched_tokens, this engine's before the target). Reported for each:
     prompt    its time to first token, against the same prompt sent alone to the same
               engine (the target: at most 2x)
 
-In process by default (Engine(batching=True), what python server.py runs); --http runs the
+In process by default (Engine(), what python server.py runs); --http runs the
 same scene over HTTP against a server of this course started at its defaults in this
 process (and one with --max-num-batched-tokens 2048), the streams read as a client reads them.
 Each run's long prompt has a cache_salt of its own, so no run hits another's blocks.
@@ -188,12 +188,12 @@ def main(argv: list[str] | None = None) -> dict:
     servers = []
     for way, options in ways.items():
         if args.http:
-            url, server, serving = start_server(args, batching=True, **options)
+            url, server, serving = start_server(args, **options)
             servers.append(server)
             stream = http_stream(url)
         else:
             serving = Engine(model=engine.model, tokenizer=engine.tokenizer, block_size=args.block_size,
-                             num_blocks=engine.allocator.num_blocks, batching=True, **options)
+                             num_blocks=engine.allocator.num_blocks, **options)
             stream = engine_stream(serving)
         steps = watch_steps(serving)
         stream([SYSTEM, {"role": "user", "content": "Hi"}], 4, None, threading.Event(), [])  # first steps: untimed

@@ -13,7 +13,9 @@
    engine with caching on and on one with caching off, in pairs that take turns so that a
    change in machine speed hits both alike.
 
-Cold and warm figures are medians of --repeats runs. Prompts are random token ids: prefill costs
+Every request runs stage 7's path (benchmarks/engines.py's stage_7: one_request.generate over
+the engine's parts), whose phases its Generation times. Cold and warm figures are medians of
+--repeats runs. Prompts are random token ids: prefill costs
 the same whatever the tokens say. The first forward pass of a process is slow (allocation,
 kernel choice), so a warm-up pass runs before anything is timed.
 """
@@ -26,7 +28,7 @@ import statistics
 from pathlib import Path
 
 from benchmarks import save_json
-from benchmarks.engines import device_name
+from benchmarks.engines import device_name, stage_7
 from cpu_threads import synchronize
 from engine import Engine
 from model_flags import add_model_arguments, pool_arguments
@@ -47,9 +49,9 @@ def cold_vs_warm(engine: Engine, prefix_len: int, suffix_len: int, repeats: int,
     for _ in range(repeats):  # a fresh prefix each time, so the cold request is truly cold
         prefix = random_tokens(rng, prefix_len, vocab_size)
         synchronize(engine.device)
-        first = engine.generate(prefix + random_tokens(rng, suffix_len, vocab_size), max_tokens=1)
+        first = stage_7(engine, prefix + random_tokens(rng, suffix_len, vocab_size), max_tokens=1)
         synchronize(engine.device)
-        second = engine.generate(prefix + random_tokens(rng, suffix_len, vocab_size), max_tokens=1)
+        second = stage_7(engine, prefix + random_tokens(rng, suffix_len, vocab_size), max_tokens=1)
         hit = prefix_len // engine.allocator.block_size * engine.allocator.block_size  # whole blocks only
         assert first.cached_tokens == 0 and second.cached_tokens == hit, "the benchmark must measure a miss, then a hit"
         cold.append(first.ttft_ms)
@@ -86,7 +88,7 @@ def no_sharing_overhead(on: Engine, off: Engine, prompt_len: int, repeats: int, 
     for i in range(repeats):
         order = [("on", on), ("off", off)] if i % 2 == 0 else [("off", off), ("on", on)]
         for name, engine in order:
-            reply = engine.generate(random_tokens(rng, prompt_len, vocab_size), max_tokens=1)
+            reply = stage_7(engine, random_tokens(rng, prompt_len, vocab_size), max_tokens=1)
             assert reply.cached_tokens == 0
             times[name].append(reply.ttft_ms)
             lookups[name].append(reply.prefill.lookup_ms)

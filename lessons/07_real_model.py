@@ -15,7 +15,8 @@ a request runs like this:
 New in this stage (marked # NEW): the gather and write between the allocator and the model.
 
 Read: kv_pool.py (PagedKVPool.write) and one_request.py (run_request), printed when the stage
-      starts; engine.py's Engine checks a request and hands it to run_request. The gather is
+      starts; this stage runs each request through one_request.generate over an Engine's parts
+      (its model, allocator and pool; engine.tokenize checks the prompt). The gather is
       exercise 5: the stage prints PagedKVPool.gather and .tokens_of from exercises/gather_kv.py
       in place of kv_pool.py's; write them first, then read the reference.
 
@@ -23,6 +24,7 @@ Run:  python lessons/07_real_model.py            (SmolLM2-135M; run times: lesso
       python lessons/07_real_model.py --tiny     (a random 2-layer model, faster)
 """
 
+import itertools
 import sys
 from pathlib import Path
 
@@ -37,8 +39,9 @@ import models
 from demo import DEMO_QUESTIONS, DEMO_SYSTEM_PROMPT
 from engine import Engine
 from kv_pool import PagedKVPool
-from one_request import run_request
+from one_request import generate, run_request
 from outputs import Generation
+from request import SamplingParams
 from benchmarks.measure import Runs, TokenCounter, conclusion, how_much_faster
 from reading import show_code, show_exercise
 
@@ -46,6 +49,15 @@ SYSTEM = {"role": "system", "content": DEMO_SYSTEM_PROMPT}
 MAX_TOKENS = 24
 STEPS = ("lookup", "gather", "forward", "write", "sample")
 REPEATS = 3  # cold/warm pairs timed: a median, and a spread that says if the machine was busy
+
+
+def run(engine: Engine, question: str, max_tokens: int) -> Generation:
+    """One request through stage 7's path (run_request), alone, over the engine's parts."""
+    return generate(engine.parts, f"q{next(REQUEST_IDS)}", engine.tokenize(ask(question)),
+                    SamplingParams(max_tokens=max_tokens))
+
+
+REQUEST_IDS = itertools.count(1)
 
 
 def ask(question: str) -> list[dict]:
@@ -163,9 +175,9 @@ def main(argv: list[str] | None = None) -> None:
     show_what_is_shared(console, engine)
     embedding = engine.model.get_input_embeddings()
     with TokenCounter(embedding) as cold_work:
-        cold = engine.generate(ask(DEMO_QUESTIONS[0]), max_tokens=MAX_TOKENS)
+        cold = run(engine, DEMO_QUESTIONS[0], MAX_TOKENS)
     with TokenCounter(embedding) as warm_work:
-        warm = engine.generate(ask(DEMO_QUESTIONS[1]), max_tokens=MAX_TOKENS)
+        warm = run(engine, DEMO_QUESTIONS[1], MAX_TOKENS)
     counts = Table("counted", "cold: question 1", "warm: question 2", title="what each request cost, counted",
                    title_justify="left")
     counts.add_row("prompt tokens", str(cold.prompt_tokens), str(warm.prompt_tokens))
@@ -183,8 +195,8 @@ def main(argv: list[str] | None = None) -> None:
     runs = {"cold: question 1": [cold], "warm: question 2": [warm]}
     for _ in range(REPEATS - 1):  # the first token only: TTFT is all that is timed
         engine.allocator.reset_prefix_cache()  # so the cold request is cold again
-        runs["cold: question 1"].append(engine.generate(ask(DEMO_QUESTIONS[0]), max_tokens=1))
-        runs["warm: question 2"].append(engine.generate(ask(DEMO_QUESTIONS[1]), max_tokens=1))
+        runs["cold: question 1"].append(run(engine, DEMO_QUESTIONS[0], 1))
+        runs["warm: question 2"].append(run(engine, DEMO_QUESTIONS[1], 1))
     console.print(timing_table(runs))
     colds, warms = runs.values()
     cold_ttft, warm_ttft = Runs([r.ttft_ms for r in colds]), Runs([r.ttft_ms for r in warms])

@@ -292,7 +292,7 @@ def what_a_step_reads(console: Console, engine: Engine, prompts: dict[str, list[
 
 def step_time_budget(console: Console, engine: Engine, prompts: dict[str, list[int]]) -> None:
     """Scene 2d: scene 2 again, each step's budget picked from a target step time instead of a
-    fixed BUDGET (step_budget.py, what Engine(batching=True) and python server.py run)."""
+    fixed BUDGET (step_budget.py, what Engine() and python server.py run)."""
     assert engine.allocator.reset_prefix_cache()
     target_ms, cap = DEFAULT_TARGET_STEP_MS, DEFAULT_MAX_NUM_BATCHED_TOKENS  # the engine's defaults
     budget = StepBudget(ModelShape.of(engine.model), target_ms, cap)  # NEW: a time, and a hard cap
@@ -352,7 +352,7 @@ def step_time_budget(console: Console, engine: Engine, prompts: dict[str, list[i
         f"(Agrawal et al., OSDI 2024): the chunk is sized from a latency target. vLLM's budget is a fixed "
         f"number of tokens instead, 2,048 for `vllm serve` (8,192 on a GPU with 70 GiB or more: get_batch_defaults "
         f"in vllm/engine/arg_utils.py), sized for a GPU, where 2,048 tokens take milliseconds. "
-        f"Engine(batching=True) and python server.py use a target ({DEFAULT_TARGET_STEP_MS:g} ms unless "
+        f"Engine() and python server.py use a target ({DEFAULT_TARGET_STEP_MS:g} ms unless "
         f"--target-step-ms is given); --max-num-batched-tokens N makes the budget N every step, as in vLLM, and the "
         f"scenes above pass one so their plans are the same on every machine. {busy_note(decoding, beside)}".strip()
     )

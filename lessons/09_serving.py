@@ -4,10 +4,9 @@ Stage 9: serving. Cached tokens over HTTP, tenants, and the timing side channel.
 server.py puts the Engine behind HTTP: /generate for curl, and OpenAI's
 /v1/chat/completions and /v1/completions, whose replies report the prefix cache where
 OpenAI does, in usage.prompt_tokens_details.cached_tokens. `python server.py` runs the
-Engine with batching=True, stage 8's engine loop: every client's request joins the same
-steps (--no-batching serves stage 7's one request at a time instead). This stage starts that
-server inside the process, on the same batching engine and a free port of 127.0.0.1, and
-talks to it with plain HTTP.
+Engine, whose requests run in stage 8's engine loop: every client's request joins the same
+steps. This stage starts that server inside the process, on the same engine and a free port
+of 127.0.0.1, and talks to it with plain HTTP.
 
 A cache shared by everyone leaks. A request that finds its prefix in the pool is answered
 sooner (and says cached_tokens > 0), so anyone can test whether *somebody else* has sent a
@@ -194,7 +193,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.getLogger("server").setLevel(logging.ERROR)  # nor the server's own: the lesson prints what matters
     console = Console()
     show_code(console, generate, chat_completions, take_cache_salt, tenant_of)
-    engine = models.make_engine(args, batching=True)  # as python server.py runs it
+    engine = models.make_engine(args)  # as python server.py runs it
     console.print(models.describe(engine.model, args))
     engine.warm_up()
     # NEW: two apps over one engine, each served from a thread of this process on a free port

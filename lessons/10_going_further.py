@@ -86,8 +86,8 @@ VLLM_TODAY = [
      "vllm/v1/core/single_type_kv_cache_manager.py"),
     ("a full pool waits",
      "The scheduler admits a request only when its blocks fit and preempts a running one when a decode step "
-     "finds no block; nothing is refused for being busy. Stage 8's scheduler does the same (Engine(batching=True), "
-     "the server's default); stage 7's one-request engine refuses with OutOfBlocksError instead.",
+     "finds no block; nothing is refused for being busy. Stage 8's scheduler, which every Engine runs, does the "
+     "same; stage 7's one-request path refuses with OutOfBlocksError instead.",
      "vllm/v1/core/sched/scheduler.py"),
     ("long prompts in chunks",
      "Chunked prefill is on by default in v1, as in stage 8. vLLM can also cap one request's chunk below the "
@@ -230,7 +230,7 @@ def main(argv: list[str] | None = None) -> None:
 
     console.print(Rule("6. A deployment measured from outside: the OpenAI API only"))
     logging.getLogger("werkzeug").setLevel(logging.WARNING)  # no access log line per request
-    engine = Engine(batching=True)  # SmolLM2-135M-Instruct, as python server.py serves it
+    engine = Engine()  # SmolLM2-135M-Instruct, as python server.py serves it
     engine.warm_up()
     url, server = serve_in_background(create_app(engine))  # NEW: from here on, only its URL is used
     console.print(f"A second server of this course listens on {url}; the probe knows nothing else about it.")
@@ -290,7 +290,7 @@ def main(argv: list[str] | None = None) -> None:
                   f"conversation's first turn, which shares only the system prompt. Under round robin, which turns "
                   f"find their history cached? Under cache_aware, where does the second conversation go?")
     logging.getLogger("werkzeug").setLevel(logging.CRITICAL)  # the router's HTTP/2 probe of each replica: a 505
-    engines = [Engine(batching=True) for _ in range(2)]  # NEW: two replicas, two pools
+    engines = [Engine() for _ in range(2)]  # NEW: two replicas, two pools
     servers = []
     for replica in engines:
         replica.warm_up()

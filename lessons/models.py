@@ -68,16 +68,15 @@ THREADS = ThreadChooser()
 TINY_NUM_BLOCKS = 1024  # the default 0.5 GiB budget would give the tiny model 65,536 of its small blocks
 
 
-def make_engine(args: argparse.Namespace, batching: bool = False, max_num_batched_tokens: int | None = None) -> Engine:
+def make_engine(args: argparse.Namespace, max_num_batched_tokens: int | None = None) -> Engine:
     """An Engine over the model the flags name, its pool sized by --block-size and --num-blocks
-    (or --kv-memory-gb); batching=True runs its requests in stage 8's engine loop, as
-    `python server.py` does."""
+    (or --kv-memory-gb): its requests run in stage 8's engine loop, as `python server.py`'s do;
+    stage 7 runs one_request.py's path over its parts."""
     model, tokenizer = load(args)
     pool = pool_arguments(args)
     if args.tiny and pool["num_blocks"] is None and pool["kv_memory_gb"] is None:
         pool["num_blocks"] = TINY_NUM_BLOCKS
-    return Engine(model=model, tokenizer=tokenizer, batching=batching, max_num_batched_tokens=max_num_batched_tokens,
-                  **pool)
+    return Engine(model=model, tokenizer=tokenizer, max_num_batched_tokens=max_num_batched_tokens, **pool)
 
 
 def describe(model, args: argparse.Namespace) -> str:

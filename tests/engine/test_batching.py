@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 import batch_attention
 import cpu_threads
+import one_request
 from batch_attention import MAX_GROUPS, Row, group_rows
 from batch_engine import BatchRunner
 from engine import Engine
@@ -133,7 +134,7 @@ def test_a_preempted_request_resumes_mostly_from_the_cache(make_engine):
 def test_the_hit_rate_counts_a_chunked_prompt_whole(make_engine):
     """Handed a prompt chunk by chunk, the allocator still counts the whole prompt as looked
     up: the hit rate is the share of the requests' prompt tokens that came from the pool."""
-    engine = make_engine(batching=True, max_num_seqs=4, max_num_batched_tokens=8)
+    engine = make_engine(max_num_seqs=4, max_num_batched_tokens=8)
     prompt = SHARED + [40, 41, 42]
     first, second = engine.generate(prompt, max_tokens=2), engine.generate(prompt[:-1] + [43], max_tokens=2)
     stats = engine.allocator.stats
@@ -167,11 +168,12 @@ def test_bad_batches_are_refused_before_anything_runs(make_engine, prompts, kwar
     assert engine.allocator.stats.requests == 0
 
 
-def test_the_one_request_path_still_works_after_batching(make_engine):
+def test_stage_7_runs_on_the_pool_the_engine_loop_filled(make_engine):
     engine = make_engine()
     engine.generate_batch([SHARED], max_tokens=2)
     prompt = SHARED + [99]
-    assert engine.generate(prompt, max_tokens=6).token_ids == hf_greedy(engine.model, prompt, 6)
+    reply = one_request.generate(engine.parts, "stage 7", prompt, SamplingParams(max_tokens=6))
+    assert reply.cached_tokens == len(SHARED) // 4 * 4 and reply.token_ids == hf_greedy(engine.model, prompt, 6)
 
 
 # --- the engine loop: calls from many threads share forward passes --------------------------
@@ -200,7 +202,7 @@ def run_in_threads(engine, prompts, **kwargs):
 
 
 def test_calls_from_many_threads_run_in_shared_steps_and_get_their_answers_alone(make_engine):
-    engine = make_engine(batching=True)
+    engine = make_engine()
     steps = []
     engine.model.register_forward_pre_hook(lambda module, args, kwargs: steps.append(1), with_kwargs=True)
     prompts = [SHARED + [40 + i] for i in range(8)]
@@ -214,7 +216,7 @@ def test_calls_from_many_threads_run_in_shared_steps_and_get_their_answers_alone
 
 
 def test_a_busy_pool_makes_threads_wait_instead_of_refusing_them(make_engine):
-    engine = make_engine(batching=True, num_blocks=16)
+    engine = make_engine(num_blocks=16)
     prompts = [list(range(100 * i, 100 * i + 20)) for i in range(1, 7)]  # 6 x 5 blocks: never all at once
     replies = run_in_threads(engine, prompts, max_tokens=8)
     assert [r.token_ids for r in replies] == [hf_greedy(engine.model, p, 8) for p in prompts]
@@ -222,7 +224,7 @@ def test_a_busy_pool_makes_threads_wait_instead_of_refusing_them(make_engine):
 
 
 def test_a_stream_closed_mid_batch_frees_its_blocks_and_the_others_go_on(make_engine):
-    engine = make_engine(batching=True)
+    engine = make_engine()
     other = threading.Thread(target=lambda: engine.generate(SHARED + [1], max_tokens=20))
     other.start()
     stream = engine.stream(SHARED + [2], max_tokens=40)
@@ -234,7 +236,7 @@ def test_a_stream_closed_mid_batch_frees_its_blocks_and_the_others_go_on(make_en
 
 
 def test_a_request_id_waiting_or_running_in_the_loop_is_refused(make_engine):
-    engine = make_engine(batching=True)
+    engine = make_engine()
     stream = engine.stream(SHARED, max_tokens=30, request_id="lesson")
     next(stream)
     with pytest.raises(ValueError, match="already running"):
@@ -246,7 +248,7 @@ def test_a_request_id_waiting_or_running_in_the_loop_is_refused(make_engine):
 def test_the_engine_loop_stops_between_steps_and_takes_nothing_after(make_engine):
     # At exit the loop must not be killed inside a forward pass (the process would abort):
     # stop() lets the running step finish and ends the thread; atexit calls it.
-    engine = make_engine(batching=True)
+    engine = make_engine()
     before = engine.generate(SHARED, max_tokens=3)
     engine.loop.stop()
     assert not engine.loop._thread.is_alive()
@@ -382,9 +384,10 @@ def test_one_request_at_a_time_is_exact_with_the_thread_count_the_engine_chooses
     monkeypatch.setattr(cpu_threads, "cores_used_by_others", lambda before, after: others)
     monkeypatch.setattr(cpu_threads.ThreadChooser, "SLOWER", float("inf"))
     default = torch.get_num_threads()
-    engine = make_engine()  # batching=False: one_request.run_request
-    for prompt in MIXED:
-        assert engine.generate(prompt, max_tokens=8).token_ids == hf_greedy(engine.model, prompt, 8)
+    engine = make_engine()
+    for i, prompt in enumerate(MIXED):
+        reply = one_request.generate(engine.parts, f"r{i}", prompt, SamplingParams(max_tokens=8))
+        assert reply.token_ids == hf_greedy(engine.model, prompt, 8)
     assert engine.threads.threads == (1 if others and default > 1 else default)
     assert sum(engine.threads.passes.values()) == 8 * len(MIXED)  # a prefill and 7 decodes each
     assert torch.get_num_threads() == default
@@ -410,9 +413,9 @@ def test_the_chooser_goes_back_to_all_the_cores_when_the_machine_is_quiet_again(
 def test_the_engine_loop_freezes_the_startup_heap_once(make_engine):
     """A full garbage collection must not walk the model's objects inside a step (a stall every
     stream sees): the first engine loop of the process freezes what is alive, once."""
-    engine = make_engine(batching=True)
+    engine = make_engine()
     engine.generate([1, 2, 3], max_tokens=2)
     frozen = gc.get_freeze_count()
     assert frozen > 0
-    make_engine(batching=True).generate([1, 2, 3], max_tokens=2)
+    make_engine().generate([1, 2, 3], max_tokens=2)
     assert gc.get_freeze_count() == frozen  # once: a second engine freezes nothing more

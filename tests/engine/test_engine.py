@@ -14,7 +14,7 @@ import torch
 
 import one_request
 from engine import Engine, EngineClosedError, EngineConfig
-from helpers import EmbeddingCounter, assert_pool_whole, hf_greedy
+from helpers import EmbeddingCounter, assert_pool_whole, hf_greedy, wait_until_idle
 from kv_pool import PagedKVPool
 from prefix_caching import OutOfBlocksError
 from sampling import SamplingParams, sample
@@ -171,11 +171,19 @@ def test_two_interleaved_streams_share_blocks_by_ref_count(make_engine):
 
 def test_closing_a_stream_early_gives_its_blocks_back(make_engine):
     engine = make_engine()
-    stream = engine.stream(list(range(30)), max_tokens=20)
+    stream = engine.stream(list(range(30)), max_tokens=200)
+    next(stream), next(stream)
+    stream.close()  # what a server does when the client disconnects
+    wait_until_idle(engine)  # the loop frees a cancelled request before its next step
+
+
+def test_stage_7_gives_a_sampled_token_to_the_allocator_only_when_its_kv_is_computed(make_engine):
+    engine = make_engine()
+    stream = one_request.run_request(engine.parts, "r", list(range(30)), SamplingParams(max_tokens=20), None, 0.0)
     next(stream), next(stream)
     # Two tokens seen, one fed back: the second joins the allocator only when its K/V is computed.
-    assert engine.allocator.num_tokens("request-0") == 30 + 1
-    stream.close()  # what a server does when the client disconnects
+    assert engine.allocator.num_tokens("r") == 30 + 1
+    stream.close()
     assert_pool_whole(engine)
 
 
@@ -287,11 +295,12 @@ def test_bad_requests_raise_value_error_at_the_call_before_anything_runs(make_en
 
 def test_a_request_id_still_running_is_refused_at_the_call(make_engine):
     engine = make_engine()
-    running = engine.stream("one", request_id="lesson")
+    running = engine.stream("one", request_id="lesson", max_tokens=200)
     next(running)
     with pytest.raises(ValueError, match="already running"):
         engine.stream("two", request_id="lesson")
     running.close()
+    wait_until_idle(engine)
     assert engine.generate("two", request_id="lesson", max_tokens=2).request_id == "lesson"  # free again
 
 
@@ -334,18 +343,21 @@ def test_streamed_text_holds_back_what_could_start_a_stop_string(make_engine):
         assert not shown.endswith(start_of_stop), "text that could begin the stop string was sent early"
 
 
-def test_a_full_pool_raises_out_of_blocks_and_nothing_leaks(make_engine):
+def test_stage_7_on_a_full_pool_raises_out_of_blocks_and_nothing_leaks(make_engine):
+    # The engine loop makes such a request wait (test_batching.py); stage 7's path refuses it.
     engine = make_engine(num_blocks=8)
-    holder = engine.stream(list(range(20)), max_tokens=2)  # 5 blocks
+    two = SamplingParams(max_tokens=2)
+    holder = one_request.run_request(engine.parts, "holder", list(range(20)), two, None, 0.0)  # 5 blocks
     next(holder)
     with pytest.raises(OutOfBlocksError, match="blocks"):
-        engine.generate(list(range(50, 70)), max_tokens=2)  # 5 more
+        one_request.generate(engine.parts, "other", list(range(50, 70)), two)  # 5 more
     assert list(holder)[-1].generation.finish_reason == "length"
     assert_pool_whole(engine)
 
 
 @pytest.mark.parametrize("fail_at_call", [1, 3], ids=["prefill", "decode"])
-def test_a_request_failing_midway_frees_its_blocks_and_caches_no_unwritten_slot(make_engine, monkeypatch, fail_at_call):
+def test_a_stage_7_request_failing_midway_frees_its_blocks_and_caches_no_unwritten_slot(make_engine, monkeypatch,
+                                                                                       fail_at_call):
     engine = make_engine()
     prompt = list(range(100, 114))  # 14 tokens: 3 full blocks; the 4th fills while decoding
     real_forward, calls = one_request.forward, []
@@ -358,7 +370,7 @@ def test_a_request_failing_midway_frees_its_blocks_and_caches_no_unwritten_slot(
 
     monkeypatch.setattr(one_request, "forward", flaky_forward)
     with pytest.raises(RuntimeError, match="fell over"):
-        engine.generate(prompt, max_tokens=8)
+        one_request.generate(engine.parts, "r", prompt, SamplingParams(max_tokens=8))
     assert_pool_whole(engine)
 
     monkeypatch.undo()
@@ -381,7 +393,7 @@ def test_a_memory_budget_sizes_the_pool_in_whole_blocks(make_engine):
 # Every EngineConfig field, with a value of the wrong type and one of the right type out of range.
 WRONG_CONFIG = {
     "block_size": ["16", 0], "num_blocks": [64.0, -1], "kv_memory_gb": ["1", math.inf], "enable_caching": ["False", 0],
-    "hash_algo": [b"sha256", "md5"], "free_uncached_first": ["no", None], "batching": ["no", 1],
+    "hash_algo": [b"sha256", "md5"], "free_uncached_first": ["no", None],
     "max_num_seqs": [True, 0], "max_num_batched_tokens": [2048.0, 0], "target_step_ms": ["400", math.nan],
     "enable_chunked_prefill": ["yes", None], "cascade_attention": [1, None], "choose_threads": ["True", None],
     "fair_share": [[], None], "static_decode": ["auto", 0],
@@ -394,7 +406,12 @@ def test_every_config_field_is_checked_by_type_and_range_when_made():
         for value in values:
             with pytest.raises(ValueError, match=f"^{name} must be"):
                 EngineConfig(**{name: value})
-    EngineConfig(block_size=4, num_blocks=8, batching=True, static_decode=None, hash_algo="xxhash")  # the right kinds
+    EngineConfig(block_size=4, num_blocks=8, static_decode=None, hash_algo="xxhash")  # the right kinds
+
+
+def test_batching_is_no_option_and_the_error_names_stage_7s_path(tiny_model, tokenizer):
+    with pytest.raises(TypeError, match=r"one engine loop .* one_request.generate\(engine.parts"):
+        Engine(model=tiny_model, tokenizer=tokenizer, batching=False)
 
 
 def test_engine_arguments_are_checked(tiny_model, tokenizer):

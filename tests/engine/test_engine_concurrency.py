@@ -1,9 +1,10 @@
 """The engine under several threads: every reply equals the one its request gets alone.
 
-The rule that matters: a cached block is never read before its K/V is written. The engine
-caches a prompt's full blocks when it allocates them, so allocation and prefill must be one
-step; these tests force the interleaving that would break it instead of hoping a scheduler
-finds it.
+The rule that matters: a cached block is never read before its K/V is written. Stage 7's
+path (one_request.py, run in each caller's thread over the engine's parts) caches a prompt's
+full blocks when it allocates them, so allocation and prefill must be one step; these tests
+force the interleaving that would break it instead of hoping a scheduler finds it. The
+engine loop's callers share its steps (test_batching.py and the server's tests).
 """
 
 import sys
@@ -11,7 +12,8 @@ import threading
 from dataclasses import replace
 
 import one_request
-from helpers import assert_pool_whole
+from helpers import wait_until_idle
+from request import SamplingParams
 
 SHARED = list(range(300, 316))  # 4 full blocks of 4, new to every engine these tests make
 
@@ -62,12 +64,13 @@ def test_a_second_request_never_hits_blocks_before_the_first_wrote_them(make_eng
     replies = {}
 
     def run_b():  # on its own thread, as a second client would; waited for while A is paused
-        worker = threading.Thread(target=lambda: replies.setdefault("b", engine.generate(b_prompt, max_tokens=6)))
+        worker = threading.Thread(target=lambda: replies.setdefault(
+            "b", one_request.generate(engine.parts, "b", b_prompt, SamplingParams(max_tokens=6))))
         worker.start()
         worker.join(timeout=60)
 
     lock.pause_thread, lock.while_paused = threading.current_thread(), run_b
-    replies["a"] = engine.generate(a_prompt, max_tokens=6)
+    replies["a"] = one_request.generate(engine.parts, "a", a_prompt, SamplingParams(max_tokens=6))
 
     b = replies["b"]
     assert b.cached_tokens == 16, "B should hit the 4 blocks A computed"
@@ -104,7 +107,7 @@ def test_threads_sharing_a_fresh_prefix_all_get_their_answers_alone(make_engine)
 
 def test_closing_a_stream_while_holding_the_lock_does_not_deadlock(make_engine):
     engine = make_engine()
-    stream = engine.stream(list(range(30)), max_tokens=20)
+    stream = engine.stream(list(range(30)), max_tokens=200)
     next(stream)
     done = threading.Event()
 
@@ -115,12 +118,12 @@ def test_closing_a_stream_while_holding_the_lock_does_not_deadlock(make_engine):
 
     threading.Thread(target=close_under_lock, daemon=True).start()
     assert done.wait(timeout=10), "close() under engine.lock deadlocked"
-    assert_pool_whole(engine)
+    wait_until_idle(engine)
 
 
-def test_the_allocator_can_be_read_while_a_forward_pass_runs(make_engine, monkeypatch):
-    """engine.allocator_lock is never held across a forward pass: a server's /health reads
-    the allocator in microseconds even during a long prefill."""
+def test_the_allocator_can_be_read_while_a_stage_7_forward_pass_runs(make_engine, monkeypatch):
+    """engine.allocator_lock is never held across a forward pass: a page reads the allocator
+    in microseconds even during a long prefill."""
     engine = make_engine()
     in_forward, release = threading.Event(), threading.Event()
     real_forward = one_request.forward
@@ -131,13 +134,14 @@ def test_the_allocator_can_be_read_while_a_forward_pass_runs(make_engine, monkey
         return real_forward(model, token_ids, past_key_values)
 
     monkeypatch.setattr(one_request, "forward", slow_forward)
-    worker = threading.Thread(target=lambda: engine.generate(SHARED + [5], max_tokens=2))
+    worker = threading.Thread(target=lambda: one_request.generate(engine.parts, "r", SHARED + [5],
+                                                                   SamplingParams(max_tokens=2)))
     worker.start()
     try:
         assert in_forward.wait(timeout=30)
         assert engine.allocator_lock.acquire(timeout=5), "allocator_lock held during a forward pass"
         try:
-            assert list(engine.allocator.block_tables) == ["request-0"]
+            assert list(engine.allocator.block_tables) == ["r"]
         finally:
             engine.allocator_lock.release()
         assert not engine.lock.acquire(timeout=0.05), "the step lock should be held for the whole prefill"

@@ -1,7 +1,7 @@
-"""One engine core: every path (one request at a time, generate_batch, the batching engine's
-loop, the server streamed or not) finishes a reply with the same code; a batching engine has
-one scheduler, whoever calls; a step that fails ends every request in it and the loop goes
-on. Tiny random model, float32; failures forced, never waited for.
+"""One engine core: every path (stage 7's one request at a time, the engine loop's generate,
+generate_batch and stream, the server streamed or not) finishes a reply with the same code; an
+engine has one scheduler, whoever calls; a step that fails ends every request in it and the
+loop goes on. Tiny random model, float32; failures forced, never waited for.
 """
 
 import json
@@ -14,6 +14,8 @@ import pytest
 
 import batch_engine
 from helpers import MODEL, assert_pool_whole, call, serve, wait_until_idle
+from one_request import generate, run_request
+from request import SamplingParams
 from scheduler import Scheduler
 from server import create_app
 
@@ -37,23 +39,20 @@ def eos_inside_the_reply(engine, prompt):
 
 
 def test_a_reply_that_ends_on_eos_with_stop_strings_set_keeps_its_text_on_every_path(make_engine):
-    one, batching = make_engine(), make_engine(batching=True)
-    text, stop = eos_inside_the_reply(one, TEXT)
-    # the batching engine's loop was made with its engine, on the parts of then: it gets the new ones too
-    batching.parts = batching.loop.runner.parts = replace(batching.parts, stop_token_ids=one.stop_token_ids)
+    engine = make_engine()
+    text, stop = eos_inside_the_reply(engine, TEXT)
 
     replies = {
-        "generate": one.generate(TEXT, max_tokens=12, stop=stop),
-        "generate_batch": one.generate_batch([TEXT], max_tokens=12, stop=stop)[0],
-        "batching generate": batching.generate(TEXT, max_tokens=12, stop=stop),
-        "batching generate_batch": batching.generate_batch([TEXT], max_tokens=12, stop=stop)[0],
+        "stage 7": generate(engine.parts, "one", engine.tokenize(TEXT), SamplingParams(max_tokens=12, stop=stop)),
+        "generate": engine.generate(TEXT, max_tokens=12, stop=stop),
+        "generate_batch": engine.generate_batch([TEXT], max_tokens=12, stop=stop)[0],
     }
-    streamed = "".join(event.text for event in batching.stream(TEXT, max_tokens=12, stop=stop))
+    streamed = "".join(event.text for event in engine.stream(TEXT, max_tokens=12, stop=stop))
     for path, reply in replies.items():
         assert (path, reply.text, reply.finish_reason) == (path, text, "stop")
     assert streamed == text
 
-    with serve(create_app(batching, cache_page_every_s=0, model_name=MODEL)) as url:
+    with serve(create_app(engine, cache_page_every_s=0, model_name=MODEL)) as url:
         status, reply = call(url, "/generate", {"prompt": TEXT, "max_tokens": 12, "stop": stop})
         assert status == 200 and (reply["text"], reply["finish_reason"]) == (text, "stop")
         body = {"model": MODEL, "prompt": TEXT, "max_tokens": 12, "stop": stop, "stream": True, "temperature": 0}
@@ -67,7 +66,7 @@ def test_a_reply_that_ends_on_eos_with_stop_strings_set_keeps_its_text_on_every_
 
 
 def test_text_held_back_for_a_stop_string_comes_out_when_max_tokens_ends_the_reply(make_engine):
-    engine = make_engine(batching=True)
+    engine = make_engine()
     full = engine.generate(PROMPT, max_tokens=6).text
     stop = full[-1] + "\u2603"
     assert engine.generate(PROMPT, max_tokens=6, stop=stop).text == full
@@ -77,8 +76,8 @@ def test_text_held_back_for_a_stop_string_comes_out_when_max_tokens_ends_the_rep
 # --- one scheduler per engine ------------------------------------------------------------------
 
 
-def test_generate_batch_on_a_batching_engine_takes_the_engines_settings_or_none(make_engine):
-    engine = make_engine(batching=True, max_num_seqs=4)
+def test_generate_batch_takes_the_engines_settings_or_none(make_engine):
+    engine = make_engine(max_num_seqs=4)
     with pytest.raises(ValueError, match="max_num_seqs=8: this engine batches every caller's requests"):
         engine.generate_batch([PROMPT], max_tokens=2, max_num_seqs=8)
     with pytest.raises(ValueError, match="max_num_batched_tokens=64"):
@@ -90,7 +89,7 @@ def test_generate_batch_on_a_batching_engine_takes_the_engines_settings_or_none(
 
 def test_generate_batch_beside_other_callers_joins_their_queue_in_arrival_order(make_engine):
     # 24 blocks of 4: three callers' traffic keeps the pool nearly full the whole time.
-    engine = make_engine(batching=True, num_blocks=24)
+    engine = make_engine(num_blocks=24)
     scheduler = engine.loop.scheduler
     added, admitted, empty_steps = [], [], []
     real_add, real_schedule = scheduler.add, scheduler.schedule
@@ -143,18 +142,23 @@ def test_generate_batch_beside_other_callers_joins_their_queue_in_arrival_order(
     assert all(thread.is_alive() is False for thread in callers) and min(traffic_done) >= 1
 
 
-def test_generate_batch_on_a_one_request_engine_refuses_a_pool_held_by_a_stream(make_engine):
+def test_a_runner_of_its_own_refuses_a_pool_held_by_a_stage_7_request(make_engine):
+    # Stage 8's lesson steps runners of its own over an engine's parts: one whose scheduler
+    # cannot see the requests holding the pool says so instead of waiting for blocks forever.
     engine = make_engine(num_blocks=8)
-    held = engine.stream(list(range(100, 124)), max_tokens=4)  # 6 of the 8 blocks, held between tokens
-    next(held)
+    held = run_request(engine.parts, "held", list(range(100, 124)), SamplingParams(max_tokens=4), None, 0.0)
+    next(held)  # 6 of the 8 blocks, held between tokens
+    runner = batch_engine.BatchRunner(engine.parts)
     steps = []
-    real_step = batch_engine.BatchRunner.step
+    real_step = runner.step
+    runner.step = lambda: steps.append(1) or real_step()
+    request = runner.add("r", list(range(300, 312)), SamplingParams(max_tokens=2), None)  # needs 3 blocks
     try:
-        batch_engine.BatchRunner.step = lambda self: steps.append(1) or real_step(self)
         with pytest.raises(batch_engine.OutOfBlocksError, match="held by other requests of this engine"):
-            engine.generate_batch([list(range(300, 312))], max_tokens=2)  # needs 3 blocks
+            runner.run([request])
     finally:
-        batch_engine.BatchRunner.step = real_step
+        with engine.allocator_lock:
+            runner.scheduler.finish(request)
         held.close()
     assert len(steps) == 1  # refused after the one step that could run nothing, no spinning
     assert_pool_whole(engine)
@@ -179,7 +183,7 @@ def outcome(engine, request):
 
 
 def test_a_failed_sampling_fails_every_request_of_the_step_and_the_loop_goes_on(make_engine, monkeypatch):
-    engine = make_engine(batching=True)
+    engine = make_engine()
     real_sample, calls = batch_engine.sample_batch, []
 
     def sample_batch(logits, params, generators):
@@ -197,7 +201,7 @@ def test_a_failed_sampling_fails_every_request_of_the_step_and_the_loop_goes_on(
 
 def test_a_failure_after_a_request_finished_in_the_step_still_reaches_it(make_engine, monkeypatch):
     # The request that finished first had its blocks freed; the step then failed on the next.
-    engine = make_engine(batching=True)
+    engine = make_engine()
     real_finish, failed = Scheduler.finish, []
 
     def finish(self, request):
@@ -215,7 +219,7 @@ def test_a_failure_after_a_request_finished_in_the_step_still_reaches_it(make_en
 
 
 def test_a_failed_step_spares_the_requests_that_were_not_in_it(make_engine, monkeypatch):
-    engine = make_engine(batching=True, num_blocks=8)  # room for one of the two at a time
+    engine = make_engine(num_blocks=8)  # room for one of the two at a time
     real_sample, calls = batch_engine.sample_batch, []
 
     def sample_batch(logits, params, generators):
@@ -232,7 +236,7 @@ def test_a_failed_step_spares_the_requests_that_were_not_in_it(make_engine, monk
 
 
 def test_a_refused_submit_leaves_no_trace(make_engine):
-    engine = make_engine(batching=True)
+    engine = make_engine()
     one, two = submit_together(engine, [PROMPT], 2)[0], None
     with pytest.raises(ValueError, match="'r0' is already running"):
         submit_together(engine, [list(range(300, 310)), PROMPT], 2)  # r0 taken: neither is queued
@@ -246,7 +250,7 @@ def test_a_refused_submit_leaves_no_trace(make_engine):
 
 
 def test_the_server_sends_a_failed_steps_error_then_done_and_serves_on(make_engine, monkeypatch):
-    engine = make_engine(batching=True)
+    engine = make_engine()
     real_sample, calls = batch_engine.sample_batch, []
 
     def sample_batch(logits, params, generators):
@@ -280,9 +284,8 @@ def test_a_reply_cut_in_the_middle_of_a_character_drops_its_half(tokenizer):
     assert [whole.add(t) for t in (ok, *smile)] == [(" ok", None), ("", None), ("🙂", "length")]
 
 
-@pytest.mark.parametrize("batching", [False, True])
-def test_an_automatic_request_id_skips_one_a_caller_took(make_engine, batching):
-    engine = make_engine(batching=batching)
+def test_an_automatic_request_id_skips_one_a_caller_took(make_engine):
+    engine = make_engine()
     held = engine.stream(PROMPT, max_tokens=200, request_id="request-0")  # the id the counter gives next
     next(held)
     try:

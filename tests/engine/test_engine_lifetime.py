@@ -30,7 +30,7 @@ def rss_bytes() -> int:
 
 def used_engine(tokenizer, **options) -> Engine:
     """A batching engine over a model of its own, that has served requests (its loop runs)."""
-    engine = Engine(model=tiny_llama(tokenizer), tokenizer=tokenizer, batching=True, block_size=4,
+    engine = Engine(model=tiny_llama(tokenizer), tokenizer=tokenizer, block_size=4,
                     max_num_batched_tokens=256, **options)
     engine.generate_batch(PROMPTS, max_tokens=4)
     return engine
@@ -91,7 +91,7 @@ def failing_builder(monkeypatch, request_id: str):
 
 
 def test_a_raising_reply_builder_fails_only_its_request_in_the_loop(make_engine, tiny_model, monkeypatch):
-    engine = make_engine(batching=True)
+    engine = make_engine()
     loop = engine.loop
     failing_builder(monkeypatch, "r1")
     requests = [loop.new_request(f"r{i}", p, SamplingParams(max_tokens=6), None) for i, p in enumerate(PROMPTS)]
@@ -122,7 +122,7 @@ def test_a_raising_reply_builder_fails_only_its_request_in_generate_batch(make_e
 
 
 def test_a_raising_hang_up_check_fails_only_its_request(make_engine, tiny_model):
-    engine = make_engine(batching=True, max_num_seqs=4, max_num_batched_tokens=8)  # prompts in chunks
+    engine = make_engine(max_num_seqs=4, max_num_batched_tokens=8)  # prompts in chunks
 
     def broken():
         raise OSError("the hang-up check broke")

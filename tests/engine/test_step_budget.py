@@ -317,7 +317,7 @@ def test_a_fixed_budget_or_a_target_not_both(make_engine):
 
 
 def test_health_shows_the_target_and_what_a_step_costs(tiny_model, tokenizer):
-    engine = Engine(model=tiny_model, tokenizer=tokenizer, block_size=4, num_blocks=64, batching=True)
+    engine = Engine(model=tiny_model, tokenizer=tokenizer, block_size=4, num_blocks=64)
     with serve(create_app(engine, cache_page_every_s=0)) as url:
         status, reply = call(url, "/v1/completions", {"prompt": "Hello there", "max_tokens": 3})
         assert status == 200
@@ -333,7 +333,7 @@ def test_health_shows_the_target_and_what_a_step_costs(tiny_model, tokenizer):
 def test_a_step_is_learned_from_under_the_lock_snapshot_reads_it_under(make_engine):
     """/health reads the learned costs (engine.snapshot) under allocator_lock while the loop's
     thread runs steps: each step is recorded under it too, never while a reader iterates."""
-    engine = make_engine(batching=True, target_step_ms=400)
+    engine = make_engine(target_step_ms=400)
     held, record = [], engine.step_budget.record
 
     def recording(*args):

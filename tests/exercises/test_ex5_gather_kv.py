@@ -29,6 +29,8 @@ from grading import (GRADING, LINE_COST, SCALING_LIMIT, drawn, fastest_times, mi
                      timed_call, times)
 from helpers import hf_greedy
 from kv_pool import PagedKVPool
+from one_request import generate
+from request import SamplingParams
 
 pytestmark = [pytest.mark.model]
 
@@ -274,10 +276,10 @@ def test_an_engine_running_on_your_gather_replies_like_model_generate(child, mak
     engine = make_engine()
     pool = remote_pool_class()(child, **PagedKVPool.shape_from_config(engine.model.config),
                                num_blocks=engine.allocator.num_blocks, block_size=engine.allocator.block_size)
-    engine.parts = replace(engine.parts, kv=pool)
+    parts = replace(engine.parts, kv=pool)  # stage 7's path over your pool: its gather is yours
     prompt = list(range(100, 123))  # 23 tokens: 5 full blocks of 4 and a partial one
-    cold = engine.generate(prompt, max_tokens=8)
-    warm = engine.generate(prompt[:20] + [7, 8, 9], max_tokens=8)
+    cold = generate(parts, "cold", prompt, SamplingParams(max_tokens=8))
+    warm = generate(parts, "warm", prompt[:20] + [7, 8, 9], SamplingParams(max_tokens=8))
     assert warm.cached_tokens == 20
     assert cold.token_ids == hf_greedy(engine.model, prompt, 8)
     assert warm.token_ids == hf_greedy(engine.model, prompt[:20] + [7, 8, 9], 8), (

@@ -4,8 +4,10 @@ CPU side runs here; the GPU side's choices are flags and functions a CPU can che
 import torch
 
 import kv_pool
+import one_request
 from cpu_threads import GPU_ATTENTION, ThreadChooser, one_pass
 from model_loader import resolve_dtype
+from request import SamplingParams
 
 
 def test_the_default_dtype_follows_what_the_device_computes_natively(monkeypatch):
@@ -43,6 +45,6 @@ def test_a_requests_pool_copies_run_with_the_thread_count_its_forward_pass_gets(
 
         monkeypatch.setattr(kv_pool.PagedKVPool, name, spy)
     most = torch.get_num_threads()
-    engine.generate(list(range(100, 120)), max_tokens=3)
+    one_request.generate(engine.parts, "r", list(range(100, 120)), SamplingParams(max_tokens=3))  # stage 7's step
     assert seen == {"gather": {1}, "write": {1}}
     assert torch.get_num_threads() == most  # put back after each step

@@ -13,7 +13,7 @@ def engine(tiny_model, tokenizer):
     size 4 so blocks fill fast, 64 blocks (256 tokens); a fixed budget of 2,048 tokens a step
     instead of the default target step time, so its steps are the same on every machine
     (tests/engine/test_step_budget.py tests the target)."""
-    return Engine(model=tiny_model, tokenizer=tokenizer, block_size=4, num_blocks=64, batching=True,
+    return Engine(model=tiny_model, tokenizer=tokenizer, block_size=4, num_blocks=64,
                   max_num_batched_tokens=2048)
 
 

@@ -22,7 +22,7 @@ HEAVY, STUDENT, KEEPER = "heavy-student", "honest-student", "third-student"
 
 
 def app(tiny_model, tokenizer, fair_share: bool):
-    engine = Engine(model=tiny_model, tokenizer=tokenizer, block_size=16, num_blocks=64, batching=True,
+    engine = Engine(model=tiny_model, tokenizer=tokenizer, block_size=16, num_blocks=64,
                     max_num_seqs=2, max_num_batched_tokens=512, fair_share=fair_share)
     return engine, create_app(engine, model_name=MODEL, salt_by_api_key=True, max_prompt_tokens=200)
 
@@ -103,7 +103,7 @@ def test_a_question_behind_a_long_prompt_is_answered_before_the_prompt_is_in(tin
     """A prompt still prefilling takes only its share of each step: a short question sent while
     a long prompt comes in chunks is prefilled in the next step and finishes first. (Before
     the rule the running prompt took every step's budget, and the question waited for it.)"""
-    engine = Engine(model=tiny_model, tokenizer=tokenizer, block_size=16, num_blocks=128, batching=True,
+    engine = Engine(model=tiny_model, tokenizer=tokenizer, block_size=16, num_blocks=128,
                     max_num_batched_tokens=64)
     finished = []
 

@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.server]
 def engine(tiny_model, tokenizer):
     """The server's engine, batching, with room for the side channel's five letters at once
     (the conftest one holds 256 tokens: later guesses would evict the victim's letter)."""
-    return Engine(model=tiny_model, tokenizer=tokenizer, block_size=4, num_blocks=512, batching=True)
+    return Engine(model=tiny_model, tokenizer=tokenizer, block_size=4, num_blocks=512)
 
 
 STUB_BLOCK = 4  # words per block of the stub's cache
@@ -132,7 +132,6 @@ def test_the_load_benchmark_speaks_openai_to_a_running_server(url, engine):
     for run in results["runs"]:  # every request behind the primed system prompt finds it cached
         assert run["requests"] == run["hits"] == 8 and run["misses"] == 0 and run["cached_tokens"]["min"] > 0
         assert run["ttft_ms"]["min"] <= run["ttft_ms"]["p50"] <= run["ttft_ms"]["p90"] <= run["ttft_ms"]["max"]
-    assert results["batching"] is None  # a server it did not start: it cannot know
 
 
 def test_a_server_that_reports_no_cached_tokens_is_said_so(stub, capsys):

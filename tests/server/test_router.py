@@ -32,7 +32,7 @@ pytestmark = [pytest.mark.router, pytest.mark.server]
 
 
 def make_engine(tiny_model, tokenizer) -> Engine:
-    return Engine(model=tiny_model, tokenizer=tokenizer, block_size=4, num_blocks=128, batching=True,
+    return Engine(model=tiny_model, tokenizer=tokenizer, block_size=4, num_blocks=128,
                   max_num_batched_tokens=2048)
 
 

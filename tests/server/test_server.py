@@ -1,10 +1,8 @@
 """The server's spec. Every test talks to a real server on a real port (werkzeug's, on
 127.0.0.1, port picked by the OS) around a real Engine over conftest's tiny random model:
 curl-style requests, the official openai client, bad input, clients that leave, concurrent
-clients, on the server's default engine (batching; conftest's engine and url fixtures), and
-on the one-request engine of --no-batching where the two differ (a full pool: 503 there,
-a wait here). What only batching shows (the queue, preemption, shared steps) is in
-test_server_batching.py; tenants, keys and the network rules in test_server_security.py;
+clients, on the server's engine (conftest's engine and url fixtures). What only batching
+shows (the queue, preemption, shared steps) is in test_server_batching.py; tenants, keys and the network rules in test_server_security.py;
 how a request body is read, without HTTP, in test_server_requests.py.
 Every test ends with the pool whole: no request holds a block, every ref count is 0.
 """
@@ -26,7 +24,6 @@ from pathlib import Path
 import openai
 import pytest
 
-from engine import Engine
 from helpers import CHAT, MODEL, SYSTEM, EmbeddingCounter, call, client, raw_request, serve, wait_for_log, wait_until_idle
 from server import create_app, serve_in_background
 
@@ -310,37 +307,6 @@ def test_unknown_route_is_404_and_wrong_method_is_405(url):
     assert got == 405 and reply["error"]["message"].startswith("/health does not take DELETE")
 
 
-def test_a_full_pool_is_503_before_and_during_a_reply(tiny_model, tokenizer):
-    engine = Engine(model=tiny_model, tokenizer=tokenizer, block_size=4, num_blocks=8)
-    with serve(create_app(engine, cache_page_every_s=0, model_name=MODEL)) as url:
-        held = engine.stream(list(range(100, 124)), max_tokens=4)  # 24 tokens: 6 of the 8 blocks
-        next(held)
-        got, reply = call(url, "/generate", {"prompt": list(range(200, 212)), "max_tokens": 2})  # needs 3
-        assert got == 503 and "KV pool is full" in reply["error"]["message"]
-        assert reply["error"]["type"] == "service_unavailable_error"
-
-        # 4 prompt tokens fit in 1 block and the reply gets the last free block, then finds none.
-        body = {"prompt": list(range(300, 304)), "max_tokens": 12, "temperature": 0}
-        got, reply = call(url, "/generate", body)
-        assert got == 503 and "filled up during the reply" in reply["error"]["message"]
-        with pytest.raises(openai.APIError, match="filled up during the reply"):
-            list(client(url).completions.create(model=MODEL, stream=True, **body))
-        # The raw stream: the status (200) is sent, so the error comes as an event, then [DONE] as vLLM does.
-        request = urllib.request.Request(url + "/v1/completions", json.dumps(body | {"stream": True}).encode(),
-                                         {"Content-Type": "application/json"})
-        with urllib.request.urlopen(request, timeout=60) as response:
-            events = response.read().decode().split("\n\n")
-        assert events[-2:] == ["data: [DONE]", ""]
-        assert "filled up during the reply" in json.loads(events[-3].removeprefix("data: "))["error"]["message"]
-        held.close()
-        wait_until_idle(engine)
-        got, reply = call(url, "/generate", body)
-        assert got == 200 and reply["completion_tokens"] == 12
-
-
-# --- clients that leave, and /health while the engine is busy ---------------------------------------
-
-
 def test_a_client_that_disconnects_mid_stream_frees_its_blocks(engine, url, caplog):
     host, port = url.removeprefix("http://").split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=30)
@@ -448,7 +414,7 @@ def test_python_server_py_serves_the_default_model():
                 assert time.monotonic() < deadline, "the server did not come up in 180 s"
                 time.sleep(0.5)
         assert health["model"] == "SmolLM2-135M-Instruct" and health["num_blocks"] == 64
-        assert health["batching"] is True and health["waiting_requests"] == 0  # the default engine batches
+        assert health["waiting_requests"] == 0
         status, reply = call(url, "/generate", {"messages": [{"role": "user", "content": "Hi!"}], "max_tokens": 4})
         assert status == 200 and reply["completion_tokens"] >= 1 and reply["text"]
         status, health = call(url, "/health")
@@ -470,12 +436,10 @@ def test_python_server_py_serves_the_default_model():
     (["--block-size", "0"], "argument --block-size: must be at least 1, got 0"),
     (["--admin-key", " "], "--admin-key is empty"),
     (["--max-num-seqs", "0"], "argument --max-num-seqs: must be at least 1, got 0"),
-    (["--no-batching", "--max-num-batched-tokens", "512"], "--max-num-batched-tokens is a setting of the batching engine"),
-    (["--no-batching", "--no-enable-chunked-prefill"], "--enable-chunked-prefill is a setting of the batching engine"),
+    (["--no-batching"], "unrecognized arguments: --no-batching"),
     (["--max-num-batched-tokens", "32"], "--max-num-batched-tokens (32) must be at least --max-num-seqs (64)"),
     (["--target-step-ms", "0"], "argument --target-step-ms: must be a number above 0"),
     (["--target-step-ms", "100", "--max-num-batched-tokens", "512"], "not allowed with argument"),
-    (["--no-batching", "--target-step-ms", "100"], "--target-step-ms is a setting of the batching engine"),
     (["--max-requests-per-key", "0"], "argument --max-requests-per-key: must be at least 1, got 0"),
     (["--forwarded-allow-ips", "10.0.0.5,*"], "--forwarded-allow-ips: '*' would trust every client to name its own"),
     (["--forwarded-allow-ips", "proxy.local"], "--forwarded-allow-ips: 'proxy.local' is not an IP address or network"),

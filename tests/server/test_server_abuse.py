@@ -123,7 +123,7 @@ def test_the_per_address_refusal_says_which_flag(engine):
 
 
 def test_junk_after_a_body_ends_the_request_before_its_prefill_runs_through(tiny_model, tokenizer, caplog):
-    engine = Engine(model=tiny_model, tokenizer=tokenizer, block_size=4, num_blocks=128, batching=True,
+    engine = Engine(model=tiny_model, tokenizer=tokenizer, block_size=4, num_blocks=128,
                     max_num_seqs=4, max_num_batched_tokens=16)
     counter = EmbeddingCounter(engine.model)
     body = json.dumps({"prompt": list(range(100, 200)), "max_tokens": 4}).encode()  # 100 tokens: 7 chunks
@@ -224,7 +224,7 @@ def test_more_than_a_few_bytes_after_a_body_end_the_request(engine):
 
 
 def test_ctrl_c_ends_while_a_connection_drips_its_headers(tiny_model, tokenizer):
-    engine = Engine(model=tiny_model, tokenizer=tokenizer, block_size=4, num_blocks=64, batching=True)
+    engine = Engine(model=tiny_model, tokenizer=tokenizer, block_size=4, num_blocks=64)
     url, server = serve_in_background(create_app(engine, model_name=MODEL), read_timeout=600, idle_timeout=600)
     sock = connect_from(url, ATTACKER)
     stop = threading.Event()
@@ -264,7 +264,7 @@ def test_hang_up_checks_on_descriptors_over_1023_fail_no_request(tiny_model, tok
     if hard != resource.RLIM_INFINITY and hard < 2048:
         pytest.skip(f"this process may open {hard} files: too few to reach descriptor 1,024")
     resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 2048), hard))
-    engine = Engine(model=tiny_model, tokenizer=tokenizer, block_size=4, num_blocks=64, batching=True)
+    engine = Engine(model=tiny_model, tokenizer=tokenizer, block_size=4, num_blocks=64)
     filler = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]  # select.select refuses the server's sockets now
     try:
         with serve(create_app(engine, model_name=MODEL)) as url:

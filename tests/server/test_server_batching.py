@@ -1,7 +1,7 @@
 """The server on the batching engine (python server.py's default): clients share forward
 passes, a busy pool makes them wait instead of answering 503, /health and /cache show the
 scheduler, and a client that leaves frees its request. Real servers on 127.0.0.1 around an
-Engine(batching=True) over conftest's tiny random model, as in test_server.py.
+Engine() over conftest's tiny random model, as in test_server.py.
 
 No sleeps decide anything here. A forward hook that waits on an event holds the engine loop
 inside a step where a test needs it: requests sent meanwhile pile up in the waiting queue, and
@@ -32,7 +32,7 @@ ALICE, BOB = {"Authorization": "Bearer alice-key"}, {"Authorization": "Bearer bo
 def batching_engine(tiny_model, tokenizer, **kwargs) -> Engine:
     """A fixed budget unless given: the step counts these tests compare are the same on every machine."""
     kwargs = {"max_num_batched_tokens": 2048, **kwargs}
-    return Engine(model=tiny_model, tokenizer=tokenizer, block_size=4, batching=True, **kwargs)
+    return Engine(model=tiny_model, tokenizer=tokenizer, block_size=4, **kwargs)
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +102,7 @@ def test_health_answers_inside_a_step_and_shows_who_runs_and_who_waits(tiny_mode
     prompts = [list(range(100 * i, 100 * i + 20)) for i in range(1, 7)]
     with serve(create_app(engine, cache_page_every_s=0, model_name=MODEL)) as url:
         health = call(url, "/health")[1]
-        assert health["batching"] is True and health["steps"] == 0 and health["last_step"] is None
+        assert health["steps"] == 0 and health["last_step"] is None
         assert (health["max_num_seqs"], health["max_num_batched_tokens"]) == (64, 2048)
         with concurrent.futures.ThreadPoolExecutor(max_workers=6) as pool:
             with held_in_step(engine, step=2) as (inside, release):  # step 1 is the opener's
@@ -333,7 +333,7 @@ def test_the_server_load_benchmark_reports_every_figure(tiny_model_dir, tmp_path
     results = server_load.main(["--model", str(tiny_model_dir), "--block-size", "4", "--num-blocks", "256",
                                 "--quick", "--json", str(out)])
     assert json.loads(out.read_text()) == results
-    assert results["batching"] is True and [run["clients"] for run in results["runs"]] == [1, 4]
+    assert [run["clients"] for run in results["runs"]] == [1, 4]
     assert all(run["requests"] == run["hits"] == 8 and run["cached_tokens"]["min"] > 0 for run in results["runs"])
     assert results["requests_per_s_ratio"] > 0 and results["class"]["students"] == 4
     assert results["class"]["first_answer_ms"] <= results["class"]["last_answer_ms"]

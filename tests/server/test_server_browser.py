@@ -11,6 +11,8 @@ import shutil
 import pytest
 
 from engine import Engine
+from one_request import run_request
+from request import SamplingParams
 from server import create_app
 from helpers import SYSTEM, assert_pool_whole, call, serve
 
@@ -61,7 +63,9 @@ def test_the_page_shows_the_pool_live(page, tiny_model, tokenizer, tmp_path):
         expect(page.locator("#cached-blocks tr").first).to_contain_text(tokenizer.decode(first_block.token_ids))
 
         # A running request: its block table appears, green, and its blocks leave the free queue.
-        held = engine.stream(SYSTEM + "Go on.", max_tokens=8, request_id="student-1")
+        # Stage 7's path holds it still between two tokens (the engine loop would decode on).
+        held = run_request(engine.parts, "student-1", engine.tokenize(SYSTEM + "Go on."), SamplingParams(max_tokens=8),
+                           None, 0.0)
         next(held)
         table = engine.allocator.block_tables["student-1"]
         row = page.locator('#tables .request[data-request="student-1"]')

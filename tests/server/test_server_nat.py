@@ -31,7 +31,7 @@ TEACHER = "teacher-secret"
 @pytest.fixture(scope="module")
 def engine(tiny_model, tokenizer):
     """Room for thirty chats at once: 256 blocks of 16 tokens, a fixed budget a step."""
-    return Engine(model=tiny_model, tokenizer=tokenizer, block_size=16, num_blocks=256, batching=True,
+    return Engine(model=tiny_model, tokenizer=tokenizer, block_size=16, num_blocks=256,
                   max_num_batched_tokens=2048)
 
 

@@ -30,7 +30,7 @@ ALICE, BOB, ADMIN = ({"Authorization": f"Bearer {key}"} for key in ("alice-key",
 
 def batching_engine(tiny_model, tokenizer, **kwargs) -> Engine:
     kwargs = {"max_num_batched_tokens": 2048, **kwargs}  # a fixed budget: the same steps on every machine
-    return Engine(model=tiny_model, tokenizer=tokenizer, block_size=4, num_blocks=128, batching=True, **kwargs)
+    return Engine(model=tiny_model, tokenizer=tokenizer, block_size=4, num_blocks=128, **kwargs)
 
 
 def post_head(path: str, body: bytes) -> list[str]:
@@ -108,18 +108,6 @@ def test_a_full_queue_answers_503_with_retry_after(tiny_model, tokenizer):
             assert "--max-waiting-requests" in reply["error"]["message"]
         assert [f.result()[0] for f in queued] == [200, 200]  # the queued ones were served
     wait_until_idle(engine)
-
-
-def test_the_no_batching_503_says_when_to_retry(tiny_model, tokenizer):
-    engine = Engine(model=tiny_model, tokenizer=tokenizer, block_size=4, num_blocks=8)
-    held_request = engine.stream(list(range(100, 124)), max_tokens=4)  # 24 tokens: 6 of the 8 blocks
-    next(held_request)
-    try:
-        with serve(create_app(engine, model_name=MODEL)) as url:
-            status, reply, headers = call_with_headers(url, "/generate", {"prompt": list(range(300, 312)), "max_tokens": 4})
-    finally:
-        held_request.close()
-    assert status == 503 and headers["Retry-After"] == "2" and "KV pool is full" in reply["error"]["message"]
 
 
 def test_a_prompt_over_the_limit_is_refused_before_it_runs(engine):
