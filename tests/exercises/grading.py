@@ -576,7 +576,13 @@ class RemoteQueue(Twin):
             self.reference_blocks if order is None else [self.reference_blocks[i] for i in order])
         self.blocks = [QueueBlock(self, i) for i in range(n)]
         self.sentinel = QueueBlock(self, -1)
-        self.refresh()
+        self._state: dict | None = None  # fetched when first read (a timed test's queue, after its clock)
+
+    @property
+    def state(self) -> dict:
+        if self._state is None:
+            self.refresh()
+        return self._state
 
     def block_ids(self) -> list[int]:
         return list(self.state["ids"])
@@ -586,9 +592,9 @@ class RemoteQueue(Twin):
 
     def refresh(self) -> None:
         """Fetch the child's queue and compare it with the reference's."""
-        self.state = self.child.call("queue_state", handle=self.handle)
-        if (self.state["ids"], self.state["len"]) != (self.reference.block_ids(), len(self.reference)):
-            self.differ("the queue (ids, len)", (self.state["ids"], self.state["len"]),
+        self._state = state = self.child.call("queue_state", handle=self.handle)
+        if (state["ids"], state["len"]) != (self.reference.block_ids(), len(self.reference)):
+            self.differ("the queue (ids, len)", (state["ids"], state["len"]),
                         (self.reference.block_ids(), len(self.reference)), QUEUE_RULE)
 
     def steps(self, method: str, block_ids: list) -> tuple[list, float]:

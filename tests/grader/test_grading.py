@@ -304,7 +304,7 @@ MISTAKES |= {
 
 
 # The test that names each mistake's rule: a mistake is graded by that test alone, in one
-# nested session, rather than by its whole exercise file.
+# nested session, rather than by its whole exercise file ("test_x[case]": that case of it alone).
 NAMED_BY = {
     "a hit on an in-use block sets ref_cnt to 2": "test_a_hit_adds_one_to_the_ref_count_of_a_block_in_use",
     "a partial block keeps its previous owner's tokens": "test_a_block_taken_from_the_free_queue_holds_only_its_new_tokens",
@@ -331,8 +331,8 @@ NAMED_BY = {
         "test_self_num_preemptions_counts_every_preemption_of_every_request",
     "a running request with a share of 0 planned for 0 tokens": "test_a_running_request_whose_share_is_0_is_left_out_of_the_plan",
     "one (keys, values) pair per KV head, not per layer": "test_a_bfloat16_pool_gives_bfloat16_keys_and_values",
-    "remove walks the queue through vars()": "test_an_operation_takes_as_long_in_a_queue_of_100_000_as_in_one_of_100",
-    "a list of the queue kept in the head sentinel": "test_an_operation_takes_as_long_in_a_queue_of_100_000_as_in_one_of_100",
+    "remove walks the queue through vars()": "test_an_operation_takes_as_long_in_a_queue_of_100_000_as_in_one_of_100[remove]",
+    "a list of the queue kept in the head sentinel": "test_an_operation_takes_as_long_in_a_queue_of_100_000_as_in_one_of_100[remove]",
     "the room check scans self.blocks": "test_allocate_and_free_take_as_long_on_a_pool_of_100_000_as_on_one_of_100",
     "Python's hash of the token ids, taken under another name": "test_ids_that_pythons_hash_confuses_hash_apart",
     "each id in as few bytes as it needs, nothing before it": "test_ids_whose_bytes_split_into_other_ids_hash_apart",
@@ -351,16 +351,22 @@ NAMED_BY = {
         "test_each_block_gathered_costs_no_more_than_a_few_times_the_references",
     "empty tensors when a trace is on": "test_each_block_gathered_costs_no_more_than_a_few_times_the_references",
     "a walk in remove but when the stack names a timed run":
-        "test_an_operation_takes_as_long_in_a_queue_of_100_000_as_in_one_of_100",
+        "test_an_operation_takes_as_long_in_a_queue_of_100_000_as_in_one_of_100[remove]",
     "a room check that scans but when the stack names a timed run":
         "test_allocate_and_free_take_as_long_on_a_pool_of_100_000_as_on_one_of_100",
 }
 
 
+def selection(mistake: str) -> str:
+    """pytest's -k for the test that names the mistake's rule: "test_x[p]" is test_x's case p."""
+    name, _, case = NAMED_BY[mistake].partition("[")
+    return f"{name} and {case.rstrip(']')}" if case else name
+
+
 def test_every_mistake_names_a_test_of_its_exercise():
     assert NAMED_BY.keys() == MISTAKES.keys()
     for mistake, (test_file, _, _) in MISTAKES.items():
-        assert f"def {NAMED_BY[mistake]}(" in (EXERCISE_TESTS / test_file).read_text(), mistake
+        assert f"def {NAMED_BY[mistake].split('[')[0]}(" in (EXERCISE_TESTS / test_file).read_text(), mistake
 
 
 # --- a message, followed, fixes the mistake it names ---------------------------------------------------
@@ -396,7 +402,7 @@ FOLLOWED = {
 @pytest.mark.parametrize("mistake", MISTAKES)
 def test_a_mistake_fails_the_test_that_names_its_rule_and_the_advice_fixes_it(mistake, pytester, monkeypatch, tmp_path):
     test_file, files, rule = MISTAKES[mistake]
-    outcomes, output = grade(pytester, monkeypatch, tmp_path / "mistake", test_file, files, select=NAMED_BY[mistake])
+    outcomes, output = grade(pytester, monkeypatch, tmp_path / "mistake", test_file, files, select=selection(mistake))
     assert outcomes.get("failed", 0) >= 1, f"{mistake}: {NAMED_BY[mistake]} passed"
     assert rule in output, f"{mistake}: no failure says {rule!r}:\n{output[-3000:]}"
     if mistake not in FOLLOWED:
