@@ -3,11 +3,12 @@ The engine loop: a thread that steps one BatchRunner for callers in many threads
 
 Read batch_engine.py first: the step (schedule, one forward pass, a token per request).
 Every Engine (engine.py) submits every request here, whoever calls (generate, stream,
-generate_batch, a server's clients), so one scheduler plans every step. Callers read each request's
-StreamEvents from a queue; the loop's thread is supervised, and a gentle shutdown drains it.
+generate_batch, a server's clients), so one scheduler plans every step. Callers read each
+request's StreamEvents from a queue; a loop that fails outside a step is dead (crash-only),
+and a gentle shutdown drains it.
 
     1. the loop's pieces  POLL_S, freeze_startup_heap, the errors callers see, LoopSnapshot
-    2. the engine loop    submit, events, cancel; the thread and its supervision; drain, stop;
+    2. the engine loop    submit, events, cancel; the thread and its death; drain, stop;
                           snapshot
 
 References: vLLM v1 (vllm/v1/engine/core.py: EngineCoreProc.run_busy_loop takes new requests
@@ -67,7 +68,7 @@ class QueueFullError(RuntimeError):
 
 
 class EngineStoppedError(RuntimeError):
-    """The engine loop takes no requests: it is shutting down, or it failed for good."""
+    """The engine loop takes no requests: it is shutting down, stopped, or dead (it failed)."""
 
 
 class ClientGoneError(ConnectionError):
@@ -84,8 +85,7 @@ class LoopSnapshot:
     num_preemptions: int
     num_steps: int
     last_step: StepFigures | None
-    num_restarts: int  # failures outside a step the loop recovered from
-    failure: str | None  # why the loop stopped for good (it refuses every request), or None
+    failure: str | None  # what killed the loop (it refuses every request), or None
     step_budget: dict | None = None  # the target step time and the costs learned (StepBudget.describe)
     served: dict = None  # tenant -> tokens computed for it (its fair-share counter), tenants with work or ahead
     least_served: int | None = None  # the least-served tenant with work's count (None: nobody has work)
@@ -95,12 +95,12 @@ class LoopSnapshot:
 # -----------------------------------------------------------------------------
 # 2. The engine loop: calls from many threads, one forward pass per step for all of them
 #
-# It is supervised. A step that fails is the batch runner's business: its requests fail, the
-# loop goes on. A failure anywhere else in the loop (or its thread dying) fails every request
-# the scheduler held and the loop starts over, with the pool checked whole; if the pool cannot
-# be put right, the loop stops for good (`failure`) and refuses every request at once. No
-# caller waits forever: a caller looks at the loop whenever POLL_S passes without an event,
-# and may give its request a deadline.
+# Crash-only. A step that fails is the batch runner's business: its requests fail, the loop
+# goes on. A failure anywhere else in the loop (or its thread dying) kills it: every request it
+# holds, and every later one, gets EngineStoppedError with the cause (`failure`), until the
+# engine is closed and made again; nothing restarts it (vLLM's EngineDeadError,
+# vllm/v1/engine/exceptions.py). No caller waits forever: a caller looks at the loop whenever
+# POLL_S passes without an event, and may give its request a deadline.
 
 
 class EngineLoop:
@@ -124,11 +124,9 @@ class EngineLoop:
         # Each request's caller's hang-up check, asked while it waits or prefills (none: never asked).
         self._gone: weakref.WeakKeyDictionary[Request, Callable[[], bool]] = weakref.WeakKeyDictionary()
         self._thread: threading.Thread | None = None
-        self._restarting = threading.Lock()  # one caller restarts a dead thread, not many
         self._stopping = False  # stop(): the thread ends after its step
-        self._closed: str | None = None  # why submit refuses (shutting down, or failed for good)
-        self.failure: BaseException | None = None  # what stopped the loop for good
-        self.num_restarts = 0
+        self._closed: str | None = None  # why submit refuses (shutting down, stopped, or dead)
+        self.failure: BaseException | None = None  # what killed the loop (it refuses every request), or None
 
     @property
     def parts(self) -> EngineParts:
@@ -219,57 +217,32 @@ class EngineLoop:
         _LOOPS.add(self)
 
     def _run(self) -> None:
-        """The thread: serve until stopped; after a failure outside a step, start over."""
-        while True:
-            try:
-                self._serve()
-                return
-            except Exception as err:
-                log.exception("the engine loop failed outside a step; failing its requests and starting over")
-                if not self._recover(err):
-                    return
+        """The thread: serve until stopped. A failure outside a step is the engine's death:
+        crash-only, as vLLM's EngineDeadError, no restart to reason about."""
+        try:
+            self._serve()
+        except Exception as err:
+            log.exception("the engine loop failed outside a step; the engine takes no more requests")
+            self._die(err)
 
     def check_alive(self) -> None:
-        """A caller's check (a dead thread sends no events): restart the loop's thread if it
-        died; raise EngineStoppedError if the loop failed for good or has stopped."""
-        with self._restarting:
-            thread = self._thread
-            if thread is not None and not thread.is_alive() and not self._stopping and self.failure is None:
-                if self._recover(RuntimeError("the engine loop's thread died; its requests were lost")):
-                    self._start_thread()
+        """A caller's check (a dead thread sends no events): raise EngineStoppedError if the
+        loop died (its thread too: marked dead here, once) or has stopped."""
+        thread = self._thread
+        if thread is not None and not thread.is_alive() and not self._stopping and self.failure is None:
+            self._die(RuntimeError("the engine loop's thread died"))
         if self.failure is not None or (self._stopping and thread is not None and not thread.is_alive()):
             raise EngineStoppedError(self._closed)
 
-    def _recover(self, err: BaseException) -> bool:
-        """After a failure outside a step: every request the loop had taken from its inbox
-        (in the scheduler, or on its way there) ends with `err`, its blocks freed, and the
-        pool must then be whole; requests still in the inbox go on. False (and the loop stops
-        for good) when the pool cannot be put right."""
-        scheduler, alloc = self.scheduler, self.parts.allocator
-        try:
-            with self.parts.allocator_lock:
-                with self._wake:
-                    queued = {id(request) for request in self._inbox}
-                    lost = [request for request in self.live.values() if id(request) not in queued]
-                for request in lost:
-                    if request.status != FINISHED and (request in scheduler.running or request in scheduler.waiting):
-                        scheduler.finish(request)
-                    request.status = FINISHED
-                if scheduler.running or scheduler.waiting or alloc.block_tables:
-                    raise RuntimeError(f"after the failure, blocks are still held by {sorted(alloc.block_tables)}")
-                alloc.check_invariants()
-        except Exception as second:
-            log.exception("the engine loop cannot start over: it refuses every request from now on")
-            self._stop_for_good(second)
-            return False
-        self.num_restarts += 1
-        for request in lost:
-            self._end(request, err)
-        return True
-
-    def _stop_for_good(self, err: BaseException) -> None:
+    def _die(self, err: BaseException) -> None:
+        """The loop is dead, with its cause: every request it holds and every later one gets
+        EngineStoppedError saying so, until the engine is closed and made again."""
         with self._wake:
-            self.failure, self._closed = err, f"the engine loop failed and could not be restarted: {err!r}"
+            if self.failure is not None:
+                return
+            self.failure = err
+            self._closed = (f"the engine failed ({err!r}) and takes no more requests; close it and make a new one "
+                            "(a server: restart it)")
             lost, self._inbox = list(self.live.values()), deque()
         for request in lost:
             self._end(request, EngineStoppedError(self._closed))
@@ -412,7 +385,6 @@ class EngineLoop:
                 num_preemptions=scheduler.num_preemptions,
                 num_steps=self.runner.num_steps,
                 last_step=self.runner.last_step,
-                num_restarts=self.num_restarts,
                 failure=None if self.failure is None else repr(self.failure),
                 step_budget=self.runner.budget.describe(),
                 served=dict(scheduler.served),

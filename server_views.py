@@ -19,7 +19,7 @@ another tenant's traffic is scoped to its own requests or left out (null):
                                   the free queue
     the same for everyone         status, model, num_blocks, block_size and the
                                   scheduler's settings: what the teacher started it with
-    null or left out              num_free_blocks, preemptions, steps, restarts (null);
+    null or left out              num_free_blocks, preemptions, steps (null);
                                   last_step, step_costs (left out); every other block is its
                                   id alone, opaque, even an empty one (else their count would
                                   tell how many blocks the others fill)
@@ -147,7 +147,6 @@ class ServerState:
             "prefilling_requests": len(loop.prefilling),  # running, part-way through their prompt
             "preemptions": loop.num_preemptions,
             "steps": loop.num_steps,
-            "restarts": loop.num_restarts,  # failures outside a step the engine loop recovered from
             **engine.scheduler_options,  # max_num_seqs, max_num_batched_tokens, enable_chunked_prefill
             "target_step_ms": engine.target_step_ms,  # None: max_num_batched_tokens every step
             "fair_share": engine.config.fair_share,
@@ -157,7 +156,7 @@ class ServerState:
             pool |= {"running_requests": sum(salt == viewer.tenant for _, salt in loop.running),
                      "waiting_requests": sum(salt == viewer.tenant for _, salt in loop.waiting),
                      "prefilling_requests": len(mine & set(loop.prefilling)),
-                     "preemptions": None, "steps": None, "restarts": None,
+                     "preemptions": None, "steps": None,
                      **share_of(loop, viewer.tenant)}
         else:
             if loop.step_budget is not None:  # what a step costs on this machine, learned (step_budget.py)

@@ -60,12 +60,12 @@ def assert_pool_whole(engine) -> None:
 
 def wait_until_idle(engine, timeout: float = 30.0) -> None:
     """Every request finished or cancelled, every block back. A client that left is noticed
-    by its server thread, and (batching) its request freed by the loop before its next step,
+    by its server thread, and its request freed by the engine loop before its next step,
     moments later."""
     deadline = time.monotonic() + machine.scaled(timeout)
-    while (engine.allocator.block_tables or (engine.loop and engine.loop.live)) and time.monotonic() < deadline:
+    while (engine.allocator.block_tables or engine.loop.live) and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert engine.loop is None or engine.loop.live == {}
+    assert engine.loop.live == {}
     assert_pool_whole(engine)
 
 

@@ -15,6 +15,7 @@ import weakref
 import pytest
 
 from engine import Engine, EngineClosedError
+from engine_loop import EngineStoppedError
 from helpers import assert_pool_whole, hf_greedy
 from models import tiny_llama
 from outputs import ReplyBuilder
@@ -64,6 +65,18 @@ def test_a_dropped_or_closed_engine_frees_its_pool_model_and_thread(tokenizer, h
     assert not alive, f"still alive after the engine went: {alive}"
 
 
+def test_closing_an_engine_ends_its_requests_in_flight_with_a_clear_error(make_engine):
+    engine = make_engine()
+    stream = engine.stream(list(range(100, 120)), max_tokens=200)
+    next(stream)
+    engine.close()
+    with pytest.raises(EngineStoppedError, match="its engine was closed"):
+        for _ in stream:  # the events the loop sent before it stopped, then the error
+            pass
+    with pytest.raises(EngineClosedError):
+        engine.generate("Hi", max_tokens=2)
+
+
 def test_three_engines_made_and_dropped_do_not_grow_the_process(tokenizer):
     pool_bytes = 96 * 2**20  # each engine's KV pool: far more than the tiny model itself
     gc.collect()
@@ -106,7 +119,7 @@ def test_a_raising_reply_builder_fails_only_its_request_in_the_loop(make_engine,
     assert isinstance(results["r1"], RuntimeError) and "r1 broke" in str(results["r1"])
     for i in (0, 2):
         assert results[f"r{i}"] == hf_greedy(tiny_model, PROMPTS[i], 6)
-    assert loop.num_restarts == 0 and loop.failure is None
+    assert loop.failure is None
     assert engine.generate(PROMPTS[1], max_tokens=3).token_ids == hf_greedy(tiny_model, PROMPTS[1], 3)
 
 
@@ -149,7 +162,7 @@ def test_a_raising_hang_up_check_fails_only_its_request(make_engine, tiny_model)
     assert len(errors) == 1 and "check broke" in str(errors[0])
     assert sorted(o for o in outcomes if not isinstance(o, OSError)) == sorted(
         [hf_greedy(tiny_model, PROMPTS[0], 5), hf_greedy(tiny_model, PROMPTS[2], 5)])
-    assert engine.loop.num_restarts == 0 and engine.loop.failure is None
+    assert engine.loop.failure is None
 
 
 def test_the_loop_is_not_kept_by_atexit(tokenizer):

@@ -16,7 +16,7 @@ import threading
 
 import pytest
 
-from engine_loop import EngineLoop
+from engine_loop import EngineLoop, EngineStoppedError
 from engine import Engine
 from helpers import (
     MODEL, SYSTEM, EmbeddingCounter, call, call_with_headers, held_in_step, queued_together, raw_request, serve,
@@ -164,31 +164,24 @@ def fail_once(monkeypatch, loop: EngineLoop, error: BaseException) -> None:
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the thread that dies
-@pytest.mark.parametrize("error", [RuntimeError("a bug outside the step"), SystemExit()],
+@pytest.mark.parametrize("error, cause", [(RuntimeError("a bug outside the step"), "a bug outside the step"),
+                                          (SystemExit(), "the engine loop's thread died")],
                          ids=["exception", "dead-thread"])
-def test_a_failure_outside_a_step_fails_its_request_and_the_loop_restarts(tiny_model, tokenizer, monkeypatch, error):
+def test_a_failure_outside_a_step_kills_the_engine_once_and_every_caller_is_told_why(tiny_model, tokenizer,
+                                                                                      monkeypatch, error, cause):
     engine = batching_engine(tiny_model, tokenizer)
     engine.generate("Hello", max_tokens=1)  # the loop's thread runs
     fail_once(monkeypatch, engine.loop, error)
     with serve(create_app(engine, model_name=MODEL)) as url:
         status, reply = call(url, "/generate", {"prompt": "Hi", "max_tokens": 2})
-        assert status == 500 and "internal error" in reply["error"]["message"]  # the server's fault, said so
-        assert call(url, "/generate", {"prompt": "Hi", "max_tokens": 2})[0] == 200  # and then it serves again
-        assert call(url, "/health")[1]["restarts"] == 1
-    wait_until_idle(engine)
-
-
-def test_a_loop_that_cannot_be_restarted_makes_health_503_and_refuses_at_once(tiny_model, tokenizer, monkeypatch):
-    engine = batching_engine(tiny_model, tokenizer)
-    fail_once(monkeypatch, engine.loop, RuntimeError("a bug outside the step"))
-    monkeypatch.setattr(engine.allocator, "check_invariants", lambda: 1 / 0)  # and the pool cannot be checked
-    with serve(create_app(engine, model_name=MODEL)) as url:
-        status, reply = call(url, "/generate", {"prompt": "Hi", "max_tokens": 2})
-        assert status == 503 and "could not be restarted" in reply["error"]["message"]
+        assert status == 503 and "takes no more requests; close it and make a new one" in reply["error"]["message"]
+        assert cause in reply["error"]["message"]
         status, health = call(url, "/health")
-        assert status == 503 and health["status"] == "error" and "ZeroDivisionError" in health["message"]
+        assert status == 503 and health["status"] == "error" and cause in health["message"]
         status, reply, headers = call_with_headers(url, "/generate", {"prompt": "Hi", "max_tokens": 2}, timeout=5)
-        assert status == 503 and headers["Retry-After"] == "2"
+        assert status == 503 and headers["Retry-After"] == "2" and cause in reply["error"]["message"]
+    with pytest.raises(EngineStoppedError, match=cause):  # in process too, until the engine is made again
+        engine.generate("Hi", max_tokens=2)
 
 
 def test_a_request_waits_no_longer_than_its_deadline(tiny_model, tokenizer):
