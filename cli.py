@@ -14,7 +14,8 @@ import importlib
 import prefix_caching
 
 BENCHMARKS = ("allocator", "ttft", "throughput", "chunked_prefill", "stalls", "attention", "paged", "step_profile",
-              "busy", "server_load", "server_abuse", "cache_probe", "analyzer", "caching_models", "router", "fleet", "gpu")
+              "busy", "server_load", "server_abuse", "first_prompt", "cache_probe", "analyzer", "caching_models", "router",
+              "fleet", "gpu")
 
 
 def main(argv: list[str] | None = None) -> None:

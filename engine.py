@@ -34,6 +34,7 @@ from __future__ import annotations
 import itertools
 import math
 import threading
+import time
 import weakref
 from dataclasses import dataclass, fields, replace
 from typing import Callable, Iterator, Sequence
@@ -52,7 +53,7 @@ from prefix_caching import HASH_ALGOS, PrefixCachingAllocator, check_cache_salt,
 from prompts import tokenize_prompts
 from request import FINISHED, SamplingParams
 from scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS, check_step_size
-from step_budget import DEFAULT_TARGET_STEP_MS, ModelShape, StepBudget
+from step_budget import CALIBRATION_TOKENS, DEFAULT_TARGET_STEP_MS, ModelShape, StepBudget
 
 # -----------------------------------------------------------------------------
 # The Engine and its configuration
@@ -267,6 +268,8 @@ class Engine:
                                                       threads=threads)
         # The engine's one scheduler, in a thread started by the first request.
         self.loop = EngineLoop(self.parts, **self._runner_options())
+        if self.step_budget is not None:
+            self.step_budget.calibrate(self.loop.runner.thread_count(chosen=False), self._timed_passes())
         # Stops the loop's thread when the engine is closed or dropped; holds the loop, never the engine.
         self._finalizer = weakref.finalize(self, _close_loop, self.loop)
 
@@ -500,6 +503,21 @@ class Engine:
         """Shut the engine down gently (EngineLoop.drain): waiting requests end with
         EngineStoppedError, running ones get `grace` seconds, then finish with "abort"."""
         self.loop.drain(grace)
+
+    def _timed_passes(self) -> list[tuple[int, float]]:
+        """(prompt tokens, seconds) of a plain forward pass of each of CALIBRATION_TOKENS, in
+        the context every pass runs in, after one untimed pass of each size: what the step
+        budget's first fit is made of."""
+        timed = []
+        with self.lock, torch.inference_mode():
+            for num_tokens in [min(n, self.max_model_len or n) for n in CALIBRATION_TOKENS] * 2:
+                with one_pass(self.threads, self.device, ("calibration", num_tokens), may_probe=False):
+                    start = time.perf_counter()
+                    self.model(input_ids=torch.zeros(1, num_tokens, dtype=torch.long, device=self.device),
+                               logits_to_keep=1)
+                    synchronize(self.device)
+                    timed.append((num_tokens, time.perf_counter() - start))
+        return timed[len(CALIBRATION_TOKENS):]  # the first of each size paid its one-time setup
 
     def warm_up(self) -> None:
         """A throwaway prefill and one decode step after it, outside the pool and in the

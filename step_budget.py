@@ -14,7 +14,8 @@ in LLM Inference with Sarathi-Serve", OSDI 2024: pick the chunk size from a late
     StepCosts     what a step costs on this machine, learned from the steps run:
                   seconds = fixed + per_flop x flops, one fit per thread count
                   (cpu_threads.py runs a step with one thread while others keep the cores busy)
-    StepBudget    before each step: the decodes' predicted time, then as many prompt tokens
+    StepBudget    calibrated when the engine starts (two passes far apart in work), then
+                  before each step: the decodes' predicted time, then as many prompt tokens
                   as keep the step within the target and within STALL times the decodes'
                   step (what a stream waits for its next token), never fewer than fit in as
                   long as the decodes take (so the prompt still gets half of each step)
@@ -42,6 +43,7 @@ from scheduler import Budget, Candidate, Request, StepPlan, share_tokens
 DEFAULT_TARGET_STEP_MS = 400.0  # a step never longer than this (the chunks it gives: README, "Measured")
 STALL = 2.2  # a step carrying a prompt's chunk: at most this many times the streams' own step
 FIRST_CHUNK = 16  # prompt tokens in a step before any step with its thread count has been timed
+CALIBRATION_TOKENS = (16, 256)  # the passes an engine times when it starts (StepBudget.calibrate): 16x apart in work
 MIN_CHUNK = 16  # prompt tokens a step gives a prompt at least: it always moves on
 FLOOR = 3.0  # a step's prompt tokens cost at least this many times its fixed cost: no crumbs
 GAP_MAX = 2.5  # ... unless that makes a stream wait more than this many times its own step (predicted)
@@ -175,6 +177,38 @@ class StepCosts:
         return fixed + per_flop * flops
 
 
+class HeldCosts:
+    """Costs measured once and held, never learned from the steps run: a machine profiled
+    once (as Sarathi-Serve profiles before it serves), or a test's calibration, which makes
+    the default policy's plans the same on every machine.
+
+    >>> HeldCosts(fixed_s=0.02, per_flop=2e-11).predict(2, 1e9)
+    0.04
+    """
+
+    def __init__(self, fixed_s: float, per_flop: float) -> None:
+        self.fixed_s, self.per_flop = fixed_s, per_flop
+
+    def record(self, threads, flops: float, seconds: float) -> None:
+        """Nothing to learn: the costs are held."""
+
+    def known(self, threads) -> bool:
+        return True
+
+    def num_steps(self, threads) -> int:
+        return 0
+
+    def fit(self, threads) -> tuple[float, float]:
+        return self.fixed_s, self.per_flop
+
+    def predict(self, threads, flops: float) -> float:
+        return self.fixed_s + self.per_flop * flops
+
+    @property
+    def buckets(self) -> dict:
+        return {}
+
+
 # -----------------------------------------------------------------------------
 # 3. The budget of the next step
 
@@ -218,9 +252,12 @@ class StepBudget:
     93
     """
 
-    def __init__(self, shape: ModelShape, target_ms: float, max_num_batched_tokens: int) -> None:
+    def __init__(self, shape: ModelShape, target_ms: float, max_num_batched_tokens: int,
+                 costs: StepCosts | HeldCosts | None = None) -> None:
+        """costs: what a step costs on this machine; None: learned (StepCosts), from the
+        engine's calibration and then every step run."""
         self.shape, self.target_ms, self.cap = shape, target_ms, max_num_batched_tokens
-        self.costs = StepCosts()
+        self.costs = StepCosts() if costs is None else costs
         self.last: int | None = None  # the latest budget handed out
         self.predicted: float | None = None  # the latest step's seconds, predicted before it ran (None: nothing known)
         self.took: float | None = None  # ... and as timed
@@ -314,6 +351,14 @@ class StepBudget:
         """Seconds the plan's step should take by what has been learned; None before any step
         ran with this thread count."""
         return self.costs.predict(threads, step_flops(self.shape, plan)) if self.costs.known(threads) else None
+
+    def calibrate(self, threads, timed: list[tuple[int, float]]) -> None:
+        """The costs' first fit, from passes timed when the engine starts: (prompt tokens,
+        seconds) of passes far enough apart in work (CALIBRATION_TOKENS) to tell a step's
+        fixed cost from its cost per flop, so the first long prompt is chunked by what this
+        machine does, not by FIRST_CHUNK; the steps run then refine it as any step does."""
+        for num_tokens, seconds in timed:
+            self.costs.record(threads, chunk_flops(self.shape, 0, num_tokens), seconds)
 
     def record(self, threads, plan: StepPlan, seconds: float) -> None:
         """A step ran: learn from it, after noting what the costs learned before it predicted."""

@@ -299,7 +299,8 @@ def step_time_budget(console: Console, engine: Engine, prompts: dict[str, list[i
     runner = BatchRunner(engine.parts, step_budget=budget, max_num_batched_tokens=cap)  # NEW
     requests = [runner.add(user, ids, SamplingParams(max_tokens=MAX_TOKENS), None) for user, ids in prompts.items()]
     # The four prompts (in as many steps as their budgets take: the first step, with nothing
-    # timed yet, gets FIRST_CHUNK tokens), then four decode steps: what a step costs is learned from them.
+    # timed yet, gets FIRST_CHUNK tokens; an Engine times two passes when it starts instead,
+    # StepBudget.calibrate), then four decode steps: what a step costs is learned from them.
     number = 0
     while runner.scheduler.waiting or any(r.num_prefill_left for r in runner.scheduler.running):
         number += 1

@@ -58,6 +58,22 @@ def assert_pool_whole(engine) -> None:
     alloc.check_invariants()
 
 
+# The default step budget on a held calibration (step_budget.HeldCosts): a fast machine's
+# fixed cost a step and cost per flop, so an engine of the tiny model plans with the policy
+# users get, and the same on every machine. tests/engine/test_step_budget.py tests the learning.
+TEST_COSTS = {"fixed_s": 1e-3, "per_flop": 1e-12}
+
+
+def calibrated(engine):
+    """`engine` with its step budget's costs held at TEST_COSTS (an engine given a fixed
+    max_num_batched_tokens has no step budget: it is returned as it is)."""
+    from step_budget import HeldCosts
+
+    if engine.step_budget is not None:
+        engine.step_budget.costs = HeldCosts(**TEST_COSTS)
+    return engine
+
+
 def wait_until_idle(engine, timeout: float = 30.0) -> None:
     """Every request finished or cancelled, every block back. A client that left is noticed
     by its server thread, and its request freed by the engine loop before its next step,

@@ -82,8 +82,7 @@ def test_every_step_reads_the_blocks_where_they_lie_exactly(tiny_model, tokenize
     over that request's tokens, at every block size, with prompts and decodes of many lengths
     in one step, a shared prefix hit, and preemption (a pool too small for everyone)."""
     prompts = MIXED + [list(range(600, 617)), SHARED[:16]]
-    engine = Engine(model=tiny_model, tokenizer=tokenizer, block_size=block_size, num_blocks=112 // block_size,
-                    max_num_batched_tokens=2048)
+    engine = Engine(model=tiny_model, tokenizer=tokenizer, block_size=block_size, num_blocks=112 // block_size)
     runner = BatchRunner(engine.parts, choose_threads=False, max_num_seqs=8, max_num_batched_tokens=40)
     requests = [runner.add(f"r{i}", p, SamplingParams(max_tokens=12), None) for i, p in enumerate(prompts)]
     seen = []
@@ -385,11 +384,12 @@ def test_one_request_at_a_time_is_exact_with_the_thread_count_the_engine_chooses
     monkeypatch.setattr(cpu_threads.ThreadChooser, "SLOWER", float("inf"))
     default = torch.get_num_threads()
     engine = make_engine()
+    calibration = sum(engine.threads.passes.values())  # the passes the step budget timed when the engine was made
     for i, prompt in enumerate(MIXED):
         reply = one_request.generate(engine.parts, f"r{i}", prompt, SamplingParams(max_tokens=8))
         assert reply.token_ids == hf_greedy(engine.model, prompt, 8)
     assert engine.threads.threads == (1 if others and default > 1 else default)
-    assert sum(engine.threads.passes.values()) == 8 * len(MIXED)  # a prefill and 7 decodes each
+    assert sum(engine.threads.passes.values()) - calibration == 8 * len(MIXED)  # a prefill and 7 decodes each
     assert torch.get_num_threads() == default
 
 

@@ -17,8 +17,9 @@ from prefix_caching import PrefixCachingAllocator
 from sampling import SamplingParams
 from scheduler import Budget, Candidate, Request, Scheduler
 from server import create_app
-from step_budget import (ARRIVAL_STALL, DEFAULT_TARGET_STEP_MS, FAIR_SLACK, FAIR_STALL, FIRST_CHUNK, FLOOR, GAP_MAX, MIN_CHUNK, STALL,
-                         ModelShape, StepBudget, StepCosts, chunk_flops, keys_attended)
+from step_budget import (ARRIVAL_STALL, CALIBRATION_TOKENS, DEFAULT_TARGET_STEP_MS, FAIR_SLACK, FAIR_STALL, FIRST_CHUNK,
+                         FLOOR, GAP_MAX, MIN_CHUNK, STALL, ModelShape, StepBudget, StepCosts, chunk_flops,
+                         keys_attended)
 
 SMOL = ModelShape(body_params=106_000_000, layers=30, heads=9, head_dim=64)  # SmolLM2-135M's sizes
 
@@ -294,14 +295,19 @@ def test_replies_are_exact_whatever_budget_each_step_gets(tiny_model, tokenizer,
         assert any(shared)  # the shared-prefix path ran
 
 
-def test_the_engine_learns_its_costs_and_keeps_within_the_cap(make_engine):
-    engine = make_engine(num_blocks=256, max_num_batched_tokens=None)  # the engine's default: a target step time
-    assert engine.target_step_ms == DEFAULT_TARGET_STEP_MS
+def test_the_engine_is_calibrated_when_made_then_learns_and_keeps_within_the_cap(make_engine):
+    engine = make_engine(num_blocks=256, target_step_ms=DEFAULT_TARGET_STEP_MS)  # its costs learned, as Engine()'s
     assert engine.scheduler_options["max_num_batched_tokens"] == 2048
+    costs = engine.step_budget.costs
+
+    def kept() -> int:
+        return sum(costs.num_steps(threads) for threads in costs.buckets)
+
+    assert kept() == len(CALIBRATION_TOKENS)  # the passes timed when it was made: its first step is not FIRST_CHUNK's
     prompts = [list(range(1, 300)), list(range(1, 20)) + [5] * 30]
     replies = engine.generate_batch(prompts, max_tokens=5)
     assert [r.token_ids for r in replies] == [hf_greedy(engine.model, p, 5) for p in prompts]
-    assert engine.step_budget.costs.buckets  # the steps were timed
+    assert kept() > len(CALIBRATION_TOKENS)  # the steps were timed too
     assert FIRST_CHUNK <= engine.step_budget.last <= 2048
 
 

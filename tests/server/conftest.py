@@ -3,18 +3,16 @@ port of 127.0.0.1. A module may define its own engine and url."""
 
 import pytest
 from engine import Engine
-from helpers import MODEL, serve, wait_until_idle
+from helpers import MODEL, calibrated, serve, wait_until_idle
 from server import create_app
 
 
 @pytest.fixture(scope="module")
 def engine(tiny_model, tokenizer):
-    """The server's engine for a test module: batching, as python server.py's default; block
-    size 4 so blocks fill fast, 64 blocks (256 tokens); a fixed budget of 2,048 tokens a step
-    instead of the default target step time, so its steps are the same on every machine
-    (tests/engine/test_step_budget.py tests the target)."""
-    return Engine(model=tiny_model, tokenizer=tokenizer, block_size=4, num_blocks=64,
-                  max_num_batched_tokens=2048)
+    """The server's engine for a test module, python server.py's default policy on a held
+    calibration (helpers.calibrated: its steps the same on every machine); block size 4 so
+    blocks fill fast, 64 blocks (256 tokens)."""
+    return calibrated(Engine(model=tiny_model, tokenizer=tokenizer, block_size=4, num_blocks=64))
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ import pytest
 from analyzer.request_logs import LoggedRequest
 from benchmarks.router import Fleet, replay_through_router, router
 from engine import Engine
-from helpers import MODEL, StubWorker, serve, wait_until_idle
+from helpers import MODEL, StubWorker, calibrated, serve, wait_until_idle
 from server import create_app
 from server_requests import CHAT, COMPLETIONS, Settings, parse_generation_request
 
@@ -32,8 +32,7 @@ pytestmark = [pytest.mark.router, pytest.mark.server]
 
 
 def make_engine(tiny_model, tokenizer) -> Engine:
-    return Engine(model=tiny_model, tokenizer=tokenizer, block_size=4, num_blocks=128,
-                  max_num_batched_tokens=2048)
+    return calibrated(Engine(model=tiny_model, tokenizer=tokenizer, block_size=4, num_blocks=128))
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,8 @@ import pytest
 from engine import Engine
 from engine_loop import EngineLoop
 from helpers import (
-    MODEL, SYSTEM, call, client, held_in_step, queued_together, raw_request, serve, wait_for_log, wait_until_idle,
+    MODEL, SYSTEM, calibrated, call, client, held_in_step, queued_together, raw_request, serve, wait_for_log,
+    wait_until_idle,
 )
 from server import create_app
 
@@ -30,9 +31,9 @@ ALICE, BOB = {"Authorization": "Bearer alice-key"}, {"Authorization": "Bearer bo
 
 
 def batching_engine(tiny_model, tokenizer, **kwargs) -> Engine:
-    """A fixed budget unless given: the step counts these tests compare are the same on every machine."""
-    kwargs = {"max_num_batched_tokens": 2048, **kwargs}
-    return Engine(model=tiny_model, tokenizer=tokenizer, block_size=4, **kwargs)
+    """The default policy on a held calibration unless a budget is given: the step counts these
+    tests compare are the same on every machine."""
+    return calibrated(Engine(model=tiny_model, tokenizer=tokenizer, block_size=4, **kwargs))
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +117,7 @@ def test_health_answers_inside_a_step_and_shows_who_runs_and_who_waits(tiny_mode
             results = [r.result() for r in replies]
         assert (health["running_requests"], health["waiting_requests"], health["steps"]) == (3, 3, 2)
         assert health["blocks_in_use"] == 15
-        assert health["last_step"] == {"requests": 3, "tokens": 60, "prefill_tokens": 60}
+        assert health["last_step"] == {"requests": 3, "tokens": 60, "prefill_tokens": 60, "budget": 2048}
         assert len(snap["block_tables"]) == 3 and len(snap["waiting_queue"]) == 3
         assert not set(snap["block_tables"]) & set(snap["waiting_queue"])  # without keys, every id is shown
 

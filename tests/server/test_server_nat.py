@@ -21,7 +21,7 @@ import time
 import pytest
 
 from engine import Engine
-from helpers import MODEL, call, call_with_headers, queued_together, serve, until, wait_until_idle
+from helpers import MODEL, calibrated, call, call_with_headers, queued_together, serve, until, wait_until_idle
 from server import create_app
 
 STUDENTS = [f"student-{i:02}" for i in range(30)]
@@ -30,9 +30,8 @@ TEACHER = "teacher-secret"
 
 @pytest.fixture(scope="module")
 def engine(tiny_model, tokenizer):
-    """Room for thirty chats at once: 256 blocks of 16 tokens, a fixed budget a step."""
-    return Engine(model=tiny_model, tokenizer=tokenizer, block_size=16, num_blocks=256,
-                  max_num_batched_tokens=2048)
+    """Room for thirty chats at once: 256 blocks of 16 tokens, the default policy on a held calibration."""
+    return calibrated(Engine(model=tiny_model, tokenizer=tokenizer, block_size=16, num_blocks=256))
 
 
 def class_app(engine, **options):

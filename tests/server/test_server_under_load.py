@@ -19,8 +19,8 @@ import pytest
 from engine_loop import EngineLoop, EngineStoppedError
 from engine import Engine
 from helpers import (
-    MODEL, SYSTEM, EmbeddingCounter, call, call_with_headers, held_in_step, queued_together, raw_request, serve,
-    until, wait_until_idle,
+    MODEL, SYSTEM, EmbeddingCounter, calibrated, call, call_with_headers, held_in_step, queued_together, raw_request,
+    serve, until, wait_until_idle,
 )
 from server import create_app, drain, serve_in_background
 from server_views import ServerState
@@ -29,8 +29,8 @@ ALICE, BOB, ADMIN = ({"Authorization": f"Bearer {key}"} for key in ("alice-key",
 
 
 def batching_engine(tiny_model, tokenizer, **kwargs) -> Engine:
-    kwargs = {"max_num_batched_tokens": 2048, **kwargs}  # a fixed budget: the same steps on every machine
-    return Engine(model=tiny_model, tokenizer=tokenizer, block_size=4, num_blocks=128, **kwargs)
+    # the default policy on a held calibration: the same steps on every machine
+    return calibrated(Engine(model=tiny_model, tokenizer=tokenizer, block_size=4, num_blocks=128, **kwargs))
 
 
 def post_head(path: str, body: bytes) -> list[str]:
@@ -336,3 +336,15 @@ def test_the_abuse_benchmark_runs_each_class_scene_and_takes_the_median_of_its_r
     for kind, tally in kinds.items():
         assert tally["sent"] >= 1 and tally["sent"] == tally["served"] + tally["refused"] + tally["failed"], kind
     assert json.loads((tmp_path / "class.json").read_text())["scenes"]["nat-class"]["kinds"] == kinds
+
+
+def test_the_first_prompt_benchmark_starts_fresh_servers_both_ways(tiny_model_dir, tmp_path):
+    from benchmarks import first_prompt
+
+    out = first_prompt.main(["--runs", "1", "--long-tokens", "300", "--server-args", f"--model {tiny_model_dir}",
+                             "--json", str(tmp_path / "first.json")])
+    assert list(out["runs"]) == ["default", "fixed"] and all(len(runs) == 1 for runs in out["runs"].values())
+    for run in (out["runs"]["default"][0], out["runs"]["fixed"][0]):
+        assert set(run) == {"alone_s", "long_beside_arrivals_s", "stream_ttft_s", "stream_alone_s", "generate_ttft_s",
+                            "generate_alone_s"} and all(seconds > 0 for seconds in run.values())
+    assert out["alone_ratio"] > 0 and json.loads((tmp_path / "first.json").read_text())["long_tokens"] == 300
