@@ -8,20 +8,18 @@
 
 PYTHON := .venv/bin/python
 
-demo: .venv/.installed
+demo: setup
 	$(PYTHON) prefix_caching.py --demo
 
 # Two processes, a test file each at a time (pytest-xdist): half the suite waits on servers,
 # children and sockets, so two keep both cores busy.
-test: .venv/.installed
+test: setup
 	$(PYTHON) -m pytest -n 2 --dist loadfile
 
-test-fast: .venv/.installed
+test-fast: setup
 	$(PYTHON) -m pytest --fast
 
-setup: .venv/.installed
-
-# setup.sh builds .venv from requirements.txt; redone when either changes.
-.venv/.installed: setup.sh requirements.txt
+# setup.sh builds .venv from requirements.txt, or completes a prepared one .venv links to; it
+# returns at once when neither file changed since (their hash is kept in .venv/.installed).
+setup:
 	bash setup.sh
-	touch $@

