@@ -371,9 +371,9 @@ class StepBudget:
         for threads in self.costs.buckets:
             fixed, per_flop = self.costs.fit(threads)
             name = "gpu" if threads is None else f"{threads} thread{'s' if threads > 1 else ''}"
-            learned[name] = {"fixed_ms": round(fixed * 1e3, 1), "ms_per_gflop": round(per_flop * 1e12, 2),
-                             "ms_per_prompt_token": round(per_flop * 2 * self.shape.body_params * 1e3, 2),
-                             "steps": self.costs.num_steps(threads)}
+            learned[name] = {"fixed_ms": round(fixed * 1e3, 1), "ms_per_gflop": float(f"{per_flop * 1e12:.3g}"),
+                             "ms_per_prompt_token": float(f"{per_flop * 2 * self.shape.body_params * 1e3:.3g}"),
+                             "steps": self.costs.num_steps(threads)}  # three figures: a tiny model's are tiny
         return {"target_step_ms": self.target_ms, "last_budget": self.last, "learned": learned}
 
 
