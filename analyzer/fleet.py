@@ -52,11 +52,25 @@ from __future__ import annotations
 import random
 import struct
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Protocol
 
 from analyzer.request_logs import LoggedRequest
 
 POLICIES = ("round_robin", "cache_aware", "random", "power_of_two")  # launch_router's --policy, but manual
+
+
+def pinned_version(package: str) -> str:
+    """The version requirements.txt pins `package` to (its one home; every file that names the
+    router's version reads it here, or is held to it by tests/project/test_pins.py)."""
+    for line in (Path(__file__).resolve().parents[1] / "requirements.txt").read_text().splitlines():
+        name, pinned, version = line.split("#")[0].partition("==")
+        if pinned and name.strip().lower() == package:
+            return version.strip()
+    raise LookupError(f"requirements.txt pins no {package}")
+
+
+ROUTER_VERSION = pinned_version("sglang-router")  # the router whose source the comments below cite
 
 
 # -----------------------------------------------------------------------------

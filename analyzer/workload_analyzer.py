@@ -68,7 +68,7 @@ from rich.tree import Tree
 
 from analyzer.caching_models import (ENGINE, EVICTION_POLICIES, VLLM, LlamaCpp, RadixTree, SGLang, block_hash_ids,
                                      iter_block_hash_ids)
-from analyzer.fleet import POLICIES, NotRoutable, RouterFlags, Routing, route_log
+from analyzer.fleet import POLICIES, ROUTER_VERSION, NotRoutable, RouterFlags, Routing, route_log
 from analyzer.kv_memory import KNOWN_MODELS, UnsupportedModel, kv_shape, memory_to_buy, server_flags
 from analyzer.request_logs import Log, LoggedRequest, LogError, add_log_arguments, interleaved
 from flags import positive_int
@@ -748,7 +748,7 @@ def print_fleet(console: Console, fleet: Fleet, requests: list[LoggedRequest], o
                       f"gets is predicted, not which; the hit rates are one draw's (--router-seed).")
     dropped = sum(1 for r, keeps in zip(requests, routing.keeps_salt) if r.cache_salt is not None and not keeps)
     if dropped:
-        console.print(f"[yellow]warning:[/] {dropped:,} chat requests carry a cache_salt that sglang-router 0.3.2 drops "
+        console.print(f"[yellow]warning:[/] {dropped:,} chat requests carry a cache_salt that sglang-router {ROUTER_VERSION} drops "
                       f"(its chat request type has no such field): their replicas share those prefixes across tenants.")
     if routing.over_tree_size is not None:
         console.print(f"[yellow]warning:[/] after request {routing.over_tree_size:,} a replica's text in the router's tree "
@@ -833,7 +833,7 @@ def build_parser() -> argparse.ArgumentParser:
     memory.add_argument("--context", type=positive_int, default=None,
                         help="tokens a running request holds, prompt and reply (default: the log's longest prompt)")
     defaults = RouterFlags()
-    fleet = parser.add_argument_group("a fleet behind sglang-router 0.3.2 (fleet.py)")
+    fleet = parser.add_argument_group(f"a fleet behind sglang-router {ROUTER_VERSION} (fleet.py)")
     fleet.add_argument("--replicas", type=positive_int, default=None, metavar="N",
                        help="predict N replicas of the --like server, each with a pool of --num-blocks (default: the "
                        "working set), behind the router")

@@ -75,6 +75,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
 
+from analyzer.fleet import ROUTER_VERSION
 from analyzer.kv_memory import KNOWN_MODELS
 from analyzer.request_logs import Log, LoggedRequest, interleave
 from analyzer.workload_analyzer import hit_rate_curve, tokenize_log
@@ -84,7 +85,6 @@ from flags import positive_int
 from model_files import load_tokenizer
 from model_flags import add_model_arguments
 
-ROUTER_VERSION = "0.3.2"  # the sglang-router requirements.txt pins: the flags and behaviour above are its
 POLICIES = ("round_robin", "cache_aware", "power_of_two", "random")
 ROOT = Path(__file__).resolve().parents[1]
 STARTUP_TIMEOUT_S = 300.0  # the default model's first load converts its GGUF file; a busy machine is slower

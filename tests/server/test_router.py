@@ -21,6 +21,7 @@ from http.server import ThreadingHTTPServer
 
 import pytest
 
+from analyzer.fleet import ROUTER_VERSION
 from analyzer.request_logs import LoggedRequest
 from benchmarks.router import Fleet, replay_through_router, router
 from engine import Engine
@@ -220,4 +221,4 @@ def test_the_router_benchmark_starts_a_fleet_and_reports_each_run(tiny_model_dir
         assert sum(run["requests_per_replica"]) == 3 == len(run["routed"])
         assert run["cached_tokens"] == sum(r["cached_tokens"] for r in run["routed"])
     assert results["runs"][0]["requests_per_replica"] == [2, 1] or results["runs"][0]["requests_per_replica"] == [1, 2]
-    assert json.loads(out.read_text())["router"] == "0.3.2" and figure.stat().st_size > 0
+    assert json.loads(out.read_text())["router"] == ROUTER_VERSION and figure.stat().st_size > 0
