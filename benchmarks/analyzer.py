@@ -42,7 +42,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from analyzer import workload_analyzer
+from analyzer import log_replay, workload_analyzer
 from analyzer.request_logs import Writer, byte_count, chat, write_log
 from benchmarks import save_json
 from flags import positive_int
@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                         help="keep the logs in this folder (default: a temporary one)")
     parser.add_argument("--baseline", type=Path, default=None,
                         help="a checkout of another commit: time its analyzer on the same logs, check the same curve")
-    parser.add_argument("--like", choices=list(workload_analyzer.LIKE), nargs="+", default=["vllm"],
+    parser.add_argument("--like", choices=list(log_replay.LIKE), nargs="+", default=["vllm"],
                         help="the caching models to time, each on the same log (default: vllm)")
     parser.add_argument("--log-size", type=byte_count, default=None, metavar="SIZE",
                         help="instead: one log of about SIZE bytes (such as 1GiB), the command's peak memory and time")

@@ -78,7 +78,7 @@ from typing import Iterator, Sequence
 from analyzer.fleet import ROUTER_VERSION
 from analyzer.kv_memory import KNOWN_MODELS
 from analyzer.request_logs import Log, LoggedRequest, interleave
-from analyzer.workload_analyzer import hit_rate_curve, tokenize_log
+from analyzer.log_replay import hit_rate_curve, tokenize_log
 from benchmarks import save_json
 from benchmarks.openai_api import SPREAD_COLUMN, OpenAIServer, spread_json, spread_text
 from flags import positive_int

@@ -40,7 +40,8 @@ from rich.table import Table
 
 from analyzer.kv_memory import KNOWN_MODELS, memory_to_buy, server_flags
 from analyzer.request_logs import EXAMPLE_LOGS, interleave, read_log
-from analyzer.workload_analyzer import LIKE, hit_rate_curve, tokenize_log, variable_starts
+from analyzer.log_replay import LIKE, hit_rate_curve, tokenize_log
+from analyzer.workload_analyzer import variable_starts
 from benchmarks import cache_probe
 from benchmarks.router import Fleet, replay_through_router, router, working_sets
 from engine import Engine

@@ -12,7 +12,7 @@ import pytest
 
 from analyzer.caching_models import ENGINE, VLLM, LlamaCpp, SGLang, SlotServer, block_hash_ids, common_prefix
 from analyzer.request_logs import Log, interleave
-from analyzer.workload_analyzer import LIKE, hit_rate_curve, replay, smallest_pool, tokenize_log
+from analyzer.log_replay import LIKE, hit_rate_curve, replay, smallest_pool, tokenize_log
 from prefix_caching import PrefixCachingAllocator
 
 EXAMPLE_LOGS = sorted((Path(__file__).resolve().parents[2] / "lessons" / "data").glob("*.jsonl.xz"))

@@ -17,7 +17,8 @@ from analyzer.fleet import (
     routing_text,
 )
 from analyzer.request_logs import LoggedRequest, write_log
-from analyzer.workload_analyzer import LIKE, main, replay_fleet
+from analyzer.log_replay import LIKE
+from analyzer.workload_analyzer import main, replay_fleet
 from helpers import StubWorker
 
 

@@ -109,7 +109,7 @@ def test_stage_10s_worked_example(tokenizer):
     """The multi-turn log, eight users at a time, sized for Llama-3.1-8B with 16 running
     requests of 4,096 tokens: the figures stage 10 and the README print."""
     from analyzer.request_logs import interleave, read_log
-    from analyzer.workload_analyzer import LIKE, hit_rate_curve, tokenize_log
+    from analyzer.log_replay import LIKE, hit_rate_curve, tokenize_log
 
     requests = interleave(read_log(ROOT / "lessons/data/multi_turn.jsonl.xz"), 8)
     prompts, salts = tokenize_log(requests, tokenizer), [r.cache_salt for r in requests]

@@ -13,9 +13,8 @@ import pytest
 
 from analyzer.request_logs import LogError, Writer, interleave, read_log, write_log
 from analyzer.caching_models import LlamaCpp, SGLang
-from analyzer.workload_analyzer import (
-    LIKE, TokenizedLog, footprint, hit_rate_curve, prefix_tree, replay, tokenize_log, variable_starts,
-)
+from analyzer.log_replay import LIKE, TokenizedLog, footprint, hit_rate_curve, replay, tokenize_log
+from analyzer.workload_analyzer import prefix_tree, variable_starts
 
 ROOT = Path(__file__).resolve().parents[2]
 

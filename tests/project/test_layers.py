@@ -27,7 +27,7 @@ ORDER = [
     "server_requests", "server_views", "server_connections", "server_routes", "server", "cli",
 ]
 # A package's place in ORDER, and its own files bottom to top (its row of the table lists them so).
-PACKAGES = {"analyzer": ["request_logs", "caching_models", "kv_memory", "fleet", "workload_analyzer"]}
+PACKAGES = {"analyzer": ["request_logs", "caching_models", "kv_memory", "fleet", "log_replay", "workload_analyzer"]}
 TOP_LEVEL = {path.stem for path in ROOT.glob("*.py")} | set(PACKAGES)
 LESSONS = {path.stem for path in (ROOT / "lessons").glob("*.py")}
 
