@@ -119,7 +119,8 @@ def main(argv: list[str] | None = None) -> dict:
         return statistics.median(run[key] / run[alone] for run in runs[way])
 
     table = Table(title=f"a fresh server's first {args.long_tokens:,}-token prompt, medians of {args.runs} runs",
-                  caption=f"fixed: --max-num-batched-tokens {DEFAULT_MAX_NUM_BATCHED_TOKENS}; the others at the defaults")
+                  caption=f"fixed: --max-num-batched-tokens {DEFAULT_MAX_NUM_BATCHED_TOKENS}; "
+                          "the others at the defaults")
     for column in ("", "default", "fixed"):
         table.add_column(column, justify="right")
     table.add_row("the long prompt alone, first request", *(f"{median(w, 'alone_s'):.2f} s" for w in WAYS))

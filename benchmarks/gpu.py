@@ -17,8 +17,8 @@ It runs, one after another, then prints one table (--json writes the numbers):
 2. Exactness: prompts behind the demo's system prompt, long prompts of random tokens and short
    ones, each against plain model.generate (greedy), on every path a request can take: stage
    7's one request at a time (one_request.generate over an Engine's parts), the engine loop
-   with shared-prefix (cascade) attention allowed, and without. Required in fp32: a reply that differs makes the exit status 1. On CUDA also in
-   bf16, reported only: random weights give near-flat logits, and a near-tie can flip with the
+   with shared-prefix (cascade) attention allowed, and without. Required in fp32: a reply that
+   differs makes the exit status 1. On CUDA also in bf16, reported only: random weights give near-flat logits, and a near-tie can flip with the
    shape of the batch.
 3. TTFT cold vs warm (benchmarks/ttft.py's cold_vs_warm), prefixes up to the model's context.
 4. Throughput (benchmarks/throughput.py's run_ours): (a) sequential, (b) batched with caching

@@ -331,8 +331,10 @@ NAMED_BY = {
         "test_self_num_preemptions_counts_every_preemption_of_every_request",
     "a running request with a share of 0 planned for 0 tokens": "test_a_running_request_whose_share_is_0_is_left_out_of_the_plan",
     "one (keys, values) pair per KV head, not per layer": "test_a_bfloat16_pool_gives_bfloat16_keys_and_values",
-    "remove walks the queue through vars()": "test_an_operation_takes_as_long_in_a_queue_of_100_000_as_in_one_of_100[remove]",
-    "a list of the queue kept in the head sentinel": "test_an_operation_takes_as_long_in_a_queue_of_100_000_as_in_one_of_100[remove]",
+    "remove walks the queue through vars()":
+        "test_an_operation_takes_as_long_in_a_queue_of_100_000_as_in_one_of_100[remove]",
+    "a list of the queue kept in the head sentinel":
+        "test_an_operation_takes_as_long_in_a_queue_of_100_000_as_in_one_of_100[remove]",
     "the room check scans self.blocks": "test_allocate_and_free_take_as_long_on_a_pool_of_100_000_as_on_one_of_100",
     "Python's hash of the token ids, taken under another name": "test_ids_that_pythons_hash_confuses_hash_apart",
     "each id in as few bytes as it needs, nothing before it": "test_ids_whose_bytes_split_into_other_ids_hash_apart",
@@ -637,7 +639,8 @@ def test_answers_recorded_per_object_in_one_run_fail_the_next(pytester, monkeypa
     replayer = ("class PrefixCachingAllocator:\n    pass\n\n\nFreeKVCacheBlockQueue = None\n" + table
                 + "REPLAY = True\n" + PER_OBJECT)
     monkeypatch.setenv("GRADING_SEED", "1")
-    recorded, output = grade(pytester, monkeypatch, tmp_path / "record", "test_ex2_allocate.py", {"allocator": recorder})
+    recorded, output = grade(pytester, monkeypatch, tmp_path / "record", "test_ex2_allocate.py",
+                             {"allocator": recorder})
     assert "failed" not in recorded and recorded.get("passed"), output[-3000:]
     replayed, output = grade(pytester, monkeypatch, tmp_path / "same seed", "test_ex2_allocate.py",
                              {"allocator": replayer})

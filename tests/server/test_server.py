@@ -2,8 +2,9 @@
 127.0.0.1, port picked by the OS) around a real Engine over conftest's tiny random model:
 curl-style requests, the official openai client, bad input, clients that leave, concurrent
 clients, on the server's engine (conftest's engine and url fixtures). What only batching
-shows (the queue, preemption, shared steps) is in test_server_batching.py; tenants, keys and the network rules in test_server_security.py;
-how a request body is read, without HTTP, in test_server_requests.py.
+shows (the queue, preemption, shared steps) is in test_server_batching.py; tenants, keys and
+the network rules in test_server_security.py; how a request body is read, without HTTP, in
+test_server_requests.py.
 Every test ends with the pool whole: no request holds a block, every ref count is 0.
 """
 
@@ -24,7 +25,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from helpers import CHAT, MODEL, SYSTEM, EmbeddingCounter, call, client, raw_request, serve, wait_for_log, wait_until_idle
+from helpers import CHAT, MODEL, SYSTEM, EmbeddingCounter, call, client, raw_request, wait_for_log, wait_until_idle
 from server import create_app, serve_in_background
 
 
