@@ -269,9 +269,16 @@ class Scheduler:
         return found
 
     def _lookup(self, request: Request) -> int:
-        """Tokens of the request the pool holds now; its block hashes extended, never redone."""
-        request.block_hashes = self.allocator.hash_blocks(request.token_ids, request.cache_salt, request.block_hashes)
-        return self.allocator.peek(request.token_ids, request.cache_salt, block_hashes=request.block_hashes)
+        """Tokens of the request the pool holds now; its block hashes extended, never redone.
+        Its tokens were checked once, where it entered (the Engine's front): a lookup walks
+        its hit blocks only, never its whole prompt (a step looks up each waiting request
+        up to three times)."""
+        alloc = self.allocator
+        request.block_hashes = alloc.hash_blocks(request.token_ids, request.cache_salt, request.block_hashes)
+        if not alloc.enable_caching or not request.token_ids:
+            return 0
+        hits, _ = alloc.find_longest_cache_hit(request.token_ids, request.block_hashes)
+        return len(hits) * alloc.block_size
 
     def schedule(self, budget: int | Budget | None = None) -> StepPlan:
         """The next step's plan. budget: the tokens this step may compute (at most

@@ -83,3 +83,27 @@ def test_peek_and_allocate_take_the_callers_hashes_and_trust_them():
     assert alloc.allocate_with_prefix("b", list(range(9)) + [99], block_hashes=hashes).num_cached_tokens == 8
     alloc.append_tokens("b", [5, 6])  # block 2 fills: its hash joins the caller's list
     assert len(hashes) == 3 and hashes == compute_block_hashes(list(range(9)) + [99, 5, 6], 4)
+
+
+def test_a_waiting_prompt_is_checked_once_not_at_every_step(monkeypatch):
+    """The scheduler looks up each waiting request up to three times a step; none of those
+    walks its whole token list again (the Engine's front checked it once). Token checks are
+    counted by the tokens each reads: an admission's first chunk and each chunk's slots only."""
+    read = []
+    real = prefix_caching._check_tokens
+    monkeypatch.setattr(prefix_caching, "_check_tokens", lambda ids, what: read.append(len(ids)) or real(ids, what))
+    alloc = PrefixCachingAllocator(num_blocks=400, block_size=4)
+    scheduler = Scheduler(alloc, max_num_seqs=2, max_num_batched_tokens=8)
+    requests = [Request(f"r{i}", [i] * 200 + list(range(300))) for i in range(8)]  # 500 tokens each
+    for request in requests:
+        scheduler.add(request)
+    steps = 0
+    while scheduler.waiting and steps < 40:  # 8-token steps: six requests wait through all of them
+        for s in scheduler.schedule().scheduled:
+            s.request.num_computed_tokens = s.end
+        steps += 1
+    admitted = sum(r.admitted for r in requests)
+    assert steps == 40 and admitted == 2
+    # An admission reads its first chunk, a step its chunks' tokens (at most the step's 8):
+    # never a 500-token prompt.
+    assert max(read) <= 8, f"a check read {max(read)} tokens: a whole prompt, looked up again"
