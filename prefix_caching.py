@@ -494,8 +494,11 @@ class PrefixCachingAllocator:
              block_hashes: list[BlockHash] | None = None) -> int:
         """How many prompt tokens would hit right now, changing nothing. block_hashes: the
         prompt's full blocks' hashes, if the caller keeps them (hash_blocks), so none is
-        hashed again."""
-        token_ids = _check_tokens(token_ids, "token_ids")
+        hashed again; such a caller is trusted as hash_blocks trusts it (a scheduler looks
+        up a waiting prompt every step: checking all of its tokens each time cost more than
+        the lookup)."""
+        if block_hashes is None:
+            token_ids = _check_tokens(token_ids, "token_ids")
         if not self.enable_caching or not token_ids:
             return 0
         if block_hashes is None:

@@ -81,7 +81,8 @@ from request import FINISHED, RUNNING, WAITING, Request
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048  # tokens one step computes at most (vLLM's flag of that name)
 
 __all__ = ["Budget", "DEFAULT_MAX_NUM_BATCHED_TOKENS", "Candidate", "FINISHED", "RUNNING", "Request",
-           "ScheduledRequest", "Scheduler", "StepPlan", "WAITING", "check_step_size", "share_tokens"]
+           "ScheduledRequest", "Scheduler", "StepPlan", "WAITING", "check_step_size", "keys_attended",
+           "share_tokens"]
 
 
 @dataclass
@@ -163,6 +164,15 @@ def share_tokens(tokens: int, needs: dict[str, int]) -> dict[str, int]:
     return given
 
 
+def keys_attended(start: int, end: int) -> int:
+    """Query-key pairs of tokens start..end-1 of one request: token p attends to keys 0..p.
+
+    >>> keys_attended(0, 4), keys_attended(9, 10)   # 1 + 2 + 3 + 4; a decode at position 9
+    (10, 10)
+    """
+    return (end * (end + 1) - start * (start + 1)) // 2
+
+
 def check_step_size(max_num_seqs, max_num_batched_tokens) -> None:
     """Refuse (ValueError) a step size that cannot work."""
     for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens)):
@@ -192,8 +202,12 @@ class Scheduler:
 
     def __init__(self, allocator: PrefixCachingAllocator, *, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
-                 enable_chunked_prefill: bool = True, fair_share: bool = False) -> None:
+                 enable_chunked_prefill: bool = True, fair_share: bool = False, key_cost: float = 0.0) -> None:
+        """key_cost: what attending to one key costs, counted in tokens through the weights
+        (step_budget.ModelShape.key_cost), so a tenant is charged what its tokens cost: a
+        decode that reads 3,600 keys more than one that reads 10. 0: every token counts 1."""
         check_step_size(max_num_seqs, max_num_batched_tokens)
+        self.key_cost = key_cost
         self.allocator = allocator
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -202,8 +216,9 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last is preempted first
         self.num_preemptions = 0
-        # The Virtual Token Counter: tokens computed for each tenant (refused work charged
-        # too), and each tenant's requests waiting or running. Kept whether or not
+        # The Virtual Token Counter: what was computed for each tenant, in tokens (a token
+        # through the weights counts 1, each key it attends to key_cost; refused work is
+        # charged too), and each tenant's requests waiting or running. Kept whether or not
         # fair_share orders the queue by it, so /health can show a tenant its share.
         self.served: dict[str | None, int] = {}
         self.active: Counter = Counter()
@@ -270,15 +285,11 @@ class Scheduler:
 
     def _lookup(self, request: Request) -> int:
         """Tokens of the request the pool holds now; its block hashes extended, never redone.
-        Its tokens were checked once, where it entered (the Engine's front): a lookup walks
-        its hit blocks only, never its whole prompt (a step looks up each waiting request
-        up to three times)."""
-        alloc = self.allocator
-        request.block_hashes = alloc.hash_blocks(request.token_ids, request.cache_salt, request.block_hashes)
-        if not alloc.enable_caching or not request.token_ids:
-            return 0
-        hits, _ = alloc.find_longest_cache_hit(request.token_ids, request.block_hashes)
-        return len(hits) * alloc.block_size
+        Its tokens were checked once, where it entered (the Engine's front): given its
+        hashes, peek trusts them and walks the hit blocks only, never the whole prompt (a
+        step looks up each waiting request up to three times)."""
+        request.block_hashes = self.allocator.hash_blocks(request.token_ids, request.cache_salt, request.block_hashes)
+        return self.allocator.peek(request.token_ids, request.cache_salt, block_hashes=request.block_hashes)
 
     def schedule(self, budget: int | Budget | None = None) -> StepPlan:
         """The next step's plan. budget: the tokens this step may compute (at most
@@ -311,7 +322,7 @@ class Scheduler:
                 preempted.append(victim)
                 continue  # retry `request`, unless it was the victim (then the loop ends)
             scheduled.append(ScheduledRequest(request, start, end))
-            self._count(request, end - start)
+            self._count(request, start, end)
             left -= end - start
             i += 1
 
@@ -344,12 +355,15 @@ class Scheduler:
             if not request.admitted:
                 request.admitted, request.num_cached_tokens = True, num_cached
             scheduled.append(ScheduledRequest(request, num_cached, num_cached + num_new))
-            self._count(request, num_new)
+            self._count(request, num_cached, num_cached + num_new)
             left -= num_new
         return StepPlan(scheduled, preempted)
 
-    def _count(self, request: Request, num_tokens: int) -> None:
-        self.served[request.tenant] = self.served.get(request.tenant, 0) + num_tokens
+    def _count(self, request: Request, start: int, end: int) -> None:
+        """Charge the request's tenant for computing tokens start..end-1: each token, and
+        each key it attends to at key_cost (VTC charges what serving cost, not a count)."""
+        cost = end - start + round(self.key_cost * keys_attended(start, end))
+        self.served[request.tenant] = self.served.get(request.tenant, 0) + cost
 
     def _blocks_coming(self) -> set:
         """The hashes of the blocks the prompts prefilling as the step begins have yet to

@@ -38,7 +38,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from scheduler import Budget, Candidate, Request, StepPlan, share_tokens
+from scheduler import Budget, Candidate, Request, StepPlan, keys_attended, share_tokens
 
 DEFAULT_TARGET_STEP_MS = 400.0  # a step never longer than this (the chunks it gives: README, "Measured")
 STALL = 2.2  # a step carrying a prompt's chunk: at most this many times the streams' own step
@@ -65,6 +65,12 @@ class ModelShape:
     heads: int
     head_dim: int
 
+    @property
+    def key_cost(self) -> float:
+        """What attending to one key costs, in tokens through the weights (chunk_flops's
+        terms): the scheduler charges a tenant by it (Scheduler's key_cost)."""
+        return 4.0 * self.layers * self.heads * self.head_dim / (2.0 * self.body_params)
+
     @classmethod
     def of(cls, model) -> ModelShape:
         config = model.config.get_text_config()
@@ -72,15 +78,6 @@ class ModelShape:
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         total = sum(p.numel() for p in model.parameters())
         return cls(total - model.get_input_embeddings().weight.numel(), config.num_hidden_layers, heads, head_dim)
-
-
-def keys_attended(start: int, end: int) -> int:
-    """Query-key pairs of tokens start..end-1 of one request: token p attends to keys 0..p.
-
-    >>> keys_attended(0, 4), keys_attended(9, 10)   # 1 + 2 + 3 + 4; a decode at position 9
-    (10, 10)
-    """
-    return (end * (end + 1) - start * (start + 1)) // 2
 
 
 def chunk_flops(shape: ModelShape, start: int, end: int) -> float:
@@ -242,8 +239,9 @@ class StepBudget:
     A fair share (Scheduler(fair_share=True) counts what each tenant was served): while a
     tenant within FAIR_SLACK tokens of the least served is decoding, the prompts of a tenant
     further ahead share only what keeps that step within FAIR_STALL times the decodes' own
-    (their caps in the Budget): one student's back-to-back long prompts cannot make every
-    other student's tokens come STALL times slower.
+    (their caps in the Budget), and never fewer than MIN_CHUNK tokens a step: one student's
+    back-to-back long prompts cannot make every other student's tokens come STALL times
+    slower, and still finish, MIN_CHUNK tokens a step at the least.
 
     >>> budget = StepBudget(ModelShape(body_params=10**8, layers=30, heads=9, head_dim=64), 400, 2048)
     >>> for flops in (1e9, 1e11):   # two steps timed: 20 ms fixed, 20 ms a GFLOP
@@ -295,8 +293,10 @@ class StepBudget:
                            and c.lead <= FAIR_SLACK]
         ahead = [c for c in prompts if c.lead > FAIR_SLACK]
         if behind_decoding and ahead:
-            room = max(1, self.chunk_within(max(c.num_computed_tokens for c in ahead),
-                                            (FAIR_STALL - 1) * decode_s / per_flop))  # no floor: it is ahead
+            # Never fewer than MIN_CHUNK tokens a step: held back, a prompt still finishes in
+            # bounded time (2,206 tokens moved 3 a step for a minute when the floor was 1).
+            room = max(MIN_CHUNK, self.chunk_within(max(c.num_computed_tokens for c in ahead),
+                                                    (FAIR_STALL - 1) * decode_s / per_flop))
             for request_id, cap in share_tokens(room, {c.request.request_id: c.num_remaining_tokens
                                                        for c in ahead}).items():
                 caps[request_id] = min(cap, caps.get(request_id, cap))

@@ -319,6 +319,20 @@ def test_fair_share_admits_the_least_served_tenant_first_and_lifts_a_returning_o
     s.check_invariants()
 
 
+def test_a_tenant_is_charged_the_keys_its_tokens_attend_to():
+    """With key_cost, a decode over a long context costs its tenant more than one over a short
+    one (VTC charges what serving cost): two streams, 4,000 and 40 tokens of context."""
+    s = Scheduler(PrefixCachingAllocator(num_blocks=400, block_size=16), max_num_seqs=2,
+                  max_num_batched_tokens=8192, fair_share=True, key_cost=0.001)
+    s.add(Request("long", [1] * 4000, tenant="long"))
+    s.add(Request("short", [2] * 40, tenant="short"))
+    run_step(s)  # both prompts whole: 4,000 tokens and 8,002,000 keys; 40 and 820
+    assert s.served == {"long": 4000 + 8002, "short": 40 + 1}
+    before = dict(s.served)
+    run_step(s)  # one decode each: the long one's token attends to 4,001 keys
+    assert s.served["long"] - before["long"] == 1 + 4 and s.served["short"] - before["short"] == 1 + 0
+
+
 def test_without_fair_share_the_queue_is_read_in_arrival_order():
     s = Scheduler(PrefixCachingAllocator(num_blocks=100, block_size=4), max_num_seqs=2, max_num_batched_tokens=64)
     s.add(Request("heavy-1", [1] * 40, tenant="heavy"))
