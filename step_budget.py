@@ -52,6 +52,45 @@ ARRIVAL_STALL = 1.3  # a new request's first step, beside prompts already prefil
 FAIR_SLACK = 1024  # "far ahead": served this many tokens more than the least-served tenant with work
 
 
+
+
+@dataclass(frozen=True)
+class Bound:
+    """One promise the default budget policy keeps, with where to see it kept."""
+
+    scene: str  # who waits for what
+    rule: str  # what the policy holds it to, in its constants
+    shown: str  # the lesson scene and the benchmark that measure it
+
+
+# Every bound in one table: stage 8 prints it, the README sets what was measured beside it
+# (tests/course checks that the two agree). A step costs a fixed part f plus c a token, so a
+# prompt in steps of n tokens takes (1 + f / cn) times its time in one step while a stream
+# beside it waits (1 + cn / f) times its own step: the two excesses multiply to 1 and cannot
+# both be small. Alone, the prompt's bound holds (FLOOR); beside streams, FLOOR holds until
+# the streams' gap reaches GAP_MAX times their step, and from there the gap wins.
+BOUNDS = (
+    Bound("a long prompt alone", f"at most {(FLOOR + 1) / FLOOR:.2f}x its time in one step: each step's prompt "
+          f"tokens cost at least FLOOR ({FLOOR:g}) times the step's fixed cost",
+          "stage 8 scene 2d; --bench first_prompt"),
+    Bound("a stream's gap while a prompt fills", f"at most STALL ({STALL:g}) times the streams' own step, and "
+          f"the target step time; where FLOOR asks for more, up to GAP_MAX ({GAP_MAX:g}) times it",
+          "stage 8 scene 2d; --bench stalls"),
+    Bound("a long prompt beside streams", f"chunks that cost at least the streams' own step (half of each "
+          f"step), and FLOOR times the fixed cost while the gap stays within GAP_MAX: past that the gap wins",
+          "stage 8 scene 2d; --bench stalls"),
+    Bound("an arrival behind a long prompt", f"its first step at most ARRIVAL_STALL ({ARRIVAL_STALL:g}) times "
+          f"its time without the prompts prefilling, after the step that runs when it arrives",
+          "stage 8 scene 2e; --bench first_prompt"),
+    Bound("a student's share", f"a tenant more than FAIR_SLACK ({FAIR_SLACK:,}) tokens ahead of the least "
+          f"served (tokens and the keys they attend to) gets what keeps a step within FAIR_STALL "
+          f"({FAIR_STALL:g}) times the others' decodes, MIN_CHUNK ({MIN_CHUNK}) tokens at least",
+          "stage 8 scene 2e; --bench server_abuse"),
+    Bound("a held-back prompt", f"at least MIN_CHUNK ({MIN_CHUNK}) tokens a step: n tokens in at most "
+          f"n / {MIN_CHUNK} steps", "tests/engine/test_step_budget.py"),
+)
+
+
 # -----------------------------------------------------------------------------
 # 1. What a step computes, counted
 

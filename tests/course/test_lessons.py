@@ -47,6 +47,7 @@ EXPECTED_OUTPUT = {
                          "exactness ok: logits allclose to a full forward",
                          "exactness ok: the same 24 tokens as model.generate"],
     "08_many_requests.py": ["Exercise 6: exercises/scheduler.py", "read it once exercise 6's tests pass",
+                            "the two excesses multiply to about 1, and cannot both be small",
                             "peek found [0, 0, 0, 0] cached tokens for the four prompts",
                             "bob, carol and dave each found 448 tokens in the pool: the blocks alice was computing "
                             "in that very step", "shared blocks 0-27: ref count 4 (alice, bob, carol, dave)",

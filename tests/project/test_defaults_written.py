@@ -233,3 +233,12 @@ def test_the_scheduler_defaults_to_the_engines_cap():
 
     default = inspect.signature(scheduler.Scheduler).parameters["max_num_batched_tokens"].default
     assert default == engine.DEFAULT_MAX_NUM_BATCHED_TOKENS
+
+
+def test_the_readmes_table_of_bounds_is_the_policys():
+    """README's "Every bound of the default budget" lists step_budget.BOUNDS as they are now:
+    who waits, the rule (with its constants' values) and where it is measured, in order."""
+    readme = (ROOT / "README.md").read_text()
+    start = readme.index("| who waits | the default policy holds it to | measured by | measured |")
+    rows = [line.split(" | ")[:3] for line in readme[start:].split("\n\n")[0].splitlines()[2:]]
+    assert [[r[0].lstrip("| "), r[1], r[2]] for r in rows] == [[b.scene, b.rule, b.shown] for b in step_budget.BOUNDS]
