@@ -27,6 +27,7 @@ steps one for callers in many threads (every Engine's requests: the server's cli
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 import torch
 
@@ -49,6 +50,9 @@ class BatchRunner:
 
     parts: what it runs on (one_request.EngineParts). Every step holds parts.lock, and
     parts.allocator_lock around the allocator's and the scheduler's bookkeeping only.
+    on_bookkept, if set, is called at the end of each such hold, still under the lock: after
+    the plan (step_ended=False) and after the finished requests are freed, before any event
+    goes out (step_ended=True). The engine loop publishes its snapshot there.
     """
 
     def __init__(self, parts: EngineParts, *, cascade_attention: bool = True, threads: ThreadChooser | None = None,
@@ -75,6 +79,7 @@ class BatchRunner:
         self.last_plan: StepPlan | None = None  # the latest step's plan; None while one is being made
         self.num_steps = 0  # steps that scheduled anything: one forward pass each
         self.block_tables: dict[str, list[int]] = {}  # the latest plan's requests' tables, as planned
+        self.on_bookkept: Callable[[bool], None] | None = None  # called with step_ended (see above)
 
     @property
     def last_step(self) -> StepFigures | None:
@@ -122,7 +127,7 @@ class BatchRunner:
             logits = self.model_runner.run(plan, self.block_tables)
             sampling = [s.request for s in plan.scheduled if s.samples]
             tokens = sample_batch(logits, [r.params for r in sampling], [r.generator for r in sampling])
-            with self.parts.allocator_lock:  # what snapshot() reads the learned costs under
+            with self.parts.allocator_lock:  # what a published snapshot reads the learned costs under
                 self.budget.record(self.thread_count(chosen=True), plan, time.perf_counter() - started)
             return self.postprocess(plan, tokens)
 
@@ -134,8 +139,9 @@ class BatchRunner:
             plan = self.last_plan = self.scheduler.schedule(budget)
             tables = self.parts.allocator.block_tables
             self.block_tables = {s.request.request_id: list(tables[s.request.request_id]) for s in plan.scheduled}
-        if plan.scheduled:
-            self.num_steps += 1
+            if plan.scheduled:
+                self.num_steps += 1
+            self._bookkept(step_ended=False)
         now = time.perf_counter()
         for s in plan.scheduled:
             if s.request.admitted_at is None:  # its first admission: its hit is known
@@ -161,6 +167,7 @@ class BatchRunner:
         with self.parts.allocator_lock:
             for request in finished + [request for request, _ in failed]:
                 self.scheduler.finish(request)
+            self._bookkept(step_ended=True)
         end = time.perf_counter()
         for request in finished:
             self.close_reply(request, end)
@@ -170,6 +177,10 @@ class BatchRunner:
         for request, err in failed:
             self.fail(request, err)
         return finished
+
+    def _bookkept(self, step_ended: bool) -> None:
+        if self.on_bookkept is not None:
+            self.on_bookkept(step_ended)
 
     def _add_token(self, request: Request, token: int) -> tuple[int, str, str | None]:
         """Add the request's sampled token to it and to its reply: (token, new text, finish reason)."""

@@ -18,7 +18,7 @@ mode of the Engine. Nothing under this file imports it.
 
     EngineConfig       every option but the model, checked when made
     Engine             Engine(...), tokenize, generate, stream, generate_batch, snapshot,
-                       close (and `with Engine(...) as engine:`)
+                       reset_prefix_cache, close (and `with Engine(...) as engine:`)
 
 A prompt is checked and tokenized by prompts.py; the flags that make an Engine from a
 command line are model_flags.py's.
@@ -270,6 +270,7 @@ class Engine:
         self.loop = EngineLoop(self.parts, **self._runner_options())
         if self.step_budget is not None:
             self.step_budget.calibrate(self.loop.runner.thread_count(chosen=False), self._timed_passes())
+            self.loop.publish(step_ended=True)  # the costs calibrated: /health shows them before any step
         # Stops the loop's thread when the engine is closed or dropped; holds the loop, never the engine.
         self._finalizer = weakref.finalize(self, _close_loop, self.loop)
 
@@ -490,9 +491,20 @@ class Engine:
         yield from loop.events(request, timeout)
 
     def snapshot(self) -> LoopSnapshot:
-        """The engine loop's queues and steps (who runs, who waits, the last step), read
-        without waiting for a forward pass."""
+        """The engine loop's queues, steps and pool figures (who runs, who waits, the last
+        step, the free blocks), as the loop last published them: read without a lock, so
+        without waiting for a step or for the loop."""
         return self.loop.snapshot()
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block; False (nothing changed) while a request holds blocks.
+        The loop's snapshot shows it at once. (engine.allocator.reset_prefix_cache() forgets
+        them too, but the snapshot shows it only when the loop next publishes.)"""
+        with self.allocator_lock:
+            if not self.allocator.reset_prefix_cache():
+                return False
+            self.loop.publish()
+        return True
 
     def charge(self, tenant: str | None, num_tokens: int) -> None:
         """Count work done for `tenant` outside a step (a prompt tokenized, then refused)

@@ -5,11 +5,12 @@ Read batch_engine.py first: the step (schedule, one forward pass, a token per re
 Every Engine (engine.py) submits every request here, whoever calls (generate, stream,
 generate_batch, a server's clients), so one scheduler plans every step. Callers read each
 request's StreamEvents from a queue; a loop that fails outside a step is dead (crash-only),
-and a gentle shutdown drains it.
+and a gentle shutdown drains it. After each change to its queues or the pool, the loop
+publishes a snapshot of itself, which /health, /cache and the page read without a lock.
 
     1. the loop's pieces  POLL_S, freeze_startup_heap, the errors callers see, LoopSnapshot
     2. the engine loop    submit, events, cancel; the thread and its death; drain, stop;
-                          snapshot
+                          publish, snapshot
 
 References: vLLM v1 (vllm/v1/engine/core.py: EngineCoreProc.run_busy_loop takes new requests
 from an input queue, then steps the scheduler and the model while any request is unfinished).
@@ -25,7 +26,7 @@ import threading
 import time
 import weakref
 from collections import Counter, deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 from batch_engine import BatchRunner, StepFigures
@@ -77,7 +78,12 @@ class ClientGoneError(ConnectionError):
 
 @dataclass(frozen=True)
 class LoopSnapshot:
-    """The engine loop at one moment (EngineLoop.snapshot), for a status page."""
+    """The engine loop and its pool at one moment, published whole by the loop
+    (EngineLoop.publish) and never changed after: a status page reads it without a lock.
+
+    The queues and the pool are as the loop's latest bookkeeping left them (while a step
+    runs: as that step planned them); last_step and step_budget are the latest step's that
+    ended, so a slow prefill shows the one before it."""
 
     running: list[tuple[str, str | None]]  # (request id, cache_salt), in admission order
     waiting: list[tuple[str, str | None]]  # the same, in queue order: the head is admitted next
@@ -85,11 +91,16 @@ class LoopSnapshot:
     num_preemptions: int
     num_steps: int
     last_step: StepFigures | None
+    step_budget: dict | None  # the target step time and the costs learned (StepBudget.describe)
+    served: dict  # tenant -> tokens computed for it (its fair-share counter), tenants with work or ahead
+    least_served: int | None  # the least-served tenant with work's count (None: nobody has work)
     failure: str | None  # what killed the loop (it refuses every request), or None
-    step_budget: dict | None = None  # the target step time and the costs learned (StepBudget.describe)
-    served: dict = None  # tenant -> tokens computed for it (its fair-share counter), tenants with work or ahead
-    least_served: int | None = None  # the least-served tenant with work's count (None: nobody has work)
-
+    # The pool, read in the same hold of allocator_lock as the queues above.
+    num_free_blocks: int
+    num_cached_blocks: int
+    blocks_in_use: int
+    running_requests: int  # requests that hold blocks (the allocator's block tables)
+    cache_stats: dict  # the allocator's hit counters (CacheStats.as_dict)
 
 
 # -----------------------------------------------------------------------------
@@ -127,6 +138,12 @@ class EngineLoop:
         self._stopping = False  # stop(): the thread ends after its step
         self._closed: str | None = None  # why submit refuses (shutting down, stopped, or dead)
         self.failure: BaseException | None = None  # what killed the loop (it refuses every request), or None
+        self._published: LoopSnapshot | None = None  # replaced whole by publish, read by snapshot
+        # Each step publishes before its events go out. A weak reference: the runner never
+        # keeps its loop alive, so a dropped engine's loop goes without waiting for a collection.
+        publish = weakref.WeakMethod(self.publish)
+        self.runner.on_bookkept = lambda step_ended: publish()(step_ended)
+        self.publish(step_ended=True)
 
     @property
     def parts(self) -> EngineParts:
@@ -137,6 +154,7 @@ class EngineLoop:
         """Other parts for the steps to come (the Engine's parts setter): its runner's and
         its model runner's, replaced together."""
         self.runner.parts = self.runner.model_runner.parts = parts
+        self.publish()  # their pool's figures
 
     @property
     def scheduler(self):
@@ -171,6 +189,7 @@ class EngineLoop:
             for request in requests:
                 self.live[request.request_id] = request
                 self._inbox.append(request)
+            self.publish()  # waiting at once, even while the loop is inside a step
             if self._thread is None:
                 freeze_startup_heap()
                 self._start_thread()
@@ -181,6 +200,11 @@ class EngineLoop:
     def cancel(self, request: Request) -> None:
         with self._wake:
             self._cancelled.append(request)
+            # No longer shown waiting: replaced under _wake, which every publish holds too (and
+            # reads _cancelled under), so none undoes it; a caller that gives up never waits
+            # for allocator_lock.
+            shown = self._published
+            self._published = replace(shown, waiting=[w for w in shown.waiting if w[0] != request.request_id])
             self._wake.notify()
 
     def events(self, request: Request, timeout: float | None = None):
@@ -237,13 +261,14 @@ class EngineLoop:
     def _die(self, err: BaseException) -> None:
         """The loop is dead, with its cause: every request it holds and every later one gets
         EngineStoppedError saying so, until the engine is closed and made again."""
-        with self._wake:
+        with self.parts.allocator_lock, self._wake:
             if self.failure is not None:
                 return
             self.failure = err
             self._closed = (f"the engine failed ({err!r}) and takes no more requests; close it and make a new one "
                             "(a server: restart it)")
             lost, self._inbox = list(self.live.values()), deque()
+            self.publish()
         for request in lost:
             self._end(request, EngineStoppedError(self._closed))
 
@@ -255,9 +280,10 @@ class EngineLoop:
                     self._wake.wait()
                 if self._stopping:
                     return
-                inbox, self._inbox = list(self._inbox), deque()
-                cancelled, self._cancelled = self._cancelled, []
             with parts.allocator_lock:
+                with self._wake:  # taken out and added in one hold: a publish meanwhile shows them waiting
+                    inbox, self._inbox = list(self._inbox), deque()
+                    cancelled, self._cancelled = self._cancelled, []
                 for request in inbox:
                     scheduler.add(request)
                 for request in cancelled:
@@ -265,6 +291,8 @@ class EngineLoop:
                         scheduler.finish(request)
                         self._forget(request)
                 departed = self._departed()
+                if inbox or cancelled or departed:
+                    self.publish()
             for request, err in departed:
                 self._end(request, err)
             try:
@@ -304,6 +332,7 @@ class EngineLoop:
             for request in failed:
                 if request.status != FINISHED:
                     scheduler.finish(request)
+            self.publish(step_ended=True)
         for request in failed:
             self._end(request, err)
 
@@ -334,6 +363,7 @@ class EngineLoop:
                 running = list(self.scheduler.running)
                 for request in running:
                     self.scheduler.finish(request)
+                self.publish()
         end = time.perf_counter()
         for request in running:
             text = request.builder.abort()
@@ -354,6 +384,7 @@ class EngineLoop:
                 request.status = FINISHED  # it never reached the scheduler
             self._inbox = deque()
             running = bool(self.scheduler.running)
+            self.publish()
         for request in waiting:
             self._end(request, EngineStoppedError(self._closed))
         return running
@@ -370,32 +401,52 @@ class EngineLoop:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join()
 
-    def snapshot(self) -> LoopSnapshot:
-        """Who runs, who waits, and the steps so far, read without waiting for a forward pass:
-        the scheduler's queues change only under parts.allocator_lock, which a step holds
-        around its bookkeeping and never across the model."""
-        with self.parts.allocator_lock, self._wake:
-            scheduler, cancelled = self.scheduler, set(self._cancelled)
+    # --- its snapshot: published by the loop, read without a lock ---
+
+    def publish(self, step_ended: bool = False) -> None:
+        """Replace the published snapshot with the loop as it stands: called by whatever just
+        changed its queues or the pool (a step's bookkeeping, through the runner's
+        on_bookkept; submit, charge, Engine.reset_prefix_cache), in the same hold of
+        allocator_lock, so a caller that got its last event reads its request gone and its
+        blocks back. step_ended: take the latest step's figures too (last_step,
+        step_budget); else they stay the last published. Linear in the requests, but for
+        the allocator's num_cached_blocks, which counts over the blocks."""
+        scheduler, alloc = self.scheduler, self.parts.allocator
+        with self.parts.allocator_lock, self._wake:  # the inbox and the cancellations are under _wake
+            cancelled = set(self._cancelled)
             waiting = [r for r in [*scheduler.waiting, *self._inbox] if r not in cancelled]
-            return LoopSnapshot(
+            last = self._published
+            self._published = LoopSnapshot(
                 running=[(r.request_id, r.cache_salt) for r in scheduler.running],
                 waiting=[(r.request_id, r.cache_salt) for r in waiting],
                 prefilling={r.request_id: (r.num_computed_tokens, r.num_computed_tokens + r.num_prefill_left)
                             for r in scheduler.running if r.num_prefill_left},
                 num_preemptions=scheduler.num_preemptions,
                 num_steps=self.runner.num_steps,
-                last_step=self.runner.last_step,
-                failure=None if self.failure is None else repr(self.failure),
-                step_budget=self.runner.budget.describe(),
+                last_step=self.runner.last_step if step_ended else last.last_step,
+                step_budget=self.runner.budget.describe() if step_ended else last.step_budget,
                 served=dict(scheduler.served),
                 least_served=scheduler.least_served(),
+                failure=None if self.failure is None else repr(self.failure),
+                num_free_blocks=alloc.num_free_blocks,
+                num_cached_blocks=alloc.num_cached_blocks,
+                blocks_in_use=alloc.num_blocks_in_use,
+                running_requests=len(alloc.block_tables),
+                cache_stats=alloc.stats.as_dict(),
             )
+
+    def snapshot(self) -> LoopSnapshot:
+        """Who runs, who waits, the steps so far and the pool, as the loop last published
+        them. No lock: the snapshot is replaced whole, never changed, so a status page never
+        waits for a step or for the loop."""
+        return self._published
 
     def charge(self, tenant: str | None, num_tokens: int) -> None:
         """Count work done for a tenant outside a step (a prompt tokenized, then refused)
         against its fair share (Scheduler.charge)."""
         with self.parts.allocator_lock:
             self.scheduler.charge(tenant, num_tokens)
+            self.publish()
 
 
 def _stop_at_exit(loop_ref: weakref.ref) -> None:

@@ -28,11 +28,14 @@ What no server with one shared pool can hide is said in docs/server.md: how long
 takes, and whether one's own cached blocks were evicted (someone else needed the room).
 The admin key sees everything.
 
-Everything is read under engine.allocator_lock, held for microseconds around the allocator's
-and the scheduler's bookkeeping, never across a forward pass: /health answers while a long
-prefill runs. /cache is the biggest answer (every block, decoded): it is rendered at most
-once per PAGE_EVERY_S for each viewer, and a key that owns nothing in the pool (a made-up
-one) gets the one page every such key gets, so new keys cost no new rendering.
+The loop's queues and the pool's figures come from the snapshot the engine loop publishes
+after each change (engine.snapshot()), read without a lock: /health answers while a step
+runs, without waiting for the loop. Only the blocks themselves (a keyed tenant's own, and
+/cache's copy of every block, the free queue and the block tables) are read under
+engine.allocator_lock, held for microseconds around the allocator's bookkeeping, never
+across a forward pass. /cache is the biggest answer (every block, decoded): it is rendered
+at most once per PAGE_EVERY_S for each viewer, and a key that owns nothing in the pool (a
+made-up one) gets the one page every such key gets, so new keys cost no new rendering.
 
 Read server_requests.py first (Settings, who is asking); server_routes.py answers with this.
 """
@@ -126,18 +129,18 @@ class ServerState:
     def figures(self, viewer: Viewer) -> dict:
         """What /health reports to `viewer`."""
         engine, alloc = self.engine, self.engine.allocator
-        with engine.allocator_lock:
-            pool = {
-                "num_blocks": alloc.num_blocks,
-                "block_size": alloc.block_size,
-                "num_free_blocks": alloc.num_free_blocks,
-                "num_cached_blocks": alloc.num_cached_blocks,
-                "blocks_in_use": alloc.num_blocks_in_use,
-                "running_requests": len(alloc.block_tables),
-            }
-            counters = alloc.stats.as_dict()
-            loop = engine.snapshot()  # under the same hold: its running requests are these
-            if viewer.keyed:
+        loop = engine.snapshot()  # the loop's queues and the pool's figures, published together
+        pool = {
+            "num_blocks": alloc.num_blocks,
+            "block_size": alloc.block_size,
+            "num_free_blocks": loop.num_free_blocks,
+            "num_cached_blocks": loop.num_cached_blocks,
+            "blocks_in_use": loop.blocks_in_use,
+            "running_requests": loop.running_requests,
+        }
+        counters = loop.cache_stats
+        if viewer.keyed:
+            with engine.allocator_lock:  # its own blocks: the allocator's, read under its lock
                 own = [b for b in alloc.blocks if b.cache_salt == viewer.tenant and b.token_ids]
                 pool |= {"num_free_blocks": None, "num_cached_blocks": sum(b.block_hash is not None for b in own),
                          "blocks_in_use": sum(b.ref_cnt > 0 for b in own)}
@@ -196,13 +199,16 @@ class ServerState:
             if tenant in self.tenants:
                 return True
         loop = self.engine.snapshot()
+        if any(salt == tenant for _, salt in [*loop.running, *loop.waiting]):
+            return True
         with self.engine.allocator_lock:
-            return (any(salt == tenant for _, salt in [*loop.running, *loop.waiting])
-                    or any(b.cache_salt == tenant for b in self.engine.allocator.blocks))
+            return any(b.cache_salt == tenant for b in self.engine.allocator.blocks)
 
     def snapshot(self, viewer: Viewer) -> dict:
         """What /cache reports to `viewer`: figures() plus every block, the free queue, the
-        block tables and the waiting queue. Copied under the lock, decoded after it."""
+        block tables and the waiting queue. The blocks are copied under allocator_lock,
+        decoded after it; the queues are the loop's published snapshot, read in the same hold
+        (the loop publishes in every hold that changes the pool, so the two agree)."""
         alloc = self.engine.allocator
         with self.engine.allocator_lock:
             blocks = [KVCacheBlock(b.block_id, b.ref_cnt, b.block_hash, list(b.token_ids), b.cache_salt)
@@ -210,7 +216,11 @@ class ServerState:
             free_queue = alloc.free_queue.block_ids()  # head (evicted first) -> tail
             tables = {rid: list(table) for rid, table in alloc.block_tables.items()}
             snap = self.figures(viewer)
-            loop = self.engine.snapshot()
+            loop = self.engine.snapshot()  # in the same hold: the snapshot figures() read
+        if not viewer.keyed:  # the pool's figures counted from the copy: the page's tiles agree with its picture
+            snap |= {"num_free_blocks": len(free_queue), "blocks_in_use": len(blocks) - len(free_queue),
+                     "num_cached_blocks": sum(b.block_hash is not None for b in blocks),
+                     "running_requests": len(tables)}
         if len(self.texts) > 2 * len(blocks):
             self.texts.clear()  # the hashes of blocks long evicted
         shown = [self.sees(viewer, block) for block in blocks]
@@ -257,9 +267,8 @@ class ServerState:
                        "num_tokens": len(block.token_ids), "text": text}
 
     def reset_prefix_cache(self) -> bool:
-        with self.engine.allocator_lock:
-            if not self.engine.allocator.reset_prefix_cache():
-                return False
+        if not self.engine.reset_prefix_cache():
+            return False
         with self.tenants_lock:
             self.tenants.clear()  # the allocator zeroed its counters: so do we
         return True

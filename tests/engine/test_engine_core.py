@@ -4,6 +4,7 @@ engine has one scheduler, whoever calls; a step that fails ends every request in
 loop goes on. Tiny random model, float32; failures forced, never waited for.
 """
 
+import concurrent.futures
 import json
 import threading
 import time
@@ -13,7 +14,7 @@ from dataclasses import replace
 import pytest
 
 import batch_engine
-from helpers import MODEL, assert_pool_whole, call, serve, wait_until_idle
+from helpers import MODEL, assert_pool_whole, call, queued_together, serve, wait_until_idle
 from one_request import generate, run_request
 from request import SamplingParams
 from scheduler import Scheduler
@@ -293,3 +294,62 @@ def test_an_automatic_request_id_skips_one_a_caller_took(make_engine):
     finally:
         held.close()
     assert reply.request_id == "request-1" and reply.finish_reason == "length"
+
+
+# --- the snapshot the loop publishes -----------------------------------------------------------
+
+
+def test_health_reads_a_snapshot_while_another_thread_holds_the_loops_locks(make_engine):
+    """The loop publishes a snapshot of itself; engine.snapshot() and /health read it without a
+    lock, so they answer while another thread holds allocator_lock and the loop's condition (a
+    long bookkeeping, a submit)."""
+    engine = make_engine()
+    engine.generate(PROMPT, max_tokens=2)
+    holding, release = threading.Event(), threading.Event()
+
+    def hold():
+        with engine.allocator_lock, engine.loop._wake:
+            holding.set()
+            release.wait(60)
+
+    holder = threading.Thread(target=hold)
+    with serve(create_app(engine, cache_page_every_s=0, model_name=MODEL)) as url:
+        with concurrent.futures.ThreadPoolExecutor(1) as reader:
+            holder.start()
+            try:
+                assert holding.wait(30)
+                snapshot = reader.submit(engine.snapshot).result(timeout=30)  # a lock taken would hang here
+                status, health = call(url, "/health", timeout=30)
+            finally:
+                release.set()
+                holder.join()
+    assert status == 200 and health["running_requests"] == health["waiting_requests"] == 0
+    assert health["num_free_blocks"] == snapshot.num_free_blocks == engine.allocator.num_blocks
+    assert health["num_cached_blocks"] == snapshot.num_cached_blocks > 0 and health["requests"] == 1
+
+
+def test_a_caller_given_its_reply_reads_its_request_gone_and_its_blocks_back(make_engine):
+    """The step publishes before its events go out: the snapshot read after the last one
+    already shows the request finished and the pool as the allocator has it."""
+    engine = make_engine()
+    for _ in range(3):
+        engine.generate(PROMPT, max_tokens=4)
+        snapshot, alloc = engine.snapshot(), engine.allocator
+        assert snapshot.running == snapshot.waiting == [] and not snapshot.prefilling
+        assert (snapshot.num_free_blocks, snapshot.num_cached_blocks, snapshot.blocks_in_use,
+                snapshot.running_requests) == (alloc.num_free_blocks, alloc.num_cached_blocks, 0, 0)
+        assert snapshot.cache_stats == alloc.stats.as_dict()
+        assert snapshot.last_step.num_tokens == 1  # the last step ended: one token decoded
+
+
+def test_a_request_submitted_while_a_step_runs_shows_waiting_at_once(make_engine):
+    """submit and cancel publish too: while the loop is held inside a step, the snapshot shows a
+    new request waiting at once, and a cancelled one gone."""
+    engine = make_engine()
+    with queued_together(engine):  # the loop is inside an opener's step until the block ends
+        first, second = submit_together(engine, [PROMPT, list(range(300, 310))], max_tokens=2)
+        assert engine.snapshot().waiting == [("r0", None), ("r1", None)]
+        engine.loop.cancel(second)
+        assert engine.snapshot().waiting == [("r0", None)]
+    assert [event.finish_reason for event in engine.loop.events(first)][-1] == "length"
+    wait_until_idle(engine)

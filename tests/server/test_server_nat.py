@@ -74,7 +74,8 @@ def read_all(sock) -> bytes:
 
 def served_whole(reply: tuple[int, bytes]) -> bool:
     status, body = reply
-    return status == 200 and body.endswith(b"data: [DONE]\n\n") and b'"error"' not in body
+    # An error event, not a reply whose text is "error" (the tiny model samples that token too).
+    return status == 200 and body.endswith(b"data: [DONE]\n\n") and b'data: {"error"' not in body
 
 
 # --- 1. a class behind one address ------------------------------------------------------------------
