@@ -256,7 +256,9 @@ class Engine:
         self.vocab_size = model.get_input_embeddings().num_embeddings
         self._request_counter = itertools.count()
         target = config.step_target_ms  # None: the budget is max_num_batched_tokens every step
-        self.step_budget = None if target is None else StepBudget(ModelShape.of(model), target, config.token_cap)
+        shape = ModelShape.of(model)
+        self.step_budget = None if target is None else StepBudget(shape, target, config.token_cap)
+        self._key_cost = shape.key_cost  # fair share charges a tenant each key its tokens attend to
         # Every forward pass on a CPU picks its thread count by measuring (cpu_threads.ThreadChooser):
         # one request's, and each batched step's. choose_threads=False keeps torch's.
         threads = ThreadChooser() if config.choose_threads else None
@@ -278,7 +280,8 @@ class Engine:
         """The engine loop's BatchRunner options, from the config."""
         return {"cascade_attention": self.config.cascade_attention, "threads": self.threads,
                 "choose_threads": self.config.choose_threads, "step_budget": self.step_budget,
-                "static_decode": self.config.static_decode, **self.config.scheduler_options}
+                "static_decode": self.config.static_decode, "key_cost": self._key_cost,
+                **self.config.scheduler_options}
 
     # --- the configuration, read from self.config ---------------------------------------------
 

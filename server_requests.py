@@ -434,8 +434,10 @@ class Asker:
 
     @property
     def tenant(self) -> str:
-        """Who asks, as a budget policy shares steps by it: its key where it has one, else its address."""
-        return self.key or self.address
+        """Who asks, as fair share counts it: a key on the teacher's list (one person), else
+        the address. A key nobody listed (--salt-by-api-key takes any) is free to make up,
+        one per request, and a new tenant is served first: it counts as its address."""
+        return self.key if self.listed else self.address
 
 
 # -----------------------------------------------------------------------------

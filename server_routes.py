@@ -326,16 +326,16 @@ def health():
     server, settings = served(), served().settings
     failure = server.failure()
     if failure is not None:
-        return {"status": "error", "message": f"the engine loop failed and could not be restarted: {failure}"}, 503
+        return {"status": "error", "message": f"the engine loop failed; restart the server: {failure}"}, 503
     if (settings.salt_by_api_key or settings.api_keys) and bearer_key(request.headers) is None:
         return {"status": "ok"}
-    return server.figures(server.viewer(request.headers))
+    return server.figures(server.viewer(request.headers, g.asker.tenant))
 
 
 @bp.get("/cache")
 def cache():
     server = served()
-    return Response(server.cache_page(server.viewer(request.headers)), mimetype="application/json")
+    return Response(server.cache_page(server.viewer(request.headers, g.asker.tenant)), mimetype="application/json")
 
 
 @bp.post("/reset_prefix_cache")
@@ -349,7 +349,7 @@ def reset_prefix_cache():
         alloc = server.engine.allocator
         raise APIError(409, f"{alloc.num_blocks_in_use} blocks are in use by {len(alloc.block_tables)} running "
                             f"requests; the cache can be reset only when no request runs")
-    return server.figures(server.viewer(request.headers))
+    return server.figures(server.viewer(request.headers, g.asker.tenant))
 
 
 def new_request_id(prefix: str) -> str:

@@ -61,6 +61,7 @@ class Viewer:
     tenant: str | None  # whose blocks it may read: its requests' cache_salt (None: the public cache)
     admin: bool = False  # the admin key: every block and figure
     keyed: bool = False  # a tenant of --salt-by-api-key: its own requests and figures only
+    share: str | None = None  # whose fair share it sees: who asks as the scheduler counts it (Asker.tenant)
 
 
 STRANGER = Viewer("", keyed=True)  # any keyed tenant with nothing in the pool: they all see the same page
@@ -103,13 +104,16 @@ class ServerState:
     pages_lock: threading.Lock = field(default_factory=threading.Lock)
     texts: dict[bytes, str] = field(default_factory=dict)  # a cached block's decoded text, by its hash
 
-    def viewer(self, headers) -> Viewer:
+    def viewer(self, headers, share: str | None = None) -> Viewer:
+        """Who looks, from the request's headers; share: the fair-share tenant it counts as
+        (a listed key's, else its address: Asker.tenant), which is not its cache_salt where a
+        key nobody listed is in use."""
         settings = self.settings
         if not settings.salt_by_api_key:
             return Viewer(None)
         if is_admin(headers, settings.admin_key):
-            return Viewer(tenant_of(headers, True), admin=True)
-        return Viewer(tenant_of(headers, True), keyed=True)
+            return Viewer(tenant_of(headers, True), admin=True, share=share)
+        return Viewer(tenant_of(headers, True), keyed=True, share=share)
 
     def count(self, tenant: str | None, prompt_tokens: int, cached_tokens: int) -> None:
         if not self.settings.salt_by_api_key:
@@ -160,7 +164,7 @@ class ServerState:
                      "waiting_requests": sum(salt == viewer.tenant for _, salt in loop.waiting),
                      "prefilling_requests": len(mine & set(loop.prefilling)),
                      "preemptions": None, "steps": None,
-                     **share_of(loop, viewer.tenant)}
+                     **share_of(loop, viewer.tenant if viewer.share is None else viewer.share)}
         else:
             if loop.step_budget is not None:  # what a step costs on this machine, learned (step_budget.py)
                 pool["step_costs"] = loop.step_budget["learned"]

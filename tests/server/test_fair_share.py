@@ -24,7 +24,9 @@ HEAVY, STUDENT, KEEPER = "heavy-student", "honest-student", "third-student"
 def app(tiny_model, tokenizer, fair_share: bool):
     engine = Engine(model=tiny_model, tokenizer=tokenizer, block_size=16, num_blocks=64,
                     max_num_seqs=2, max_num_batched_tokens=512, fair_share=fair_share)
-    return engine, create_app(engine, model_name=MODEL, salt_by_api_key=True, max_prompt_tokens=200)
+    # Keys on the teacher's list: each stands for one student (a key nobody listed counts as its address).
+    return engine, create_app(engine, model_name=MODEL, api_keys=frozenset({HEAVY, STUDENT, KEEPER}),
+                              salt_by_api_key=True, max_prompt_tokens=200)
 
 
 def salt(key: str) -> str:
@@ -73,6 +75,31 @@ def test_the_least_served_student_runs_first_and_a_refused_prompt_counts(tiny_mo
         status, health = call(url, "/health", headers=bearer(HEAVY))
         assert health["fair_share"] is True
         assert health["served_tokens"] == 0  # nobody has work: every tenant starts equal again
+    engine.close()
+
+
+def test_a_key_nobody_listed_counts_as_its_address(tiny_model, tokenizer):
+    """--salt-by-api-key alone takes any key, so a student could make up one per request and
+    be a new tenant each time, served first: such keys count as their address. A prompt
+    refused under one made-up key is charged to 127.0.0.1, and another made-up key from the
+    same address sees that count as its own; a listed key is a tenant of its own."""
+    engine = Engine(model=tiny_model, tokenizer=tokenizer, block_size=16, num_blocks=64,
+                    max_num_seqs=2, max_num_batched_tokens=512)
+    app = create_app(engine, model_name=MODEL, salt_by_api_key=True, max_prompt_tokens=200)
+    with serve(app) as url:
+        keeper = threading.Thread(target=call, args=(url, "/generate", {"prompt": "a long reply", "max_tokens": 64}),
+                                  kwargs={"headers": bearer(KEEPER)})
+        keeper.start()  # someone with work: the counts are kept while it runs
+        until(lambda: len(engine.snapshot().running) == 1, what="the keeper's request running")
+        with queued_together(engine):
+            status, reply = call(url, "/generate", {"prompt": "word " * 400, "max_tokens": 2},
+                                 headers=bearer("made-up-1"))
+            assert status == 400
+            status, health = call(url, "/health", headers=bearer("made-up-2"))
+            assert status == 200 and health["served_tokens"] > 400, health
+            assert engine.snapshot().served.get("127.0.0.1", 0) > 400
+            assert not {salt("made-up-1"), salt("made-up-2")} & set(engine.snapshot().served)
+        keeper.join(60)
     engine.close()
 
 
