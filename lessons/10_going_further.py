@@ -302,7 +302,7 @@ def main(argv: list[str] | None = None) -> None:
     columns = {}
     for policy in ROUTER_POLICIES:
         for replica in engines:
-            replica.allocator.reset_prefix_cache()
+            replica.reset_prefix_cache()  # the engine's: /health shows it at once
         with router(urls, policy) as url:  # NEW: the real router, in a process of its own
             columns[policy] = replay_through_router(Fleet(url, urls, policy), requests)  # NEW
     for server_ in servers:

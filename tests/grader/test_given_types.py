@@ -88,6 +88,7 @@ OMITTED_PARAMETERS = {
     ("SchedulerBase", "__init__", "enable_chunked_prefill"):
         "exercise 6 writes the chunked rule only (the starter's docstring); its tests never turn it off",
     ("SchedulerBase", "__init__", "fair_share"): FAIR_SHARE,
+    ("SchedulerBase", "__init__", "key_cost"): "what fair share charges a key attended: no fair share here",
 }
 
 # Fields of a reference dataclass that given.py leaves out: (given name, field) -> why.

@@ -368,7 +368,7 @@ def test_health_and_cache_answer_while_a_prefill_runs(engine, url):
 def test_concurrent_clients_get_the_answers_they_get_alone(engine, url):
     questions = [f"Question {i}: what is {i} plus {i}?" for i in range(16)]
     alone = {q: engine.generate(SYSTEM + q, max_tokens=10).text for q in questions}
-    assert engine.allocator.reset_prefix_cache()
+    assert engine.reset_prefix_cache()
 
     def ask(i: int) -> tuple[str, str]:
         question = questions[i]
