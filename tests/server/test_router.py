@@ -11,6 +11,9 @@ on a busy machine; the app and its server are the same), and the router's own pr
        is dropped, and so is the prompt of this server's own /generate
     4. replayed one after another: round robin splits a shared prefix's requests between the
        replicas, cache_aware keeps them on one, and every request is traced to its replica
+    5. the benchmark, its replicas in processes of their own and keyed as a class's fleet
+
+What the router's guards close is test_router_safety.py's.
 """
 
 import json
@@ -209,7 +212,9 @@ def test_cache_aware_keeps_a_shared_prefix_on_one_replica(fresh_replicas):
 
 def test_the_router_benchmark_starts_a_fleet_and_reports_each_run(tiny_model_dir, tmp_path):
     """`--bench router` as the README runs it, on the tiny model: two replicas of python
-    server.py, a router per policy, every request traced to a replica, the figure written."""
+    server.py, each the class server a fleet gets (keys, a cache per key, the teacher's admin
+    key), a router per policy, every request traced to a replica by its /health read with the
+    teacher's key, the figure written."""
     from benchmarks import router as bench
 
     out, figure = tmp_path / "router.json", tmp_path / "router.png"
@@ -222,3 +227,4 @@ def test_the_router_benchmark_starts_a_fleet_and_reports_each_run(tiny_model_dir
         assert run["cached_tokens"] == sum(r["cached_tokens"] for r in run["routed"])
     assert results["runs"][0]["requests_per_replica"] == [2, 1] or results["runs"][0]["requests_per_replica"] == [1, 2]
     assert json.loads(out.read_text())["router"] == ROUTER_VERSION and figure.stat().st_size > 0
+    assert "--no-fair-share" not in results["server_flags"]  # fair share on, as a class gets it
