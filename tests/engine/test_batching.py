@@ -418,4 +418,6 @@ def test_the_engine_loop_freezes_the_startup_heap_once(make_engine):
     frozen = gc.get_freeze_count()
     assert frozen > 0
     make_engine().generate([1, 2, 3], max_tokens=2)
-    assert gc.get_freeze_count() == frozen  # once: a second engine freezes nothing more
+    # Once: a second engine freezes nothing more. (The count may fall: a frozen object that
+    # dies by its reference count leaves, as the loop's snapshot does when the next replaces it.)
+    assert gc.get_freeze_count() <= frozen
