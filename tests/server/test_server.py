@@ -25,7 +25,8 @@ from pathlib import Path
 import openai
 import pytest
 
-from helpers import CHAT, MODEL, SYSTEM, EmbeddingCounter, call, client, raw_request, wait_for_log, wait_until_idle
+from helpers import (CHAT, MODEL, SYSTEM, EmbeddingCounter, call, client, queued_together, raw_request, until,
+                     wait_for_log, wait_until_idle)
 from server import create_app, serve_in_background
 
 
@@ -323,18 +324,23 @@ def test_a_client_that_disconnects_mid_stream_frees_its_blocks(engine, url, capl
 
 
 def test_a_client_that_hangs_up_before_its_reply_costs_nothing(engine, url, caplog):
-    counter = EmbeddingCounter(engine.model)
+    """The request waits in the queue (the loop held inside an opener's step) while its client
+    hangs up, so the loop's check before its prefill always comes after the hang-up."""
     body = json.dumps({"prompt": "Tell me a long story.", "max_tokens": 240}).encode()
     head = ["POST /generate HTTP/1.1", "Host: 127.0.0.1", "Content-Type: application/json",
             f"Content-Length: {len(body)}"]
+    counter = EmbeddingCounter(engine.model)  # the opener's 3 tokens, and nothing else
     try:
         with caplog.at_level(logging.INFO, logger="server"):
-            raw_request(url, head, body).close()  # a script killed by Ctrl+C, a closed notebook
+            with queued_together(engine):
+                sock = raw_request(url, head, body)
+                until(lambda: len(engine.snapshot().waiting) == 1, what="the request in the queue")
+                sock.close()  # a script killed by Ctrl+C, a closed notebook
             line = wait_for_log(caplog, "POST /generate -> 400")
     finally:
         counter.handle.remove()
     wait_until_idle(engine)
-    assert counter.count == 0  # the engine loop saw the hang-up before the prefill
+    assert counter.count == 3  # the opener's prompt: the engine loop saw the hang-up before the prefill
     assert "the connection's end of stream came before the reply" in line
 
 
