@@ -6,6 +6,7 @@ flags, its files, what it does to a request): the code reads it from requirement
 new pin makes each of them fail until it is checked against the new release.
 """
 
+import os
 import re
 from pathlib import Path
 
@@ -18,9 +19,9 @@ MENTIONS = re.compile(r"(?:sglang-router[ =]+|(?:router|gateway)[^.]{0,80}?(?:pi
 
 def texts() -> list[Path]:
     found = [ROOT / "README.md", *ROOT.glob("docs/*.md"), *ROOT.glob("lessons/*.md"), *ROOT.glob("notebooks/*.ipynb")]
-    for path in ROOT.rglob("*.py"):
-        if not {".venv", ".git"} & set(path.relative_to(ROOT).parts):
-            found.append(path)
+    for folder, subfolders, files in os.walk(ROOT):
+        subfolders[:] = [name for name in subfolders if name not in (".venv", ".git")]  # never walked into
+        found += [Path(folder) / name for name in files if name.endswith(".py")]
     return found
 
 
