@@ -42,9 +42,11 @@ from engine import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, DEFAULT
 from flags import positive_float, positive_int
 from model_flags import add_model_arguments, pool_arguments
 from model_loader import DEFAULT_MODEL
-from server_connections import MAX_HEAD_BYTES, MAX_HEADER_FIELDS, ClassServer, drain, serve_in_background
+from server_connections import (
+    MAX_HEAD_BYTES, MAX_HEADER_FIELDS, MOST_CONNECTIONS, ClassServer, connection_cap, drain, serve_in_background,
+)
 from server_requests import (
-    DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_CONNECTIONS_PER_CLIENT, DEFAULT_MAX_PROMPT_TOKENS,
+    DEFAULT_HEAD_TIMEOUT, DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_CONNECTIONS_PER_CLIENT, DEFAULT_MAX_PROMPT_TOKENS,
     DEFAULT_MAX_REQUESTS_PER_KEY, DEFAULT_MAX_TOKENS_LIMIT, DEFAULT_MAX_WAITING, DEFAULT_READ_TIMEOUT,
     DEFAULT_REQUEST_TIMEOUT, JSON_HEADER, MAX_CHAT_MESSAGES, read_api_keys, trusted_proxies,
 )
@@ -113,8 +115,14 @@ def main(argv: list[str] | None = None) -> None:
                              f"{DEFAULT_READ_TIMEOUT:g})")
     limits.add_argument("--idle-timeout", type=positive_float, default=DEFAULT_IDLE_TIMEOUT,
                         help=f"seconds a new connection has to start its request (default: {DEFAULT_IDLE_TIMEOUT:g})")
-    limits.add_argument("--max-connections", type=positive_int, default=DEFAULT_MAX_CONNECTIONS,
-                        help=f"open connections, a thread each; beyond it a 503 (default: {DEFAULT_MAX_CONNECTIONS})")
+    limits.add_argument("--head-timeout", type=positive_float, default=DEFAULT_HEAD_TIMEOUT,
+                        help=f"seconds a request's head may take, from the moment its connection opens (a deadline); "
+                             f"at --max-connections a new connection takes the place of the oldest whose head is "
+                             f"still coming in (default: {DEFAULT_HEAD_TIMEOUT:g})")
+    limits.add_argument("--max-connections", type=positive_int, default=None,
+                        help=f"open connections, a thread and an open file each; beyond it a 503 (default: what the "
+                             f"open-file limit, ulimit -n, leaves after an eighth of it for the server's own files, "
+                             f"at most {MOST_CONNECTIONS}: {connection_cap()} here)")
     limits.add_argument("--max-connections-per-client", type=int, default=DEFAULT_MAX_CONNECTIONS_PER_CLIENT,
                         help=f"open connections from one IP address that are not the live page's polls and show no "
                              f"key of --api-keys (requests still coming in, requests without such a key); beyond it "
@@ -176,7 +184,8 @@ def main(argv: list[str] | None = None) -> None:
         server = ClassServer(args.host, args.port, app, max_connections=args.max_connections,
                              max_connections_per_client=args.max_connections_per_client,
                              max_requests_per_key=args.max_requests_per_key, forwarded_allow_ips=proxies,
-                             read_timeout=args.read_timeout, idle_timeout=args.idle_timeout)
+                             read_timeout=args.read_timeout, idle_timeout=args.idle_timeout,
+                             head_timeout=args.head_timeout)
     except OSError as err:
         parser.exit(2, f"error: cannot listen on {args.host}:{args.port} ({err}); pick another --port\n")
 

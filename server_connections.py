@@ -3,24 +3,29 @@ The connections of server.py: werkzeug's threaded server (a thread per connectio
 process: one engine, one pool) with the bounds a class needs, so that no one client can take
 the server down, and a hang-up check that says whether a request's client is still there.
 
-    server = ClassServer("127.0.0.1", 5000, app, max_connections=128, max_connections_per_client=32,
-                         max_requests_per_key=8, forwarded_allow_ips=["10.0.0.5"])
+    server = ClassServer("127.0.0.1", 5000, app, max_connections_per_client=32, max_requests_per_key=8,
+                         forwarded_allow_ips=["10.0.0.5"])
     server.serve_forever()        # until Ctrl+C; then drain(server, engine, grace=10)
 
 What a connection may hold, and for how long:
 
     a new connection           idle_timeout seconds to send its first byte
     its request's head         MAX_HEADER_FIELDS header lines and MAX_HEAD_BYTES bytes of them;
-                               beyond either a 431 as soon as the bound is passed (RequestHead)
+                               beyond either a 431 as soon as the bound is passed (RequestHead);
+                               in by head_timeout seconds from the moment it connected, a
+                               deadline shorter than the body's: a client sends its head at once
     its request's head & body  read_timeout seconds in all, from the moment it connected:
                                a deadline, not a timeout per read, so a client that sends one
                                byte every few seconds is cut off all the same (a watchdog
                                thread shuts down its reading side: a body cut short gets a 408)
     its reply                  read_timeout seconds for every write it does not read
-    connections                max_connections open at once; from one address,
-                               max_connections_per_client that no key of the class or page
-                               poll accounts for (0: no such cap); beyond either a 503 from
-                               the accepting thread at once, and no thread (Admission)
+    connections                max_connections open at once (by default as many as the
+                               open-file limit leaves room for: connection_cap); from one
+                               address, max_connections_per_client that no key of the class
+                               or page poll accounts for (0: no such cap); beyond either a 503
+                               from the accepting thread at once, and no thread (Admission).
+                               At max_connections a new connection first takes the place of
+                               the oldest one whose head is still coming in (make_room)
     generation requests        max_requests_per_key open for one API key: beyond it a 429
                                once its head is in, before the body is read
     its client's address       the peer's, or from a proxy of forwarded_allow_ips the last
@@ -51,7 +56,7 @@ from werkzeug.serving import ThreadedWSGIServer, WSGIRequestHandler
 
 from engine import Engine
 from server_requests import (
-    DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_CONNECTIONS_PER_CLIENT, DEFAULT_MAX_REQUESTS_PER_KEY,
+    DEFAULT_HEAD_TIMEOUT, DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_CONNECTIONS_PER_CLIENT, DEFAULT_MAX_REQUESTS_PER_KEY,
     DEFAULT_READ_TIMEOUT, RETRY_AFTER_S, APIError, Asker, error_json, forwarded_client, is_proxy, trusted_proxies,
 )
 
@@ -62,6 +67,14 @@ AFTER_BODY_LIMIT = 4096  # bytes a client may send after its body: more is a han
 MAX_HEADER_FIELDS = 64
 MAX_HEAD_BYTES = 16 * 1024
 WATCH_EVERY_S = 0.1  # how often the watchdog looks for requests past their deadline
+# Connections, a thread and an open file each (a proxy's two: its client's and its upstream's).
+# The open-file limit is the bound a flood of connections meets first: 1,024 on many desktops,
+# 256 on macOS. A connection past it is not refused but left unaccepted, its client waiting
+# without an answer, and the model's files cannot be opened either. So the cap is what the
+# limit leaves after a reserve for the process's own files, and at most MOST_CONNECTIONS threads.
+MOST_CONNECTIONS = 1024
+FEWEST_CONNECTIONS = 32
+MAKE_ROOM_AFTER_S = 0.5  # at the cap, a head still coming in after this long gives its place to a new connection
 CLOSE_S = 5.0  # after the grace of a Ctrl+C: how long connections get to end before they are cut
 
 log = logging.getLogger("server")
@@ -254,6 +267,30 @@ class AfterReply:
 # 3. One connection, and who may hold one
 
 
+def open_file_limit() -> int | None:
+    """The process's soft limit on open files (ulimit -n); None where it has none to read."""
+    try:
+        import resource  # POSIX only
+    except ImportError:
+        return None
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return None if soft == resource.RLIM_INFINITY else soft
+
+
+def connection_cap(files_per_connection: int = 1, limit: int | None = None) -> int:
+    """--max-connections's default: what the open-file limit leaves after an eighth of it (at
+    least 64 files) for the process's own, between FEWEST_CONNECTIONS and MOST_CONNECTIONS.
+
+    >>> connection_cap(limit=1024), connection_cap(2, limit=1024), connection_cap(limit=256), connection_cap(limit=20_000)
+    (896, 448, 192, 1024)
+    """
+    limit = open_file_limit() if limit is None else limit
+    if limit is None:
+        return MOST_CONNECTIONS
+    spare = limit - max(64, limit // 8)
+    return max(FEWEST_CONNECTIONS, min(MOST_CONNECTIONS, spare // files_per_connection))
+
+
 @dataclass(eq=False)
 class Connection:
     """One open connection as the server tracks it, from its accept to the end of its thread."""
@@ -261,16 +298,28 @@ class Connection:
     sock: socket.socket
     peer: str  # the IP address it comes from
     deadline: float  # time.monotonic() by which its request's head and body must be in
+    head_deadline: float = float("inf")  # by which its head must be in
     address: str = ""  # the client's IP address: the peer's, or from a proxy the one it forwarded
     admission: Admission | None = None  # the caps it is counted under, once accepted
     unknown_at: str | None = None  # the address whose share of connections it holds (Admission)
     key: str | None = None  # the API key whose share of generation requests it holds
     reading: bool = True  # still reading its request: the deadline applies
-    cut_off: bool = False  # its deadline came while its request was being read
+    head_in: bool = False  # its request's head has been read
+    cut_off: bool = False  # cut while its request was being read (its deadline came, or its place was given away)
+    leaving: bool = False  # cut to make room for a new connection (Admission.make_room), not yet ended
     thread: threading.Thread | None = None  # its own, once started
 
     def __post_init__(self) -> None:
         self.address = self.address or self.peer
+        self.opened = time.monotonic()
+
+    def late(self, now: float) -> str | None:
+        """Which deadline its request has passed, if any: "head" or "request"."""
+        if not self.reading:
+            return None
+        if now > self.deadline:
+            return "request"
+        return "head" if not self.head_in and now > self.head_deadline else None
 
     def admit(self, asker: Asker) -> None:
         """Its head is in: count it as what the head says (Admission.admit); an APIError if not."""
@@ -286,6 +335,9 @@ class Connection:
         SHUT_RD leaves the writing side, so a body cut short still gets its 408."""
         with contextlib.suppress(OSError):
             self.sock.shutdown(how)
+
+
+FULL = "this server has its most connections open (--max-connections); try again in a moment"
 
 
 class Admission:
@@ -336,6 +388,7 @@ class Admission:
         self.max_requests_per_key = max_requests_per_key
         self.proxies = trusted_proxies(proxies)  # --forwarded-allow-ips
         self.open = 0
+        self.leaving = 0  # of them, cut to make room and not yet ended: their places are taken
         self.unknown: dict[str, int] = {}  # by address: connections no key or page accounts for
         self.requests: dict[str, int] = {}  # by API key: generation requests open
         self.lock = threading.Lock()
@@ -343,9 +396,8 @@ class Admission:
     def accept(self, connection: Connection) -> str | None:
         """Count a new connection, or say why it is refused (a 503 from the accepting thread)."""
         with self.lock:
-            if self.open >= self.max_connections:
-                return (f"this server has {self.max_connections} connections open, its most (--max-connections); "
-                        f"try again in a moment")
+            if self.open - self.leaving >= self.max_connections:
+                return FULL
             if not is_proxy(connection.peer, self.proxies):  # a proxy's client is known once its head is in
                 if self.address_full(connection.peer):
                     return self.too_many(connection.peer)
@@ -373,10 +425,23 @@ class Admission:
                 self.requests[asker.key] = held + 1
                 connection.key = asker.key
 
+    def make_room(self, connection: Connection) -> bool:
+        """Give `connection`'s place to a new one: it is cut at once (its head was not in), and
+        its place counts as free from now, not from when its thread has ended."""
+        with self.lock:
+            if connection.head_in:  # it came in meanwhile
+                return False
+            connection.leaving, connection.reading, connection.cut_off = True, False, True  # no request, when it ends
+            self.leaving += 1
+        connection.cut(socket.SHUT_RDWR)
+        return True
+
     def release(self, connection: Connection) -> None:
         """The connection has ended: what it held is free."""
         with self.lock:
             self.open -= 1
+            if connection.leaving:
+                self.leaving -= 1
             self.free_address(connection)
             if connection.key is not None:
                 self.requests[connection.key] -= 1
@@ -442,6 +507,7 @@ class RequestHandler(WSGIRequestHandler):
         rfile, self.rfile = self.rfile, RequestHead(self.rfile)
         try:
             parsed = super().parse_request()  # reads the headers
+            self.tracked.head_in = True
         except HeadTooLarge as err:
             self.answer(431, str(err))
             return False
@@ -504,15 +570,18 @@ class RequestHandler(WSGIRequestHandler):
 class ClassServer(ThreadedWSGIServer):
     """werkzeug's threaded server with the bounds of this module's docstring."""
 
-    def __init__(self, host: str, port: int, app, *, max_connections: int = DEFAULT_MAX_CONNECTIONS,
+    def __init__(self, host: str, port: int, app, *, max_connections: int | None = None,
                  max_connections_per_client: int = DEFAULT_MAX_CONNECTIONS_PER_CLIENT,
                  max_requests_per_key: int = DEFAULT_MAX_REQUESTS_PER_KEY, forwarded_allow_ips=(),
-                 read_timeout: float = DEFAULT_READ_TIMEOUT, idle_timeout: float = DEFAULT_IDLE_TIMEOUT):
+                 read_timeout: float = DEFAULT_READ_TIMEOUT, idle_timeout: float = DEFAULT_IDLE_TIMEOUT,
+                 head_timeout: float = DEFAULT_HEAD_TIMEOUT):
         handler = type("Handler", (RequestHandler,), {"read_timeout": read_timeout, "idle_timeout": idle_timeout})
         super().__init__(host, port, app, handler=handler)
+        max_connections = connection_cap() if max_connections is None else max_connections
         self.admission = Admission(max_connections, max_connections_per_client, max_requests_per_key,
                                    forwarded_allow_ips)
         self.read_timeout = read_timeout
+        self.head_timeout = min(head_timeout, read_timeout)
         self.connections: dict[socket.socket, Connection] = {}  # by socket, from accept to the end of its thread
         self.connections_lock = threading.Lock()
         # A thread that touches torch while the interpreter shuts down aborts the process
@@ -532,8 +601,11 @@ class ClassServer(ThreadedWSGIServer):
     # --- accepting, and refusing ---
 
     def process_request(self, request, client_address) -> None:
-        connection = Connection(request, client_address[0], time.monotonic() + self.read_timeout)
+        now = time.monotonic()
+        connection = Connection(request, client_address[0], now + self.read_timeout, now + self.head_timeout)
         refusal = self.admission.accept(connection)
+        if refusal is FULL and self.make_room(now):
+            refusal = self.admission.accept(connection)
         if refusal is not None:
             self.refuse(request, refusal)
             return
@@ -569,6 +641,24 @@ class ClassServer(ThreadedWSGIServer):
 
     # --- the connections, their deadlines, and their end ---
 
+    def make_room(self, now: float) -> bool:
+        """At max_connections: cut the oldest connection whose head has been coming in for more
+        than MAKE_ROOM_AFTER_S, so that a new one takes its place. A client sends its head as
+        soon as it connects, so the heads still coming in after that are what a flood of idle
+        or dripping connections holds; an honest client meets it only on a network so slow
+        that its head takes half a second."""
+        with self.connections_lock:
+            waiting = [c for c in self.connections.values()
+                       if not c.head_in and not c.leaving and now - c.opened > MAKE_ROOM_AFTER_S]
+        if not waiting:
+            return False
+        oldest = min(waiting, key=lambda c: c.opened)
+        if not self.admission.make_room(oldest):
+            return False
+        log.warning("%s: its head was not in after %.1f s, and a new connection needed its place "
+                    "(--max-connections %d): cut", oldest.address, now - oldest.opened, self.admission.max_connections)
+        return True
+
     def connection_for(self, sock: socket.socket) -> Connection:
         with self.connections_lock:
             return self.connections[sock]
@@ -582,11 +672,13 @@ class ClassServer(ThreadedWSGIServer):
         while not self.closing.wait(WATCH_EVERY_S):
             now = time.monotonic()
             for connection in self.open_connections():
-                if connection.reading and now > connection.deadline:
+                late = connection.late(now)
+                if late is not None:
                     connection.reading, connection.cut_off = False, True
                     connection.cut()
-                    log.warning("%s: its request was not in within %g s (--read-timeout): cut off",
-                                connection.address, self.read_timeout)
+                    log.warning("%s: its request's %s was not in within %g s (%s): cut off", connection.address, late,
+                                *((self.head_timeout, "--head-timeout") if late == "head" else
+                                  (self.read_timeout, "--read-timeout")))
 
     def serve_forever(self, poll_interval: float = 0.5) -> None:
         """socketserver's loop, without werkzeug's ending (which swallows Ctrl+C and then waits

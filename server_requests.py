@@ -28,10 +28,10 @@ DEFAULT_MAX_WAITING = 64  # requests queued behind the running ones; beyond it a
 DEFAULT_REQUEST_TIMEOUT = 300.0  # seconds a generation request may take, its wait in the queue included
 DEFAULT_READ_TIMEOUT = 10.0  # seconds a request's head and body may take in all, from the connection's start
 DEFAULT_IDLE_TIMEOUT = 5.0  # seconds a new connection may wait before it sends its first byte
-DEFAULT_MAX_CONNECTIONS = 128  # open connections (one thread each); beyond it a 503
+DEFAULT_HEAD_TIMEOUT = 5.0  # seconds a request's head may take, from the connection's start (one packet, as sent)
 DEFAULT_MAX_CONNECTIONS_PER_CLIENT = 32  # connections from one IP address no key or page accounts for (0: no cap)
 # Generation requests open at once for one API key: a student's loop runs one, a notebook's
-# thread pool a few; at 8, sixteen keys at their share fill --max-connections (128).
+# thread pool a few.
 DEFAULT_MAX_REQUESTS_PER_KEY = 8
 RETRY_AFTER_S = 2  # what a 503 asks a client to wait before it tries again
 EXAMPLE_BODY = '{"prompt": "Hello", "max_tokens": 16}'

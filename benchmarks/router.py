@@ -9,12 +9,15 @@ The router is SGLang's own (`sglang-router` on PyPI, pinned to ROUTER_VERSION in
 requirements.txt: Rust with Python bindings), started as its CLI starts it,
 `python -m sglang_router.launch_router --worker-urls URL ... --policy POLICY`, with the guards of
 guard_flags. Each replica is `python server.py --port PORT` in a process of its own, with its own
-engine and KV pool, on 127.0.0.1: only the router, and the teacher's own machine, reach it.
+engine and KV pool, on 127.0.0.1: only the router, and the teacher's own machine, reach it. On a
+keyed fleet the router too is on 127.0.0.1, and the class reaches it through the door
+(router_front.py: the class server's connection rules, its keys, the OpenAI routes only).
 
 The interface, for code that drives a fleet (a test, the analyzer's check of its prediction):
 
     with fleet(2, "cache_aware", Keys.generate(30), server_args=["--num-blocks", "256"]) as f:
-        f.url               # the router's URL: send OpenAI requests there, a student's key in each
+        f.url               # the door's URL: send OpenAI requests there, a student's key in each
+        f.router_url        # the router's own, on 127.0.0.1: its /workers with the teacher's key
         f.replica_urls      # each replica's URL, in order; f.ports their ports
         routed = replay_through_router(f, read_log("lessons/data/multi_turn.jsonl.xz"))
     routed[0].replica, routed[0].prompt_tokens, routed[0].cached_tokens, routed[0].ttft_ms
@@ -22,14 +25,16 @@ The interface, for code that drives a fleet (a test, the analyzer's check of its
     fleet(n, policy, keys, server_args=(), router_args=(), host=, port=, max_body_bytes=)   n
         replicas of server.py on free ports of 127.0.0.1 (server_args: any flags of server.py but
         --host, --port and the keys' flags), each a class server for `keys` (a Keys: every student's
-        key a tenant, --salt-by-api-key, the teacher's key its --admin-key), and the router (on
-        host:port, default a free port of 127.0.0.1) in front of them (policy: one of POLICIES;
-        router_args: any other flags of the router, such as ["--cache-threshold", "0.5"]; its
-        control plane takes the teacher's key); yields a Fleet once the router lists every replica
+        key a tenant, --salt-by-api-key, the teacher's key its --admin-key), the router on a free
+        port of 127.0.0.1 in front of them (policy: one of POLICIES; router_args: any other flags
+        of the router, such as ["--cache-threshold", "0.5"]; its control plane takes the teacher's
+        key), and the door (front) on host:port (default a free port of 127.0.0.1); without keys,
+        the router on host:port and no door. Yields a Fleet once the router lists every replica
         healthy under the model's name; stops them all at the end (a failure to start raises
         FleetError with the tail of the process's log).
-    replicas(n, server_args, keys=None) and router(replica_urls, policy, router_args,
-        control_key=None, max_body_bytes=): the two halves, each a context manager of its own
+    replicas(n, server_args, keys=None), router(replica_urls, policy, router_args,
+        control_key=None, max_body_bytes=) and front(router_url, keys, max_body_bytes, host=,
+        port=, open_files=): the parts, each a context manager of its own
         (the benchmark starts the replicas once and a router per policy in front of them,
         resetting their caches between runs: reset_caches(urls, admin_key)). Replicas without
         keys serve anyone, and router() without control_key closes its control plane with a
@@ -88,6 +93,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -149,10 +155,11 @@ class Keys:
 
 @dataclass(frozen=True)
 class Fleet:
-    url: str  # the router's
+    url: str  # where the class sends its requests: the door (router_front.py) on a keyed fleet, else the router
     replica_urls: tuple[str, ...]
     policy: str
     keys: Keys | None = None  # None: replicas that serve anyone, one cache for all
+    router_url: str = ""  # the router's own, on 127.0.0.1 (its control plane); "" : url
 
     @property
     def ports(self) -> tuple[int, ...]:
@@ -336,10 +343,60 @@ def fleet(n: int, policy: str = "cache_aware", keys: Keys | None = None, server_
           port: int | None = None, max_body_bytes: int = DEFAULT_BODY_BYTES) -> Iterator[Fleet]:
     """n replicas of server.py and SGLang's router in front of them (see the module's docstring)."""
     control_key = None if keys is None else keys.teacher
+    if keys is None:
+        with (replicas(n, server_args, timeout, keys) as urls,
+              router(urls, policy, router_args, host=host, port=port, control_key=control_key,
+                     max_body_bytes=max_body_bytes) as url):
+            yield Fleet(url, urls, policy, keys, url)
+        return
     with (replicas(n, server_args, timeout, keys) as urls,
-          router(urls, policy, router_args, host=host, port=port, control_key=control_key,
-                 max_body_bytes=max_body_bytes) as url):
-        yield Fleet(url, urls, policy, keys)
+          router(urls, policy, router_args, control_key=control_key, max_body_bytes=max_body_bytes) as url,
+          front(url, keys, max_body_bytes, host=host, port=port) as door):
+        yield Fleet(door, urls, policy, keys, url)
+
+
+@contextlib.contextmanager
+def front(router_url: str, keys: Keys, max_body_bytes: int = DEFAULT_BODY_BYTES, host: str = "127.0.0.1",
+          port: int | None = None, timeout: float = 60.0, front_args: Sequence[str] = (),
+          open_files: int | None = None) -> Iterator[str]:
+    """The class's door (router_front.py) in front of the router at router_url, on `port` of
+    `host` (default: a free port of 127.0.0.1), taking the keys of `keys`; front_args: its other
+    flags. open_files: its process's open-file limit (ulimit -n), else this one's. Yields its URL
+    once it answers. Stopped with SIGTERM."""
+    port = port or free_port()
+    url = f"http://{'127.0.0.1' if host == '0.0.0.0' else host}:{port}"
+
+    def limit_files() -> None:
+        default_sigint()
+        if open_files is not None:
+            import resource  # POSIX only, as is this limit
+
+            resource.setrlimit(resource.RLIMIT_NOFILE, (open_files, open_files))
+
+    with tempfile.TemporaryDirectory(prefix="front-") as logs:
+        key_file = Path(logs) / "class-keys.txt"
+        key_file.write_text("\n".join(keys.students) + "\n")
+        log = Path(logs) / "front.log"
+        command = [sys.executable, "-m", "benchmarks.router_front", "--router", router_url, "--host", host,
+                   "--port", str(port), "--api-keys", str(key_file), "--admin-key", keys.teacher,
+                   "--max-body-bytes", str(max_body_bytes), *front_args]
+        with open(log, "w") as out:
+            process = subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                       stdin=subprocess.DEVNULL, preexec_fn=limit_files)
+            try:
+                wait_until(lambda: answers(url), process, log, f"the door (on {url})", timeout)
+                yield url
+            finally:
+                stop([process], signal.SIGTERM)
+
+
+def answers(url: str) -> bool:
+    """Whether a server answers at url at all (any status)."""
+    try:
+        urllib.request.urlopen(url + "/v1/models", timeout=2).close()
+    except urllib.error.HTTPError:  # a 401 without a key: it answers
+        pass
+    return True
 
 
 def reset_caches(replica_urls: Sequence[str], admin_key: str | None = None) -> None:
@@ -387,7 +444,7 @@ def tenant_keys(salts: Sequence[str | None], keys: Keys) -> dict[str | None, str
 def clients(f: Fleet, requests: Sequence[LoggedRequest]) -> list[OpenAIServer]:
     """Who sends each request: on a fleet without keys one client for all, the salt in the body;
     on a keyed fleet the student whose key stands for the request's salt (tenant_keys)."""
-    model = OpenAIServer(f.url).model  # the model's name from the router's /v1/models
+    model = OpenAIServer(f.url, api_key=f.keys and f.keys.teacher).model  # the model's name from /v1/models
     if f.keys is None:
         return [OpenAIServer(f.url, model)] * len(requests)
     keys = tenant_keys([r.cache_salt for r in requests], f.keys)
@@ -516,8 +573,9 @@ def serve_fleet(args, keys: Keys, max_body_bytes: int, console) -> None:
     """--serve: a fleet until Ctrl+C, for a class to send requests to, each student with a key."""
     with fleet(max(args.replicas), args.policy, keys, server_flags(args), host=args.host, port=args.port,
                max_body_bytes=max_body_bytes) as f:
-        console.print(f"[bold green]the router ({f.policy}) on {f.url}[/], in front of {', '.join(f.replica_urls)} "
-                      f"(this machine only)")
+        console.print(f"[bold green]the class's door on {f.url}[/] (router_front.py: deadlines, caps, keys), in "
+                      f"front of the router ({f.policy}) on {f.router_url} and {', '.join(f.replica_urls)} (this "
+                      f"machine only)")
         if args.api_keys is None:
             console.print(f"  the class's keys, one for each student (--api-keys FILE keeps a class's keys from one "
                           f"fleet to the next):", markup=False)
@@ -527,20 +585,21 @@ def serve_fleet(args, keys: Keys, max_body_bytes: int, console) -> None:
             console.print(f"  the class's keys: the {len(keys.students)} of {args.api_keys}", markup=False)
         if args.admin_key is None:
             console.print(f"  the teacher's key (keep it): {keys.teacher}", markup=False, highlight=False)
-        model = OpenAIServer(f.url).model
+        model = OpenAIServer(f.url, api_key=keys.teacher).model
         console.print(f"  try:  curl -s {f.url}/v1/chat/completions -H 'Content-Type: application/json' "
                       f"-H 'Authorization: Bearer {keys.students[0]}' -d '{{\"model\": \"{model}\", \"messages\": "
                       f"[{{\"role\": \"user\", \"content\": \"Hi\"}}], \"max_tokens\": 16}}'",
                       soft_wrap=True, markup=False, highlight=False)
-        console.print("  through the router, send /v1/chat/completions or /v1/completions: it empties /generate's body",
+        console.print("  the door passes /v1/chat/completions, /v1/completions and /v1/models (the router empties "
+                      "/generate's body)", markup=False)
+        console.print(f"  on this machine: the router's /workers and /get_loads at {f.router_url} (the teacher's key); "
+                      f"each replica's cache at {f.replica_urls[0]}/#key=TEACHER'S-KEY, ...   (Ctrl+C stops them all)",
                       markup=False)
-        console.print(f"  the router's /workers and /get_loads take the teacher's key; each replica's cache, on this "
-                      f"machine: {f.replica_urls[0]}/#key=TEACHER'S-KEY, ...   (Ctrl+C stops them all)", markup=False)
         try:
             while True:
                 time.sleep(3600)
         except (KeyboardInterrupt, SystemExit):
-            console.print("stopping the router and the replicas…")
+            console.print("stopping the door, the router and the replicas…")
 
 
 def main(argv: list[str] | None = None) -> dict | None:

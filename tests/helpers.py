@@ -121,6 +121,19 @@ def call_with_headers(url: str, path: str, body=None, *, method=None, headers=No
         return err.code, json.loads(err.read()), dict(err.headers)
 
 
+def ask(url: str, method: str = "GET", body=None, key: str | None = None, headers: dict | None = None):
+    """(status, body text, headers) of one request; a refusal is an answer too."""
+    data = None if body is None else json.dumps(body).encode()
+    sent = {"Content-Type": "application/json"} if data is not None else {}
+    sent |= ({"Authorization": f"Bearer {key}"} if key else {}) | (headers or {})
+    request = urllib.request.Request(url, data=data, method=method, headers=sent)
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, response.read().decode(), response.headers
+    except urllib.error.HTTPError as err:
+        return err.code, err.read().decode(), err.headers
+
+
 def raw_request(url: str, head: list[str], body: bytes = b"") -> socket.socket:
     """Send a request byte for byte (the request line and headers in `head`), as no polite
     client would: a chunked body, a control character in the path, a hang-up. Returns the

@@ -16,7 +16,6 @@ tried as a student who is not the teacher would:
 import json
 import socket
 import threading
-import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from http.server import ThreadingHTTPServer
@@ -28,7 +27,7 @@ from benchmarks.router import (
     DEFAULT_BODY_BYTES, Fleet, Keys, body_limit, free_port, guard_flags, request_counts, reset_caches, router,
 )
 from engine import Engine
-from helpers import MODEL, StubWorker, calibrated, raw_request, serve, wait_until_idle
+from helpers import MODEL, StubWorker, ask, calibrated, raw_request, serve, wait_until_idle
 from server import create_app
 
 pytestmark = [pytest.mark.router, pytest.mark.server]
@@ -60,19 +59,6 @@ def class_fleet(tiny_model, tokenizer):
     for engine in engines:
         wait_until_idle(engine)  # every block free again, every ref count 0
         engine.close()
-
-
-def ask(url: str, method: str, body=None, key: str | None = None, headers: dict | None = None):
-    """(status, body text, headers) of one request; a refusal is an answer too."""
-    data = None if body is None else json.dumps(body).encode()
-    sent = {"Content-Type": "application/json"} if data is not None else {}
-    sent |= ({"Authorization": f"Bearer {key}"} if key else {}) | (headers or {})
-    request = urllib.request.Request(url, data=data, method=method, headers=sent)
-    try:
-        with urllib.request.urlopen(request, timeout=60) as response:
-            return response.status, response.read().decode(), response.headers
-    except urllib.error.HTTPError as err:
-        return err.code, err.read().decode(), err.headers
 
 
 def chat(question: str, **fields) -> dict:
@@ -185,6 +171,10 @@ def test_the_readmes_router_by_hand_has_every_guard():
     flags = [flag for flag in guard_flags("URL", "KEY", DEFAULT_BODY_BYTES) if flag.startswith("--")]
     assert [flag for flag in flags if flag not in command] == []
     assert f"--max-payload-size {DEFAULT_BODY_BYTES}" in command
+    assert "--host 127.0.0.1" in command.split("benchmarks.router_front")[0]  # the router: this machine only
+    door = command[command.index("python -m benchmarks.router_front"):]
+    assert all(flag in door for flag in ("--router http://127.0.0.1:8001", "--api-keys", "--admin-key",
+                                         f"--max-body-bytes {DEFAULT_BODY_BYTES}"))
 
 
 # --- 3. the breaker a student cannot trip ------------------------------------------------------------

@@ -6,6 +6,8 @@ Engine over conftest's tiny random model.
     2. one key has at most --max-requests-per-key generation requests open (a 429, before any work)
     3. X-Forwarded-For, trusted only from the proxies of --forwarded-allow-ips
     4. thirty students streaming and eight pages polling, for a few seconds: nothing refused
+    5. heads dripping from 130 addresses beside the class: the cap follows the open-file limit,
+       and at the cap a new connection takes the place of the oldest head still coming in
 
 No sleep decides anything: held requests wait in the engine's queue (queued_together) while
 the test looks; only part 4 runs for a while, and asserts what was served, never how fast.
@@ -15,14 +17,18 @@ import concurrent.futures
 import contextlib
 import http.client
 import json
+import socket
 import threading
 import time
 
 import pytest
 
 from engine import Engine
-from helpers import MODEL, calibrated, call, call_with_headers, queued_together, serve, until, wait_until_idle
+from helpers import (
+    MODEL, calibrated, call, call_with_headers, connect_from, queued_together, serve, until, wait_until_idle,
+)
 from server import create_app
+from server_connections import connection_cap
 
 STUDENTS = [f"student-{i:02}" for i in range(30)]
 TEACHER = "teacher-secret"
@@ -258,4 +264,105 @@ def test_thirty_students_streaming_and_eight_pages_polling_from_one_address_are_
           f"{sum(polls)} polls served, {len(refused)} refused")
     assert refused == []
     assert min(streams) >= 1 and min(polls) >= 2  # every student streamed, every page polled both routes
+    wait_until_idle(engine)
+
+
+# --- 5. a slowloris from many addresses ------------------------------------------------------------
+
+
+class Drippers:
+    """`n` connections, each from an address of its own (127.0.1.x: no per-address cap tells
+    them apart), each sending a request line and then a header byte every 0.2 s, never the
+    head's end. With `again`, one the server closes is opened again, as an attack keeps its
+    count."""
+
+    def __init__(self, url: str, n: int, again: bool):
+        self.url, self.again = url, again
+        self.addresses = [f"127.0.1.{i}" for i in range(1, n + 1)]
+        self.socks = [self.connect(address) for address in self.addresses]
+        self.closed = 0  # connections the server ended
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.drip)
+        self.thread.start()
+
+    def connect(self, address: str) -> socket.socket | None:
+        try:
+            sock = connect_from(self.url, address)
+            sock.sendall(b"GET /health HTTP/1.1\r\n")
+            return sock
+        except OSError:  # refused at accept, and closed before the line went
+            return None
+
+    def drip(self) -> None:
+        while not self.stop.wait(0.2):
+            for i, sock in enumerate(self.socks):
+                try:
+                    if sock is None:
+                        raise OSError
+                    sock.send(b"X")
+                except OSError:
+                    if sock is not None:
+                        sock.close()
+                        self.closed += 1
+                    self.socks[i] = self.connect(self.addresses[i]) if self.again else None
+
+    def end(self) -> None:
+        self.stop.set()
+        self.thread.join()
+        for sock in self.socks:
+            if sock is not None:
+                sock.close()
+
+
+def honest_and_class(url: str) -> tuple[list[int], list[tuple[int, bytes]]]:
+    """32 keyless /health requests from two other addresses and thirty keyed students' streams
+    from 127.0.0.1, all at once; their statuses and replies."""
+    def health(i: int) -> int:
+        conn = http.client.HTTPConnection(*url.removeprefix("http://").split(":"), timeout=30,
+                                          source_address=(f"127.0.0.{2 + i % 2}", 0))
+        try:
+            conn.request("GET", "/health")
+            response = conn.getresponse()
+            response.read()
+            return response.status
+        except OSError:
+            return 0
+        finally:
+            conn.close()
+
+    with concurrent.futures.ThreadPoolExecutor(62) as pool:
+        healths = [pool.submit(health, i) for i in range(32)]
+        streams = [pool.submit(stream, url, chat(f"Question {i}?"), bearer(key)) for i, key in enumerate(STUDENTS)]
+        return [h.result(60) for h in healths], [s.result(60) for s in streams]
+
+
+def test_heads_dripping_from_130_addresses_leave_the_honest_and_the_class_behind_one_address_served(engine):
+    # At the defaults: the cap follows the open-file limit (896 under ulimit -n 1024), far above
+    # the 128 that 130 drippers filled (16 of 32 honest requests were served then).
+    assert connection_cap() >= 192
+    with serve(class_app(engine)) as url:
+        drippers = Drippers(url, 130, again=True)
+        try:
+            healths, streams = honest_and_class(url)
+        finally:
+            drippers.end()
+    assert healths == [200] * 32
+    assert all(served_whole(s) for s in streams)
+    wait_until_idle(engine)
+
+
+def test_at_the_cap_every_new_connection_takes_the_place_of_a_dripping_head(engine):
+    # The old default cap, 128, full of heads that never end; each new connection cuts the
+    # oldest that has been coming in for half a second.
+    with serve(class_app(engine), max_connections=128) as url:
+        drippers = Drippers(url, 130, again=False)
+        try:
+            until(lambda: sum(sock is None for sock in drippers.socks) == 2, what="the 129th and 130th refused")
+            time.sleep(0.6)  # MAKE_ROOM_AFTER_S: the drippers are now old enough to give way
+            healths, streams = honest_and_class(url)
+        finally:
+            drippers.end()
+    assert healths == [200] * 32
+    assert all(served_whole(s) for s in streams)
+    assert drippers.closed >= 1  # places were made (as many as were needed at once)
     wait_until_idle(engine)

@@ -135,15 +135,32 @@ def test_a_half_sent_body_times_out_and_a_silent_connection_is_closed(engine):
         assert call(url, "/health")[0] == 200
 
 
-def test_connections_over_the_cap_get_a_503_at_once(engine):
-    with serve(create_app(engine, model_name=MODEL), max_connections=2, idle_timeout=30) as url:
-        host, port = url.removeprefix("http://").split(":")
-        idle = [socket.create_connection((host, int(port)), timeout=30) for _ in range(2)]
+def test_connections_over_the_cap_get_a_503_at_once_while_every_head_is_in(engine):
+    with serve(create_app(engine, model_name=MODEL), max_connections=2, idle_timeout=30, head_timeout=30) as url:
+        body = json.dumps({"prompt": "Hi", "max_tokens": 2}).encode()
+        holding = [raw_request(url, post_head("/generate", body)) for _ in range(2)]  # heads in, bodies to come
         status, headers, reply = until(lambda: health_reply(url), what="both connections taken")
         assert status == 503 and headers["Retry-After"] == "2" and "--max-connections" in json.loads(reply)["error"]["message"]
-        for connection in idle:
+        for connection in holding:
             connection.close()
         until(lambda: call(url, "/health")[0] == 200, what="a free connection slot")
+
+
+def test_at_the_cap_a_new_connection_takes_the_place_of_the_oldest_head_still_coming_in(engine):
+    with serve(create_app(engine, model_name=MODEL), max_connections=2, idle_timeout=30, head_timeout=30) as url:
+        host, port = url.removeprefix("http://").split(":")
+        oldest = socket.create_connection((host, int(port)), timeout=30)  # connects, sends nothing
+        dripping = socket.create_connection((host, int(port)), timeout=30)
+        dripping.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # its head never ends
+        dripping.settimeout(0.2)
+        # Both places taken by heads still coming in: once they are older than MAKE_ROOM_AFTER_S,
+        # a request takes the oldest's place and is served, at once, with no 503.
+        assert until(lambda: call(url, "/health")[0] == 200, what="a request served at the cap") is True
+        assert oldest.recv(1) == b""  # the idle connection was cut to make room
+        with pytest.raises(TimeoutError):
+            dripping.recv(1)  # the younger one is still open
+        oldest.close()
+        dripping.close()
 
 
 # --- 3. a supervised engine loop ----------------------------------------------------------------
