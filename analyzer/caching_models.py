@@ -179,19 +179,51 @@ ENGINE = VLLM(null_block=False, free_uncached_first=False)  # this course's Engi
 # returns that sum, and evict_to_free_tokens evicts what the free pages lack). When the pool
 # has too little, evict() pops the evictable
 # leaves (nothing running holds them) in the policy's order until enough tokens are freed,
-# a parent left childless joining the heap (evict_policy.py: lru by last access, lfu by hit
-# count then last access, fifo by creation, mru and filo the reverse). A finished request
+# a parent left childless joining the heap. A finished request
 # inserts its tokens (page-aligned), which counts a hit on every node it passes. Time is a
 # counter here: one tick for each call and each new node, where SGLang reads a clock. SGLang
 # builds its heap from every evictable leaf at each eviction; over a long log that is a walk
 # of the whole tree per request, so here one heap lives on: a leaf is pushed whenever a
 # request touches it, and an entry whose node has changed since is skipped when popped.
+#
+# The policies: each is a key, and the leaf with the smallest goes first (evict_policy.py).
+# The server's --radix-eviction-policy takes five (arg_groups/choices.py):
+#
+#   lru       last access
+#   lfu       hit count, then last access
+#   slru      a leaf hit fewer than protected_threshold times (2; the server's
+#             --radix-eviction-policy-config '{"protected_threshold": N}') before any other,
+#             then last access
+#   priority  the node's priority, then last access. A node keeps the highest priority of the
+#             requests that inserted it, `req.priority or 0` (radix_cache.py, _insert_cache;
+#             unified_radix_cache.py, checkpoint_into_tree). A log carries none, and a request
+#             without one inserts 0 (with --enable-priority-scheduling, managers/scheduler.py
+#             gives them all the same value): every node ties, and the order is lru's. (A
+#             server that decodes inserts a finished request's prompt again at its priority
+#             + 1, so its reply goes first; the replay decodes nothing.)
+#   tlru      Tail-optimized LRU (arXiv:2510.15152): first the leaves that lie wholly past
+#             their branch's budget, then last access. The budget is the deepest the branch
+#             has ever reached (a high-water mark that eviction does not lower) plus
+#             next_prompt_estimate minus threshold, in tokens ('{"threshold": T,
+#             "next_prompt_estimate": Q}'); the server refuses tlru unless T > Q >= 0
+#             (arg_groups/kv_cache_hook.py), so its defaults, 0 and 0, are refused
+#
+# RadixCache itself also takes fifo (creation), mru and filo (lru's and fifo's reverse),
+# which the server's flag refuses. The server does not run RadixCache: 0.5.23 builds a
+# UnifiedRadixCache (mem_cache/registry.py), whose tree (a Rust TreeCore, or
+# unified_cache/unified_tree_core.py in Python) keys its leaves with the same strategies.
+# tlru runs only there (registry.py refuses it on any other cache), and the depths it reads
+# are kept as unified_tree_core.py keeps them: a new node raises its ancestors' high-water
+# mark (_set_tlru_lens_and_raise_history), the upper half of a split takes the lower
+# half's (_split_node).
 
-EVICTION_POLICIES = ("lru", "lfu", "fifo", "mru", "filo")
+SERVER_EVICTION_POLICIES = ("lru", "lfu", "slru", "priority", "tlru")  # --radix-eviction-policy
+RADIX_CACHE_ONLY_POLICIES = ("fifo", "mru", "filo")  # RadixCache(eviction_policy=...); the server refuses them
+EVICTION_POLICIES = SERVER_EVICTION_POLICIES + RADIX_CACHE_ONLY_POLICIES
 
 
 class RadixNode:
-    __slots__ = ("key", "children", "parent", "last_access", "created", "hits", "lock")
+    __slots__ = ("key", "children", "parent", "last_access", "created", "hits", "lock", "depth", "high_water")
 
     def __init__(self, key: array, parent: RadixNode | None, now: int) -> None:
         self.key = key  # the token ids this node adds to its parent's
@@ -200,16 +232,28 @@ class RadixNode:
         self.last_access = self.created = now
         self.hits = 0
         self.lock = 0  # running requests that use it
+        self.depth = len(key) + (parent.depth if parent is not None else 0)  # tokens from the root to its end
+        self.high_water = self.depth  # the deepest its branch has been, it included (tlru's history length)
 
 
 @dataclass(frozen=True)
 class SGLang:
     page_size: int = 1  # SGLang's --page-size
-    eviction_policy: str = "lru"  # --radix-eviction-policy
+    eviction_policy: str = "lru"  # --radix-eviction-policy, or one RadixCache alone takes
+    slru_protected_threshold: int = 2  # --radix-eviction-policy-config's protected_threshold
+    tlru_threshold: int = 0  # ... threshold, in tokens
+    tlru_next_prompt_estimate: int = 0  # ... next_prompt_estimate, in tokens
 
     def __post_init__(self) -> None:
         if self.eviction_policy not in EVICTION_POLICIES:
             raise ValueError(f"eviction_policy must be one of {EVICTION_POLICIES}, got {self.eviction_policy!r}")
+        if self.eviction_policy == "tlru" and not 0 <= self.tlru_next_prompt_estimate < self.tlru_threshold:
+            raise ValueError(
+                f"tlru needs 0 <= next_prompt_estimate < threshold, got {self.tlru_next_prompt_estimate} and "
+                f"{self.tlru_threshold}: SGLang's server refuses anything else (with a threshold no larger than the "
+                f"estimate no token is ever past the budget, and T-LRU is LRU). Give the threshold, the tokens a "
+                f"prefill may compute within your time-to-first-token target, and the tokens you expect a "
+                f"conversation's next prompt to add")
 
     def replay(self, prompts: list[array], salts: list[str | None], max_total_tokens: int) -> Counts:
         """`max_total_tokens`: the pool in tokens, SGLang's --max-total-tokens."""
@@ -249,6 +293,14 @@ class RadixTree:
             return (node.last_access,)
         if policy == "lfu":
             return node.hits, node.last_access
+        if policy == "slru":
+            return node.hits >= self.model.slru_protected_threshold, node.last_access
+        if policy == "priority":
+            return 0, node.last_access  # no request carries a priority: every node's is 0
+        if policy == "tlru":
+            budget = max(node.high_water + self.model.tlru_next_prompt_estimate - self.model.tlru_threshold, 0)
+            past_budget = node.depth - len(node.key) >= budget
+            return -past_budget, node.last_access
         if policy == "fifo":
             return (node.created,)
         if policy == "mru":
@@ -302,7 +354,7 @@ class RadixTree:
         """_split_node: the first `at` tokens of `child` become a new node above it."""
         parent = child.parent
         top = RadixNode(child.key[:at], parent, self.tick())
-        top.hits, top.lock = child.hits, child.lock
+        top.hits, top.lock, top.high_water = child.hits, child.lock, child.high_water
         parent.children[self.child_key(child.key)] = top
         child.key = child.key[at:]
         child.parent = top
@@ -329,6 +381,9 @@ class RadixTree:
             leaf = RadixNode(key[done:], node, self.tick())
             leaf.hits = 1
             node.children[self.child_key(leaf.key)] = leaf
+            while node is not None and node.high_water < leaf.depth:
+                node.high_water = leaf.depth
+                node = node.parent
             self.size += len(leaf.key)
             self.touched.append(leaf)
 

@@ -58,7 +58,8 @@ from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, T
 from rich.table import Table
 from rich.tree import Tree
 
-from analyzer.caching_models import EVICTION_POLICIES, VLLM, LlamaCpp, SGLang
+from analyzer.caching_models import (EVICTION_POLICIES, RADIX_CACHE_ONLY_POLICIES, SERVER_EVICTION_POLICIES, VLLM,
+                                     LlamaCpp, SGLang)
 from analyzer.fleet import POLICIES, ROUTER_VERSION, NotRoutable, RouterFlags, Routing, route_log
 from analyzer.kv_memory import KNOWN_MODELS, UnsupportedModel, kv_shape, memory_to_buy, server_flags
 from analyzer.log_replay import (CURVE_POINTS, FLAT, LIKE, NARROWING_STEPS, TOKENIZE_BATCH, CacheModel, Curve, Replay,
@@ -476,7 +477,21 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--page-size", type=positive_int, default=1, metavar="N",
                         help="sglang: tokens per page, the unit it matches and caches (default 1: token by token)")
     parser.add_argument("--eviction-policy", choices=EVICTION_POLICIES, default="lru",
-                        help="sglang: which leaves its tree evicts first (default lru)")
+                        help=f"sglang: which leaves its tree evicts first (default lru). The server's "
+                        f"--radix-eviction-policy takes {', '.join(SERVER_EVICTION_POLICIES)}; "
+                        f"{', '.join(RADIX_CACHE_ONLY_POLICIES)} only SGLang's RadixCache class takes, the server "
+                        "refuses them. priority orders as lru here: a log carries no request priorities, and the "
+                        "replay caches no reply")
+    parser.add_argument("--slru-protected-threshold", type=int, default=None, metavar="N",
+                        help="sglang, slru: hits that move a leaf from the segment evicted first to the protected "
+                        "one (default 2; the server's --radix-eviction-policy-config '{\"protected_threshold\": N}')")
+    parser.add_argument("--tlru-threshold", type=int, default=None, metavar="TOKENS",
+                        help="sglang, tlru (needed): the tokens a prefill may compute within your time-to-first-token "
+                        "target. A conversation's tokens past (the longest it has been + the estimate - this) are "
+                        "evicted first (the server's --radix-eviction-policy-config '{\"threshold\": N}')")
+    parser.add_argument("--tlru-next-prompt-estimate", type=int, default=None, metavar="TOKENS",
+                        help="sglang, tlru: the tokens you expect a conversation's next prompt to add, below "
+                        "--tlru-threshold (default 0; the config's \"next_prompt_estimate\")")
     parser.add_argument("--parallel", type=positive_int, default=None, metavar="N",
                         help="llamacpp: slots (default: llama-server's auto, 4 with a unified KV cache)")
     parser.add_argument("--slot-prompt-similarity", type=float, default=0.1, metavar="F",
@@ -541,7 +556,19 @@ class Summary:
 def cache_model(args: argparse.Namespace) -> CacheModel:
     """The caching model the flags describe."""
     if args.like == "sglang":
-        return SGLang(args.page_size, args.eviction_policy)
+        given = {"--slru-protected-threshold": (args.slru_protected_threshold, "slru"),
+                 "--tlru-threshold": (args.tlru_threshold, "tlru"),
+                 "--tlru-next-prompt-estimate": (args.tlru_next_prompt_estimate, "tlru")}
+        for flag, (value, policy) in given.items():
+            if value is not None and args.eviction_policy != policy:
+                raise ValueError(f"{flag} is a setting of --eviction-policy {policy}, not {args.eviction_policy}: "
+                                 f"SGLang's server refuses a config key its policy does not take")
+        if args.eviction_policy == "tlru" and args.tlru_threshold is None:
+            raise ValueError("--eviction-policy tlru needs --tlru-threshold TOKENS, the tokens a prefill may compute "
+                             "within your time-to-first-token target (SGLang's server refuses tlru without one)")
+        settings = {"slru_protected_threshold": args.slru_protected_threshold, "tlru_threshold": args.tlru_threshold,
+                    "tlru_next_prompt_estimate": args.tlru_next_prompt_estimate}
+        return SGLang(args.page_size, args.eviction_policy, **{k: v for k, v in settings.items() if v is not None})
     if args.like == "llamacpp":
         if not 0 <= args.slot_prompt_similarity <= 1:
             raise ValueError(f"--slot-prompt-similarity must be between 0 and 1, got {args.slot_prompt_similarity}")

@@ -2,7 +2,7 @@
 
     python prefix_caching.py --bench caching_models --llama-server PATH/llama-server   # llama.cpp's
     python prefix_caching.py --bench caching_models --llama-server PATH --gguf f32     # the model in F32
-    python prefix_caching.py --bench caching_models --sglang-wheel DIR   # SGLang's RadixCache, from its wheel
+    python prefix_caching.py --bench caching_models --sglang-wheel DIR   # SGLang's trees, from its wheel
     python prefix_caching.py --bench caching_models --vllm-wheel DIR     # vLLM's bytes per block (analyzer/kv_memory.py)
 
 The logs, tokenized with the default model's tokenizer (LOGS): 99 requests of chats behind
@@ -21,11 +21,13 @@ model in analyzer/caching_models.py says.
   exceed_context_size_error. A server that stops (a binary built for another CPU dies of
   SIGILL as it loads the model) ends the command at once with its exit code and last lines.
 - SGLang's Python files are imported from its wheel, unpacked into DIR (pip download
-  --no-deps, then unzip: installing it would pull a CUDA build of torch). Its RadixCache runs
-  on the CPU with no model through the serial steps the caching model describes (match, make
-  room, insert), its own code doing each step. (vLLM's model is this course's allocator,
-  checked against vLLM's KVCacheManager before; tests/analyzer/test_caching_models.py checks the fast
-  replay against the allocator.)
+  --no-deps, then unzip: installing it would pull a CUDA build of torch). Its RadixCache, and
+  the tree of the UnifiedRadixCache its server builds (the Rust TreeCore the wheel ships, which
+  loads with a torch from 2.11 to 2.14, and the Python one), run on the CPU with no model
+  through the serial steps the caching model describes (match, make room, insert), their own
+  code doing each step, under every eviction policy at page sizes 1 and 16. (vLLM's model is
+  this course's allocator, checked against vLLM's KVCacheManager before;
+  tests/analyzer/test_caching_models.py checks the fast replay against the allocator.)
 
 No real server runs in the tests: tests/analyzer/test_caching_models.py checks each model against a
 hand replay of its rules instead (and this command's report of a server that dies).
@@ -34,6 +36,7 @@ hand replay of its rules instead (and this command's report of a server that die
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import importlib.abc
 import importlib.machinery
@@ -44,6 +47,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 import urllib.error
 import urllib.request
 from array import array
@@ -53,7 +57,7 @@ from unittest import mock
 from rich.console import Console
 from rich.table import Table
 
-from analyzer.caching_models import LlamaCpp, SGLang
+from analyzer.caching_models import EVICTION_POLICIES, SERVER_EVICTION_POLICIES, LlamaCpp, SGLang
 from analyzer.kv_memory import KNOWN_MODELS
 from analyzer.request_logs import Writer, interleave, rag, read_log, write_log
 from analyzer.log_replay import tokenize_log
@@ -302,7 +306,7 @@ def compare_llama_cpp(binary: Path, console: Console, gguf: Path | None = None,
 
 
 # -----------------------------------------------------------------------------
-# SGLang: its own RadixCache, from its wheel
+# SGLang: its own trees, from its wheel
 
 
 class WheelFiles(importlib.abc.MetaPathFinder, importlib.abc.Loader):
@@ -332,44 +336,171 @@ class WheelFiles(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         return importlib.import_module(name)
 
 
-def compare_sglang(wheel_dir: Path, console: Console) -> list[dict]:
-    prompts = tokenized_log("two systems, 3 users at a time")
-    files = ("radix_cache", "base_prefix_cache", "evict_policy", "cache_init_params")  # of sglang/srt/mem_cache
-    wheel = WheelFiles("sglang", {f"sglang.srt.mem_cache.{f}" for f in files}, wheel_dir)
-    radix_cache = wheel.load("sglang.srt.mem_cache.radix_cache")
-    evict_policy = wheel.load("sglang.srt.mem_cache.evict_policy")
-    base = wheel.load("sglang.srt.mem_cache.base_prefix_cache")
-    EvictParams, InsertParams, MatchPrefixParams = base.EvictParams, base.InsertParams, base.MatchPrefixParams
-    RadixCache, RadixKey = radix_cache.RadixCache, radix_cache.RadixKey
+def msgspec_stand_in() -> None:
+    """SGLang's unified tree declares its records as msgspec Structs; where msgspec is not
+    installed, dataclasses take their place (the tree only builds and reads them)."""
+    try:
+        import msgspec  # noqa: F401
+        return
+    except ImportError:
+        pass
 
-    radix_cache.split_node_hash_value = lambda hashes, split_len, page_size: (None, None)  # events only
+    class Struct:
+        def __init_subclass__(cls, frozen=False, kw_only=False, **options):
+            super().__init_subclass__()
+            for name in cls.__dict__.get("__annotations__", {}):
+                default = cls.__dict__.get(name)
+                if isinstance(default, (list, dict, set)):  # msgspec copies a mutable default
+                    setattr(cls, name, dataclasses.field(default_factory=lambda d=default: type(d)(d)))
+            dataclasses.dataclass(cls, kw_only=kw_only)
 
-    strategies = {"lru": evict_policy.LRUStrategy, "lfu": evict_policy.LFUStrategy,
-                  "fifo": evict_policy.FIFOStrategy, "mru": evict_policy.MRUStrategy,
-                  "filo": evict_policy.FILOStrategy}
-    results = []
-    tight = max(map(len, prompts)) * 5 // 4  # the longest prompt and a quarter more: evictions on most requests
-    configs = [(page_size, policy, tight) for page_size in (1, 16) for policy in strategies] + [(1, "lru", UNBOUNDED)]
-    for page_size, policy, capacity in configs:
-        tree = RadixCache.create_simulated(mock_allocator=mock.MagicMock(), page_size=page_size)
-        tree.eviction_strategy = strategies[policy]()
+    sys.modules["msgspec"] = types.SimpleNamespace(Struct=Struct, field=dataclasses.field)
+
+
+SGLANG_FILES = (  # of sglang/srt/mem_cache: the trees, their policies and the Rust TreeCore's binding
+    "radix_cache", "base_prefix_cache", "evict_policy", "cache_init_params", "rust_tree_core",
+    "rust_tree_core.adapter", "rust_tree_core.extension", "rust_tree_core.mem_cache",
+    *(f"unified_cache.{f}" for f in ("unified_tree_core", "unified_tree_core_interface", "cache_action",
+                                     "component_type", "components", "components.base", "components.full",
+                                     "components.mamba", "components.swa")))
+RUST_LOADER = ("sglang.srt.rust_extensions", "sglang.srt.rust_extensions.loader",
+               "sglang.srt.rust_extensions.torch_build")
+TLRU_CONFIG = {"threshold": 100, "next_prompt_estimate": 20}  # tokens: the server refuses tlru without a threshold
+
+
+class SGLangWheel:
+    """SGLang's trees from its wheel: RadixCache, which takes every policy, and the tree of the
+    UnifiedRadixCache its server builds, in Rust (the default) and in Python. Each is driven
+    through the serial steps the caching model describes (match, make room, insert), its own
+    code doing each step."""
+
+    def __init__(self, wheel_dir: Path) -> None:
+        msgspec_stand_in()
+        real = {f"sglang.srt.mem_cache.{f}" for f in SGLANG_FILES} | set(RUST_LOADER)
+        wheel = WheelFiles("sglang", real, wheel_dir)
+        wheel.load("sglang.srt.environ").envs.SGLANG_RUST_BUILD_MODE.get.return_value = "auto"  # its default
+        self.base = wheel.load("sglang.srt.mem_cache.base_prefix_cache")
+        self.cache_init_params = wheel.load("sglang.srt.mem_cache.cache_init_params")
+        self.radix_cache = wheel.load("sglang.srt.mem_cache.radix_cache")
+        self.tree_core = wheel.load("sglang.srt.mem_cache.unified_cache.unified_tree_core")
+        self.components = wheel.load("sglang.srt.mem_cache.unified_cache.components")
+        self.rust = wheel.load("sglang.srt.mem_cache.rust_tree_core.adapter")
+        policies = wheel.load("sglang.srt.mem_cache.evict_policy")
+        self.strategies = {"lru": policies.LRUStrategy, "lfu": policies.LFUStrategy, "slru": policies.SLRUStrategy,
+                           "priority": policies.PriorityStrategy, "tlru": policies.TLRUStrategy,
+                           "fifo": policies.FIFOStrategy, "mru": policies.MRUStrategy, "filo": policies.FILOStrategy}
+        # mem_cache/utils.py (it imports kernels) builds a strategy so: its policy's class, the config as keywords
+        strategy = lambda policy, config=None: self.strategies[policy](**(config or {}))  # noqa: E731
+        self.tree_core.get_eviction_strategy = self.rust.get_eviction_strategy = strategy
+        for module in (self.radix_cache, self.tree_core):
+            module.split_node_hash_value = lambda hashes, split_len, page_size: (None, None)  # events only
+
+    def radix_cache_served(self, prompts: list[array], page_size: int, policy: str, capacity: int) -> list[int]:
+        RadixKey, base = self.radix_cache.RadixKey, self.base
+        tree = self.radix_cache.RadixCache.create_simulated(mock_allocator=mock.MagicMock(), page_size=page_size)
+        tree.eviction_strategy = self.strategies[policy](**policy_config(policy))
         served = []
         for prompt in prompts:
             ids = array("q", prompt)
-            match = tree.match_prefix(MatchPrefixParams(key=RadixKey(ids[: len(ids) - 1])))
+            match = tree.match_prefix(base.MatchPrefixParams(key=RadixKey(ids[: len(ids) - 1])))
             tree.inc_lock_ref(match.last_device_node)
-            # what the scheduler asks for (mem_cache/allocation.py): the new tokens, and at a page
-            # size above 1 one page more (alloc_paged_token_slots_extend)
-            need = len(ids) - match.device_prefix_len + (page_size if page_size > 1 else 0)
-            shortfall = need - (capacity - tree.total_size())
+            shortfall = demand(len(ids) - match.device_prefix_len, page_size) - (capacity - tree.total_size())
             if shortfall > 0:
-                tree.evict(EvictParams(num_tokens=shortfall))
-            tree.insert(InsertParams(key=RadixKey(ids)))
+                tree.evict(base.EvictParams(num_tokens=shortfall))
+            tree.insert(base.InsertParams(key=RadixKey(ids)))
             tree.dec_lock_ref(match.last_device_node)
             served.append(match.device_prefix_len)
-        predicted = SGLang(page_size, policy).replay(prompts, [None] * len(prompts), capacity).cached.tolist()
+        return served
+
+    def tree_core_served(self, prompts: list[array], page_size: int, policy: str, capacity: int,
+                         backend: str) -> list[int]:
+        """`backend`: "rust" or "python", SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND."""
+        RadixKey, base, FULL = self.radix_cache.RadixKey, self.base, self.components.ComponentType.FULL
+        params = self.cache_init_params.CacheInitParams(
+            disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=None, page_size=page_size,
+            eviction_policy=policy, eviction_policy_config=policy_config(policy) or None, tree_components=(FULL,))
+        if backend == "rust":
+            core = self.rust.RustUnifiedTreeCore(params)
+        else:
+            full = self.components.FullComponent(mock.MagicMock(enable_session_radix_cache=False), params)
+            core = self.tree_core.UnifiedTreeCore(params, {FULL: full})
+        served = []
+        for prompt in prompts:
+            ids = array("q", prompt)
+            match = core.match_prefix(base.MatchPrefixParams(key=RadixKey(ids[: len(ids) - 1])))
+            lock = core.inc_lock_ref(match.last_device_node)
+            held = core.full_evictable_size() + core.full_protected_size()
+            shortfall = demand(len(ids) - match.device_prefix_len, page_size) - (capacity - held)
+            if shortfall > 0:  # UnifiedRadixCache._evict: a walk over the leaves, one evicted at each step
+                freed = {FULL: 0}
+                core.evict_device_start(FULL, shortfall)
+                while True:
+                    step = freed_by(core.evict_device_next_node(FULL, dict(freed)), freed)
+                    if step.node_id is None:
+                        break
+                    freed_by(core.evict_device_leaf(step.node_id, False), freed)
+                core.evict_device_end(FULL)
+            core.begin_insert(base.InsertParams(key=RadixKey(ids)))
+            while core.has_ongoing_insert():
+                core.resume_insert()
+            core.dec_lock_ref(match.last_device_node, lock.to_dec_params())
+            served.append(match.device_prefix_len)
+        return served
+
+
+def freed_by(step, freed: dict):
+    """Count what one eviction step freed, and let its K/V go (there is no pool to give it to;
+    a step dropped with K/V in it fails an assertion of SGLang's)."""
+    for component, n in step.tracker.items():
+        freed[component] = freed.get(component, 0) + n
+    step.device_frees.clear()
+    step.host_frees.clear()
+    step.cache_actions.clear()
+    return step
+
+
+def demand(new_tokens: int, page_size: int) -> int:
+    """What the scheduler asks for (mem_cache/allocation.py): the new tokens, and at a page size
+    above 1 one page more (alloc_paged_token_slots_extend)."""
+    return new_tokens + (page_size if page_size > 1 else 0)
+
+
+def policy_config(policy: str) -> dict:
+    """--radix-eviction-policy-config: none (SGLang's defaults), but for tlru, whose defaults the
+    server refuses."""
+    return TLRU_CONFIG if policy == "tlru" else {}
+
+
+def sglang_model(page_size: int, policy: str) -> SGLang:
+    config = policy_config(policy)
+    return SGLang(page_size, policy, tlru_threshold=config.get("threshold", 0),
+                  tlru_next_prompt_estimate=config.get("next_prompt_estimate", 0))
+
+
+def compare_sglang(wheel_dir: Path, console: Console) -> list[dict]:
+    """Every policy at page sizes 1 and 16 on a tight pool: RadixCache (all but tlru: its nodes
+    keep no T-LRU depths, and its eviction stops with an AttributeError) and the server's tree,
+    in Rust and in Python (the server's five); then RadixCache on a pool that never evicts."""
+    prompts = tokenized_log("two systems, 3 users at a time")
+    sglang = SGLangWheel(wheel_dir)
+    tight = max(map(len, prompts)) * 5 // 4  # the longest prompt and a quarter more: evictions on most requests
+    runs = []  # (the tree, page size, policy, pool)
+    for page_size in (1, 16):
+        runs += [("RadixCache", page_size, p, tight) for p in EVICTION_POLICIES if p != "tlru"]
+        runs += [(tree, page_size, p, tight) for tree in ("rust", "python") for p in SERVER_EVICTION_POLICIES]
+    runs.append(("RadixCache", 1, "lru", UNBOUNDED))
+    results = []
+    for tree, page_size, policy, capacity in runs:
+        if tree == "RadixCache":
+            served = sglang.radix_cache_served(prompts, page_size, policy, capacity)
+        else:
+            served = sglang.tree_core_served(prompts, page_size, policy, capacity, tree)
+        predicted = sglang_model(page_size, policy).replay(prompts, [None] * len(prompts), capacity).cached.tolist()
+        name = "RadixCache" if tree == "RadixCache" else f"the server's tree ({tree})"
         size = "unbounded" if capacity == UNBOUNDED else f"{capacity:,} tokens"
-        results.append(agreement(f"SGLang page {page_size}, {policy}, {size}", predicted, served, prompts, console))
+        label = policy + (f" {json.dumps(TLRU_CONFIG)}" if policy == "tlru" else "")
+        results.append(agreement(f"SGLang {name}, page {page_size}, {label}, {size}", predicted, served, prompts,
+                                 console))
     return results
 
 

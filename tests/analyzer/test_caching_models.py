@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from analyzer.caching_models import ENGINE, VLLM, LlamaCpp, SGLang, SlotServer, block_hash_ids, common_prefix
+from analyzer.caching_models import (ENGINE, EVICTION_POLICIES, RADIX_CACHE_ONLY_POLICIES, SERVER_EVICTION_POLICIES,
+                                     VLLM, LlamaCpp, SGLang, SlotServer, block_hash_ids, common_prefix)
 from analyzer.request_logs import Log, interleave
 from analyzer.log_replay import LIKE, hit_rate_curve, replay, smallest_pool, tokenize_log
 from prefix_caching import PrefixCachingAllocator
@@ -95,6 +96,74 @@ def test_sglang_matches_token_by_token_or_by_page(page_size, cached):
 def test_sglang_evicts_leaves_in_its_policys_order(policy, cached):
     prompts = [ids((1, 4)), ids((1, 4)), ids((2, 4)), ids((3, 4)), ids((1, 4))]
     assert SGLang(eviction_policy=policy).replay(prompts, [None] * 5, max_total_tokens=8).cached.tolist() == cached
+
+
+# SLRU, by hand, on the same pool. A leaf hit fewer than 2 times goes before any other, however
+# recent: [2]*4 (hit once) goes for [3]*4 where LRU takes the older [1]-branch (hit twice), so
+# [1]*4 finds 3 at the end. With --radix-eviction-policy-config '{"protected_threshold": 3}'
+# the [1]-branch is not protected either, and the order is LRU's. Among the protected the least
+# recently used goes, not the least hit: [1]*4 three times, [2]*4 twice, then [3]*4 takes the
+# [1]-branch where LFU takes [2]*4, and [2]*4 finds 3 at the end.
+def test_sglang_slru_evicts_leaves_hit_once_first_then_the_least_recently_used():
+    a, b, c = ids((1, 4)), ids((2, 4)), ids((3, 4))
+
+    def cached(prompts, **model):
+        return SGLang(**model).replay(prompts, [None] * len(prompts), max_total_tokens=8).cached.tolist()
+
+    assert cached([a, a, b, c, a], eviction_policy="slru") == [0, 3, 0, 0, 3]
+    assert cached([a, a, b, c, a], eviction_policy="lru") == [0, 3, 0, 0, 0]
+    assert cached([a, a, b, c, a], eviction_policy="slru", slru_protected_threshold=3) == [0, 3, 0, 0, 0]
+    assert cached([a, a, a, b, b, c, b], eviction_policy="slru") == [0, 3, 3, 0, 3, 0, 3]
+    assert cached([a, a, a, b, b, c, b], eviction_policy="lfu") == [0, 3, 3, 0, 3, 0, 0]
+
+
+# Priority: a node keeps the highest priority of the requests that inserted it, and a request
+# without one inserts 0. A log carries none, so every node ties and the order is LRU's.
+def test_sglang_priority_evicts_as_lru_when_no_request_carries_one():
+    prompts, salts = random_log(4)
+    longest = max(map(len, prompts))
+    for pool in (longest, 2 * longest):  # evicting on most requests
+        assert (SGLang(eviction_policy="priority").replay(prompts, salts, pool).cached.tolist()
+                == SGLang(eviction_policy="lru").replay(prompts, salts, pool).cached.tolist())
+    hand = [ids((1, 4)), ids((1, 4)), ids((2, 4)), ids((3, 4)), ids((1, 4))]
+    assert SGLang(eviction_policy="priority").replay(hand, [None] * 5, 8).cached.tolist() == [0, 3, 0, 0, 0]
+
+
+# T-LRU, threshold 4 (next_prompt_estimate 0): a branch keeps (the deepest it has been - 4)
+# tokens; a leaf wholly past that goes before any other. A pool of 16: [3]*8 (a branch 8
+# deep: its leaf starts at 0, inside its budget of 4), then a conversation, [1]*4 and
+# [1]*4+[2]*4 (the branch is 8 deep; the [2]*4 leaf starts at 4, past it). [4]*4 needs 4:
+# T-LRU takes the [2]*4 tail, where LRU takes the older [3]*8, so [3]*8 comes back finding 7.
+# It needs 1 token more: the leaves past their budget now are [4]*4 (a branch of 4: budget 0)
+# and the [3] split off [3]*8; [4]*4, the older, goes. The trimmed conversation's [1]*4 stays:
+# its branch remembers it was 8 deep (a budget of 4 it starts inside), so its next turn finds
+# 4 tokens; judged by the 4 left, it would be past its budget and gone.
+def test_sglang_tlru_evicts_a_branchs_tail_past_its_budget_first_and_remembers_its_depth():
+    prompts = [ids((3, 8)), ids((1, 4)), ids((1, 4), (2, 4)), ids((4, 4)), ids((3, 8)), ids((1, 4), (2, 4))]
+    tlru = SGLang(eviction_policy="tlru", tlru_threshold=4)
+    assert tlru.replay(prompts, [None] * 6, max_total_tokens=16).cached.tolist() == [0, 0, 4, 0, 7, 4]
+    assert SGLang().replay(prompts, [None] * 6, max_total_tokens=16).cached.tolist() == [0, 0, 4, 0, 0, 4]
+
+
+# T-LRU, threshold 8, a pool of 28: [8]*12 (its budget 4: inside it), [5]*12, then [5]*4+[6]*4
+# splits [5]*12 after 4 tokens. The upper half, [5]*4, takes its branch's depth, 12, so its
+# budget is 4 and it starts inside it. [9]*20 needs 20: first the leaves past their budgets,
+# [5]*8 and [6]*4 (12 tokens), then by recency [8]*12, older than [5]*4, which stays: the
+# last request finds 4. Were the upper half as deep as its own path (8 with [6]*4), it would
+# be past its budget and go first; LRU takes [8]*12 and [5]*8 and keeps [6]*4, finding 7.
+def test_sglang_tlru_the_upper_half_of_a_split_keeps_its_branchs_depth():
+    prompts = [ids((8, 12)), ids((5, 12)), ids((5, 4), (6, 4)), ids((9, 20)), ids((5, 4), (6, 4))]
+    tlru = SGLang(eviction_policy="tlru", tlru_threshold=8)
+    assert tlru.replay(prompts, [None] * 5, max_total_tokens=28).cached.tolist() == [0, 0, 4, 0, 4]
+    assert SGLang().replay(prompts, [None] * 5, max_total_tokens=28).cached.tolist() == [0, 0, 4, 0, 7]
+
+
+def test_sglang_takes_the_servers_policies_and_radix_caches_and_refuses_tlru_past_its_threshold():
+    assert EVICTION_POLICIES == SERVER_EVICTION_POLICIES + RADIX_CACHE_ONLY_POLICIES
+    assert SERVER_EVICTION_POLICIES == ("lru", "lfu", "slru", "priority", "tlru")  # sglang 0.5.23's choices.py
+    for estimate, threshold in [(0, 0), (512, 512), (-1, 8)]:  # 0 and 0: the server's defaults, refused
+        with pytest.raises(ValueError, match="tlru needs 0 <= next_prompt_estimate < threshold"):
+            SGLang(eviction_policy="tlru", tlru_threshold=threshold, tlru_next_prompt_estimate=estimate)
 
 
 # SGLang's demand for room, by hand: a pool of 8 tokens, [1]*4, [2]*4, then [1]*4 again. At
@@ -274,6 +343,27 @@ def test_the_command_names_each_model_and_keeps_the_old_flag():
     assert cache_model(args) == LlamaCpp(parallel=4, kv_unified=True, n_ctx=1000)
     with pytest.raises(ValueError, match="--slot-prompt-similarity must be between 0 and 1"):
         cache_model(parser.parse_args(["log.jsonl", "--like", "llamacpp", "--slot-prompt-similarity", "2"]))
+
+
+def test_the_command_passes_sglangs_policy_settings_and_refuses_one_for_another_policy():
+    from analyzer.workload_analyzer import build_parser, cache_model
+
+    parser = build_parser()
+
+    def model(*flags):
+        return cache_model(parser.parse_args(["log.jsonl", "--like", "sglang", *flags]))
+
+    assert model("--eviction-policy", "slru", "--slru-protected-threshold", "3") == SGLang(
+        eviction_policy="slru", slru_protected_threshold=3)
+    tlru = model("--eviction-policy", "tlru", "--tlru-threshold", "4096", "--tlru-next-prompt-estimate", "512")
+    assert tlru == SGLang(eviction_policy="tlru", tlru_threshold=4096, tlru_next_prompt_estimate=512)
+    assert model("--eviction-policy", "filo") == SGLang(eviction_policy="filo")  # RadixCache's alone, still modelled
+    with pytest.raises(ValueError, match="--eviction-policy tlru needs --tlru-threshold"):
+        model("--eviction-policy", "tlru")
+    with pytest.raises(ValueError, match="--tlru-threshold is a setting of --eviction-policy tlru, not lru"):
+        model("--tlru-threshold", "64")
+    with pytest.raises(ValueError, match="next_prompt_estimate < threshold, got 64 and 64"):
+        model("--eviction-policy", "tlru", "--tlru-threshold", "64", "--tlru-next-prompt-estimate", "64")
 
 
 def test_llama_servers_default_context_is_the_default_models_training_context():
