@@ -3,7 +3,7 @@
     python prefix_caching.py --bench first_prompt                 # 3 fresh servers each way, the default model
     python prefix_caching.py --bench first_prompt --runs 5 --long-tokens 4000 --json out.json
 
-Each run starts `python server.py` in a process of its own (benchmarks/server_abuse.py's
+Each run starts `python server.py` in a process of its own (benchmarks/served_clients.py's
 `serving`), once at its defaults and once with a fixed --max-num-batched-tokens (the default's
 cap, DEFAULT_MAX_NUM_BATCHED_TOKENS), taking turns, and sends, as a class meets a server just
 started:
@@ -31,7 +31,7 @@ import threading
 import time
 
 from benchmarks import save_json
-from benchmarks.server_abuse import Server, serving
+from benchmarks.served_clients import Server, serving
 from engine import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from flags import positive_int
 

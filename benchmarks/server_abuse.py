@@ -4,7 +4,7 @@
     python prefix_caching.py --bench server_abuse --scenes attacks         # the attacks only
     python prefix_caching.py --bench server_abuse --scenes long-prompt,long-alone --repeat 5
     python prefix_caching.py --bench server_abuse --scenes long-alone --fixed-budget   # the default's cap, fixed
-    python prefix_caching.py --bench server_abuse --scenes class --json out.json       # the five class scenes
+    python prefix_caching.py --bench server_abuse --scenes class --json out.json       # the eight class scenes
 
 It starts `python server.py` in a process of its own on a free port of 127.0.0.1, as a class
 meets it: at its defaults (batching, the default step budget, every limit) with
@@ -34,8 +34,14 @@ The class scenes are what students do to each other without meaning harm:
 
     heavy-student  one student (from 127.0.0.3, a key of its own) runs --heavy-loops loops
                    of ~--heavy-tokens-token chats back to back, max_tokens 4
+    made-up-tenant heavy-student's loops, each chat under a key nobody listed, new every time
+                   (where any key is taken, a key is no tenant: it counts as its address)
     many-streams   one student (from 127.0.0.3) keeps --streams streams of --stream-tokens
                    tokens going, each started again when it ends
+    keyed-streams  --keyed-streams streams from 127.0.0.3 (16), each under a key of its own
+    long-context   two streams of one student, each sending the ~--heavy-tokens-token chat
+                   again (cached after the first) for --stream-tokens tokens: decodes that
+                   attend to thousands of keys
     nat-class      --nat-students students (no other class beside them) and --nat-pages live
                    pages, each polling GET /health and GET /cache once a second, all from
                    127.0.0.1, as a class behind one NAT: what was served, what refused
@@ -51,7 +57,7 @@ long-prompt scene's requests each have a fresh key, so the two sent alone warm n
 the two sent beside. Reported for the honest students of each scene: how many were served,
 their request time and TTFT (median and p90) and, beside an attack, their per-token
 latency, against alone (the goal: at least 90 % served, within 1.5x), and beside
-heavy-student and many-streams the fraction of their requests within 1.5x of alone's median
+each of the five scenes of one student the fraction of their requests within 1.5x of alone's median
 request time. With --repeat N every scene (alone too) runs N times and each figure shown is
 the median of the N runs' figures. The load average at the start and the end says how busy
 the machine was besides.
@@ -61,7 +67,6 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import contextlib
 import functools
 import http.client
 import itertools
@@ -72,21 +77,19 @@ import secrets
 import shlex
 import socket
 import statistics
-import subprocess
-import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks import save_json
 from benchmarks.openai_api import fresh_line
+from benchmarks.served_clients import Server, Timed, budget_of, health, send, serving, wait_until_idle
 from engine import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from flags import positive_float, positive_int
 from model_flags import add_model_arguments
-from server_requests import DEFAULT_REQUEST_TIMEOUT
 
 ROOT = Path(__file__).resolve().parents[1]
 SYSTEM_PROMPT = (
@@ -94,7 +97,7 @@ SYSTEM_PROMPT = (
     "Answer every question in one short sentence, in plain words, without code."
 )
 QUESTIONS = ["What is a KV cache?", "What is a block hash?", "What is the free queue for?", "What is a ref count?"]
-CLASS, ATTACKER, OTHER_STUDENT = "127.0.0.1", "127.0.0.2", "127.0.0.3"  # where each connects from
+ATTACKER, OTHER_STUDENT = "127.0.0.2", "127.0.0.3"  # where each connects from (the class: CLASS)
 CHAT = "/v1/chat/completions"
 DRIP_CONNECTIONS = 130  # more than the old --max-connections (128), from one address: its share (32) holds
 DRIP_EVERY_S = 9.0
@@ -102,174 +105,10 @@ SHORT_TOKENS = 8  # the long-prompt scene's stream and /generate
 HEAVY_MAX_TOKENS = 4  # the heavy student wants the prefill, not the reply
 
 ATTACKS = ("drip", "padding", "big-body", "half-close", "hang-up", "half-body", "made-up-keys")
-CLASS_SCENES = ("long-prompt", "long-alone", "heavy-student", "many-streams", "nat-class")
+BESIDE = ("heavy-student", "made-up-tenant", "many-streams", "keyed-streams", "long-context")  # one against the class
+CLASS_SCENES = ("long-prompt", "long-alone", *BESIDE, "nat-class")
 GROUPS = {"attacks": ATTACKS, "class": CLASS_SCENES, "all": ATTACKS + CLASS_SCENES}
-BESIDE_THE_CLASS = (*ATTACKS, "heavy-student", "many-streams")  # the scenes measured against alone
-
-
-# -----------------------------------------------------------------------------
-# The server, in a process of its own
-
-
-@dataclass(frozen=True)
-class Server:
-    """Where a server started by `serving` listens, and the admin key it was given."""
-
-    host: str
-    port: int
-    admin_key: str
-
-
-def free_port() -> int:
-    """A port of 127.0.0.1 that nothing listens on now (server.py takes no --port 0)."""
-    with socket.socket() as sock:
-        sock.bind((CLASS, 0))
-        return sock.getsockname()[1]
-
-
-@contextlib.contextmanager
-def serving(server_args: list[str]) -> Iterator[Server]:
-    """`python server.py --salt-by-api-key` and server_args, until the block ends. Its log
-    goes to a temporary file, shown if it exits before it answers."""
-    server = Server(CLASS, free_port(), secrets.token_hex(16))
-    command = [sys.executable, "server.py", "--host", CLASS, "--port", str(server.port), "--salt-by-api-key",
-               "--admin-key", server.admin_key, *server_args]
-    with tempfile.TemporaryFile("w+") as log:
-        process = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            wait_until_up(server, process, log)
-            yield server
-        finally:
-            process.terminate()  # nothing of a benchmark's server is worth a graceful drain
-            try:
-                process.wait(30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-
-
-def wait_until_up(server: Server, process: subprocess.Popen, log, timeout: float = 600) -> None:
-    """Poll /health until the server answers (a first load of the default model converts it:
-    tens of seconds); a server that exits first ends the benchmark with its last lines."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            log.seek(0)
-            raise SystemExit(f"the server exited ({process.returncode}):\n" + "".join(log.readlines()[-20:]))
-        try:
-            health(server)
-            return
-        except (OSError, http.client.HTTPException):
-            time.sleep(0.25)
-    raise SystemExit(f"the server did not answer within {timeout:g} s")
-
-
-def health(server: Server) -> dict:
-    """GET /health as the admin sees it: every tenant's requests, and the scheduler's options."""
-    conn = http.client.HTTPConnection(server.host, server.port, timeout=10)
-    try:
-        conn.request("GET", "/health", headers={"Authorization": f"Bearer {server.admin_key}"})
-        response = conn.getresponse()
-        body = response.read()
-    finally:
-        conn.close()
-    if response.status != 200:
-        raise OSError(f"/health answered {response.status}")
-    return json.loads(body)
-
-
-def wait_until_idle(server: Server, timeout: float = 120) -> None:
-    """Until no request runs or waits (or `timeout` s): what a scene cut short (a prefill, a
-    stream) is gone before the next scene starts."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        figures = health(server)
-        if not figures["running_requests"] and not figures.get("waiting_requests"):
-            return
-        time.sleep(0.2)
-
-
-def budget_of(figures: dict) -> str:
-    """The step budget /health reports, in words: a target step time (the default, unless
-    --server-args changes it) or a fixed number of tokens (--fixed-budget)."""
-    if figures.get("target_step_ms"):
-        return (f"a target step of {figures['target_step_ms']:g} ms (as many tokens as fit in it, at most "
-                f"{figures['max_num_batched_tokens']:,})")
-    return f"fixed: {figures['max_num_batched_tokens']:,} tokens a step"
-
-
-# -----------------------------------------------------------------------------
-# One request, timed as its client sees it
-
-
-@dataclass
-class Timed:
-    """One request as its client saw it, in ms from just before its connection opened."""
-
-    status: int | None  # None: no answer (refused at the door, or cut before a status line)
-    ok: bool  # a 200 and the whole reply: for a stream, its [DONE] and no error event
-    total_ms: float  # the request time
-    ttft_ms: float | None = None  # a stream's first text; None for a reply in one piece
-    gaps_ms: list[float] = field(default_factory=list)  # between a stream's texts
-
-
-def event_text(line: bytes) -> str:
-    """The text one line of a stream carries: a chat delta's content or a completion's text;
-    '' for the rest (the role, the finish reason, the usage, a blank line).
-
-    >>> event_text(b'data: {"choices": [{"delta": {"content": "Hi"}}]}'), event_text(b'data: [DONE]')
-    ('Hi', '')
-    """
-    if not line.startswith(b"data: {"):
-        return ""
-    choice = (json.loads(line[6:]).get("choices") or [{}])[0]
-    return (choice.get("delta") or {}).get("content") or choice.get("text") or ""
-
-
-def read_stream(response, texts: list[float], until: float | None) -> bool:
-    """Read a stream to its end, noting when each text came: whether it ended with [DONE] and
-    no error event. `until` (time.monotonic) stops reading there."""
-    done = False
-    for line in response:
-        if line.startswith(b'data: {"error"'):
-            return False
-        done = done or line.startswith(b"data: [DONE]")
-        if event_text(line):
-            texts.append(time.perf_counter())
-        if until is not None and time.monotonic() >= until:
-            return False
-    return done
-
-
-def send(server: Server, method: str, path: str, body: dict | None = None, key: str | None = None,
-         source: str = CLASS, until: float | None = None) -> Timed:
-    """One request from address `source` with bearer `key`. A stream (body["stream"]) is read
-    as it comes; `until` (time.monotonic) cuts it there, as a student who closes the tab (the
-    server sees the hang-up). Nothing raises: a refusal or a cut is a Timed that is not ok."""
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
-    data = None if body is None else json.dumps(body)
-    if data is not None:
-        headers["Content-Type"] = "application/json"
-    wait = DEFAULT_REQUEST_TIMEOUT if until is None else max(0.1, until - time.monotonic())
-    status, done, texts = None, False, []
-    start = time.perf_counter()
-    conn = http.client.HTTPConnection(server.host, server.port, timeout=wait, source_address=(source, 0))
-    try:
-        conn.request(method, path, data, headers)
-        response = conn.getresponse()
-        status = response.status
-        if body and body.get("stream"):
-            done = read_stream(response, texts, until)
-        else:
-            response.read()
-            done = True
-    except (OSError, http.client.HTTPException):
-        done = False
-    finally:
-        conn.close()
-    end = time.perf_counter()
-    return Timed(status, status == 200 and done, (end - start) * 1e3, (texts[0] - start) * 1e3 if texts else None,
-                 [(b - a) * 1e3 for a, b in zip(texts, texts[1:])])
+BESIDE_THE_CLASS = (*ATTACKS, *BESIDE)  # the scenes measured against alone
 
 
 def question(n: int, who: str, max_tokens: int, stream: bool = True) -> dict:
@@ -299,7 +138,8 @@ def fresh_key() -> str:
 def listed_keys(args) -> list[str]:
     """Every key the benchmark's students send, for --listed-keys' --api-keys file."""
     return ([f"student-{i}" for i in range(args.honest)] + [f"nat-{i}" for i in range(args.nat_students)]
-            + ["heavy-student", "many-streams"] + [f"fresh-{i}" for i in range(FRESH_KEYS)])
+            + ["heavy-student", "many-streams", "long-context"] + [f"streamer-{i}" for i in range(args.keyed_streams)]
+            + [f"fresh-{i}" for i in range(FRESH_KEYS)])
 
 
 # -----------------------------------------------------------------------------
@@ -318,13 +158,15 @@ def honest(server: Server, key: str, max_tokens: int, until: float, replies: lis
             time.sleep(1.0)
 
 
-def other_student(server: Server, key: str, body: Callable[[int], dict], until: float, replies: list[Timed]) -> None:
-    """One loop of the student on 127.0.0.3: request body(n) after body(n - 1), each cut at
-    `until`; after a refusal, a second's pause."""
+def other_student(server: Server, key: str | Callable[[int], str], body: Callable[[int], dict], until: float,
+                  replies: list[Timed]) -> None:
+    """One loop of the student on 127.0.0.3: request body(n) after body(n - 1) under `key` (or
+    key(n)), each cut at `until`; after a refusal, a second's pause."""
     for n in itertools.count():
         if time.monotonic() >= until:
             return
-        reply = send(server, "POST", CHAT, body(n), key=key, source=OTHER_STUDENT, until=until)
+        reply = send(server, "POST", CHAT, body(n), key=key(n) if callable(key) else key, source=OTHER_STUDENT,
+                     until=until)
         replies.append(reply)
         if not reply.ok and time.monotonic() < until:
             time.sleep(1.0)
@@ -536,6 +378,39 @@ def heavy_student(server: Server, args, prompts: Prompts, alone: dict) -> dict:
     return figures | {"other_student": tally(replies)}
 
 
+def made_up_tenant(server: Server, args, prompts: Prompts, alone: dict) -> dict:
+    """heavy-student's loops, each chat under a key nobody listed, new every time: where any key
+    is taken (no --listed-keys) each would be a new tenant, served first, if a made-up key
+    counted as one; with --listed-keys each is a 401."""
+    replies: list[Timed] = []
+    loop = functools.partial(other_student, server, lambda n: f"made-up-{secrets.token_hex(8)}",
+                             lambda n: fresh(prompts.heavy, HEAVY_MAX_TOKENS), replies=replies)
+    figures = class_figures(with_class(server, args, args.seconds, [loop] * args.heavy_loops), alone)
+    return figures | {"other_student": tally(replies)}
+
+
+def keyed_streams(server: Server, args, alone: dict) -> dict:
+    """The class beside --keyed-streams streams from 127.0.0.3, each under a key of its own: one
+    student with many keys, or as many classmates streaming long replies."""
+    replies: list[Timed] = []
+    loops = [functools.partial(other_student, server, f"streamer-{i}",
+                               lambda n, i=i: question(n, f"streamer-{i}", args.stream_tokens), replies=replies)
+             for i in range(args.keyed_streams)]
+    figures = class_figures(with_class(server, args, args.seconds, loops), alone)
+    return figures | {"other_student": tally(replies)}
+
+
+def long_context(server: Server, args, prompts: Prompts, alone: dict) -> dict:
+    """The class beside two streams of one student that send the heavy chat again and again (its
+    blocks cached after the first) and stream --stream-tokens tokens over its ~--heavy-tokens
+    tokens: decodes whose attention reads thousands of keys a token."""
+    replies: list[Timed] = []
+    body = {"messages": prompts.heavy, "max_tokens": args.stream_tokens, "temperature": 0, "stream": True}
+    loop = functools.partial(other_student, server, "long-context", lambda n: body, replies=replies)
+    figures = class_figures(with_class(server, args, args.seconds, [loop] * 2), alone)
+    return figures | {"other_student": tally(replies)}
+
+
 def many_streams(server: Server, args, alone: dict) -> dict:
     """The class beside --streams streams of one student, each started again when it ends."""
     replies: list[Timed] = []
@@ -569,8 +444,14 @@ def run_scene(name: str, server: Server, args, prompts: Prompts | None, alone: d
         return long_alone(server, prompts)
     if name == "heavy-student":
         return heavy_student(server, args, prompts, alone)
+    if name == "made-up-tenant":
+        return made_up_tenant(server, args, prompts, alone)
     if name == "many-streams":
         return many_streams(server, args, alone)
+    if name == "keyed-streams":
+        return keyed_streams(server, args, alone)
+    if name == "long-context":
+        return long_context(server, args, prompts, alone)
     return nat_class(server, args)
 
 
@@ -771,7 +652,10 @@ def parse(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argparse.Nam
     parser.add_argument("--heavy-tokens", type=positive_int, default=3800, help="each heavy chat (default: 3800)")
     parser.add_argument("--heavy-loops", type=positive_int, default=8, help="the heavy student's loops (default: 8)")
     parser.add_argument("--streams", type=positive_int, default=32, help="many-streams' streams (default: 32)")
-    parser.add_argument("--stream-tokens", type=positive_int, default=512, help="max_tokens of each (default: 512)")
+    parser.add_argument("--stream-tokens", type=positive_int, default=512,
+                        help="max_tokens of each stream of many-streams, keyed-streams, long-context (default: 512)")
+    parser.add_argument("--keyed-streams", type=positive_int, default=16,
+                        help="keyed-streams' streams, a key each (default: 16)")
     parser.add_argument("--nat-students", type=positive_int, default=30, help="nat-class's students (default: 30)")
     parser.add_argument("--nat-pages", type=positive_int, default=8, help="nat-class's live pages (default: 8)")
     parser.add_argument("--server-args", default="", metavar='"..."',
@@ -832,7 +716,8 @@ def main(argv: list[str] | None = None) -> dict:
     device = resolve_device(args.device).type
     flags = server_arguments(parser, args)
     load_before = os.getloadavg()
-    needs_prompts = any(name in ("long-prompt", "long-alone", "heavy-student") for name in args.scenes)
+    needs_prompts = any(name in ("long-prompt", "long-alone", "heavy-student", "made-up-tenant", "long-context")
+                        for name in args.scenes)
     prompts = build_prompts(args) if needs_prompts else None
     key_file = None
     if args.listed_keys:
@@ -854,7 +739,7 @@ def main(argv: list[str] | None = None) -> dict:
     attacks = {name: scenes[name] for name in ATTACKS if name in scenes}
     if attacks:
         console.print(attacks_table(alone, attacks))
-    heavy = {name: scenes[name] for name in ("heavy-student", "many-streams", "nat-class") if name in scenes}
+    heavy = {name: scenes[name] for name in (*BESIDE, "nat-class") if name in scenes}
     if heavy:
         console.print(class_table(alone, heavy))
     if "long-prompt" in scenes or "long-alone" in scenes:

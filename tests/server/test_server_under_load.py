@@ -331,7 +331,7 @@ def test_the_abuse_benchmark_runs_each_class_scene_and_takes_the_median_of_its_r
     out = server_abuse.main([
         "--model", str(tiny_model_dir), "--scenes", "class", "--repeat", "2", "--seconds", "1", "--honest", "2",
         "--max-tokens", "4", "--long-tokens", "500", "--heavy-tokens", "600", "--heavy-loops", "2", "--streams", "3",
-        "--stream-tokens", "16", "--nat-students", "3", "--nat-pages", "2", "--fixed-budget", "128",
+        "--keyed-streams", "2", "--stream-tokens", "16", "--nat-students", "3", "--nat-pages", "2", "--fixed-budget", "128",
         "--server-args", "--max-tokens-limit 64", "--json", str(tmp_path / "class.json")])
     assert out["budget"] == "fixed: 128 tokens a step" and out["server_args"][-4:] == [
         "--max-tokens-limit", "64", "--max-num-batched-tokens", "128"]
@@ -344,7 +344,7 @@ def test_the_abuse_benchmark_runs_each_class_scene_and_takes_the_median_of_its_r
     assert all(long[figure] > 0 for figure in ("stream_ttft_alone_ms", "stream_ttft_beside_ms", "generate_alone_ms",
                                                "generate_beside_ms", "long_ms"))
     assert out["scenes"]["long-alone"]["served"] == 1 and out["scenes"]["long-alone"]["long_ms"] > 0
-    for name in ("heavy-student", "many-streams"):
+    for name in server_abuse.BESIDE:
         scene = out["scenes"][name]
         assert scene["served"] >= 1 and scene["request_ms_ratio"] > 0 and 0 <= scene["within_1_5x"] <= 1, name
         assert scene["other_student"]["sent"] >= 1, name
