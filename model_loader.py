@@ -156,13 +156,14 @@ def load_model(model_name_or_path: str | None = None, *, device=None, dtype=None
 # machine that has a model's config and tokenizer but cannot fetch its weights.
 
 
-def tiny_llama(tokenizer):
+def tiny_llama(tokenizer, context: int = 1024):
     """A 2-layer Llama with random weights and grouped-query attention (4 query heads share
-    2 KV heads), on SmolLM2's vocabulary; the model the tests run as `tiny_model`."""
+    2 KV heads), on SmolLM2's vocabulary, of `context` positions; the model the tests run as
+    `tiny_model`. The context changes no weight."""
     torch.manual_seed(0)
     config = LlamaConfig(
         vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=context,
         bos_token_id=1, eos_token_id=2, pad_token_id=2,
         initializer_range=0.2,  # wide logits, so greedy choices are never near-ties
     )

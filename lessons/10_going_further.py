@@ -24,6 +24,8 @@ Read: lessons/radix_tree.py: RadixTree.match_prefix and .insert (printed when th
       starts).
 
 Run:  python lessons/10_going_further.py   (sections 6 and 8 run SmolLM2-135M; run times: lessons/README.md)
+      python lessons/10_going_further.py --tiny     (a random 2-layer model there, faster: every
+                                                    count of cached tokens is the same)
 """
 
 import argparse
@@ -44,7 +46,7 @@ from analyzer.log_replay import LIKE, hit_rate_curve, tokenize_log
 from analyzer.workload_analyzer import variable_starts
 from benchmarks import cache_probe
 from benchmarks.router import Fleet, replay_through_router, router, working_sets
-from engine import Engine
+import models
 from figures import POOL_SIZES
 from model_files import load_tokenizer
 from server import create_app, serve_in_background
@@ -138,8 +140,7 @@ of a log sizes it; analyzer/kv_memory.py turns blocks into GiB)."""
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.parse_args(argv)  # no flags: --help prints the docstring above and exits
+    args = models.parse_args(__doc__, argv, engine=True, formatter_class=argparse.RawDescriptionHelpFormatter)
     console = Console()
     show_code(console, RadixTree.match_prefix, RadixTree.insert)
 
@@ -231,7 +232,7 @@ def main(argv: list[str] | None = None) -> None:
 
     console.print(Rule("6. A deployment measured from outside: the OpenAI API only"))
     logging.getLogger("werkzeug").setLevel(logging.WARNING)  # no access log line per request
-    engine = Engine()  # SmolLM2-135M-Instruct, as python server.py serves it
+    engine = models.make_engine(args)  # SmolLM2-135M-Instruct (or --tiny's), as python server.py serves it
     engine.warm_up()
     url, server = serve_in_background(create_app(engine))  # NEW: from here on, only its URL is used
     console.print(f"A second server of this course listens on {url}; the probe knows nothing else about it.")
@@ -291,7 +292,8 @@ def main(argv: list[str] | None = None) -> None:
                   f"conversation's first turn, which shares only the system prompt. Under round robin, which turns "
                   f"find their history cached? Under cache_aware, where does the second conversation go?")
     logging.getLogger("werkzeug").setLevel(logging.CRITICAL)  # the router's HTTP/2 probe of each replica: a 505
-    engines = [Engine() for _ in range(2)]  # NEW: two replicas, two pools
+    # NEW: two replicas, two pools (--tiny's model with room for the log's longest turn here, 1,042 tokens)
+    engines = [models.make_engine(args, tiny_context=2048) for _ in range(2)]
     servers = []
     for replica in engines:
         replica.warm_up()

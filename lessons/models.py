@@ -1,5 +1,5 @@
 """
-The model a model stage (1, 2, 7, 8, 9) runs, chosen on its command line:
+The model a model stage (1, 2, 7, 8, 9, and 10's sections 6 and 8) runs, chosen on its command line:
 
     (no flag)        SmolLM2-135M-Instruct, the offline default (model_loader.load_model)
     --model NAME     any Hugging Face causal LM, by id or local path
@@ -39,9 +39,10 @@ def add_arguments(parser: argparse.ArgumentParser, engine: bool = False) -> None
     parser.add_argument("--tiny", action="store_true", help="a tiny model with random weights: seconds, gibberish text")
 
 
-def parse_args(description: str, argv: list[str] | None = None, engine: bool = False) -> argparse.Namespace:
+def parse_args(description: str, argv: list[str] | None = None, engine: bool = False,
+               formatter_class=argparse.HelpFormatter) -> argparse.Namespace:
     """The command line of a model stage (see add_arguments)."""
-    parser = argparse.ArgumentParser(description=description)
+    parser = argparse.ArgumentParser(description=description, formatter_class=formatter_class)
     add_arguments(parser, engine)
     args = parser.parse_args(argv)
     if args.tiny and args.model is not None:
@@ -49,15 +50,16 @@ def parse_args(description: str, argv: list[str] | None = None, engine: bool = F
     return args
 
 
-def load(args: argparse.Namespace):
-    """(model, tokenizer) as the flags ask; the tiny model borrows SmolLM2's tokenizer."""
+def load(args: argparse.Namespace, tiny_context: int = 1024):
+    """(model, tokenizer) as the flags ask; the tiny model borrows SmolLM2's tokenizer, and
+    has tiny_context positions."""
     if not args.tiny:
         return load_model(args.model, device=args.device, dtype=args.dtype)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(default_model_dir())
     device = resolve_device(args.device)
-    return tiny_llama(tokenizer).to(device, resolve_dtype(args.dtype, device)), tokenizer
+    return tiny_llama(tokenizer, tiny_context).to(device, resolve_dtype(args.dtype, device)), tokenizer
 
 
 # The thread count of every forward pass a stage runs itself (stages 1 and 2), chosen as the
@@ -68,11 +70,11 @@ THREADS = ThreadChooser()
 TINY_NUM_BLOCKS = 1024  # the default 0.5 GiB budget would give the tiny model 65,536 of its small blocks
 
 
-def make_engine(args: argparse.Namespace, max_num_batched_tokens: int | None = None) -> Engine:
+def make_engine(args: argparse.Namespace, max_num_batched_tokens: int | None = None, tiny_context: int = 1024) -> Engine:
     """An Engine over the model the flags name, its pool sized by --block-size and --num-blocks
     (or --kv-memory-gb): its requests run in stage 8's engine loop, as `python server.py`'s do;
     stage 7 runs one_request.py's path over its parts."""
-    model, tokenizer = load(args)
+    model, tokenizer = load(args, tiny_context)
     pool = pool_arguments(args)
     if args.tiny and pool["num_blocks"] is None and pool["kv_memory_gb"] is None:
         pool["num_blocks"] = TINY_NUM_BLOCKS

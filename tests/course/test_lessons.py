@@ -26,6 +26,7 @@ FLAGS: dict[str, list[str]] = {
     "07_real_model.py": ["--tiny"],
     "08_many_requests.py": ["--tiny"],
     "09_serving.py": ["--tiny"],
+    "10_going_further.py": ["--tiny"],
 }
 
 # Sentences each stage must print (compared with white space folded, so line wraps do not matter).
@@ -112,6 +113,13 @@ FORBIDDEN_OUTPUT = {"04_block_hashes.py": ["100-200 ns per token for SHA256.",  
                     "08_many_requests.py": ["victim = self.running.pop()"]}  # exercise 6's
 
 
+# What running each stage costs (tests/conftest.py): the model stages run the tiny model, stage 10
+# behind SGLang's router; every one is an interpreter of its own.
+STAGE_COSTS = {"01_naive_prefill.py": ["model"], "02_kv_cache.py": ["model"], "07_real_model.py": ["model"],
+               "08_many_requests.py": ["model"], "09_serving.py": ["model", "server"],
+               "10_going_further.py": ["model", "server", "router"]}
+
+
 def run_stage(path: Path) -> str:
     env = {**os.environ, "COLUMNS": "160"}
     result = subprocess.run(
@@ -122,7 +130,8 @@ def run_stage(path: Path) -> str:
     return " ".join(result.stdout.split())
 
 
-@pytest.mark.parametrize("path", STAGES, ids=lambda path: path.name)
+@pytest.mark.parametrize("path", [pytest.param(path, marks=[pytest.mark.model] if "model" in STAGE_COSTS.get(path.name, [])
+                                                else []) for path in STAGES], ids=lambda path: path.name)
 def test_stage_answers_help_with_its_usage_and_runs_nothing(path, monkeypatch, capsys):
     # In this process, as `python lessons/NN_stage.py --help` runs the file: a stage imports
     # torch and the engine at its top, which an interpreter of its own would pay for again.
@@ -150,13 +159,6 @@ def test_the_allocator_stages_exist():
     names = {path.name for path in STAGES}
     assert {"03_paged_blocks.py", "04_block_hashes.py", "05_ref_counts.py", "06_free_queue_lru.py",
             "10_going_further.py"} <= names
-
-
-# What running each stage costs (tests/conftest.py): the model stages run the tiny model, stage 10
-# SmolLM2 behind SGLang's router; every one is an interpreter of its own.
-STAGE_COSTS = {"01_naive_prefill.py": ["model"], "02_kv_cache.py": ["model"], "07_real_model.py": ["model"],
-               "08_many_requests.py": ["model"], "09_serving.py": ["model", "server"],
-               "10_going_further.py": ["model", "real_model", "server", "router"]}
 
 
 @pytest.mark.subprocess
