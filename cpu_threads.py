@@ -52,7 +52,7 @@ class ThreadChooser:
     wait for each other at its end, spinning. On a quiet machine all threads (one per core)
     is fastest. When other programs keep the cores busy, the OS takes a core from one thread
     now and then, and every region waits, spinning, for it to come back, so beside busy
-    programs one thread can beat all of them (the README's "Measured", "On a busy machine",
+    programs one thread can beat all of them (docs/measured.md, "On a busy machine",
     has the figures). Which count is faster depends on the machine's load, which changes. So:
 
       - it starts with torch's own setting (`most`, all the cores);

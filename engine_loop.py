@@ -43,8 +43,8 @@ POLL_S = 0.5  # a caller that waited this long for an event checks that the loop
 def freeze_startup_heap() -> None:
     """Move every object alive now (the model, the tokenizer, the pool's bookkeeping) out of
     the garbage collector's sight, once per process. They are never garbage, yet every full
-    collection walked them, inside whichever step it fell in: a stall every stream saw (the
-    README's "Measured" has what it cost). vLLM does the same after its warm-up
+    collection walked them, inside whichever step it fell in: a stall every stream saw
+    (docs/measured.md has what it cost). vLLM does the same after its warm-up
     (freeze_gc_heap in vllm/utils/gc_utils.py)."""
     if gc.get_freeze_count() == 0:
         gc.collect()  # garbage first: what is frozen is never collected

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 from scheduler import Budget, Candidate, Request, StepPlan, keys_attended, share_tokens
 
-DEFAULT_TARGET_STEP_MS = 400.0  # a step never longer than this (the chunks it gives: README, "Measured")
+DEFAULT_TARGET_STEP_MS = 400.0  # a step never longer than this (the chunks it gives: docs/measured.md)
 STALL = 2.2  # a step carrying a prompt's chunk: at most this many times the streams' own step
 FIRST_CHUNK = 16  # prompt tokens in a step before any step with its thread count has been timed
 CALIBRATION_TOKENS = (16, 256)  # the passes an engine times when it starts (StepBudget.calibrate): 16x apart in work
@@ -63,7 +63,7 @@ class Bound:
     shown: str  # the lesson scene and the benchmark that measure it
 
 
-# Every bound in one table: stage 8 prints it, the README sets what was measured beside it
+# Every bound in one table: stage 8 prints it, docs/serving.md sets what was measured beside it
 # (tests/course checks that the two agree). A step costs a fixed part f plus c a token, so a
 # prompt in steps of n tokens takes (1 + f / cn) times its time in one step while a stream
 # beside it waits (1 + cn / f) times its own step: the two excesses multiply to 1 and cannot

@@ -68,8 +68,8 @@ out (a salt for chats behind it comes from the key), a chat's missing model fill
 "unknown" (send "model": the replay takes it from the router's /v1/models), and /generate's
 body, which is this course's own, emptied of its prompt: through the router, use the OpenAI routes.
 
-What guard_flags closes, and what 0.3.2 leaves open (tests/server/test_router_safety.py, the
-README's "Several replicas behind a router"): without the teacher's key the router refuses
+What guard_flags closes, and what 0.3.2 leaves open (tests/server/test_router_safety.py,
+docs/fleet.md): without the teacher's key the router refuses
 (401) /workers and /workers/{id} (every method), /get_loads, /flush_cache, /v1/tokenizers,
 /wasm and /parse/*; it answers anyone on its public routes: /v1/models (the model's name),
 /get_server_info (how many replicas), /readiness (how many are healthy), /health,

@@ -4,7 +4,7 @@ own connection rules, because sglang-router 0.3.2 has none of them.
     python -m benchmarks.router_front --router http://127.0.0.1:30000 --api-keys class.txt \\
         --admin-key TEACHER --host 0.0.0.0 --port 8000     # benchmarks/router.py's fleet() starts it
 
-What the router lacks, measured on 0.3.2 (README, "Several replicas behind a router"): no
+What the router lacks, measured on 0.3.2 (docs/fleet.md): no
 deadline for a connection's head or for an idle one, no cap on connections (1,100 idle ones used
 up a desktop's 1,024 open files and no chat was served), a body read whole before it is
 refused, and routes that anyone may call and no flag closes (/get_server_info, /readiness,

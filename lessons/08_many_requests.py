@@ -540,7 +540,7 @@ def bounds(console: Console) -> None:
         "A step costs a fixed part plus a part a token, so a prompt cut into smaller chunks pays the fixed part "
         "more often, while the streams beside it wait less: the two excesses multiply to about 1, and cannot both "
         "be small. Alone, the prompt's bound holds; beside streams, the floor holds until their gap reaches "
-        f"GAP_MAX ({GAP_MAX:g}) times their step, and from there the gap wins. The README's \"Measured\" sets "
+        f"GAP_MAX ({GAP_MAX:g}) times their step, and from there the gap wins. docs/serving.md sets "
         "what each benchmark found beside each row."
     )
 

@@ -175,7 +175,7 @@ def behind_a_long_prompt(console: Console, engine, url: str) -> None:
         f"tokens_ahead_of_least_served={health['tokens_ahead_of_least_served']:,}: the Virtual Token Counter's "
         f"count that orders the queue (fair_share; python server.py --no-fair-share turns it off). Measured at "
         f"the server's defaults, with many students, a heavy one and a class behind one address: "
-        f"python prefix_caching.py --bench server_abuse (the README has its figures)."
+        f"python prefix_caching.py --bench server_abuse (docs/serving.md has its figures)."
     )
 
 

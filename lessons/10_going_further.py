@@ -328,7 +328,7 @@ def main(argv: list[str] | None = None) -> None:
                       f"{' and '.join(f'{shape.bytes_per_block(16) * w / 2**30:.2f}' for w in sets)} GiB for "
                       f"{shape.name}")
     console.print(ROUTER_MEMORY)
-    console.print("Measured on the whole log with 2 and 3 replicas (README, \"Several replicas behind a router\"): "
+    console.print("Measured on the whole log with 2 and 3 replicas (docs/fleet.md): "
                   "python prefix_caching.py --bench router", soft_wrap=True, highlight=False, markup=False)
 
 

@@ -107,7 +107,7 @@ def test_the_analyzer_refuses_a_model_it_cannot_size_without_a_traceback(tmp_pat
 
 def test_stage_10s_worked_example(tokenizer):
     """The multi-turn log, eight users at a time, sized for Llama-3.1-8B with 16 running
-    requests of 4,096 tokens: the figures stage 10 and the README print."""
+    requests of 4,096 tokens: the figures stage 10 and docs/analyzer.md print."""
     from analyzer.request_logs import interleave, read_log
     from analyzer.log_replay import LIKE, hit_rate_curve, tokenize_log
 

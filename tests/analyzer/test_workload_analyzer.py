@@ -224,7 +224,7 @@ def test_the_example_logs_are_what_the_command_writes(tmp_path):
     from analyzer.request_logs import EXAMPLE_LOGS, OTHER_LOGS
 
     result = subprocess.run([sys.executable, "-m", "analyzer.request_logs", "--out", str(tmp_path)],
-                            capture_output=True, text=True, timeout=120, cwd=ROOT)  # the command the README gives
+                            capture_output=True, text=True, timeout=120, cwd=ROOT)  # the command docs/analyzer.md gives
     assert result.returncode == 0, result.stderr
     names = [*EXAMPLE_LOGS, *OTHER_LOGS]
     for name in names:

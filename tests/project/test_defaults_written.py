@@ -69,18 +69,19 @@ def defaults(**values) -> list[Default]:
 
 
 VLLM = "vLLM's own default (get_batch_defaults in vllm/engine/arg_utils.py), true whatever ours is"
-MEASURED = "a measured figure (the README's \"Measured\"), not the default"
+MEASURED = "a measured figure (docs/measured.md), not the default"
 LESSON_FIXED = "the fixed budget stage 8's main() passes, so its counts are the same on every machine"
 DOCTEST = "a doctest's own numbers"
 SLOT = "llama-server's context per slot (-c 8192 over 4 slots), not our budget"
 
 # (file, a piece of one line that holds the number, why it is not the default)
 ALLOWED = [
-    ("README.md", "| 2,048 | 4,529 ms |", "a prompt length in the time-to-first-token table"),
-    ("README.md", "takes 2,048, or 8,192", VLLM),
-    ("README.md", "on a GPU 2,048 tokens", VLLM),
-    ("README.md", "attention 2.2x and 10.2x faster", MEASURED),
-    ("README.md", "128 to 2,048 tokens, warm", "prefix lengths of the GPU run's time-to-first-token measurement"),
+    ("docs/measured.md", "| 2,048 | 4,529 ms |", "a prompt length in the time-to-first-token table"),
+    ("docs/measured.md", "takes 2,048, or 8,192", VLLM),
+    ("docs/measured.md", "on a GPU 2,048 tokens", VLLM),
+    ("docs/measured.md", "attention 2.2x and 10.2x faster", MEASURED),
+    ("docs/measured.md", "128 to 2,048 tokens, warm",
+     "prefix lengths of the GPU run's time-to-first-token measurement"),
     ("lessons/README.md", "up to 2,048 tokens of prefix; caching paid", "a prefix length of the GPU run's TTFT measurement"),
     ("docs/server.md", "takes 2,048, or 8,192", VLLM),
     ("lessons/README.md", "takes 2,048, or 8,192", VLLM),
@@ -97,8 +98,8 @@ ALLOWED = [
     ("step_budget.py", "head_dim=1), 400, 2048)", DOCTEST),
     ("analyzer/kv_memory.py", "(2048, 1.95, 5.95)", DOCTEST + ": running blocks"),
     ("analyzer/caching_models.py", "(2048, 1024)", DOCTEST + ": a llama-server slot's context"),
-    ("README.md", "(slots of 2,048 tokens, prompts", SLOT),
-    ("README.md", "where slots of 2,048 tokens", SLOT),
+    ("docs/analyzer.md", "(slots of 2,048 tokens, prompts", SLOT),
+    ("docs/analyzer.md", "where slots of 2,048 tokens", SLOT),
 ]
 
 
@@ -217,7 +218,7 @@ def test_a_changed_default_names_every_copy():
     """This test's own check: given other values, it reports the copies of today's."""
     found, _ = problems(defaults(target=300.0, stall=2.5, cap=3000))
     text = "\n".join(found)
-    for file in ("README.md", "docs/server.md", "lessons/README.md"):
+    for file in ("docs/measured.md", "docs/serving.md", "docs/server.md", "lessons/README.md"):
         assert f"\n{file}:" in f"\n{text}", f"no copy of a default found in {file}"
     assert "says 400 where step_budget.DEFAULT_TARGET_STEP_MS is 300" in text
     assert "says 2.2 where step_budget.STALL is 2.5" in text
@@ -235,10 +236,10 @@ def test_the_scheduler_defaults_to_the_engines_cap():
     assert default == engine.DEFAULT_MAX_NUM_BATCHED_TOKENS
 
 
-def test_the_readmes_table_of_bounds_is_the_policys():
-    """README's "Every bound of the default budget" lists step_budget.BOUNDS as they are now:
-    who waits, the rule (with its constants' values) and where it is measured, in order."""
-    readme = (ROOT / "README.md").read_text()
-    start = readme.index("| who waits | the default policy holds it to | measured by | measured |")
-    rows = [line.split(" | ")[:3] for line in readme[start:].split("\n\n")[0].splitlines()[2:]]
+def test_the_serving_pages_table_of_bounds_is_the_policys():
+    """docs/serving.md's "Every bound of the default budget" lists step_budget.BOUNDS as they are
+    now: who waits, the rule (with its constants' values) and where it is measured, in order."""
+    page = (ROOT / "docs" / "serving.md").read_text()
+    start = page.index("| who waits | the default policy holds it to | measured by | measured |")
+    rows = [line.split(" | ")[:3] for line in page[start:].split("\n\n")[0].splitlines()[2:]]
     assert [[r[0].lstrip("| "), r[1], r[2]] for r in rows] == [[b.scene, b.rule, b.shown] for b in step_budget.BOUNDS]

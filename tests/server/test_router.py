@@ -211,7 +211,7 @@ def test_cache_aware_keeps_a_shared_prefix_on_one_replica(fresh_replicas):
 
 
 def test_the_router_benchmark_starts_a_fleet_and_reports_each_run(tiny_model_dir, tmp_path):
-    """`--bench router` as the README runs it, on the tiny model: two replicas of python
+    """`--bench router` as docs/fleet.md runs it, on the tiny model: two replicas of python
     server.py, each the class server a fleet gets (keys, a cache per key, the teacher's admin
     key), a router per policy, every request traced to a replica by its /health read with the
     teacher's key, the figure written."""

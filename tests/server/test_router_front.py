@@ -214,7 +214,7 @@ def test_a_100_mb_body_is_refused_on_its_length_and_no_process_grows(door):
 
 
 def test_serve_starts_the_door_in_front_and_stops_on_ctrl_c(tiny_model_dir):
-    """`python prefix_caching.py --bench router --serve` as the README runs it, on the tiny
+    """`python prefix_caching.py --bench router --serve` as docs/fleet.md runs it, on the tiny
     model: the keys it prints open the door, the door passes a chat and nothing of the
     router's, the router's control plane answers the teacher on this machine, and Ctrl+C
     stops every process."""

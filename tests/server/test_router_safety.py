@@ -161,11 +161,11 @@ def test_a_body_over_the_replicas_limit_is_refused_on_its_length(class_fleet, to
         assert sock.recv(4096).split(b"\r\n")[0].startswith(b"HTTP/1.1 413")
 
 
-def test_the_readmes_router_by_hand_has_every_guard():
-    """The README's by-hand router command carries each flag of guard_flags, the body limit
+def test_the_fleet_pages_router_by_hand_has_every_guard():
+    """docs/fleet.md's by-hand router command carries each flag of guard_flags, the body limit
     at the default model's figure."""
-    readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("## Several replicas behind a router"):]
+    page = (ROOT / "docs" / "fleet.md").read_text()
+    section = page[page.index("## Several replicas behind a router"):]
     command = section[section.index("python -m sglang_router.launch_router"):]
     command = command[: command.index("```")]
     flags = [flag for flag in guard_flags("URL", "KEY", DEFAULT_BODY_BYTES) if flag.startswith("--")]
