@@ -4,11 +4,11 @@ own connection rules, because sglang-router 0.3.2 has none of them.
     python -m benchmarks.router_front --router http://127.0.0.1:30000 --api-keys class.txt \\
         --admin-key TEACHER --host 0.0.0.0 --port 8000     # benchmarks/router.py's fleet() starts it
 
-What the router lacks, measured on 0.3.2 (docs/fleet.md): no
-deadline for a connection's head or for an idle one, no cap on connections (1,100 idle ones used
-up a desktop's 1,024 open files and no chat was served), a body read whole before it is
-refused, and routes that anyone may call and no flag closes (/get_server_info, /readiness,
-/get_model_info, /v1/tokenize, /ha/*, ...). The door is server_connections.ClassServer, the
+What the router lacks (0.3.2; docs/fleet.md has what each cost): no deadline for a
+connection's head or for an idle one, no cap on connections (idle ones use up the open-file
+limit, and then no chat is served), a body read whole before it is refused, and routes that
+anyone may call and no flag closes (/get_server_info, /readiness, /get_model_info,
+/v1/tokenize, /ha/*, ...). The door is server_connections.ClassServer, the
 class server's own: every deadline and cap of that module (a head in --head-timeout, a request in
 --read-timeout, --max-connections from the open-file limit at two files a connection, its own
 and its upstream's, one address's share of the unknown ones, a key's share of requests), and:
