@@ -19,8 +19,8 @@ and its upstream's, one address's share of the unknown ones, a key's share of re
     bodies       over --max-body-bytes (the replicas' own limit): a 413 on the Content-Length,
                  before a byte of the body is read
     the router   reached on 127.0.0.1 only, with the request's Content-Type, Accept and
-                 Authorization; its reply streamed back as it comes, and the upstream closed when
-                 the student hangs up (the router then cancels the request at its replica)
+                 Authorization; its reply streamed back as it comes, and the connection to the
+                 router closed when the student hangs up
 
 The router's control plane (/workers, /get_loads, ...) stays on the router's own port, on this
 machine only, behind the teacher's key.
@@ -56,7 +56,6 @@ NOT_PASSED_BACK = {"connection", "keep-alive", "transfer-encoding", "content-len
 FILES_PER_CONNECTION = 2  # the student's socket and the one to the router
 CHUNK_BYTES = 64 * 1024
 
-log = logging.getLogger("router_front")
 
 
 def front_app(router_url: str, api_keys: frozenset[str], admin_key: str, max_body_bytes: int,
