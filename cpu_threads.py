@@ -12,6 +12,7 @@ are not wrapped, nor are the lessons' untimed checks against them: they keep the
     cpu_sample / cores_used_by_others   how many cores other programs kept busy (/proc/stat)
     ThreadChooser                        torch's own thread count, or one when others are busy;
                                          ThreadChooser.running wraps one forward pass
+    in_own_thread                        run passes on a thread that ends with them (one pool at a time)
     GPU_ATTENTION                        the attention kernels a pass may use on a GPU: none that plans per shape
     one_pass                             the wrap for one forward pass (and its step's copies) on any device
     synchronize                          wait for a GPU's queued work before a timing stops
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import time
 
 import torch
@@ -150,6 +152,45 @@ class ThreadChooser:
         elif threads > 1 and busy:
             self.threads = 1  # other programs took some of the cores
             self.next_probe = self.steps + self.interval
+
+
+# -----------------------------------------------------------------------------
+# On a CPU: one thread's passes at a time
+#
+# torch runs a pass's parallel regions on OpenMP (libgomp, shipped inside the torch wheel),
+# which keeps a pool of worker threads for each thread that has run a parallel region, for
+# as long as that thread lives. Between two regions a worker spins a while before it sleeps,
+# so the next region starts at once; but once the pools' workers outnumber the cores, libgomp
+# cuts the spin to almost nothing (do_spin in libgomp/config/linux/wait.h of GCC: when
+# gomp_managed_threads > gomp_available_cpus it spins gomp_throttled_spin_count_var times), and
+# every region of every pass pays to wake its workers from the kernel. One parallel operator
+# on the main thread (a pass, or the zeros of a large tensor) leaves a pool that lives as long
+# as the main thread: beside the engine loop's, 16 requests batched behind one system prompt
+# took 7 to 9 s where they take 5.0 to 7.2 s with the loop's pool alone (--bench throughput's
+# (c), 2-core VM: docs/measured.md). So an Engine does its own tensor work outside its loop
+# (loading, its pool's zeros, the step budget's calibration, warm_up) on threads that end
+# with it, and the benchmarks run each way, peer or floor, with no other way's thread alive.
+# A notebook that runs passes of its own on its main thread brings the second pool back.
+
+
+def in_own_thread(fn, *args, **kwargs):
+    """fn(*args, **kwargs) on a thread of its own that ends when it returns: its result, or its error
+    raised here. The OpenMP pool its passes made goes with the thread."""
+    outcome = []
+
+    def run():
+        try:
+            outcome.append((True, fn(*args, **kwargs)))
+        except BaseException as err:  # noqa: BLE001 -- raised again in the caller's thread
+            outcome.append((False, err))
+
+    thread = threading.Thread(target=run, name="passes")
+    thread.start()
+    thread.join()
+    ok, value = outcome[0]
+    if not ok:
+        raise value
+    return value
 
 
 def synchronize(device) -> None:

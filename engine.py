@@ -41,7 +41,7 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
-from cpu_threads import ThreadChooser, one_pass, synchronize
+from cpu_threads import ThreadChooser, in_own_thread, one_pass, synchronize
 from engine_loop import (
     ClientGoneError, EngineLoop, EngineStoppedError, LoopSnapshot, QueueFullError, thaw_startup_heap,
 )
@@ -226,7 +226,7 @@ class Engine:
             raise TypeError(f"unknown option {unknown[0]!r}; an Engine takes {', '.join(CONFIG_FIELDS)}")
         config = EngineConfig(**options) if config is None else replace(config, **options)
         if model is None and tokenizer is None:
-            model, tokenizer = load_model(model_name_or_path, device=device, dtype=dtype)
+            model, tokenizer = in_own_thread(load_model, model_name_or_path, device=device, dtype=dtype)
         elif model is None or tokenizer is None:
             raise ValueError("pass both model= and tokenizer=, or neither (to load model_name_or_path)")
         elif model_name_or_path is not None or device is not None or dtype is not None:
@@ -247,7 +247,10 @@ class Engine:
         allocator = PrefixCachingAllocator(num_blocks, config.block_size, hash_algo=config.hash_algo,
                                            enable_caching=config.enable_caching,
                                            free_uncached_first=config.free_uncached_first)
-        kv = PagedKVPool(**shape, num_blocks=num_blocks, block_size=config.block_size, dtype=self.dtype, device=device)
+        # The engine's own tensor work (loading, the pool's zeros, calibration, warm-up) runs on threads that
+        # end with it: none leaves an OpenMP pool beside the loop's (cpu_threads.in_own_thread says why).
+        kv = in_own_thread(PagedKVPool, **shape, num_blocks=num_blocks, block_size=config.block_size, dtype=self.dtype,
+                           device=device)
 
         eos = model.generation_config.eos_token_id
         eos = tokenizer.eos_token_id if eos is None else eos
@@ -271,7 +274,7 @@ class Engine:
         # The engine's one scheduler, in a thread started by the first request.
         self.loop = EngineLoop(self.parts, **self._runner_options())
         if self.step_budget is not None:
-            self.step_budget.calibrate(self.loop.runner.thread_count(chosen=False), self._timed_passes())
+            self.step_budget.calibrate(self.loop.runner.thread_count(chosen=False), in_own_thread(self._timed_passes))
             self.loop.publish(step_ended=True)  # the costs calibrated: /health shows them before any step
         # Stops the loop's thread when the engine is closed or dropped; holds the loop, never the engine.
         self._finalizer = weakref.finalize(self, _close_loop, self.loop)
@@ -537,7 +540,12 @@ class Engine:
     def warm_up(self) -> None:
         """A throwaway prefill and one decode step after it, outside the pool and in the
         context every pass runs in (cpu_threads.one_pass), so the first timed request does
-        not pay for one-time setup (buffer allocation, kernel choice, the CUDA context)."""
+        not pay for one-time setup (buffer allocation, kernel choice, the CUDA context). On a
+        thread that ends with it, so no OpenMP pool of its stays beside the loop's
+        (cpu_threads.in_own_thread says why)."""
+        in_own_thread(self._warm_up)
+
+    def _warm_up(self) -> None:
         with self.lock, torch.inference_mode(), one_pass(self.threads, self.device, "warm-up", may_probe=False):
             cache = self.kv.gather([], self.model.config)
             forward(self.model, [0] * 16, cache)

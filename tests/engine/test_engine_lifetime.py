@@ -14,6 +14,8 @@ import weakref
 
 import pytest
 
+import engine as engine_module
+from cpu_threads import in_own_thread
 from engine import Engine, EngineClosedError
 from engine_loop import EngineStoppedError
 from helpers import assert_pool_whole, hf_greedy
@@ -181,3 +183,41 @@ def test_closing_one_engine_keeps_the_heap_frozen_for_another_that_serves(tokeni
     assert gc.get_freeze_count() > 0, "a full collection would walk the serving engine's heap inside its steps"
     assert serving.generate(PROMPTS[0], max_tokens=2).token_ids == hf_greedy(serving.model, PROMPTS[0], 2)
     serving.close()
+
+
+# --- whose thread runs an engine's tensor work ---
+
+
+def test_in_own_thread_returns_its_result_and_raises_its_error_in_the_caller():
+    caller = threading.current_thread()
+    ran_on = in_own_thread(threading.current_thread)
+    assert ran_on is not caller and not ran_on.is_alive()  # it ended before in_own_thread returned
+    assert in_own_thread(divmod, 7, 2) == (3, 1)
+    with pytest.raises(ZeroDivisionError):
+        in_own_thread(divmod, 1, 0)
+
+
+def test_an_engine_runs_no_tensor_work_on_its_callers_thread(tokenizer, monkeypatch):
+    """The pool's zeros, the budget's calibration and warm_up run on threads that end with
+    them; every request's passes run on the loop's thread. The caller's thread runs none, so
+    no OpenMP pool of its stays beside the loop's (cpu_threads.in_own_thread says why)."""
+    model, pools, passes = tiny_llama(tokenizer), [], []
+
+    class Pool(engine_module.PagedKVPool):
+        def __init__(self, **shape):
+            pools.append(threading.current_thread())
+            super().__init__(**shape)
+
+    monkeypatch.setattr(engine_module, "PagedKVPool", Pool)
+    model.register_forward_pre_hook(lambda module, args: passes.append(threading.current_thread()))
+    with Engine(model=model, tokenizer=tokenizer, block_size=4, num_blocks=64) as engine:  # the default: calibrates
+        assert engine.step_budget is not None and passes  # calibrated, before any request
+        engine.warm_up()
+        before = list(passes)
+        engine.generate(PROMPTS[0], max_tokens=3)
+        engine.generate_batch(PROMPTS, max_tokens=2)
+        loop_thread = engine.loop._thread
+    caller = threading.current_thread()
+    assert len(pools) == 1 and pools[0] is not caller and not pools[0].is_alive()
+    assert all(t is not caller and not t.is_alive() for t in before)
+    assert passes[len(before):] and all(t is loop_thread for t in passes[len(before):])
