@@ -185,11 +185,10 @@ def main(argv: list[str] | None = None) -> dict:
                   f"{torch.get_num_threads()} threads), {'over HTTP' if args.http else 'in process'}; {args.clients} "
                   f"streams when a {num_tokens:,}-token chat prompt arrives")
     results = {"machine": device, "http": args.http, "long_tokens": num_tokens, "ways": {}}
-    servers = []
-    for way, options in ways.items():
+    for way, options in ways.items():  # each engine closed before the next starts (cpu_threads.in_own_thread)
+        server = None
         if args.http:
             url, server, serving = start_server(args, **options)
-            servers.append(server)
             stream = http_stream(url)
         else:
             serving = Engine(model=engine.model, tokenizer=engine.tokenizer, block_size=args.block_size,
@@ -202,8 +201,9 @@ def main(argv: list[str] | None = None) -> dict:
         scene["ttft_alone_s"] = alone(stream, long_messages, salt=f"{way}-alone")
         scene["ttft_ratio"] = scene["ttft_s"] / scene["ttft_alone_s"]
         results["ways"][way] = scene
-    for server in servers:
-        server.shutdown()
+        if server is not None:
+            server.shutdown()
+        serving.close()
 
     table = Table(title=f"{args.clients} streams, then a {num_tokens:,}-token prompt arrives")
     table.add_column("", no_wrap=True)

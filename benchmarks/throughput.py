@@ -3,7 +3,10 @@
     python prefix_caching.py --bench throughput [--requests 16 32] [--json out.json] [--quick]
 
 The demo's system prompt in front of N different questions, 32 new tokens each, greedy,
-run four ways on the same model and token ids, one after another in one process:
+run four ways on the same model and token ids, one after another in one process. Each way
+runs its passes on a thread that ends with it (an engine's loop, closed before the next way;
+(d) and the floor in_own_thread): cpu_threads.py says why a thread's OpenMP pool left beside
+another's would slow both.
 
     (a) sequential   this engine, one request after another (Engine.generate)
     (b) batched      this engine's scheduler, every request in the same steps, caching off
@@ -34,7 +37,7 @@ from transformers import ContinuousBatchingConfig, GenerationConfig
 from benchmarks import save_json
 from benchmarks.engines import open_engine
 from benchmarks.measure import TokenCounter
-from cpu_threads import one_pass, synchronize
+from cpu_threads import in_own_thread, one_pass, synchronize
 from demo import DEMO_SYSTEM_PROMPT
 from engine import Engine
 from model_flags import add_model_arguments
@@ -91,31 +94,30 @@ def run_ours(engine: Engine, prompts: list[list[int]], max_tokens: int, batched:
     return time.perf_counter() - start, [r.token_ids for r in replies], ttfts
 
 
-def floor_seconds(engine: Engine, sizes: list[tuple[int, int]]) -> float:
+def floor_seconds(model, threads, sizes: list[tuple[int, int]]) -> float:
     """Plain forward passes of these (tokens, tokens that sample) one after another: no pool,
     no cache; the logits of as many tokens as sampled in each of (c)'s passes, since a token
     is picked from its own row of logits (the model's last layer, a tenth of its weights or
     more, runs for each)."""
-    synchronize(engine.device)
+    synchronize(model.device)
     start = time.perf_counter()
     with torch.inference_mode():
-        for n, keep in sizes:  # with the thread count the engine's own passes get (cpu_threads.one_pass)
-            with one_pass(engine.threads, engine.device, ("floor", n > 1, n.bit_length()), may_probe=n == 1):
-                engine.model(input_ids=torch.zeros(1, n, dtype=torch.long, device=engine.device),
-                             logits_to_keep=max(keep, 1))
-    synchronize(engine.device)
+        for n, keep in sizes:  # threads: the engine's policy, so its passes get its thread count (one_pass)
+            with one_pass(threads, model.device, ("floor", n > 1, n.bit_length()), may_probe=n == 1):
+                model(input_ids=torch.zeros(1, n, dtype=torch.long, device=model.device), logits_to_keep=max(keep, 1))
+    synchronize(model.device)
     return time.perf_counter() - start
 
 
-def run_transformers(model, prompts: list[list[int]], max_tokens: int, eos: set[int], engine: Engine) -> tuple[float, list, list]:
+def run_transformers(model, prompts: list[list[int]], max_tokens: int, eos: set[int], block_size: int, num_blocks: int,
+                     max_batch_tokens: int) -> tuple[float, list, list]:
     """transformers' continuous batching on a cache sized like ours: the same pages of
     block_size tokens, as many of them, the same token budget per step. (Left to size itself
     on a CPU, it takes most of the RAM for its cache and runs 2-4x slower than this.)"""
     config = GenerationConfig(max_new_tokens=max_tokens, do_sample=False, eos_token_id=sorted(eos),
                               pad_token_id=model.generation_config.pad_token_id)
-    cb_config = ContinuousBatchingConfig(allow_block_sharing=True, page_size=engine.allocator.block_size,
-                                         num_blocks=engine.allocator.num_blocks,
-                                         max_batch_tokens=engine.scheduler_options["max_num_batched_tokens"])
+    cb_config = ContinuousBatchingConfig(allow_block_sharing=True, page_size=block_size, num_blocks=num_blocks,
+                                         max_batch_tokens=max_batch_tokens)
     start = time.perf_counter()
     outputs = model.generate_batch(prompts, generation_config=config, record_timestamps=True,
                                    continuous_batching_config=cb_config)
@@ -163,40 +165,48 @@ def main(argv: list[str] | None = None) -> dict:
     if args.quick:
         args.requests, args.max_tokens = [4], 4
 
-    console, engine, device = open_engine(args)
-    off = Engine(model=engine.model, tokenizer=engine.tokenizer, block_size=args.block_size,
-                 num_blocks=engine.allocator.num_blocks, enable_caching=False)
-    console.print(f"[bold]Throughput benchmark[/]: {args.model or DEFAULT_MODEL} on {engine.device} ({device}, "
-                  f"{torch.get_num_threads()} threads, {str(engine.dtype).removeprefix('torch.')}); "
-                  f"{engine.allocator.num_blocks} blocks of {args.block_size}; {args.max_tokens} new tokens each")
-    engine.warm_up()
-    engine.generate_batch(["warm up"] * 2, max_tokens=2)  # the batched path's first pass, untimed
+    console, first, device = open_engine(args)
+    model, tokenizer, num_blocks, eos = first.model, first.tokenizer, first.allocator.num_blocks, first.stop_token_ids
+    budget = first.scheduler_options["max_num_batched_tokens"]
+    prompt_sets = {n: [first.tokenize(q) for q in questions(n)] for n in args.requests}
+    first.close()  # each way below makes its own engine, and closes it before the next way runs
+
+    def fresh_engine(**options) -> Engine:
+        engine = Engine(model=model, tokenizer=tokenizer, block_size=args.block_size, num_blocks=num_blocks, **options)
+        engine.warm_up()
+        engine.generate_batch(["warm up"] * 2, max_tokens=2)  # the batched path's first pass, untimed
+        return engine
+
+    console.print(f"[bold]Throughput benchmark[/]: {args.model or DEFAULT_MODEL} on {model.device} ({device}, "
+                  f"{torch.get_num_threads()} threads, {str(model.dtype).removeprefix('torch.')}); "
+                  f"{num_blocks} blocks of {args.block_size}; {args.max_tokens} new tokens each")
     results = {"machine": device, "threads": torch.get_num_threads(), "runs": []}
 
     for n in args.requests:
-        prompts = [engine.tokenize(q) for q in questions(n)]
+        prompts = prompt_sets[n]
         shared = min(len(p) for p in prompts)
-        rows = []
-        with TokenCounter(engine.model.get_input_embeddings()) as embedded:
-            seconds, outputs, ttfts = run_ours(engine, prompts, args.max_tokens, batched=False)
-        reference = outputs
-        rows.append(summary("(a) sequential", seconds, outputs, ttfts, reference)
-                    | {"tokens_embedded": embedded.tokens})
-        with TokenCounter(engine.model.get_input_embeddings()) as embedded:
-            run = run_ours(off, prompts, args.max_tokens, batched=True)
-        rows.append(summary("(b) batched, caching off", *run, reference) | {"tokens_embedded": embedded.tokens})
+        with fresh_engine(enable_caching=False) as off, TokenCounter(model.get_input_embeddings()) as embedded:
+            run_b, embedded_b = run_ours(off, prompts, args.max_tokens, batched=True), embedded
         sizes = []  # the tokens of each of (c)'s forward passes, and how many of them sample
-        hook = engine.model.register_forward_pre_hook(
-            lambda module, args, kwargs: sizes.append((kwargs["input_ids"].shape[1], len(kwargs["logits_to_keep"]))),
-            with_kwargs=True)
-        run = run_ours(engine, prompts, args.max_tokens, batched=True)
-        hook.remove()
-        rows.append(summary("(c) batched, caching on", *run, reference) | {"tokens_embedded": sum(n for n, _ in sizes)})
-        floor = floor_seconds(engine, sizes)
+        with fresh_engine() as engine:
+            with TokenCounter(model.get_input_embeddings()) as embedded:
+                seconds, outputs, ttfts = run_ours(engine, prompts, args.max_tokens, batched=False)
+            hook = model.register_forward_pre_hook(
+                lambda module, args, kwargs: sizes.append((kwargs["input_ids"].shape[1], len(kwargs["logits_to_keep"]))),
+                with_kwargs=True)
+            run_c = run_ours(engine, prompts, args.max_tokens, batched=True)
+            hook.remove()
+            threads = engine.threads
+        floor = in_own_thread(floor_seconds, model, threads, sizes)  # after the engine's loop has ended
+        reference = outputs
+        rows = [summary("(a) sequential", seconds, outputs, ttfts, reference) | {"tokens_embedded": embedded.tokens},
+                summary("(b) batched, caching off", *run_b, reference) | {"tokens_embedded": embedded_b.tokens},
+                summary("(c) batched, caching on", *run_c, reference) | {"tokens_embedded": sum(n for n, _ in sizes)}]
         if not args.skip_transformers:
-            hf_model = type(engine.model).from_pretrained(engine.model.name_or_path, dtype=engine.dtype).to(engine.device)
-            with TokenCounter(hf_model.get_input_embeddings()) as embedded:
-                run = run_transformers(hf_model, prompts, args.max_tokens, engine.stop_token_ids, engine)
+            hf_model = type(model).from_pretrained(model.name_or_path, dtype=model.dtype).to(model.device)
+            with TokenCounter(hf_model.get_input_embeddings()) as embedded:  # its passes, like ours, off this thread
+                run = in_own_thread(run_transformers, hf_model, prompts, args.max_tokens, eos, args.block_size,
+                                    num_blocks, budget)
             rows.append(summary("(d) transformers generate_batch", *run, reference)
                         | {"tokens_embedded": embedded.tokens})
             del hf_model
