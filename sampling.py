@@ -4,8 +4,7 @@ Sampling: how the engines pick the next token from the logits of a request's las
     sample           one token id: argmax, or a draw from the softmax (top_p kept)
     sample_batch     one token id per request of a batched step
 
-Read request.py first: SamplingParams, what a request asks for, lives there (and is
-importable from here too).
+Read request.py first: SamplingParams, what a request asks for, lives there (its one home).
 
 one_request.py calls sample once a step; batch_engine.py calls sample_batch once a step.
 """
@@ -16,7 +15,7 @@ import torch
 
 from request import SamplingParams
 
-__all__ = ["SamplingParams", "sample", "sample_batch"]
+__all__ = ["sample", "sample_batch"]
 
 
 def sample(logits, params: SamplingParams, generator=None) -> int:

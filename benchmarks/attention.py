@@ -60,7 +60,7 @@ from model_flags import add_model_arguments
 from model_loader import DEFAULT_MODEL
 from benchmarks.throughput import TOPICS, questions
 from demo import DEMO_SYSTEM_PROMPT
-from sampling import SamplingParams
+from request import SamplingParams
 
 
 def decode_steps(engine: Engine, prompts: list[list[int]], steps: int, cascade: bool = False) -> dict:

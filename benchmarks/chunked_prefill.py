@@ -35,7 +35,7 @@ from engine import Engine
 from flags import positive_int
 from model_flags import add_model_arguments
 from model_loader import DEFAULT_MODEL
-from sampling import SamplingParams
+from request import SamplingParams
 
 
 def token_ids(rng: random.Random, n: int, vocab: int) -> list[int]:

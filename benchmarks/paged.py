@@ -44,7 +44,7 @@ from cpu_threads import synchronize
 from engine import Engine
 from flags import positive_int
 from model_flags import add_model_arguments
-from sampling import SamplingParams
+from request import SamplingParams
 
 
 @contextlib.contextmanager

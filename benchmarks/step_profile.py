@@ -38,7 +38,7 @@ from benchmarks.throughput import questions
 from flags import positive_int
 from model_flags import add_model_arguments
 from model_loader import DEFAULT_MODEL
-from sampling import SamplingParams
+from request import SamplingParams
 
 LINEAR = {"aten::linear", "aten::mm", "aten::addmm", "aten::matmul"}
 ATTENTION = "pool_attention"  # the record_function label the profile wraps batch_attention's function in

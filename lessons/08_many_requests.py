@@ -71,7 +71,7 @@ from batch_views import add_step_row, render_step, run_step, step_history
 from benchmarks.throughput import TOPICS, questions, run_ours, summary
 from demo import DEMO_SYSTEM_PROMPT
 from engine import DEFAULT_MAX_NUM_BATCHED_TOKENS, Engine
-from sampling import SamplingParams
+from request import SamplingParams
 from benchmarks.measure import Runs, TokenCounter, busy_note, how_much_faster
 from cpu_threads import cores_used_by_others, cpu_sample
 from reading import show_code, show_exercise

@@ -21,7 +21,7 @@ from helpers import EmbeddingCounter, assert_pool_whole, hf_greedy
 from kv_pool import PagedKVPool
 from one_request import EngineParts, run_request
 from prefix_caching import PrefixCachingAllocator
-from sampling import SamplingParams
+from request import SamplingParams
 
 SHARED = list(range(300, 330))  # 30 tokens: 7 full blocks of 4 and a partial one
 MIXED = [SHARED + [40], SHARED + [41, 42, 43, 44, 45], [7], list(range(500, 523)), SHARED[:9], [8, 9]]

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from batch_engine import BatchRunner
 from engine import Engine
 from helpers import assert_pool_whole, hf_greedy
-from sampling import SamplingParams
+from request import SamplingParams
 
 TEXT = ("Prefix caching keeps the keys and values of a prompt in blocks, so that the next request "
         "which starts with the same tokens can skip computing them again and go straight to its own part.")

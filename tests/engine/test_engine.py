@@ -17,7 +17,8 @@ from engine import Engine, EngineClosedError, EngineConfig
 from helpers import EmbeddingCounter, assert_pool_whole, hf_greedy, wait_until_idle
 from kv_pool import PagedKVPool
 from prefix_caching import OutOfBlocksError
-from sampling import SamplingParams, sample
+from request import SamplingParams
+from sampling import sample
 
 PROMPTS = {
     "token ids": list(range(100, 123)),  # 23 tokens: 5 full blocks of 4 and a partial one

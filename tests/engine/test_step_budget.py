@@ -14,7 +14,7 @@ from batch_engine import BatchRunner
 from engine import DEFAULT_MAX_NUM_BATCHED_TOKENS, Engine
 from helpers import call, hf_greedy, serve
 from prefix_caching import PrefixCachingAllocator
-from sampling import SamplingParams
+from request import SamplingParams
 from scheduler import Budget, Candidate, Request, Scheduler
 from server import create_app
 from step_budget import (ARRIVAL_STALL, CALIBRATION_TOKENS, DEFAULT_TARGET_STEP_MS, FAIR_SLACK, FAIR_STALL, FIRST_CHUNK,

@@ -14,7 +14,7 @@ import model_runner
 from batch_engine import BatchRunner
 from helpers import hf_greedy
 from model_runner import ModelRunner
-from sampling import SamplingParams
+from request import SamplingParams
 from static_decode import block_widths, decode_sizes, forward, padded_to
 
 pytestmark = [pytest.mark.gpu, pytest.mark.model]
