@@ -28,14 +28,7 @@ Run:
     python prefix_caching.py --walkthrough      # the documented example, block for block
     python prefix_caching.py --demo             # a real model, MISS then HITs (--no-cache to compare)
     python prefix_caching.py --analyze LOG      # your own traffic replayed: hit rate vs pool size
-    python prefix_caching.py --bench allocator  # hashing cost, miss overhead, throughput
-    python prefix_caching.py --bench ttft       # time to first token, cold vs warm
-    python prefix_caching.py --bench throughput # many requests: one by one, batched, batched + cache
-    python prefix_caching.py --bench chunked_prefill  # a long prompt among decodes, chunked or not
-    python prefix_caching.py --bench attention  # what a decode step reads: mixed contexts, shared prefixes
-    python prefix_caching.py --bench busy       # throughput beside busy programs it starts and stops
-    python prefix_caching.py --bench server_load  # requests/s of the server, 1 client vs a class
-    python prefix_caching.py --bench analyzer   # how long --analyze takes on 10,000 and 100,000 requests
+    python prefix_caching.py --bench NAME       # a measurement (--bench NAME --help: what it times)
 """
 
 from __future__ import annotations
@@ -87,12 +80,8 @@ def _encode(parent: BlockHash, token_bytes: bytes, extra: bytes) -> bytes:
     return parent + len(token_bytes).to_bytes(4, "little") + token_bytes + extra
 
 
-def hash_block_tokens(
-    parent_hash: BlockHash | None,
-    token_ids: Sequence[int],
-    extra_keys: tuple = (),
-    algo: str = "sha256",
-) -> BlockHash:
+def hash_block_tokens(parent_hash: BlockHash | None, token_ids: Sequence[int], extra_keys: tuple = (),
+                      algo: str = "sha256") -> BlockHash:
     """Hash one block: (parent hash, token ids, extra keys) -> bytes.
 
     >>> h0 = hash_block_tokens(None, [1, 2, 3, 4])
@@ -152,13 +141,8 @@ def block_extra_keys(block_index: int, cache_salt: str | None, extra_keys: tuple
     return extra_keys
 
 
-def compute_block_hashes(
-    token_ids: Sequence[int],
-    block_size: int,
-    cache_salt: str | None = None,
-    extra_keys: tuple = (),
-    algo: str = "sha256",
-) -> list[BlockHash]:
+def compute_block_hashes(token_ids: Sequence[int], block_size: int, cache_salt: str | None = None,
+                         extra_keys: tuple = (), algo: str = "sha256") -> list[BlockHash]:
     """Chained hashes of every *full* block of `token_ids`; a partial tail gets none.
 
     The same result as calling hash_block_tokens block by block, but the tokens are
@@ -374,15 +358,8 @@ class PrefixCachingAllocator:
     {'r0': [0, 1, 2], 'r1': [0, 1, 3]}
     """
 
-    def __init__(
-        self,
-        num_blocks: int,
-        block_size: int,
-        *,
-        hash_algo: str = "sha256",
-        enable_caching: bool = True,
-        free_uncached_first: bool = False,
-    ) -> None:
+    def __init__(self, num_blocks: int, block_size: int, *, hash_algo: str = "sha256", enable_caching: bool = True,
+                 free_uncached_first: bool = False) -> None:
         for name, value in (("num_blocks", num_blocks), ("block_size", block_size)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
@@ -510,17 +487,9 @@ class PrefixCachingAllocator:
 
     # --- allocate ----------------------------------------------------------------------------
 
-    def allocate_with_prefix(
-        self,
-        request_id: str,
-        token_ids: Sequence[int],
-        cache_salt: str | None = None,
-        extra_keys: Sequence = (),
-        block_hashes: list[BlockHash] | None = None,
-        *,
-        num_query_tokens: int | None = None,
-        preempted: bool = False,
-    ) -> Allocation:
+    def allocate_with_prefix(self, request_id: str, token_ids: Sequence[int], cache_salt: str | None = None,
+                             extra_keys: Sequence = (), block_hashes: list[BlockHash] | None = None, *,
+                             num_query_tokens: int | None = None, preempted: bool = False) -> Allocation:
         """Give a new request blocks for its prompt, reusing the longest cached prefix.
 
         All or nothing: if the pool cannot hold the prompt, OutOfBlocksError is raised and
@@ -812,8 +781,6 @@ class PrefixCachingAllocator:
 
 
 if __name__ == "__main__":
-    # The modes (the walkthrough, the demo, the benchmarks) are built on this file, so the
-    # command line that runs them lives above it, in cli.py.
-    from cli import main
+    from cli import main  # the modes are built on this file, so their command line lives above it
 
     main()

@@ -49,7 +49,7 @@ MODE, EXERCISE_DIR, ROOT, SCRATCH = sys.argv[1], *(os.path.realpath(arg) for arg
 REFERENCE = {"block_hash": "prefix_caching", "allocator": "prefix_caching", "free_queue": "prefix_caching",
              "gather_kv": "kv_pool", "scheduler": "scheduler"}
 TOP_LEVEL = {name[:-3] for name in os.listdir(ROOT) if name.endswith(".py")} | {"tests", "lessons", "benchmarks",
-                                                                                "grading", "conftest"}
+                                                                                "grading", "twins", "conftest"}
 PROTOCOL = os.fdopen(os.dup(1), "w")  # the answers; print() and the student's output go to stderr
 os.dup2(2, 1)
 sys.dont_write_bytecode = True

@@ -12,7 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from grading import Child, GRADING, RemoteBlockHash, drawn
+from grading import Child, GRADING, drawn
+from twins import RemoteBlockHash
 
 EXERCISE = "block_hash"
 VOCAB = 262_144  # Gemma 3's vocabulary (the largest named below): every drawn id is a real one

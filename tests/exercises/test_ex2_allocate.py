@@ -15,8 +15,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from grading import GRADING, RemoteAllocator, drawn
+from grading import GRADING, drawn
 from prefix_caching import OutOfBlocksError
+from twins import RemoteAllocator
 
 EXERCISE = "allocator"
 VOCAB = 262_144  # Gemma 3's vocabulary: every drawn id is a real one

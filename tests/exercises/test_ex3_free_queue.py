@@ -15,7 +15,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from grading import GRADING, REPEATS, SCALING_LIMIT, RemoteQueue, drawn, fastest_times, milliseconds, times
+from grading import GRADING, REPEATS, SCALING_LIMIT, drawn, fastest_times, milliseconds, times
+from twins import RemoteQueue
 
 EXERCISE = "free_queue"
 

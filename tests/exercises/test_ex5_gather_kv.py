@@ -25,12 +25,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import LlamaConfig
 
-from grading import (GRADING, LINE_COST, SCALING_LIMIT, drawn, fastest_times, milliseconds, remote_pool_class,
-                     timed_call, times)
+from grading import GRADING, SCALING_LIMIT, drawn, fastest_times, milliseconds, timed_call, times
 from helpers import hf_greedy
 from kv_pool import PagedKVPool
 from one_request import generate
 from request import SamplingParams
+from twins import LINE_COST, remote_pool_class
 
 pytestmark = [pytest.mark.model]
 

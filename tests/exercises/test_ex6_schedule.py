@@ -20,9 +20,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from grading import GRADING, RemoteScheduler, drawn
+from grading import GRADING, drawn
 from prefix_caching import OutOfBlocksError
 from scheduler import RUNNING, WAITING, Request
+from twins import RemoteScheduler
 
 EXERCISE = "scheduler"
 VOCABULARY = 262_144  # drawn token ids are below it: a large real vocabulary's size

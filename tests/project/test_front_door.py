@@ -8,6 +8,7 @@ GitHub's rule for heading anchors. Pure text: no torch, well under a second.
 """
 
 import re
+import subprocess
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -122,3 +123,16 @@ def test_the_link_check_finds_a_broken_link_and_a_missing_anchor(tmp_path):
     broken = [link.split(": ")[0] for link in broken_links(page)]
     assert broken == ["missing.md", "other.md#not-a-heading", "#nowhere"]
     assert anchor("From our names to vLLM's and SGLang's") == "from-our-names-to-vllms-and-sglangs"
+
+
+MAX_SOURCE_LINES = 800
+
+
+def test_every_source_file_reads_in_one_sitting():
+    """No Python file of the project (code, lessons, benchmarks, tests) past MAX_SOURCE_LINES:
+    a file that grows past it is split by role (as tests/exercises/grading.py and twins.py)."""
+    listed = subprocess.run(["git", "ls-files", "*.py"], cwd=ROOT, capture_output=True, text=True, check=True)
+    files = [ROOT / name for name in listed.stdout.split()]  # what git holds: no scratch file of a running test
+    assert len(files) > 100  # the project's files
+    long = {str(p.relative_to(ROOT)): n for p in files if (n := len(p.read_text().splitlines())) > MAX_SOURCE_LINES}
+    assert not long, f"past {MAX_SOURCE_LINES} lines, split by role: {long}"
