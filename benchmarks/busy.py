@@ -15,7 +15,9 @@ a Python process spinning on one core) and stops when it is done, even if it fai
     (c)      --bench throughput's (c): --requests requests batched with caching
     (d)      --bench throughput's (d): transformers' own continuous batching
 
-The same requests, greedy, both times. Reported: each one's seconds quiet and busy, busy over
+Each way runs with no other way's forward passes alive beside it (an engine of its own,
+closed before the next; (d) and stage 7's path on a thread that ends with them): cpu_threads.py
+says why a second thread's OpenMP pool would slow it. The same requests, greedy, both times. Reported: each one's seconds quiet and busy, busy over
 quiet (the target: at most 2.5x for the demo and the one request), and (c) against (d) in
 each. (d) runs at transformers' own thread count: the engine sets torch's thread count for
 each of its forward passes only (cpu_threads.one_pass) and puts it back after.
@@ -41,6 +43,7 @@ from rich.table import Table
 from benchmarks import save_json
 from benchmarks.engines import open_engine, stage_7
 from benchmarks.throughput import questions, run_ours, run_transformers, summary
+from cpu_threads import in_own_thread
 from engine import Engine
 from flags import positive_int
 from model_flags import add_model_arguments
@@ -59,13 +62,6 @@ def busy_programs(n: int):
         for program in programs:
             program.kill()
             program.wait()
-
-
-def run_ways(engine: Engine, hf_model, prompts, max_tokens: int) -> tuple[dict, list]:
-    """(c) and (d) once each: their summaries, and the tokens of each."""
-    c = run_ours(engine, prompts, max_tokens, batched=True)
-    d = run_transformers(hf_model, prompts, max_tokens, engine.stop_token_ids, engine)
-    return {"c": summary("(c)", *c, None), "d": summary("(d)", *d, None)}, [c[1], d[1]]
 
 
 def run_one(engine: Engine, prompt: list[int], max_tokens: int) -> tuple[float, list[int]]:
@@ -130,27 +126,42 @@ def main(argv: list[str] | None = None) -> dict:
     if args.quick:
         args.requests, args.max_tokens, args.one_tokens, args.programs, args.demo_runs = 4, 4, 4, 1, 1
 
-    console, engine, device = open_engine(args)
-    hf_model = type(engine.model).from_pretrained(engine.model.name_or_path, dtype=engine.dtype).to(engine.device)
-    console.print(f"[bold]Speed on a busy machine[/]: {args.model or DEFAULT_MODEL} on {engine.device} ({device}, "
+    console, first, device = open_engine(args)
+    model, tokenizer, num_blocks, eos = first.model, first.tokenizer, first.allocator.num_blocks, first.stop_token_ids
+    budget = first.scheduler_options["max_num_batched_tokens"]
+    prompts = [first.tokenize(q) for q in questions(args.requests)]
+    first.close()
+    hf_model = type(model).from_pretrained(model.name_or_path, dtype=model.dtype).to(model.device)
+    console.print(f"[bold]Speed on a busy machine[/]: {args.model or DEFAULT_MODEL} on {model.device} ({device}, "
                   f"torch's {torch.get_num_threads()} threads); the demo, one request of {args.one_tokens} new tokens, "
                   f"and {args.requests} requests behind one system prompt, {args.max_tokens} new tokens each; quiet, "
                   f"then beside {args.programs} busy programs")
-    engine.warm_up()
-    engine.generate_batch(["warm up"] * 2, max_tokens=2)  # the batched path's first pass, untimed
-    prompts = [engine.tokenize(q) for q in questions(args.requests)]
-    fixed = Engine(model=engine.model, tokenizer=engine.tokenizer, block_size=args.block_size,
-                   num_blocks=engine.allocator.num_blocks, choose_threads=False) if args.fixed_threads else None
+
+    def fresh(**options) -> Engine:
+        engine = Engine(model=model, tokenizer=tokenizer, block_size=args.block_size, num_blocks=num_blocks, **options)
+        engine.warm_up()
+        return engine
+
+    ended = {}  # busy or not: the thread count (c)'s engine ended with
 
     def measure(busy_now: bool) -> tuple[dict, list]:
-        ways, tokens = run_ways(engine, hf_model, prompts, args.max_tokens)
+        """Each way with no other way's passes alive beside it: an engine of its own, closed
+        before the next, and (d) and stage 7's path in_own_thread (cpu_threads.py says why)."""
+        ways, tokens = {}, []
+        kinds = [("", {})] + ([(" fixed", {"choose_threads": False})] if busy_now and args.fixed_threads else [])
+        for suffix, options in kinds:  # " fixed": the engine keeping torch's count for every pass
+            with fresh(**options) as engine:
+                engine.generate_batch(["warm up"] * 2, max_tokens=2)  # the batched path's first pass, untimed
+                c = run_ours(engine, prompts, args.max_tokens, batched=True)
+                ended[busy_now] = ended.get(busy_now) or engine.threads.threads  # the chosen count, not " fixed"
+            with fresh(**options) as engine:  # stage 7's path: this engine's loop never starts
+                seconds, one_tokens = in_own_thread(run_one, engine, prompts[0], args.one_tokens)
+            ways["c" + suffix], ways["one" + suffix] = summary("(c)", *c, None), {"seconds": round(seconds, 3)}
+            tokens = tokens or [c[1], None, one_tokens]
+        d = in_own_thread(run_transformers, hf_model, prompts, args.max_tokens, eos, args.block_size, num_blocks, budget)
+        ways["d"], tokens[1] = summary("(d)", *d, None), d[1]
         ways["demo"] = demo_runs(args, args.demo_runs)
-        seconds, one_tokens = run_one(engine, prompts[0], args.one_tokens)
-        ways["one"] = {"seconds": round(seconds, 3)}
-        if busy_now and fixed is not None:  # the same engine keeping torch's count for every pass
-            ways["one fixed"] = {"seconds": round(run_one(fixed, prompts[0], args.one_tokens)[0], 3)}
-            ways["c fixed"] = summary("(c)", *run_ours(fixed, prompts, args.max_tokens, batched=True), None)
-        return ways, tokens + [one_tokens]
+        return ways, tokens
 
     quiet, quiet_tokens = measure(False)
     with busy_programs(args.programs):
@@ -177,8 +188,8 @@ def main(argv: list[str] | None = None) -> dict:
         console.print(f"The demo's HITs against its MISS, {name} (TTFT, the median of {args.demo_runs} runs each): {hits}.")
     ratio_quiet = quiet["d"]["seconds"] / quiet["c"]["seconds"]
     ratio_busy = busy["d"]["seconds"] / busy["c"]["seconds"]
-    console.print(f"(c) against (d): {ratio_quiet:.1f}x quiet, {ratio_busy:.1f}x busy. The thread count the engine "
-                  f"ended with: {engine.threads.threads} (torch's own: {torch.get_num_threads()}). Measured in this "
+    console.print(f"(c) against (d): {ratio_quiet:.1f}x quiet, {ratio_busy:.1f}x busy. The thread count (c)'s engine "
+                  f"ended with, busy: {ended[True]} (torch's own: {torch.get_num_threads()}). Measured in this "
                   f"run on {device}. Every request got the same tokens quiet and busy, and (c) the same as (d): "
                   f"{same}.")
     results = {"machine": device, "threads": torch.get_num_threads(), "programs": args.programs,
