@@ -23,6 +23,7 @@ locks, and nothing else of it, so the two share one pool and its cache.
 
     1. the parts        EngineParts: what a request runs on
     2. one request      forward, run_request, generate
+    3. the oracle       greedy_reference: what plain model.generate gives, to check every path against
 
 References: vLLM v1 (vllm/v1/worker/gpu_model_runner.py, vllm/v1/core/kv_cache_manager.py);
 transformers' DynamicCache (past_key_values).
@@ -193,3 +194,25 @@ def generate(parts: EngineParts, request_id: str, prompt_ids: list[int], params:
     for event in run_request(parts, request_id, prompt_ids, params, cache_salt, time.perf_counter()):
         pass
     return event.generation
+
+
+# -----------------------------------------------------------------------------
+# 3. The oracle
+
+
+def greedy_reference(model, prompt_ids: list[int], max_tokens: int,
+                     stop_token_ids: frozenset[int] | None = None) -> list[int]:
+    """What plain model.generate replies, greedy, on the whole prompt, with no cache across
+    requests: the oracle every path of the engine is checked against (the lessons, the tests,
+    the GPU check), on the model's own device. stop_token_ids: where the engine stops
+    (EngineParts.stop_token_ids; the stop token kept, as the engine keeps it); None: where the
+    model's generation_config stops."""
+    input_ids = torch.tensor([prompt_ids], device=model.device)
+    stops = {} if stop_token_ids is None else {"eos_token_id": sorted(stop_token_ids)}
+    pad = model.generation_config.pad_token_id
+    if pad is None and stop_token_ids:
+        pad = min(stop_token_ids)
+    with torch.inference_mode():
+        out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
+                             max_new_tokens=max_tokens, pad_token_id=pad, **stops)
+    return out[0, len(prompt_ids):].tolist()

@@ -60,7 +60,7 @@ from engine import Engine
 from model_files import DEFAULT_MODEL, converted_default, load_tokenizer
 from model_flags import add_model_arguments, pool_arguments
 from model_loader import load_model, random_model, resolve_device, resolve_dtype, tiny_llama
-from one_request import generate
+from one_request import generate, greedy_reference
 from request import SamplingParams
 
 
@@ -158,17 +158,6 @@ def exactness_prompts(engine: Engine, sizes: Sizes) -> list[list[int]]:
     prompts = questions(sizes.shared_prompts)
     prompts += [random_tokens(rng, n, engine.vocab_size) for n in sizes.long_prompts]
     return [engine.tokenize(p) for p in prompts + SHORT_PROMPTS]
-
-
-def greedy_reference(model, prompt_ids: list[int], max_tokens: int, stop_token_ids: frozenset[int]) -> list[int]:
-    """What plain model.generate replies, greedy, on the whole prompt, stopping where the
-    engine stops (a stop token, kept as the engine keeps it): the oracle of every path."""
-    input_ids = torch.tensor([prompt_ids], device=model.device)
-    with torch.inference_mode():
-        out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
-                             max_new_tokens=max_tokens, eos_token_id=sorted(stop_token_ids),
-                             pad_token_id=min(stop_token_ids))
-    return out[0, len(prompt_ids):].tolist()
 
 
 def exactness(model, tokenizer, prompts: list[list[int]], max_tokens: int, pool: dict) -> dict[str, int]:

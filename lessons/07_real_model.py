@@ -39,7 +39,7 @@ import models
 from demo import DEMO_QUESTIONS, DEMO_SYSTEM_PROMPT
 from engine import Engine
 from kv_pool import PagedKVPool
-from one_request import generate, run_request
+from one_request import generate, greedy_reference, run_request
 from outputs import Generation
 from request import SamplingParams
 from benchmarks.measure import Runs, TokenCounter, conclusion, how_much_faster
@@ -215,12 +215,7 @@ def main(argv: list[str] | None = None) -> None:
 
     console.print(Rule("3. The reply is exactly what plain generation gives"))
     prompt_ids = engine.tokenize(ask(DEMO_QUESTIONS[1]))
-    model = engine.model
-    with torch.inference_mode():
-        input_ids = torch.tensor([prompt_ids], device=model.device)
-        plain = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
-                               max_new_tokens=MAX_TOKENS, pad_token_id=engine.tokenizer.eos_token_id)
-    plain_tokens = plain[0, len(prompt_ids):].tolist()
+    plain_tokens = greedy_reference(engine.model, prompt_ids, MAX_TOKENS)  # plain model.generate (one_request.py)
     if warm.token_ids != plain_tokens:
         raise SystemExit(f"the warm reply differs from model.generate: {warm.token_ids} vs {plain_tokens}")
     console.print(f"Warm reply: {warm.text!r}\n[bold green]exactness ok: the same {len(plain_tokens)} tokens as "

@@ -71,6 +71,7 @@ from batch_views import add_step_row, render_step, run_step, step_history
 from benchmarks.throughput import TOPICS, questions, run_ours, summary
 from demo import DEMO_SYSTEM_PROMPT
 from engine import DEFAULT_MAX_NUM_BATCHED_TOKENS, Engine
+from one_request import greedy_reference
 from request import SamplingParams
 from benchmarks.measure import Runs, TokenCounter, busy_note, how_much_faster
 from cpu_threads import cores_used_by_others, cpu_sample
@@ -89,15 +90,6 @@ THROUGHPUT_REQUESTS = 8  # scene 4 (the benchmark runs 16 and 32, 32 tokens each
 # A plain-text prompt (no chat template, so none of it is in the pool), longer than BUDGET.
 ERIN = ("Here is a course page and the questions a class sent. Say which week answers each question.\n\n"
         + DEMO_SYSTEM_PROMPT + "\n\nQuestions:\n" + "\n".join(f"- What is {topic}?" for topic in TOPICS))
-
-
-def hf_greedy(model, prompt_ids: list[int], max_tokens: int) -> list[int]:
-    """Plain Hugging Face generate on the prompt alone, greedy: the oracle."""
-    input_ids = torch.tensor([prompt_ids], device=model.device)
-    with torch.inference_mode():
-        out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
-                             max_new_tokens=max_tokens, pad_token_id=model.generation_config.pad_token_id)
-    return out[0, len(prompt_ids):].tolist()
 
 
 def same_step_hit(console: Console, engine: Engine, prompts: dict[str, list[int]]) -> tuple[BatchRunner, list]:
@@ -184,7 +176,7 @@ def decode_steps(console: Console, engine: Engine, runner: BatchRunner, requests
     )
     replies = runner.run(requests)
     bob = replies[1]
-    if bob.token_ids != hf_greedy(engine.model, requests[1].prompt_ids, MAX_TOKENS):
+    if bob.token_ids != greedy_reference(engine.model, requests[1].prompt_ids, MAX_TOKENS):
         raise SystemExit("bob's reply differs from model.generate on his prompt alone")
     console.print(f"bob's reply {bob.text!r}: [bold green]exactness ok: the same {len(bob.token_ids)} tokens as "
                   f"model.generate on his prompt alone[/], though he read blocks computed in his own first step.")

@@ -23,19 +23,7 @@ SYSTEM = "You are a patient teacher. Answer every question in one short sentence
 CHAT = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What is a KV cache?"}]
 
 
-# --- the oracle, and what an engine leaves behind -------------------------------------------------
-
-
-def hf_greedy(model, prompt_ids: list[int], max_tokens: int) -> list[int]:
-    """What plain Hugging Face generates, greedy, on the whole prompt."""
-    import torch
-
-    input_ids = torch.tensor([prompt_ids])
-    out = model.generate(
-        input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
-        max_new_tokens=max_tokens, pad_token_id=model.generation_config.pad_token_id,
-    )
-    return out[0, len(prompt_ids) :].tolist()
+# --- what an engine leaves behind -------------------------------------------------
 
 
 class EmbeddingCounter:

@@ -17,9 +17,9 @@ import one_request
 from batch_attention import MAX_GROUPS, Row, group_rows
 from batch_engine import BatchRunner
 from engine import Engine
-from helpers import EmbeddingCounter, assert_pool_whole, hf_greedy
+from helpers import EmbeddingCounter, assert_pool_whole
 from kv_pool import PagedKVPool
-from one_request import EngineParts, run_request
+from one_request import EngineParts, greedy_reference, run_request
 from prefix_caching import PrefixCachingAllocator
 from request import SamplingParams
 
@@ -31,7 +31,7 @@ def test_a_mixed_batch_equals_generate_on_each_prompt_alone(make_engine):
     engine = make_engine()
     replies = engine.generate_batch(MIXED, max_tokens=8)
     for prompt, reply in zip(MIXED, replies):
-        assert reply.token_ids == hf_greedy(engine.model, prompt, 8), f"prompt of {len(prompt)} tokens"
+        assert reply.token_ids == greedy_reference(engine.model, prompt, 8), f"prompt of {len(prompt)} tokens"
         assert reply.finish_reason == "length" and reply.prompt_tokens == len(prompt)
 
 
@@ -49,7 +49,7 @@ def test_both_engines_run_on_their_parts_alone_with_no_engine_anywhere(tiny_mode
     runner = BatchRunner(parts, choose_threads=False, max_num_seqs=4, max_num_batched_tokens=64)
     (batched,) = runner.run([runner.add("a", prompt, params, None)])
     *_, last = run_request(parts, "b", prompt, params, None, time.perf_counter())
-    assert batched.token_ids == last.generation.token_ids == hf_greedy(tiny_model, prompt, 6)
+    assert batched.token_ids == last.generation.token_ids == greedy_reference(tiny_model, prompt, 6)
     assert last.generation.cached_tokens == 8  # the prompt's 2 full blocks, from the runner's request
     assert not parts.allocator.block_tables
     parts.allocator.check_invariants()
@@ -63,7 +63,7 @@ def test_requests_admitted_together_hit_the_blocks_the_first_computes_in_that_st
     counter.handle.remove()
     assert [r.cached_tokens for r in replies] == [0, 28, 28, 28]
     assert counter.count == 31 + 3 * 3  # the shared prefix was computed once, in one step
-    assert [r.token_ids for r in replies] == [hf_greedy(engine.model, p, 1) for p in prompts]
+    assert [r.token_ids for r in replies] == [greedy_reference(engine.model, p, 1) for p in prompts]
 
 
 def test_a_pool_too_small_for_everyone_at_once_finishes_all_exactly(make_engine):
@@ -71,7 +71,7 @@ def test_a_pool_too_small_for_everyone_at_once_finishes_all_exactly(make_engine)
     replies = engine.generate_batch(MIXED, max_tokens=20)
     assert sum(r.num_preemptions for r in replies) > 0, "the test should exercise preemption"
     for prompt, reply in zip(MIXED, replies):
-        assert reply.token_ids == hf_greedy(engine.model, prompt, 20)
+        assert reply.token_ids == greedy_reference(engine.model, prompt, 20)
     assert_pool_whole(engine)
 
 
@@ -105,7 +105,7 @@ def test_every_step_reads_the_blocks_where_they_lie_exactly(tiny_model, tokenize
     assert runner.scheduler.num_preemptions > 0, "the test should exercise preemption"
     assert checked >= 12 * len(prompts)
     for prompt, request in zip(prompts, requests):
-        assert request.reply.token_ids == hf_greedy(tiny_model, prompt, 12)
+        assert request.reply.token_ids == greedy_reference(tiny_model, prompt, 12)
     assert_pool_whole(engine)
 
 
@@ -121,7 +121,7 @@ def test_a_preempted_request_resumes_mostly_from_the_cache(make_engine):
     recomputed = counter.count - (17 + 1 + 2 * 11)  # beyond one prefill, one hit prefill, the decodes
     assert 0 < recomputed < 17 + 12, "a resumed request recomputes only what was evicted"
     for i, reply in enumerate(replies):
-        assert reply.token_ids == hf_greedy(engine.model, SHARED[:16] + [60 + i], 12)
+        assert reply.token_ids == greedy_reference(engine.model, SHARED[:16] + [60 + i], 12)
     runner.scheduler.check_invariants()
     # The hit rate counts each request's prompt once; a resumed request's lookup is counted apart.
     stats = engine.allocator.stats
@@ -149,7 +149,7 @@ def test_stop_strings_and_eos_end_batched_requests_like_single_ones(make_engine)
     engine.parts = replace(engine.parts, stop_token_ids=frozenset({full.token_ids[3]}))
     eos, alone = engine.generate_batch([prompt, [5, 6]], max_tokens=10)
     assert eos.token_ids == full.token_ids[:4] and eos.finish_reason == "stop"
-    assert alone.token_ids == hf_greedy(engine.model, [5, 6], 10)[: len(alone.token_ids)]
+    assert alone.token_ids == greedy_reference(engine.model, [5, 6], 10)[: len(alone.token_ids)]
 
 
 @pytest.mark.parametrize("prompts, kwargs, match", [
@@ -172,7 +172,7 @@ def test_stage_7_runs_on_the_pool_the_engine_loop_filled(make_engine):
     engine.generate_batch([SHARED], max_tokens=2)
     prompt = SHARED + [99]
     reply = one_request.generate(engine.parts, "stage 7", prompt, SamplingParams(max_tokens=6))
-    assert reply.cached_tokens == len(SHARED) // 4 * 4 and reply.token_ids == hf_greedy(engine.model, prompt, 6)
+    assert reply.cached_tokens == len(SHARED) // 4 * 4 and reply.token_ids == greedy_reference(engine.model, prompt, 6)
 
 
 # --- the engine loop: calls from many threads share forward passes --------------------------
@@ -209,7 +209,7 @@ def test_calls_from_many_threads_run_in_shared_steps_and_get_their_answers_alone
         replies = run_in_threads(engine, prompts, max_tokens=6)
     finally:
         engine.model._forward_pre_hooks.clear()
-    assert [r.token_ids for r in replies] == [hf_greedy(engine.model, p, 6) for p in prompts]
+    assert [r.token_ids for r in replies] == [greedy_reference(engine.model, p, 6) for p in prompts]
     assert len(steps) < 8 * 6, "the requests should have shared forward passes"
     assert sum(r.cached_tokens for r in replies) >= 7 * 28
 
@@ -218,7 +218,7 @@ def test_a_busy_pool_makes_threads_wait_instead_of_refusing_them(make_engine):
     engine = make_engine(num_blocks=16)
     prompts = [list(range(100 * i, 100 * i + 20)) for i in range(1, 7)]  # 6 x 5 blocks: never all at once
     replies = run_in_threads(engine, prompts, max_tokens=8)
-    assert [r.token_ids for r in replies] == [hf_greedy(engine.model, p, 8) for p in prompts]
+    assert [r.token_ids for r in replies] == [greedy_reference(engine.model, p, 8) for p in prompts]
     assert max(r.wait_ms for r in replies) > 0
 
 
@@ -271,7 +271,7 @@ def test_one_long_context_does_not_pad_the_short_ones(make_engine):
     assert figures.num_slots_needed == 7 * 11 + 301
     assert figures.num_slots_read <= 1.25 * figures.num_slots_needed  # not 8 x 301
     replies = runner.run(requests)
-    assert [r.token_ids for r in replies] == [hf_greedy(engine.model, p, 6) for p in prompts]
+    assert [r.token_ids for r in replies] == [greedy_reference(engine.model, p, 6) for p in prompts]
 
 
 @settings(max_examples=200, deadline=None)
@@ -333,7 +333,7 @@ def test_shared_prefix_attention_gives_the_numbers_of_one_attention_over_each_co
     # Merging two partial softmaxes rounds differently from one: ~1e-5 apart on logits of ~3.
     assert len(on) == len(off) and all(torch.allclose(a, b, rtol=1e-4, atol=1e-4) for a, b in zip(on, off))
     for prompt, reply in zip(prompts, on_replies):
-        assert reply.token_ids == hf_greedy(tiny_model, prompt, 5)
+        assert reply.token_ids == greedy_reference(tiny_model, prompt, 5)
 
 
 def test_sixteen_requests_behind_one_prefix_read_it_once(make_engine):
@@ -358,7 +358,7 @@ def test_a_preempted_request_rejoins_the_shared_prefix_exactly(make_engine, monk
     requests = [runner.add(f"r{i}", p, SamplingParams(max_tokens=14), None) for i, p in enumerate(prompts)]
     replies = runner.run(requests)
     assert runner.scheduler.num_preemptions > 0
-    assert [r.token_ids for r in replies] == [hf_greedy(engine.model, p, 14) for p in prompts]
+    assert [r.token_ids for r in replies] == [greedy_reference(engine.model, p, 14) for p in prompts]
 
 
 # --- the thread count the engine chooses ----------------------------------------------------------
@@ -374,7 +374,7 @@ def test_batches_are_exact_with_the_thread_count_the_engine_chooses(make_engine,
     assert engine.threads.threads == (1 if others and default > 1 else default)
     assert torch.get_num_threads() == default  # set for each forward pass only, and put back
     for prompt, reply in zip(MIXED, replies):
-        assert reply.token_ids == hf_greedy(engine.model, prompt, 8)
+        assert reply.token_ids == greedy_reference(engine.model, prompt, 8)
 
 
 @pytest.mark.parametrize("others", [0.0, 2.0])
@@ -387,7 +387,7 @@ def test_one_request_at_a_time_is_exact_with_the_thread_count_the_engine_chooses
     calibration = sum(engine.threads.passes.values())  # the passes the step budget timed when the engine was made
     for i, prompt in enumerate(MIXED):
         reply = one_request.generate(engine.parts, f"r{i}", prompt, SamplingParams(max_tokens=8))
-        assert reply.token_ids == hf_greedy(engine.model, prompt, 8)
+        assert reply.token_ids == greedy_reference(engine.model, prompt, 8)
     assert engine.threads.threads == (1 if others and default > 1 else default)
     assert sum(engine.threads.passes.values()) - calibration == 8 * len(MIXED)  # a prefill and 7 decodes each
     assert torch.get_num_threads() == default

@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 
 from batch_engine import BatchRunner
 from engine import Engine
-from helpers import assert_pool_whole, hf_greedy
+from helpers import assert_pool_whole
+from one_request import greedy_reference
 from request import SamplingParams
 
 TEXT = ("Prefix caching keeps the keys and values of a prompt in blocks, so that the next request "
@@ -34,7 +35,7 @@ def real_prompts(tokenizer) -> list[list[int]]:
 @pytest.mark.parametrize("budget", [3, 7, 16, 40])  # 16: chunks on block edges; the others inside blocks
 def test_chunked_prefill_on_the_real_model_equals_generate_on_each_prompt_alone(smollm, budget):
     prompts = real_prompts(smollm.tokenizer)
-    expected = [hf_greedy(smollm.model, p, 5) for p in prompts]
+    expected = [greedy_reference(smollm.model, p, 5) for p in prompts]
     assert smollm.allocator.reset_prefix_cache()  # cold: nothing left by an earlier test
     runner = BatchRunner(smollm.parts, max_num_seqs=3, max_num_batched_tokens=budget)
     requests = [runner.add(f"r{i}", p, SamplingParams(max_tokens=5), None) for i, p in enumerate(prompts)]
@@ -73,8 +74,8 @@ def test_a_request_preempted_part_way_through_its_prompt_resumes_exactly(smollm)
                 runner.add("long", long_ids, SamplingParams(max_tokens=4), None)]
     replies = runner.run(requests)
     assert True in mid_prompt, "long should be preempted while its prompt was still prefilling"
-    assert replies[0].token_ids == hf_greedy(engine.model, other_ids, 30)
-    assert replies[1].token_ids == hf_greedy(engine.model, long_ids, 4)
+    assert replies[0].token_ids == greedy_reference(engine.model, other_ids, 30)
+    assert replies[1].token_ids == greedy_reference(engine.model, long_ids, 4)
     assert_pool_whole(engine)
 
 
@@ -105,5 +106,5 @@ def test_random_budgets_and_chunks_equal_generate_on_each_prompt_alone(
     requests = [runner.add(f"r{i}", p, SamplingParams(max_tokens=4), None) for i, p in enumerate(prompts)]
     replies = runner.run(requests)
     for prompt, reply in zip(prompts, replies):
-        assert reply.token_ids == hf_greedy(tiny_float64, prompt, 4)
+        assert reply.token_ids == greedy_reference(tiny_float64, prompt, 4)
     assert_pool_whole(engine)

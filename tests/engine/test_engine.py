@@ -14,8 +14,9 @@ import torch
 
 import one_request
 from engine import Engine, EngineClosedError, EngineConfig
-from helpers import EmbeddingCounter, assert_pool_whole, hf_greedy, wait_until_idle
+from helpers import EmbeddingCounter, assert_pool_whole, wait_until_idle
 from kv_pool import PagedKVPool
+from one_request import greedy_reference
 from prefix_caching import OutOfBlocksError
 from request import SamplingParams
 from sampling import sample
@@ -37,7 +38,7 @@ PROMPTS = {
 def test_greedy_equals_hf_generate_cold_and_warm(make_engine, kind):
     engine = make_engine()
     ids = engine.tokenize(PROMPTS[kind])
-    expected = hf_greedy(engine.model, ids, max_tokens=10)
+    expected = greedy_reference(engine.model, ids, max_tokens=10)
 
     cold = engine.generate(PROMPTS[kind], max_tokens=10)
     predicted = engine.allocator.peek(ids)  # what the allocator will hit for the same prompt now
@@ -97,7 +98,7 @@ def test_a_multi_turn_chat_reuses_its_history(make_engine):
     predicted = engine.allocator.peek(ids)
     second = engine.generate(turn2, max_tokens=8)
 
-    assert second.token_ids == hf_greedy(engine.model, ids, max_tokens=8)
+    assert second.token_ids == greedy_reference(engine.model, ids, max_tokens=8)
     assert second.cached_tokens == predicted
     assert second.cached_tokens >= len(engine.tokenize(turn1)) // 4 * 4  # at least turn 1's full blocks
 
@@ -109,7 +110,7 @@ def test_different_cache_salts_never_share_blocks(make_engine):
     b = engine.generate(prompt, max_tokens=4, cache_salt="tenant-b")
     a_again = engine.generate(prompt, max_tokens=4, cache_salt="tenant-a")
     assert (a.cached_tokens, b.cached_tokens, a_again.cached_tokens) == (0, 0, 16)
-    assert a.token_ids == b.token_ids == a_again.token_ids == hf_greedy(engine.model, prompt, 4)
+    assert a.token_ids == b.token_ids == a_again.token_ids == greedy_reference(engine.model, prompt, 4)
 
 
 def test_a_prompt_of_exactly_whole_blocks_recomputes_its_last_block(make_engine):
@@ -119,14 +120,14 @@ def test_a_prompt_of_exactly_whole_blocks_recomputes_its_last_block(make_engine)
     warm = engine.generate(prompt, max_tokens=3)
     # The model must run on at least one token to give the next token's logits.
     assert warm.cached_tokens == 8
-    assert warm.token_ids == hf_greedy(engine.model, prompt, 3)
+    assert warm.token_ids == greedy_reference(engine.model, prompt, 3)
 
 
 def test_a_small_pool_evicts_between_requests_and_stays_exact(make_engine):
     engine = make_engine(num_blocks=12)  # 48 slots: room for about two 20-token requests
     prompts = [[1000 + 50 * p + i for i in range(18)] for p in range(4)]
     for prompt in prompts + prompts:
-        assert engine.generate(prompt, max_tokens=4).token_ids == hf_greedy(engine.model, prompt, 4)
+        assert engine.generate(prompt, max_tokens=4).token_ids == greedy_reference(engine.model, prompt, 4)
     assert engine.allocator.stats.evictions > 0
 
 
@@ -138,7 +139,7 @@ def test_blocks_filled_while_decoding_are_hit_by_the_next_request(make_engine):
     follow_up = prompt + first.token_ids[:7] + [42]
     second = engine.generate(follow_up, max_tokens=3)
     assert second.cached_tokens == 16
-    assert second.token_ids == hf_greedy(engine.model, follow_up, 3)
+    assert second.token_ids == greedy_reference(engine.model, follow_up, 3)
 
 
 def test_the_stop_token_ends_a_reply_with_finish_reason_stop(make_engine):
@@ -166,8 +167,8 @@ def test_two_interleaved_streams_share_blocks_by_ref_count(make_engine):
     for a_event, b_event in zip(a, b):
         a_tokens.append(a_event.token_id)
         b_tokens.append(b_event.token_id)
-    assert a_tokens == hf_greedy(engine.model, a_prompt, 6)
-    assert b_tokens == hf_greedy(engine.model, b_prompt, 6)
+    assert a_tokens == greedy_reference(engine.model, a_prompt, 6)
+    assert b_tokens == greedy_reference(engine.model, b_prompt, 6)
 
 
 def test_closing_a_stream_early_gives_its_blocks_back(make_engine):
@@ -204,7 +205,7 @@ def test_sampling_with_a_seed_repeats_and_a_tiny_top_p_is_greedy(make_engine):
     two = engine.generate(prompt, max_tokens=8, temperature=1.5, seed=7)
     assert one.token_ids == two.token_ids
     narrow = engine.generate(prompt, max_tokens=8, temperature=1.5, top_p=1e-6, seed=3)
-    assert narrow.token_ids == hf_greedy(engine.model, prompt, 8)
+    assert narrow.token_ids == greedy_reference(engine.model, prompt, 8)
 
 
 def test_top_p_keeps_the_smallest_set_reaching_p():
@@ -378,7 +379,7 @@ def test_a_stage_7_request_failing_midway_frees_its_blocks_and_caches_no_unwritt
     # Blocks whose K/V were written stay cached; a block cached just before the failure does not.
     # prefill: nothing was written. decode: tokens 0..14 were; the block of tokens 12..15 was
     # cached when token 15 joined, then the forward for token 15 failed.
-    expected = hf_greedy(engine.model, prompt, 8)
+    expected = greedy_reference(engine.model, prompt, 8)
     assert engine.allocator.peek(prompt + expected[:2] + [5]) == {1: 0, 3: 12}[fail_at_call]
     assert engine.generate(prompt, max_tokens=8).token_ids == expected
 
@@ -464,7 +465,7 @@ def test_default_model_answers_like_hf_generate_and_a_warm_request_hits(smollm):
     ]
     ids = smollm.tokenize(messages)
     cold = smollm.generate(messages, max_tokens=12)
-    assert cold.token_ids == hf_greedy(smollm.model, ids, 12)
+    assert cold.token_ids == greedy_reference(smollm.model, ids, 12)
     assert "Paris" in cold.text
 
     messages[-1]["content"] = "What is the capital of Italy?"
@@ -472,7 +473,7 @@ def test_default_model_answers_like_hf_generate_and_a_warm_request_hits(smollm):
     shared = next(i for i, (a, b) in enumerate(zip(ids, warm_ids)) if a != b)  # up to "France"/"Italy"
     warm = smollm.generate(messages, max_tokens=12)
     assert warm.cached_tokens == shared // 16 * 16 > 0  # every full block before the first difference
-    assert warm.token_ids == hf_greedy(smollm.model, warm_ids, 12)
+    assert warm.token_ids == greedy_reference(smollm.model, warm_ids, 12)
 
 
 # --- the demo and the benchmark, run on the tiny model -------------------------------------

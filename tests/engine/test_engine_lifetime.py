@@ -18,8 +18,9 @@ import engine as engine_module
 from cpu_threads import in_own_thread
 from engine import Engine, EngineClosedError
 from engine_loop import EngineStoppedError
-from helpers import assert_pool_whole, hf_greedy
+from helpers import assert_pool_whole
 from models import tiny_llama
+from one_request import greedy_reference
 from outputs import ReplyBuilder
 from request import SamplingParams
 
@@ -120,9 +121,9 @@ def test_a_raising_reply_builder_fails_only_its_request_in_the_loop(make_engine,
             results[request.request_id] = err
     assert isinstance(results["r1"], RuntimeError) and "r1 broke" in str(results["r1"])
     for i in (0, 2):
-        assert results[f"r{i}"] == hf_greedy(tiny_model, PROMPTS[i], 6)
+        assert results[f"r{i}"] == greedy_reference(tiny_model, PROMPTS[i], 6)
     assert loop.failure is None
-    assert engine.generate(PROMPTS[1], max_tokens=3).token_ids == hf_greedy(tiny_model, PROMPTS[1], 3)
+    assert engine.generate(PROMPTS[1], max_tokens=3).token_ids == greedy_reference(tiny_model, PROMPTS[1], 3)
 
 
 def test_a_raising_reply_builder_fails_only_its_request_in_generate_batch(make_engine, tiny_model, monkeypatch):
@@ -133,7 +134,7 @@ def test_a_raising_reply_builder_fails_only_its_request_in_generate_batch(make_e
     assert_pool_whole(engine)
     monkeypatch.undo()
     assert [g.token_ids for g in engine.generate_batch(PROMPTS, max_tokens=6)] == [
-        hf_greedy(tiny_model, p, 6) for p in PROMPTS]
+        greedy_reference(tiny_model, p, 6) for p in PROMPTS]
 
 
 def test_a_raising_hang_up_check_fails_only_its_request(make_engine, tiny_model):
@@ -163,7 +164,7 @@ def test_a_raising_hang_up_check_fails_only_its_request(make_engine, tiny_model)
     errors = [o for o in outcomes if isinstance(o, OSError)]
     assert len(errors) == 1 and "check broke" in str(errors[0])
     assert sorted(o for o in outcomes if not isinstance(o, OSError)) == sorted(
-        [hf_greedy(tiny_model, PROMPTS[0], 5), hf_greedy(tiny_model, PROMPTS[2], 5)])
+        [greedy_reference(tiny_model, PROMPTS[0], 5), greedy_reference(tiny_model, PROMPTS[2], 5)])
     assert engine.loop.failure is None
 
 
@@ -181,7 +182,7 @@ def test_closing_one_engine_keeps_the_heap_frozen_for_another_that_serves(tokeni
     closing = used_engine(tokenizer, num_blocks=32)
     closing.close()
     assert gc.get_freeze_count() > 0, "a full collection would walk the serving engine's heap inside its steps"
-    assert serving.generate(PROMPTS[0], max_tokens=2).token_ids == hf_greedy(serving.model, PROMPTS[0], 2)
+    assert serving.generate(PROMPTS[0], max_tokens=2).token_ids == greedy_reference(serving.model, PROMPTS[0], 2)
     serving.close()
 
 

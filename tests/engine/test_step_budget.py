@@ -12,7 +12,8 @@ import batch_attention
 import model_runner
 from batch_engine import BatchRunner
 from engine import DEFAULT_MAX_NUM_BATCHED_TOKENS, Engine
-from helpers import call, hf_greedy, serve
+from helpers import call, serve
+from one_request import greedy_reference
 from prefix_caching import PrefixCachingAllocator
 from request import SamplingParams
 from scheduler import Budget, Candidate, Request, Scheduler
@@ -279,7 +280,7 @@ _expected = {}
 def expected(model, prompt):
     key = tuple(prompt)
     if key not in _expected:
-        _expected[key] = hf_greedy(model, prompt, 6)
+        _expected[key] = greedy_reference(model, prompt, 6)
     return _expected[key]
 
 
@@ -326,7 +327,7 @@ def test_the_engine_is_calibrated_when_made_then_learns_and_keeps_within_the_cap
     assert kept() == len(CALIBRATION_TOKENS)  # the passes timed when it was made: its first step is not FIRST_CHUNK's
     prompts = [list(range(1, 300)), list(range(1, 20)) + [5] * 30]
     replies = engine.generate_batch(prompts, max_tokens=5)
-    assert [r.token_ids for r in replies] == [hf_greedy(engine.model, p, 5) for p in prompts]
+    assert [r.token_ids for r in replies] == [greedy_reference(engine.model, p, 5) for p in prompts]
     assert kept() > len(CALIBRATION_TOKENS)  # the steps were timed too
     assert FIRST_CHUNK <= engine.step_budget.last <= 2048
 

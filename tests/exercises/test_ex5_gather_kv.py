@@ -26,9 +26,9 @@ from hypothesis import strategies as st
 from transformers import LlamaConfig
 
 from grading import GRADING, SCALING_LIMIT, drawn, fastest_times, milliseconds, timed_call, times
-from helpers import hf_greedy
+
 from kv_pool import PagedKVPool
-from one_request import generate
+from one_request import generate, greedy_reference
 from request import SamplingParams
 from twins import LINE_COST, remote_pool_class
 
@@ -281,7 +281,7 @@ def test_an_engine_running_on_your_gather_replies_like_model_generate(child, mak
     cold = generate(parts, "cold", prompt, SamplingParams(max_tokens=8))
     warm = generate(parts, "warm", prompt[:20] + [7, 8, 9], SamplingParams(max_tokens=8))
     assert warm.cached_tokens == 20
-    assert cold.token_ids == hf_greedy(engine.model, prompt, 8)
-    assert warm.token_ids == hf_greedy(engine.model, prompt[:20] + [7, 8, 9], 8), (
+    assert cold.token_ids == greedy_reference(engine.model, prompt, 8)
+    assert warm.token_ids == greedy_reference(engine.model, prompt[:20] + [7, 8, 9], 8), (
         "the warm reply, built on your gathered prefix, differs from model.generate on the whole prompt"
     )

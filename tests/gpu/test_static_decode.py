@@ -12,8 +12,9 @@ import torch
 
 import model_runner
 from batch_engine import BatchRunner
-from helpers import hf_greedy
+
 from model_runner import ModelRunner
+from one_request import greedy_reference
 from request import SamplingParams
 from static_decode import block_widths, decode_sizes, forward, padded_to
 
@@ -204,7 +205,7 @@ def test_a_generation_with_the_padded_step_equals_one_without(make_engine, monke
     assert [r.token_ids for r in replies] == [r.token_ids for r in without]
     assert [r.cached_tokens for r in replies] == [r.cached_tokens for r in without] and replies[0].cached_tokens == 28
     for prompt, reply in zip(prompts, replies):
-        assert reply.token_ids == hf_greedy(engine.model, prompt, 10)
+        assert reply.token_ids == greedy_reference(engine.model, prompt, 10)
 
 
 def test_every_padded_step_reads_its_inputs_from_the_same_buffers(make_engine, tiny_model):
@@ -228,7 +229,7 @@ def test_every_padded_step_reads_its_inputs_from_the_same_buffers(make_engine, t
         replies = runner.run(requests)
     finally:
         hook.remove()
-    assert [r.token_ids for r in replies] == [hf_greedy(tiny_model, p, 6) for p in prompts]
+    assert [r.token_ids for r in replies] == [greedy_reference(tiny_model, p, 6) for p in prompts]
     where = (buffers.input_ids.data_ptr(), buffers.positions.data_ptr(), buffers.slot_mapping.data_ptr())
     assert len(seen) == 5 and all(s == where for s in seen), "a decode step's inputs moved"
 
