@@ -180,11 +180,21 @@ class Routed:
 # Starting and stopping the processes
 
 
+def free_ports(n: int) -> list[int]:
+    """n different ports of 127.0.0.1, free right now (the processes that take them bind them a
+    moment later). Held open together while they are picked: two picked one after the other can
+    be the same port, since the first is free again when the second is asked for, and then two
+    replicas race for it and one exits with "Address already in use"."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for sock in socks:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in socks]
+
+
 def free_port() -> int:
-    """A port of 127.0.0.1 free right now (the process that takes it binds it a moment later)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A port of 127.0.0.1 free right now."""
+    return free_ports(1)[0]
 
 
 def bearer(key: str | None) -> dict:
@@ -259,8 +269,7 @@ def replicas(n: int, server_args: Sequence[str] = (), timeout: float = STARTUP_T
             server_args = [*server_args, "--api-keys", str(key_file), "--salt-by-api-key", "--admin-key", keys.teacher]
         started = []
         stack.callback(lambda: stop([process for _, process, _ in started], signal.SIGINT))
-        for i in range(n):
-            port = free_port()
+        for i, port in enumerate(free_ports(n)):
             log = Path(logs) / f"replica{i}.log"
             out = stack.enter_context(open(log, "w"))
             # A session of its own: a Ctrl+C in the terminal reaches this process, which stops them all.
@@ -312,12 +321,13 @@ def router(replica_urls: Sequence[str], policy: str = "cache_aware", router_args
     under a model's name. Stopped with SIGTERM."""
     if policy not in POLICIES:
         raise ValueError(f"policy {policy!r}: choose one of {', '.join(POLICIES)}")
-    port = port or free_port()
+    free = free_ports(2)  # the router's port, if none is given, and its metrics' port: never the same
+    port = port or free[0]
     control_key = control_key or secrets.token_urlsafe(24)
     url = f"http://{'127.0.0.1' if host == '0.0.0.0' else host}:{port}"
     command = [sys.executable, "-m", "sglang_router.launch_router", "--host", host, "--port", str(port),
                "--worker-urls", *replica_urls, "--policy", policy, "--log-level", "warn",
-               "--prometheus-port", str(free_port()),  # its default, 29000, can be taken once per machine
+               "--prometheus-port", str(free[1] if free[1] != port else free[0]),  # its default, 29000: one per machine
                *guard_flags(url, control_key, max_body_bytes), *router_args]
 
     def ready() -> bool:
