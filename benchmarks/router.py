@@ -83,6 +83,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import os
 import platform
@@ -115,6 +116,7 @@ POLICIES = ("round_robin", "cache_aware", "power_of_two", "random")
 ROOT = Path(__file__).resolve().parents[1]
 STARTUP_TIMEOUT_S = 300.0  # the default model's first load converts its GGUF file; a busy machine is slower
 STOP_TIMEOUT_S = 20.0  # after Ctrl+C (replicas) or SIGTERM (router), then killed
+PORT_ATTEMPTS = 3  # a replica whose port another program took first is started again on another, this many times in all
 UNKNOWN_MODEL = "unknown"  # the router's name for a worker whose /server_info it could not read
 # The largest body a replica of the default model reads at its default --max-prompt-tokens
 # (server_requests.PromptBounds): the router's own limit unless told the replicas' (body_limit).
@@ -269,17 +271,29 @@ def replicas(n: int, server_args: Sequence[str] = (), timeout: float = STARTUP_T
             server_args = [*server_args, "--api-keys", str(key_file), "--salt-by-api-key", "--admin-key", keys.teacher]
         started = []
         stack.callback(lambda: stop([process for _, process, _ in started], signal.SIGINT))
-        for i, port in enumerate(free_ports(n)):
-            log = Path(logs) / f"replica{i}.log"
+
+        def start(i: int, port: int, attempt: int = 0) -> tuple[str, subprocess.Popen, Path]:
+            log = Path(logs) / f"replica{i}-{attempt}.log"
             out = stack.enter_context(open(log, "w"))
             # A session of its own: a Ctrl+C in the terminal reaches this process, which stops them all.
             process = subprocess.Popen([sys.executable, "server.py", "--port", str(port), *server_args],
                                        cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                        preexec_fn=default_sigint, start_new_session=True)
-            started.append((f"http://127.0.0.1:{port}", process, log))
-        for i, (url, process, log) in enumerate(started):
-            wait_until(lambda: get_json(url + "/health").get("status") == "ok", process, log,
-                       f"replica {i} (python server.py on {url})", timeout)
+            return f"http://127.0.0.1:{port}", process, log
+
+        started.extend(start(i, port) for i, port in enumerate(free_ports(n)))
+        for i in range(n):
+            for attempt in itertools.count(1):
+                url, process, log = started[i]
+                try:
+                    wait_until(lambda: get_json(url + "/health").get("status") == "ok", process, log,
+                               f"replica {i} (python server.py on {url})", timeout)
+                    break
+                except FleetError:
+                    # Another program took the port between its pick and the replica's bind: another port.
+                    if attempt == PORT_ATTEMPTS or "Address already in use" not in log_tail(log):
+                        raise
+                    started[i] = start(i, free_port(), attempt)
         yield tuple(url for url, _, _ in started)
 
 

@@ -210,6 +210,30 @@ def test_cache_aware_keeps_a_shared_prefix_on_one_replica(fresh_replicas):
 # --- 5. the benchmark: replicas in processes of their own ------------------------------------------
 
 
+def test_a_replica_whose_port_was_taken_starts_again_on_another(tiny_model_dir, monkeypatch):
+    """Between a port's pick and the replica's bind another program may take it: the replica
+    exits with "Address already in use", and the fleet starts it again on another port."""
+    import socket
+
+    from benchmarks import router as bench
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        real, picks = bench.free_ports, []
+
+        def pick(n):  # the fleet's first pick: the port taken; every later one as it comes
+            picks.append(n)
+            return [port] * n if len(picks) == 1 else real(n)
+
+        monkeypatch.setattr(bench, "free_ports", pick)
+        with bench.replicas(1, ["--model", str(tiny_model_dir), "--num-blocks", "64"]) as (url,):
+            assert not url.endswith(f":{port}") and len(picks) == 2
+            with urllib.request.urlopen(url + "/health", timeout=30) as response:
+                assert json.loads(response.read())["status"] == "ok"
+
+
 def test_the_router_benchmark_starts_a_fleet_and_reports_each_run(tiny_model_dir, tmp_path):
     """`--bench router` as docs/fleet.md runs it, on the tiny model: two replicas of python
     server.py, each the class server a fleet gets (keys, a cache per key, the teacher's admin
