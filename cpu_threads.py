@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -174,23 +174,10 @@ class ThreadChooser:
 
 
 def in_own_thread(fn, *args, **kwargs):
-    """fn(*args, **kwargs) on a thread of its own that ends when it returns: its result, or its error
-    raised here. The OpenMP pool its passes made goes with the thread."""
-    outcome = []
-
-    def run():
-        try:
-            outcome.append((True, fn(*args, **kwargs)))
-        except BaseException as err:  # noqa: BLE001 -- raised again in the caller's thread
-            outcome.append((False, err))
-
-    thread = threading.Thread(target=run, name="passes")
-    thread.start()
-    thread.join()
-    ok, value = outcome[0]
-    if not ok:
-        raise value
-    return value
+    """fn(*args, **kwargs) on a thread of its own that has ended when this returns: its result,
+    or its error raised here. The OpenMP pool its passes made goes with the thread."""
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="passes") as one:  # leaving it joins the thread
+        return one.submit(fn, *args, **kwargs).result()
 
 
 def synchronize(device) -> None:
