@@ -11,11 +11,11 @@ and a page that shows the KV block pool live while the requests come in.
          -d '{"messages": [{"role": "user", "content": "Hi!"}], "max_tokens": 16}'
 
 Routes: /generate, /health, /cache, /reset_prefix_cache, the OpenAI routes /v1/chat/completions,
-/v1/completions and /v1/models, and / (the live page): server_routes.py lists what each takes.
+/v1/completions and /v1/models, and / (the live page): serving/routes.py lists what each takes.
 
 Each client's request runs in a thread of its own, which submits it to the Engine's one
 engine loop: every running request shares the same forward pass, one step after another
-(engine_loop.py). A request the pool has no room for now waits in a queue, or a running one
+(engine/engine_loop.py). A request the pool has no room for now waits in a queue, or a running one
 is preempted and resumed later, as in vLLM.
 
 A class leaning on it meets limits (queue length, prompt length, deadlines, connections in
@@ -27,9 +27,9 @@ docs/server.md lists the limits, says what a tenant can see, and where this serv
 from vLLM's.
 
 This file is the command: its flags, the model, and serving until Ctrl+C. The server is in
-four files, each with one role, in the README's reading-order table: server_requests.py (what
-a client sends, read and checked), server_views.py (what a caller may see),
-server_connections.py (connections, deadlines, hang-ups, Ctrl+C) and server_routes.py
+four files, each with one role, in the README's reading-order table: serving/requests.py (what
+a client sends, read and checked), serving/views.py (what a caller may see),
+serving/connections.py (connections, deadlines, hang-ups, Ctrl+C) and serving/routes.py
 (running a request, the routes, create_app).
 """
 
@@ -38,19 +38,19 @@ from __future__ import annotations
 import argparse
 import logging
 
-from engine import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, DEFAULT_TARGET_STEP_MS, Engine, EngineConfig
-from flags import positive_float, positive_int
-from model_flags import add_model_arguments, pool_arguments
-from model_loader import DEFAULT_MODEL
-from server_connections import (
+from engine.llm_engine import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, DEFAULT_TARGET_STEP_MS, Engine, EngineConfig
+from commands.flags import positive_float, positive_int
+from commands.model_flags import add_model_arguments, pool_arguments
+from engine.model_loader import DEFAULT_MODEL
+from serving.connections import (
     MAX_HEAD_BYTES, MAX_HEADER_FIELDS, MOST_CONNECTIONS, ClassServer, connection_cap, drain, serve_in_background,
 )
-from server_requests import (
+from serving.requests import (
     DEFAULT_HEAD_TIMEOUT, DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_CONNECTIONS_PER_CLIENT, DEFAULT_MAX_PROMPT_TOKENS,
     DEFAULT_MAX_REQUESTS_PER_KEY, DEFAULT_MAX_TOKENS_LIMIT, DEFAULT_MAX_WAITING, DEFAULT_READ_TIMEOUT,
     DEFAULT_REQUEST_TIMEOUT, JSON_HEADER, MAX_CHAT_MESSAGES, read_api_keys, trusted_proxies,
 )
-from server_routes import EscapeControlCharacters, chat_completions, create_app, generate
+from serving.routes import EscapeControlCharacters, chat_completions, create_app, generate
 
 # What a lesson or test imports from here, the entry point, wherever it is defined.
 __all__ = ["chat_completions", "create_app", "drain", "generate", "main", "serve_in_background"]
@@ -69,14 +69,14 @@ def main(argv: list[str] | None = None) -> None:
                         help="a name clients use to reach this server, besides localhost and IP addresses "
                              "(repeat it for several); any other Host header is refused")
     add_model_arguments(parser)  # --model, --device, --dtype, --block-size, --num-blocks
-    batching = parser.add_argument_group("batching (the engine loop of engine_loop.py; vLLM's flags of the same names)")
+    batching = parser.add_argument_group("batching (the engine loop of engine/engine_loop.py; vLLM's flags of the same names)")
     batching.add_argument("--max-num-seqs", type=positive_int, default=None,
                           help=f"requests running in one step at most (default: {DEFAULT_MAX_NUM_SEQS})")
     budget = batching.add_mutually_exclusive_group()
     budget.add_argument("--target-step-ms", type=positive_float, default=None,
                         help=f"each step computes as many tokens as fit in this many milliseconds, learned from the "
                              f"steps run, up to {DEFAULT_MAX_NUM_BATCHED_TOKENS}: a long prompt is prefilled in chunks "
-                             f"that keep every stream moving (default: {DEFAULT_TARGET_STEP_MS:g}; step_budget.py)")
+                             f"that keep every stream moving (default: {DEFAULT_TARGET_STEP_MS:g}; engine/step_budget.py)")
     budget.add_argument("--max-num-batched-tokens", type=positive_int, default=None,
                         help="tokens every step computes at most, at least --max-num-seqs, instead of a target step "
                              "time (vLLM's flag: the same budget, hence the same plans, on every machine, where a "
@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> None:
     batching.add_argument("--fair-share", action=argparse.BooleanOptionalAction, default=None,
                           help="serve tenants (an API key's, or an address's without keys) least-served first, and "
                                "hold one far ahead to a small share of each step while others decode (default: on; "
-                               "scheduler.py, step_budget.py); --no-fair-share: arrival order, for benches and "
+                               "engine/scheduler.py, engine/step_budget.py); --no-fair-share: arrival order, for benches and "
                                "comparisons")
     batching.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
                           help="split a prompt longer than the step's budget across steps (default: on); "

@@ -29,7 +29,7 @@ from typing import Iterable, Iterator, Sequence
 
 from analyzer.caching_models import ENGINE, VLLM, LlamaCpp, RadixTree, SGLang, block_hash_ids, iter_block_hash_ids
 from analyzer.request_logs import LoggedRequest, LogError
-from prompts import tokenize_prompts
+from engine.prompts import tokenize_prompts
 
 # -----------------------------------------------------------------------------
 # 1. Tokenize

@@ -2,7 +2,7 @@
 Request logs: a deployment's traffic as it is kept on disk, read into prompts; and example
 logs shaped like the workloads of the long vLLM article (README, Sources).
 
-Read prompts.py first: a logged prompt is what the engine takes (a text, chat messages, or
+Read engine/prompts.py first: a logged prompt is what the engine takes (a text, chat messages, or
 token ids), checked by the same check_prompt. The workload analyzer (workload_analyzer.py)
 tokenizes and replays what this file reads.
 
@@ -43,8 +43,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
-from prefix_caching import check_cache_salt
-from prompts import check_prompt
+from allocator import check_cache_salt
+from engine.prompts import check_prompt
 
 # -----------------------------------------------------------------------------
 # 1. Reading a log

@@ -65,8 +65,8 @@ from analyzer.kv_memory import KNOWN_MODELS, UnsupportedModel, kv_shape, memory_
 from analyzer.log_replay import (CURVE_POINTS, FLAT, LIKE, NARROWING_STEPS, TOKENIZE_BATCH, CacheModel, Curve, Replay,
                                  TokenizedLog, hit_rate_curve, lengths_of, replay, smallest_pool, tokenized_batches)
 from analyzer.request_logs import Log, LoggedRequest, LogError, add_log_arguments, interleaved
-from flags import positive_int
-from model_files import DEFAULT_MODEL, load_tokenizer, training_context
+from commands.flags import positive_int
+from engine.model_files import DEFAULT_MODEL, load_tokenizer, training_context
 
 # -----------------------------------------------------------------------------
 # 4. What to act on: the prefixes behind the hits, the block size, warnings

@@ -29,7 +29,7 @@ import time
 
 from benchmarks import save_json
 from benchmarks.measure import Runs, busy_note
-from prefix_caching import FreeKVCacheBlockQueue, PrefixCachingAllocator, compute_block_hashes
+from allocator import FreeKVCacheBlockQueue, PrefixCachingAllocator, compute_block_hashes
 
 BLOCK_SIZE = 16
 MAX_MISS_OVERHEAD_NS = 100  # per prompt token: what caching may cost a workload it cannot help

@@ -45,7 +45,7 @@ from rich.table import Table
 from analyzer import log_replay, workload_analyzer
 from analyzer.request_logs import Writer, byte_count, chat, write_log
 from benchmarks import save_json
-from flags import positive_int
+from commands.flags import positive_int
 
 NUM_SYSTEM_PROMPTS = 20
 

@@ -49,18 +49,18 @@ import torch
 from rich.table import Table
 from transformers import AttentionInterface
 
-from batch_attention import POOL_ATTENTION, pool_attention
-from batch_engine import BatchRunner
+from engine.batch_attention import POOL_ATTENTION, pool_attention
+from engine.batch_engine import BatchRunner
 from benchmarks import save_json
 from benchmarks.engines import open_engine
-from cpu_threads import synchronize
-from engine import Engine
-from flags import positive_int
-from model_flags import add_model_arguments
-from model_loader import DEFAULT_MODEL
+from engine.cpu_threads import synchronize
+from engine.llm_engine import Engine
+from commands.flags import positive_int
+from commands.model_flags import add_model_arguments
+from engine.model_loader import DEFAULT_MODEL
 from benchmarks.throughput import TOPICS, questions
-from demo import DEMO_SYSTEM_PROMPT
-from request import SamplingParams
+from commands.demo import DEMO_SYSTEM_PROMPT
+from engine.request import SamplingParams
 
 
 def decode_steps(engine: Engine, prompts: list[list[int]], steps: int, cascade: bool = False) -> dict:

@@ -16,7 +16,7 @@ a Python process spinning on one core) and stops when it is done, even if it fai
     (d)      --bench throughput's (d): transformers' own continuous batching
 
 Each way runs with no other way's forward passes alive beside it (an engine of its own,
-closed before the next; (d) and stage 7's path on a thread that ends with them): cpu_threads.py
+closed before the next; (d) and stage 7's path on a thread that ends with them): engine/cpu_threads.py
 says why a second thread's OpenMP pool would slow it. The same requests, greedy, both times. Reported: each one's seconds quiet and busy, busy over
 quiet (the target: at most 2.5x for the demo and the one request), and (c) against (d) in
 each. (d) runs at transformers' own thread count: the engine sets torch's thread count for
@@ -43,11 +43,11 @@ from rich.table import Table
 from benchmarks import save_json
 from benchmarks.engines import open_engine, stage_7
 from benchmarks.throughput import questions, run_ours, run_transformers, summary
-from cpu_threads import in_own_thread
-from engine import Engine
-from flags import positive_int
-from model_flags import add_model_arguments
-from model_loader import DEFAULT_MODEL
+from engine.cpu_threads import in_own_thread
+from engine.llm_engine import Engine
+from commands.flags import positive_int
+from commands.model_flags import add_model_arguments
+from engine.model_loader import DEFAULT_MODEL
 
 SPIN = "while True: pass"  # one core kept busy, as a browser tab running a script would
 
@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     def measure(busy_now: bool) -> tuple[dict, list]:
         """Each way with no other way's passes alive beside it: an engine of its own, closed
-        before the next, and (d) and stage 7's path in_own_thread (cpu_threads.py says why)."""
+        before the next, and (d) and stage 7's path in_own_thread (engine/cpu_threads.py says why)."""
         ways, tokens = {}, []
         kinds = [("", {})] + ([(" fixed", {"choose_threads": False})] if busy_now and args.fixed_threads else [])
         for suffix, options in kinds:  # " fixed": the engine keeping torch's count for every pass

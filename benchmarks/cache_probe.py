@@ -41,7 +41,7 @@ from analyzer.request_logs import Writer
 from benchmarks import save_json
 from benchmarks.openai_api import (NOT_REPORTED, OpenAIServer, Reply, add_server_arguments, fresh_line, hits_and_misses,
                                    open_server, SPREAD_COLUMN, spread_json, spread_text)
-from flags import positive_int
+from commands.flags import positive_int
 
 COMPARE_TOLERANCE = 0.25  # OpenAI's streamed route and /generate: medians within 25 % of each other
 NAMES = ["Sam Ortega", "Priya Natarajan", "Dana Whitfield", "Lena Brandt"]

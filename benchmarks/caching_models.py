@@ -62,7 +62,7 @@ from analyzer.kv_memory import KNOWN_MODELS
 from analyzer.request_logs import Writer, interleave, rag, read_log, write_log
 from analyzer.log_replay import tokenize_log
 from benchmarks import save_json
-from model_files import GGUF_FILE, cache_home, gguf_dir, load_tokenizer, training_context
+from engine.model_files import GGUF_FILE, cache_home, gguf_dir, load_tokenizer, training_context
 
 NUM_REQUESTS = 99
 

@@ -28,14 +28,14 @@ import time
 import torch
 from rich.table import Table
 
-from batch_engine import BatchRunner
+from engine.batch_engine import BatchRunner
 from benchmarks import save_json
 from benchmarks.engines import open_engine
-from engine import Engine
-from flags import positive_int
-from model_flags import add_model_arguments
-from model_loader import DEFAULT_MODEL
-from request import SamplingParams
+from engine.llm_engine import Engine
+from commands.flags import positive_int
+from commands.model_flags import add_model_arguments
+from engine.model_loader import DEFAULT_MODEL
+from engine.request import SamplingParams
 
 
 def token_ids(rng: random.Random, n: int, vocab: int) -> list[int]:

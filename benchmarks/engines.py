@@ -11,10 +11,10 @@ import sys
 import torch
 from rich.console import Console
 
-from engine import Engine, Generation
-from model_flags import pool_arguments
-from one_request import generate
-from request import SamplingParams
+from engine.llm_engine import Engine, Generation
+from commands.model_flags import pool_arguments
+from engine.one_request import generate
+from engine.request import SamplingParams
 
 
 def open_console() -> Console:

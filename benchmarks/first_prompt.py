@@ -11,7 +11,7 @@ started:
     alone      a ~--long-tokens-token prompt (random token ids, max_tokens 1), the server's
                first request: its request time. At the defaults the step budget comes from a
                target step time and a calibration the engine timed when it started
-               (step_budget.py), so the first prompt is chunked by what this machine does.
+               (engine/step_budget.py), so the first prompt is chunked by what this machine does.
     arrivals   a second such prompt; 1 s later a streamed 8-token completion and an 8-token
                POST /generate: their time to first token against the same two sent alone
                after it (the streams' TTFT at the client, /generate's as the server reports it)
@@ -32,8 +32,8 @@ import time
 
 from benchmarks import save_json
 from benchmarks.served_clients import Server, serving
-from engine import DEFAULT_MAX_NUM_BATCHED_TOKENS
-from flags import positive_int
+from engine.llm_engine import DEFAULT_MAX_NUM_BATCHED_TOKENS
+from commands.flags import positive_int
 
 WAYS = {"default": [], "fixed": ["--max-num-batched-tokens", str(DEFAULT_MAX_NUM_BATCHED_TOKENS)]}
 

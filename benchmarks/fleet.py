@@ -42,7 +42,7 @@ from analyzer.log_replay import LIKE, tokenize_log
 from analyzer.workload_analyzer import replay_fleet
 from benchmarks import save_json
 from benchmarks.router import POLICIES, ROUTER_VERSION, Fleet, replay_through_router, reset_caches, router
-from flags import positive_int
+from commands.flags import positive_int
 
 ROOT = Path(__file__).resolve().parents[1]
 MULTI_TURN = ROOT / "lessons" / "data" / "multi_turn.jsonl.xz"
@@ -77,11 +77,11 @@ def logs(folder: Path, conversations_at_once: int) -> dict[str, list]:
 
 def start_replicas(n: int, num_blocks: int, block_size: int, stack):
     """n servers of this course in this process, each with its own engine and pool; their URLs."""
-    from engine import Engine
-    from model_files import load_tokenizer
-    from model_loader import random_model, tiny_llama
+    from engine.llm_engine import Engine
+    from engine.model_files import load_tokenizer
+    from engine.model_loader import random_model, tiny_llama
     from server import create_app
-    from server_connections import serve_in_background
+    from serving.connections import serve_in_background
 
     # No line per request on the screen, nor for the router's probes: its HTTP/2 preface (505)
     # and SGLang's routes this server has not (404); a request that fails raises in the replay.

@@ -5,14 +5,14 @@
 The model is the default, SmolLM2-135M-Instruct, when its weights load. When they cannot (no
 network, no cached weights), it is a model of the same config with random weights (seed 0) and
 the real tokenizer, read from a folder of config and tokenizer files: --config-dir, else the
-project's model cache (PREFIX_CACHING_HOME, model_files.py), and the output says so. Greedy
+project's model cache (PREFIX_CACHING_HOME, engine/model_files.py), and the output says so. Greedy
 decoding on random weights is as deterministic as on trained ones, so exactness and timings
 hold; the words do not. A --config-dir with weights in it loads them. --tiny runs the tests'
 2-layer random Llama (model_loader.tiny_llama): end to end on a CPU in seconds.
 
 It runs, one after another, then prints one table (--json writes the numbers):
 
-1. The demo's requests (demo.py): five questions behind one system prompt, a MISS then HITs,
+1. The demo's requests (commands/demo.py): five questions behind one system prompt, a MISS then HITs,
    the TTFT of each.
 2. Exactness: prompts behind the demo's system prompt, long prompts of random tokens and short
    ones, each against plain model.generate (greedy), on every path a request can take: stage
@@ -52,16 +52,16 @@ from transformers import AutoConfig
 
 from benchmarks import save_json
 from benchmarks.engines import device_name, open_console, stage_7
-from cpu_threads import synchronize
+from engine.cpu_threads import synchronize
 from benchmarks.throughput import questions, run_ours, summary
 from benchmarks.ttft import SUFFIX_LEN, cold_vs_warm, random_tokens
-from demo import DEMO_MAX_TOKENS, DEMO_QUESTIONS, DEMO_SYSTEM_PROMPT
-from engine import Engine
-from model_files import DEFAULT_MODEL, converted_default, load_tokenizer
-from model_flags import add_model_arguments, pool_arguments
-from model_loader import load_model, random_model, resolve_device, resolve_dtype, tiny_llama
-from one_request import generate, greedy_reference
-from request import SamplingParams
+from commands.demo import DEMO_MAX_TOKENS, DEMO_QUESTIONS, DEMO_SYSTEM_PROMPT
+from engine.llm_engine import Engine
+from engine.model_files import DEFAULT_MODEL, converted_default, load_tokenizer
+from commands.model_flags import add_model_arguments, pool_arguments
+from engine.model_loader import load_model, random_model, resolve_device, resolve_dtype, tiny_llama
+from engine.one_request import generate, greedy_reference
+from engine.request import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -82,7 +82,7 @@ ON_GPU = Sizes(shared_prompts=16, long_prompts=(600, 1000, 1400, 1800), exact_to
 SMALL = Sizes(shared_prompts=4, long_prompts=(100, 200), exact_tokens=8,
               prefixes=(64, 128), repeats=1, requests=(4, 8), new_tokens=4)
 SHORT_PROMPTS = ["Hello", "What is two plus two?", "Name a colour.", "Tell me a story about a cat."]
-# Every path a request can take, and the Engine options of each: stage 7's (None: one_request.py
+# Every path a request can take, and the Engine options of each: stage 7's (None: engine/one_request.py
 # over the engine's parts) and the engine loop's.
 PATHS = {"one request": None,
          "batched, cascade allowed": {"cascade_attention": True},

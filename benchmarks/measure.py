@@ -12,7 +12,7 @@ whether the machine was busy:
     and NOISE_MS (20 ms) more;
 
 or, for a measurement timed once (no spread to judge), other programs kept
-ThreadChooser.OTHERS (0.75) cores or more busy while it ran (cpu_threads.py reads it from
+ThreadChooser.OTHERS (0.75) cores or more busy while it ran (engine/cpu_threads.py reads it from
 /proc/stat, as a batched step does to pick its threads).
 
 On a quiet machine repeated runs agree within a few percent; a spread that wide means
@@ -32,7 +32,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
-from cpu_threads import ThreadChooser
+from engine.cpu_threads import ThreadChooser
 
 BUSY = 1.5  # slowest / fastest run of one measurement at or above this, ...
 NOISE_MS = 20.0  # ... and at least this many ms apart: the machine was busy

@@ -6,7 +6,7 @@ N requests with distinct contexts of --context tokens (no block shared: nothing 
 shared-prefix attention), decoding together. Two ways to run the same step on the same model:
 
     paged        this engine's BatchRunner: every request's K/V in the block pool, read through
-                 its block table in every layer (batch_attention.py)
+                 its block table in every layer (engine/batch_attention.py)
     contiguous   transformers' own batched decode: the same K/V in a DynamicCache, one
                  (requests, kv heads, tokens, dim) tensor per layer, as model.generate keeps it
 
@@ -36,15 +36,15 @@ import torch
 from rich.table import Table
 from transformers import DynamicCache
 
-from batch_engine import BatchRunner
+from engine.batch_engine import BatchRunner
 from benchmarks import save_json
 from benchmarks.attention import floor_ms, timed_attention
 from benchmarks.engines import open_engine
-from cpu_threads import synchronize
-from engine import Engine
-from flags import positive_int
-from model_flags import add_model_arguments
-from request import SamplingParams
+from engine.cpu_threads import synchronize
+from engine.llm_engine import Engine
+from commands.flags import positive_int
+from commands.model_flags import add_model_arguments
+from engine.request import SamplingParams
 
 
 @contextlib.contextmanager

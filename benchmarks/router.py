@@ -63,7 +63,7 @@ router's address and --forwarded-allow-ips has nothing to read. A replica's per-
 replicas() starts each with --max-connections-per-client 0 unless server_args names it; the
 keys tell the students apart instead. The router reads a body into its own
 request type and writes it out again: SGLang's fields added at their defaults (no_stop_trim,
-skip_special_tokens, ...; server_requests.py takes them), a chat's cache_salt and user left
+skip_special_tokens, ...; serving/requests.py takes them), a chat's cache_salt and user left
 out (a salt for chats behind it comes from the key), a chat's missing model filled with
 "unknown" (send "model": the replay takes it from the router's /v1/models), and /generate's
 body, which is this course's own, emptied of its prompt: through the router, use the OpenAI routes.
@@ -106,11 +106,11 @@ from analyzer.request_logs import Log, LoggedRequest, interleave
 from analyzer.log_replay import hit_rate_curve, tokenize_log
 from benchmarks import save_json
 from benchmarks.openai_api import SPREAD_COLUMN, OpenAIServer, spread_json, spread_text
-from flags import positive_int
-from model_files import load_tokenizer
-from model_flags import add_model_arguments
-from server_requests import DEFAULT_MAX_PROMPT_TOKENS, SMOLLM2_TOKEN_BYTES, PromptBounds, read_api_keys
-from server_routes import tokenizer_token_bytes
+from commands.flags import positive_int
+from engine.model_files import load_tokenizer
+from commands.model_flags import add_model_arguments
+from serving.requests import DEFAULT_MAX_PROMPT_TOKENS, SMOLLM2_TOKEN_BYTES, PromptBounds, read_api_keys
+from serving.routes import tokenizer_token_bytes
 
 POLICIES = ("round_robin", "cache_aware", "power_of_two", "random")
 ROOT = Path(__file__).resolve().parents[1]
@@ -119,7 +119,7 @@ STOP_TIMEOUT_S = 20.0  # after Ctrl+C (replicas) or SIGTERM (router), then kille
 PORT_ATTEMPTS = 3  # a replica whose port another program took first is started again on another, this many times in all
 UNKNOWN_MODEL = "unknown"  # the router's name for a worker whose /server_info it could not read
 # The largest body a replica of the default model reads at its default --max-prompt-tokens
-# (server_requests.PromptBounds): the router's own limit unless told the replicas' (body_limit).
+# (serving.requests.PromptBounds): the router's own limit unless told the replicas' (body_limit).
 DEFAULT_BODY_BYTES = PromptBounds.of(DEFAULT_MAX_PROMPT_TOKENS, SMOLLM2_TOKEN_BYTES).max_body_bytes
 # With its breaker off, the router's probe of each replica's /health is what takes a dead one
 # out of the rotation: after 3 failed probes in a row (--health-failure-threshold), 30 s.
@@ -319,7 +319,7 @@ def guard_flags(url: str, control_key: str, max_body_bytes: int) -> list[str]:
 
 
 def body_limit(tokenizer, max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS) -> int:
-    """The largest body a replica serving this tokenizer's model reads (server_routes.create_app's
+    """The largest body a replica serving this tokenizer's model reads (serving.routes.create_app's
     bounds): the router's --max-payload-size, so that the router refuses what no replica would take."""
     return PromptBounds.of(max_prompt_tokens, tokenizer_token_bytes(tokenizer)).max_body_bytes
 

@@ -8,7 +8,7 @@ What the router lacks (0.3.2; docs/fleet.md has what each cost): no deadline for
 connection's head or for an idle one, no cap on connections (idle ones use up the open-file
 limit, and then no chat is served), a body read whole before it is refused, and routes that
 anyone may call and no flag closes (/get_server_info, /readiness, /get_model_info,
-/v1/tokenize, /ha/*, ...). The door is server_connections.ClassServer, the
+/v1/tokenize, /ha/*, ...). The door is serving.connections.ClassServer, the
 class server's own: every deadline and cap of that module (a head in --head-timeout, a request in
 --read-timeout, --max-connections from the open-file limit at two files a connection, its own
 and its upstream's, one address's share of the unknown ones, a key's share of requests), and:
@@ -40,9 +40,9 @@ from urllib.parse import urlsplit
 from flask import Flask, Response, g, jsonify, request
 from werkzeug.exceptions import ClientDisconnected
 
-from flags import positive_float, positive_int
-from server_connections import ClassServer, connection_cap, connection_of
-from server_requests import (
+from commands.flags import positive_float, positive_int
+from serving.connections import ClassServer, connection_cap, connection_of
+from serving.requests import (
     DEFAULT_HEAD_TIMEOUT, DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_CONNECTIONS_PER_CLIENT, DEFAULT_MAX_REQUESTS_PER_KEY,
     DEFAULT_READ_TIMEOUT, DEFAULT_REQUEST_TIMEOUT, APIError, Asker, bearer_key, error_json, is_listed, read_api_keys,
     read_body,
@@ -89,7 +89,7 @@ def front_app(router_url: str, api_keys: frozenset[str], admin_key: str, max_bod
                                 "the teacher gave you")
         g.key = key
         connection = connection_of(request.environ)
-        if connection is not None:  # counted by its key, not its address (server_connections.Admission)
+        if connection is not None:  # counted by its key, not its address (serving.connections.Admission)
             connection.admit(Asker(request.remote_addr, key=key, listed=True,
                                    generation=request.path in GENERATION))
 

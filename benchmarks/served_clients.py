@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from server_requests import DEFAULT_REQUEST_TIMEOUT
+from serving.requests import DEFAULT_REQUEST_TIMEOUT
 
 ROOT = Path(__file__).resolve().parents[1]
 CLASS = "127.0.0.1"  # where the server listens, and the class connects from

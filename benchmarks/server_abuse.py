@@ -87,9 +87,9 @@ from pathlib import Path
 from benchmarks import save_json
 from benchmarks.openai_api import fresh_line
 from benchmarks.served_clients import Server, Timed, budget_of, health, send, serving, wait_until_idle
-from engine import DEFAULT_MAX_NUM_BATCHED_TOKENS
-from flags import positive_float, positive_int
-from model_flags import add_model_arguments
+from engine.llm_engine import DEFAULT_MAX_NUM_BATCHED_TOKENS
+from commands.flags import positive_float, positive_int
+from commands.model_flags import add_model_arguments
 
 ROOT = Path(__file__).resolve().parents[1]
 SYSTEM_PROMPT = (
@@ -328,8 +328,8 @@ class Prompts:
 def build_prompts(args) -> Prompts:
     """The long chats, measured with the model's own tokenizer (its chat template included)."""
     from benchmarks.stalls import long_chat
-    from model_files import load_tokenizer
-    from prompts import tokenize_prompts
+    from engine.model_files import load_tokenizer
+    from engine.prompts import tokenize_prompts
 
     tokenizer = load_tokenizer(args.model)
 
@@ -710,7 +710,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser, args = parse(argv)
     from rich.console import Console
 
-    from model_loader import resolve_device
+    from engine.model_loader import resolve_device
 
     console = Console()
     device = resolve_device(args.device).type

@@ -43,7 +43,7 @@ import time
 from benchmarks import save_json
 from benchmarks.openai_api import (NOT_REPORTED, OpenAIServer, Reply, add_server_arguments, fresh_line, hits_and_misses,
                                    open_server, SPREAD_COLUMN, spread_json, spread_text)
-from flags import positive_int
+from commands.flags import positive_int
 
 SYSTEM_PROMPT = (
     "You are a patient teaching assistant in a course about large language model serving. "

@@ -4,7 +4,7 @@
 
 Four students are reading their replies as they stream when a fifth sends a ~4,000-token
 chat prompt (a pasted document). The scene runs on this course's batching engine at its
-defaults (each step's budget from a target step time, step_budget.py) and, side by side in
+defaults (each step's budget from a target step time, engine/step_budget.py) and, side by side in
 the same run, with the fixed budget of 2,048 tokens a step (vLLM's default
 max_num_batched_tokens, this engine's before the target). Reported for each:
 
@@ -35,11 +35,11 @@ from benchmarks import save_json
 from benchmarks.engines import open_engine
 from benchmarks.openai_api import start_server
 from benchmarks.throughput import TOPICS
-from demo import DEMO_SYSTEM_PROMPT
-from engine import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_TARGET_STEP_MS, Engine
-from flags import positive_int
-from model_flags import add_model_arguments
-from model_loader import DEFAULT_MODEL
+from commands.demo import DEMO_SYSTEM_PROMPT
+from engine.llm_engine import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_TARGET_STEP_MS, Engine
+from commands.flags import positive_int
+from commands.model_flags import add_model_arguments
+from engine.model_loader import DEFAULT_MODEL
 
 SYSTEM = {"role": "system", "content": DEMO_SYSTEM_PROMPT}
 

@@ -29,16 +29,16 @@ import torch
 from rich.table import Table
 from transformers import AttentionInterface
 
-import batch_attention
-from batch_engine import BatchRunner
+from engine import batch_attention
+from engine.batch_engine import BatchRunner
 from benchmarks import save_json
 from benchmarks.engines import open_engine
-from cpu_threads import synchronize
+from engine.cpu_threads import synchronize
 from benchmarks.throughput import questions
-from flags import positive_int
-from model_flags import add_model_arguments
-from model_loader import DEFAULT_MODEL
-from request import SamplingParams
+from commands.flags import positive_int
+from commands.model_flags import add_model_arguments
+from engine.model_loader import DEFAULT_MODEL
+from engine.request import SamplingParams
 
 LINEAR = {"aten::linear", "aten::mm", "aten::addmm", "aten::matmul"}
 ATTENTION = "pool_attention"  # the record_function label the profile wraps batch_attention's function in

@@ -5,7 +5,7 @@
 The demo's system prompt in front of N different questions, 32 new tokens each, greedy,
 run four ways on the same model and token ids, one after another in one process. Each way
 runs its passes on a thread that ends with it (an engine's loop, closed before the next way;
-(d) and the floor in_own_thread): cpu_threads.py says why a thread's OpenMP pool left beside
+(d) and the floor in_own_thread): engine/cpu_threads.py says why a thread's OpenMP pool left beside
 another's would slow both.
 
     (a) sequential   this engine, one request after another (Engine.generate)
@@ -37,11 +37,11 @@ from transformers import ContinuousBatchingConfig, GenerationConfig
 from benchmarks import save_json
 from benchmarks.engines import open_engine
 from benchmarks.measure import TokenCounter
-from cpu_threads import in_own_thread, one_pass, synchronize
-from demo import DEMO_SYSTEM_PROMPT
-from engine import Engine
-from model_flags import add_model_arguments
-from model_loader import DEFAULT_MODEL
+from engine.cpu_threads import in_own_thread, one_pass, synchronize
+from commands.demo import DEMO_SYSTEM_PROMPT
+from engine.llm_engine import Engine
+from commands.model_flags import add_model_arguments
+from engine.model_loader import DEFAULT_MODEL
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 

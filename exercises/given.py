@@ -2,18 +2,18 @@
 What the starters are given: the types and plain parts around the code you write.
 
 The grading tests run your files in a process of their own, where the reference modules
-(prefix_caching.py, kv_pool.py, request.py, scheduler.py) cannot be imported
-(exercises/README.md says why). So the pieces a starter builds on live here, in the shapes
+(allocator/prefix_caching.py, engine/kv_pool.py, engine/request.py, engine/scheduler.py)
+cannot be imported (exercises/README.md says why). So the pieces a starter builds on live here, in the shapes
 the reference gives them: the same names and fields, none of the code an exercise asks for.
 
-    KVCacheBlock, OutOfBlocksError, Allocation   the allocator's types (prefix_caching.py)
+    KVCacheBlock, OutOfBlocksError, Allocation   the allocator's types (allocator/prefix_caching.py)
     LinkedFreeQueue    the free queue's sentinels, length and iteration; exercise 3 adds
                        the four operations
     ListFreeQueue      a stand-in free queue on a Python list: right, but O(n) remove, for
                        exercise 2 until exercise 3's queue replaces it
-    PoolBase           the K/V pool's tensor and shape (kv_pool.py); exercise 5 adds gather
+    PoolBase           the K/V pool's tensor and shape (engine/kv_pool.py); exercise 5 adds gather
     Request, ScheduledRequest, StepPlan, SchedulerBase
-                       the scheduler's types and queues (request.py, scheduler.py);
+                       the scheduler's types and queues (engine/request.py, engine/scheduler.py);
                        exercise 6 adds schedule and _preempt
 
 tests/grader/test_given_types.py checks that each of these matches the reference's, and lists
@@ -157,7 +157,7 @@ WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
 @dataclass(eq=False)
 class Request:
     """One request's life: its tokens, where it stands, and what the scheduler did to it
-    (request.py's Request, less the engine's side: its sampling, its reply, its events).
+    (engine/request.py's Request, less the engine's side: its sampling, its reply, its events).
 
     token_ids is prompt_ids then output_ids, one list that grows: add a sampled token with
     append_output, never by appending to output_ids alone. block_hashes: the chained hashes
@@ -220,7 +220,7 @@ class StepPlan:
 
 
 class SchedulerBase:
-    """A waiting queue and a running list over one allocator (scheduler.py's, less the two
+    """A waiting queue and a running list over one allocator (engine/scheduler.py's, less the two
     methods of exercise 6 and their helpers, and less the tenant counters of its fair_share:
     exercise 6 reads the waiting queue in arrival order)."""
 

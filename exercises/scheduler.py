@@ -20,7 +20,7 @@ and it reads self.allocator.block_size, the tokens of one block.
 allocate_with_prefix and append_tokens raise OutOfBlocksError, changing nothing, when too
 few blocks are free.
 
-(scheduler.py's answer also keeps each request's block hashes on it, so a request waiting at
+(engine/scheduler.py's answer also keeps each request's block hashes on it, so a request waiting at
 the head of a full pool is not hashed again every step: request.block_hashes =
 allocator.hash_blocks(request.token_ids, request.cache_salt, request.block_hashes), then
 block_hashes=request.block_hashes to peek and allocate_with_prefix. Optional here: the plans

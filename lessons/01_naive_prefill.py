@@ -30,8 +30,8 @@ from rich.rule import Rule
 from rich.table import Table
 
 import models
-from cpu_threads import one_pass
-from demo import DEMO_SYSTEM_PROMPT
+from engine.cpu_threads import one_pass
+from commands.demo import DEMO_SYSTEM_PROMPT
 from benchmarks.measure import Runs, TokenCounter, conclusion
 from reading import show_code
 
@@ -52,7 +52,7 @@ def generate_naive(model, prompt_ids: list[int], max_tokens: int) -> tuple[list[
     with torch.inference_mode():
         for _ in range(max_tokens):
             start = time.perf_counter()
-            with one_pass(models.THREADS, model.device, ("naive", len(ids).bit_length())):  # cpu_threads.py
+            with one_pass(models.THREADS, model.device, ("naive", len(ids).bit_length())):  # engine/cpu_threads.py
                 logits = model(torch.tensor([ids], device=model.device), use_cache=False, logits_to_keep=1).logits
             ids.append(int(logits[0, -1].argmax()))  # int() waits for the device, so the time is complete
             step_ms.append((time.perf_counter() - start) * 1e3)

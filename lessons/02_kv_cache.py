@@ -36,8 +36,8 @@ from rich.table import Table
 from transformers import DynamicCache
 
 import models
-from cpu_threads import one_pass
-from kv_pool import PagedKVPool
+from engine.cpu_threads import one_pass
+from engine.kv_pool import PagedKVPool
 from benchmarks.measure import Runs, TokenCounter, busy_note, conclusion, how_much_faster
 from reading import show_code
 

@@ -28,9 +28,9 @@ from rich.console import Console
 from rich.rule import Rule
 from rich.table import Table
 
-from prefix_caching import PrefixCachingAllocator
+from allocator import PrefixCachingAllocator
 from reading import show_code
-from walkthrough import render_block_table, render_pool
+from commands.walkthrough import render_block_table, render_pool
 
 BLOCK_SIZE = 4
 MAX_LEN = 16  # the longest sequence a request may grow to (prompt + answer)

@@ -29,7 +29,7 @@ from rich.console import Console
 from rich.rule import Rule
 from rich.table import Table
 
-from prefix_caching import (
+from allocator import (
     PrefixCachingAllocator,
     block_extra_keys,
     compute_block_hashes,
@@ -37,7 +37,7 @@ from prefix_caching import (
     short_hash,
 )
 from reading import show_code, show_exercise
-from walkthrough import render_block_table
+from commands.walkthrough import render_block_table
 from words import Words
 
 BLOCK_SIZE = 4

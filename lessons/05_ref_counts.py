@@ -28,9 +28,9 @@ from rich.console import Console
 from rich.rule import Rule
 from rich.table import Table
 
-from prefix_caching import PrefixCachingAllocator
+from allocator import PrefixCachingAllocator
 from reading import show_code, show_exercise
-from walkthrough import render_block_table, render_free_queue
+from commands.walkthrough import render_block_table, render_free_queue
 from words import Words
 
 BLOCK_SIZE = 4

@@ -8,7 +8,7 @@ last block first, because the last block names the longest prefix and is the lea
 to be shared. A cache hit on a free block "touches" it: takes it out of the queue, from
 wherever it is, before any new block is popped from the head.
 
-This stage replays the vLLM design doc's worked example (walkthrough.py), then
+This stage replays the vLLM design doc's worked example (commands/walkthrough.py), then
 measures why the queue is a hand-made doubly linked list, and what newer vLLM changed.
 
 New in this stage (marked # NEW): FreeKVCacheBlockQueue, eviction, free_uncached_first.
@@ -33,9 +33,9 @@ from rich.console import Console
 from rich.rule import Rule
 from rich.table import Table
 
-from prefix_caching import FreeKVCacheBlockQueue, KVCacheBlock, PrefixCachingAllocator
+from allocator import FreeKVCacheBlockQueue, KVCacheBlock, PrefixCachingAllocator
 from reading import show_code, show_exercise
-from walkthrough import design_doc_example, walkthrough
+from commands.walkthrough import design_doc_example, walkthrough
 from workloads import multi_turn, replay
 
 QUEUES = {"linked list": FreeKVCacheBlockQueue, "list": list, "deque": deque}  # NEW: the first, vs Python's own

@@ -14,11 +14,11 @@ a request runs like this:
 
 New in this stage (marked # NEW): the gather and write between the allocator and the model.
 
-Read: kv_pool.py (PagedKVPool.write) and one_request.py (run_request), printed when the stage
+Read: engine/kv_pool.py (PagedKVPool.write) and engine/one_request.py (run_request), printed when the stage
       starts; this stage runs each request through one_request.generate over an Engine's parts
       (its model, allocator and pool; engine.tokenize checks the prompt). The gather is
       exercise 5: the stage prints PagedKVPool.gather and .tokens_of from exercises/gather_kv.py
-      in place of kv_pool.py's; write them first, then read the reference.
+      in place of engine/kv_pool.py's; write them first, then read the reference.
 
 Run:  python lessons/07_real_model.py            (SmolLM2-135M; run times: lessons/README.md)
       python lessons/07_real_model.py --tiny     (a random 2-layer model, faster)
@@ -36,12 +36,12 @@ from rich.rule import Rule
 from rich.table import Table
 
 import models
-from demo import DEMO_QUESTIONS, DEMO_SYSTEM_PROMPT
+from commands.demo import DEMO_QUESTIONS, DEMO_SYSTEM_PROMPT
 from engine import Engine
-from kv_pool import PagedKVPool
-from one_request import generate, greedy_reference, run_request
-from outputs import Generation
-from request import SamplingParams
+from engine.kv_pool import PagedKVPool
+from engine.one_request import generate, greedy_reference, run_request
+from engine.outputs import Generation
+from engine.request import SamplingParams
 from benchmarks.measure import Runs, TokenCounter, conclusion, how_much_faster
 from reading import show_code, show_exercise
 
@@ -215,7 +215,7 @@ def main(argv: list[str] | None = None) -> None:
 
     console.print(Rule("3. The reply is exactly what plain generation gives"))
     prompt_ids = engine.tokenize(ask(DEMO_QUESTIONS[1]))
-    plain_tokens = greedy_reference(engine.model, prompt_ids, MAX_TOKENS)  # plain model.generate (one_request.py)
+    plain_tokens = greedy_reference(engine.model, prompt_ids, MAX_TOKENS)  # plain model.generate (engine/one_request.py)
     if warm.token_ids != plain_tokens:
         raise SystemExit(f"the warm reply differs from model.generate: {warm.token_ids} vs {plain_tokens}")
     console.print(f"Warm reply: {warm.text!r}\n[bold green]exactness ok: the same {len(plain_tokens)} tokens as "

@@ -5,7 +5,7 @@ Stage 7's engine runs one request at a time. A server has many: sixteen students
 at once should not wait in line, because one forward pass over sixteen tokens costs little
 more than over one (the weights are read once either way). Two files do it:
 
-    scheduler.py     each step, who runs and how many tokens (Scheduler.schedule): one
+    engine/scheduler.py     each step, who runs and how many tokens (Scheduler.schedule): one
                      token budget for the step; running requests first, a decode taking one
                      token and a prompt still coming its share of what the decodes leave
                      (shared with the requests waiting behind it: share_tokens); then waiting
@@ -13,7 +13,7 @@ more than over one (the weights are read once either way). Two files do it:
                      rest in later steps (chunked prefill); when a request finds no free block
                      for its tokens, the most recently admitted one is preempted: its blocks
                      are freed, the full ones stay cached, and it waits at the front
-    batch_attention.py  every scheduled token packed into one sequence (build_step); the
+    engine/batch_attention.py  every scheduled token packed into one sequence (build_step); the
                      attention takes each request's K/V from the pool through its block
                      table (pool_attention, registered with transformers' AttentionInterface):
                      no DynamicCache is kept between steps, as stage 7 kept one per request.
@@ -27,9 +27,9 @@ more than over one (the weights are read once either way). Two files do it:
                      step attends over and copies. vLLM's kernels copy nothing: flash_attn_varlen_func gets the
                      paged cache and the block table and reads the blocks where they lie
                      (vllm/v1/attention/backends/flash_attn.py).
-    model_runner.py  a step's plan in, logits out (ModelRunner.run), as nano-vllm's
+    engine/model_runner.py  a step's plan in, logits out (ModelRunner.run), as nano-vllm's
                      ModelRunner
-    batch_engine.py  the step: schedule (a budget policy's Budget, then the scheduler's
+    engine/batch_engine.py  the step: schedule (a budget policy's Budget, then the scheduler's
                      plan), run the model, sample, and postprocess: one token per request,
                      the finished ones' blocks freed (BatchRunner.step).
 
@@ -43,11 +43,11 @@ the decodes, and scene 2b the same steps with chunking off, where it waits to ru
 New in this stage (marked # NEW): a BatchRunner driven one step at a time, its plan, the
 scheduler's queues, and Engine.generate_batch.
 
-Read: batch_attention.py: pool_attention, shared_prefix_attention, build_step;
-      batch_engine.py: BatchRunner.step, schedule and postprocess; model_runner.py:
+Read: engine/batch_attention.py: pool_attention, shared_prefix_attention, build_step;
+      engine/batch_engine.py: BatchRunner.step, schedule and postprocess; engine/model_runner.py:
       ModelRunner.run (all printed when the stage starts). The scheduler's
       schedule and _preempt are exercise 6: the stage prints them from exercises/scheduler.py
-      in place of scheduler.py's; write them first, then read the reference.
+      in place of engine/scheduler.py's; write them first, then read the reference.
 
 Run:  python lessons/08_many_requests.py            (SmolLM2-135M; run times: lessons/README.md)
       python lessons/08_many_requests.py --tiny     (a random 2-layer model, faster)
@@ -64,20 +64,20 @@ from rich.rule import Rule
 from rich.table import Table
 
 import models
-from batch_attention import attend, build_step, pool_attention, shared_prefix_attention
-from batch_engine import BatchRunner
-from model_runner import ModelRunner
+from engine.batch_attention import attend, build_step, pool_attention, shared_prefix_attention
+from engine.batch_engine import BatchRunner
+from engine.model_runner import ModelRunner
 from batch_views import add_step_row, render_step, run_step, step_history
 from benchmarks.throughput import TOPICS, questions, run_ours, summary
-from demo import DEMO_SYSTEM_PROMPT
+from commands.demo import DEMO_SYSTEM_PROMPT
 from engine import DEFAULT_MAX_NUM_BATCHED_TOKENS, Engine
-from one_request import greedy_reference
-from request import SamplingParams
+from engine.one_request import greedy_reference
+from engine.request import SamplingParams
 from benchmarks.measure import Runs, TokenCounter, busy_note, how_much_faster
-from cpu_threads import cores_used_by_others, cpu_sample
+from engine.cpu_threads import cores_used_by_others, cpu_sample
 from reading import show_code, show_exercise
-from scheduler import Scheduler
-from step_budget import (BOUNDS, DEFAULT_TARGET_STEP_MS, FLOOR, GAP_MAX, MIN_CHUNK, STALL, ModelShape, StepBudget,
+from engine.scheduler import Scheduler
+from engine.step_budget import (BOUNDS, DEFAULT_TARGET_STEP_MS, FLOOR, GAP_MAX, MIN_CHUNK, STALL, ModelShape, StepBudget,
                          chunk_flops)
 
 USERS = ["alice", "bob", "carol", "dave"]
@@ -279,13 +279,13 @@ def what_a_step_reads(console: Console, engine: Engine, prompts: dict[str, list[
         f"{lse_own[0, 0, 0, 0]:.4f}; then "
         f"out = (e^lse_shared x out_shared + e^lse_own x out_own) / (e^lse_shared + e^lse_own) = "
         f"{show(merged[0, 0, 0])}. Largest difference over both queries: {diff:.1e}. "
-        f"shared_prefix_attention in batch_attention.py does this for every layer of a step."
+        f"shared_prefix_attention in engine/batch_attention.py does this for every layer of a step."
     )
 
 
 def step_time_budget(console: Console, engine: Engine, prompts: dict[str, list[int]]) -> None:
     """Scene 2d: scene 2 again, each step's budget picked from a target step time instead of a
-    fixed BUDGET (step_budget.py, what Engine() and python server.py run)."""
+    fixed BUDGET (engine/step_budget.py, what Engine() and python server.py run)."""
     assert engine.allocator.reset_prefix_cache()
     target_ms, cap = DEFAULT_TARGET_STEP_MS, DEFAULT_MAX_NUM_BATCHED_TOKENS  # the engine's defaults
     budget = StepBudget(ModelShape.of(engine.model), target_ms, cap)  # NEW: a time, and a hard cap
@@ -510,7 +510,7 @@ def arrivals_behind_a_long_prompt(console: Console, engine: Engine, prompts: dic
         f"{served['heavy']:,} tokens, and student, arriving then, was lifted to the least-served active tenant's "
         f"count, {served['student']:,} (time away is not credit). In step 2 heavy-0's next chunk was counted "
         f"first, so when the queue was read for the one free place, student was the least served: admitted "
-        f"{admitted}, while heavy-1, which had arrived before student, waited. step_budget.py goes one "
+        f"{admitted}, while heavy-1, which had arrived before student, waited. engine/step_budget.py goes one "
         f"further while a tenant within FAIR_SLACK tokens of the least served is decoding: the prompts of a "
         f"tenant further ahead get only what keeps that step within FAIR_STALL times the decodes' own (scene "
         f"2d's budget), and never fewer than {MIN_CHUNK} tokens, so its prompt still finishes. An Engine counts "

@@ -18,8 +18,8 @@ cannot forget or forge.
 New in this stage (marked # NEW): create_app, requests over HTTP, per-key salts, a class
 sharing the server (a question behind a long prompt; a key's own share on /health).
 
-Read: server_routes.py: generate and chat_completions, the routes of /generate and
-      /v1/chat/completions; server_requests.py: take_cache_salt and tenant_of, where a
+Read: serving/routes.py: generate and chat_completions, the routes of /generate and
+      /v1/chat/completions; serving/requests.py: take_cache_salt and tenant_of, where a
       request's cache_salt comes from (printed when the stage starts).
 
 Run:  python lessons/09_serving.py            (SmolLM2-135M; run times: lessons/README.md)
@@ -43,10 +43,10 @@ from rich.rule import Rule
 from rich.table import Table
 
 import models
-from demo import DEMO_QUESTIONS, DEMO_SYSTEM_PROMPT
+from commands.demo import DEMO_QUESTIONS, DEMO_SYSTEM_PROMPT
 from reading import show_code
 from server import chat_completions, create_app, generate, serve_in_background
-from server_requests import JSON_HEADER, take_cache_salt, tenant_of
+from serving.requests import JSON_HEADER, take_cache_salt, tenant_of
 
 # The victim's secret is who sends the letter; the rest is the company's template, which
 # everybody there (the attacker included) knows.

@@ -48,7 +48,7 @@ from benchmarks import cache_probe
 from benchmarks.router import Fleet, replay_through_router, router, working_sets
 import models
 from figures import POOL_SIZES
-from model_files import load_tokenizer
+from engine.model_files import load_tokenizer
 from server import create_app, serve_in_background
 from radix_tree import RadixTree
 from reading import show_code

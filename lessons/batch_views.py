@@ -1,7 +1,7 @@
 """
 Seeing the scheduler: what one step of continuous batching did, drawn with rich.
 
-Read scheduler.py and batch_engine.py first; stage 8 (lessons/08_many_requests.py) draws its
+Read engine/scheduler.py and engine/batch_engine.py first; stage 8 (lessons/08_many_requests.py) draws its
 steps with these.
 
     run_step       runner.step(), timed, with what the views need to know about it
@@ -24,8 +24,8 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from batch_engine import BatchRunner
-from scheduler import Request, ScheduledRequest
+from engine.batch_engine import BatchRunner
+from engine.scheduler import Request, ScheduledRequest
 
 PREFILL, DECODE, WAITING, PREEMPTED, FINISHED, SHARED = "cyan", "green", "yellow", "red", "dim", "bold magenta"
 

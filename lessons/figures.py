@@ -16,8 +16,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find prefix_cach
 import matplotlib.pyplot as plt
 from matplotlib.patches import FancyBboxPatch
 
-from prefix_caching import PrefixCachingAllocator, short_hash
-from walkthrough import design_doc_example
+from allocator import PrefixCachingAllocator, short_hash
+from commands.walkthrough import design_doc_example
 from workloads import BLOCK_SIZE, hit_rate_table
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"

@@ -18,10 +18,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find prefix_caching.py from anywhere
 
-from cpu_threads import ThreadChooser
+from engine.cpu_threads import ThreadChooser
 from engine import Engine
-from model_flags import add_model_arguments, pool_arguments
-from model_loader import (
+from commands.model_flags import add_model_arguments, pool_arguments
+from engine.model_loader import (
     DEFAULT_MODEL, DTYPES, default_model_dir, load_model, resolve_device, resolve_dtype, tiny_llama,
 )
 
@@ -63,7 +63,7 @@ def load(args: argparse.Namespace, tiny_context: int = 1024):
 
 
 # The thread count of every forward pass a stage runs itself (stages 1 and 2), chosen as the
-# engine chooses it (cpu_threads.py): a timing on a busy laptop is then the engine's, not
+# engine chooses it (engine/cpu_threads.py): a timing on a busy laptop is then the engine's, not
 # torch's threads waiting for a core another program took.
 THREADS = ThreadChooser()
 
@@ -73,7 +73,7 @@ TINY_NUM_BLOCKS = 1024  # the default 0.5 GiB budget would give the tiny model 6
 def make_engine(args: argparse.Namespace, max_num_batched_tokens: int | None = None, tiny_context: int = 1024) -> Engine:
     """An Engine over the model the flags name, its pool sized by --block-size and --num-blocks
     (or --kv-memory-gb): its requests run in stage 8's engine loop, as `python server.py`'s do;
-    stage 7 runs one_request.py's path over its parts."""
+    stage 7 runs engine/one_request.py's path over its parts."""
     model, tokenizer = load(args, tiny_context)
     pool = pool_arguments(args)
     if args.tiny and pool["num_blocks"] is None and pool["kv_memory_gb"] is None:

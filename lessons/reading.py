@@ -3,7 +3,7 @@ The code a stage teaches, printed before the stage runs it: file, line, name and
 
     show_code(console, PrefixCachingAllocator.touch)
 
-prints "Read: prefix_caching.py:LINE  PrefixCachingAllocator.touch  (section 3. The
+prints "Read: allocator/prefix_caching.py:LINE  PrefixCachingAllocator.touch  (section 3. The
 allocator)", LINE being where the method starts today, and the method's source with its line
 numbers, so what a stage explains is on screen next to the state it draws, and easy to find
 in the file afterwards.
@@ -23,11 +23,13 @@ from pathlib import Path
 from rich.console import Console
 from rich.syntax import Syntax
 
+ROOT = Path(__file__).resolve().parents[1]
+
 
 def section_of(path: Path, line: int) -> str | None:
     """The `# N. Title` section heading above `line` in a reference file, if it has one.
 
-    >>> import prefix_caching
+    >>> from allocator import prefix_caching
     >>> line = inspect.getsourcelines(prefix_caching.PrefixCachingAllocator.touch)[1]
     >>> section_of(Path(prefix_caching.__file__), line)
     '3. The allocator'
@@ -41,11 +43,13 @@ def section_of(path: Path, line: int) -> str | None:
 
 
 def where(obj) -> str:
-    """'file.py:line  qualified name (section)' for a function, method or class."""
-    path = Path(inspect.getsourcefile(obj))
+    """'package/file.py:line  qualified name (section)' for a function, method or class: the
+    path from the top of the repository (a file outside it, by its name)."""
+    path = Path(inspect.getsourcefile(obj)).resolve()
     _, line = inspect.getsourcelines(obj)
     section = section_of(path, line)
-    return f"{path.name}:{line}  {obj.__qualname__}" + (f"  (section {section})" if section else "")
+    shown = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path.name
+    return f"{shown}:{line}  {obj.__qualname__}" + (f"  (section {section})" if section else "")
 
 
 def show_code(console: Console, *objects) -> None:

@@ -23,7 +23,7 @@ import random
 from collections import deque
 from dataclasses import dataclass
 
-from prefix_caching import OutOfBlocksError, PrefixCachingAllocator
+from allocator import OutOfBlocksError, PrefixCachingAllocator
 from radix_tree import RadixTree
 
 VOCAB_SIZE = 32_000

@@ -108,7 +108,7 @@ def tokenizer():
     """SmolLM2's tokenizer: a real vocabulary and chat template (converted once, then cached)."""
     from transformers import AutoTokenizer
 
-    from model_loader import default_model_dir
+    from engine.model_loader import default_model_dir
 
     return AutoTokenizer.from_pretrained(default_model_dir())
 

@@ -55,7 +55,7 @@ TEST_COSTS = {"fixed_s": 1e-3, "per_flop": 1e-12}
 def calibrated(engine):
     """`engine` with its step budget's costs held at TEST_COSTS (an engine given a fixed
     max_num_batched_tokens has no step budget: it is returned as it is)."""
-    from step_budget import HeldCosts
+    from engine.step_budget import HeldCosts
 
     if engine.step_budget is not None:
         engine.step_budget.costs = HeldCosts(**TEST_COSTS)

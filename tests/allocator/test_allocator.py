@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
-import prefix_caching
-from prefix_caching import OutOfBlocksError, PrefixCachingAllocator, compute_block_hashes, hash_block_tokens
+from allocator import prefix_caching
+from allocator import OutOfBlocksError, PrefixCachingAllocator, compute_block_hashes, hash_block_tokens
 
 # --- the design doc's worked example (block size 4, 10 blocks) -------------------------
 
@@ -84,7 +84,7 @@ def test_docstring_examples():
 
 
 def test_importing_the_allocator_does_not_import_torch():
-    code = "import sys, prefix_caching; assert 'torch' not in sys.modules"
+    code = "import sys, prefix_caching, allocator; assert 'torch' not in sys.modules"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 

@@ -5,7 +5,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from prefix_caching import OutOfBlocksError, PrefixCachingAllocator, compute_block_hashes
+from allocator import OutOfBlocksError, PrefixCachingAllocator, compute_block_hashes
 
 # A tiny vocabulary and shared prefixes make hits, duplicates and evictions common.
 PREFIXES = [[], [1, 2, 3], [1, 2, 3, 4, 5, 6, 7], [9, 9, 9, 9, 9, 9]]

@@ -14,7 +14,7 @@ from analyzer.caching_models import (ENGINE, EVICTION_POLICIES, RADIX_CACHE_ONLY
                                      VLLM, LlamaCpp, SGLang, SlotServer, block_hash_ids, common_prefix)
 from analyzer.request_logs import Log, interleave
 from analyzer.log_replay import LIKE, hit_rate_curve, replay, smallest_pool, tokenize_log
-from prefix_caching import PrefixCachingAllocator
+from allocator import PrefixCachingAllocator
 
 EXAMPLE_LOGS = sorted((Path(__file__).resolve().parents[2] / "lessons" / "data").glob("*.jsonl.xz"))
 
@@ -369,8 +369,8 @@ def test_the_command_passes_sglangs_policy_settings_and_refuses_one_for_another_
 def test_llama_servers_default_context_is_the_default_models_training_context():
     import json
 
-    from model_files import training_context
-    from model_loader import default_model_dir
+    from engine.model_files import training_context
+    from engine.model_loader import default_model_dir
 
     config = json.loads((default_model_dir() / "config.json").read_text())
     assert training_context() == config["max_position_embeddings"]  # what -c 0 gives, from the same GGUF

@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-import cli
-import walkthrough
+import prefix_caching as cli
+from commands import walkthrough
 from benchmarks import attention, busy, chunked_prefill, paged, stalls, step_profile, throughput, ttft
 from benchmarks.allocator import free_order_hit_rates
-from demo import run_demo
-from model_flags import add_model_arguments, pool_arguments
+from commands.demo import run_demo
+from commands.model_flags import add_model_arguments, pool_arguments
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -167,7 +167,7 @@ def test_the_chunked_prefill_benchmark_runs_the_scene_both_ways(tiny_model_dir, 
     assert (on["chunked"], off["chunked"]) == (True, False) and on["long_tokens"] == off["long_tokens"]
     # Counted in steps from the long prompt's arrival (budget 8, two clients): unchunked, it waits
     # for the clients to drain and the requests behind it wait for it; chunked, those share its
-    # steps (scheduler.py: a prompt prefilling takes only its share) and are done far sooner.
+    # steps (engine/scheduler.py: a prompt prefilling takes only its share) and are done far sooner.
     assert off["clients_done_step"] < off["long_first_token_step"]
     assert on["behind_done_step"] < off["behind_done_step"]
 

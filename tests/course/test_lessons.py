@@ -57,7 +57,7 @@ EXPECTED_OUTPUT = {
                             "with chunking off a prompt is never cut into pieces",
                             "Every reply is the same as with chunking: 5 of 5",
                             "the same, shared prefix read", "what the contexts hold",
-                            "shared_prefix_attention in batch_attention.py does this for every layer",
+                            "shared_prefix_attention in engine/batch_attention.py does this for every layer",
                             "exactness ok: the same 16 tokens as model.generate on his prompt alone",
                             "recomputed 17 of their 465 tokens: 16 in blocks the others took while they waited, 0 in a "
                             "partial last block (never cached), and 1 the token each had sampled in its last step",
@@ -66,7 +66,7 @@ EXPECTED_OUTPUT = {
                             "in 16 forward passes instead of 128", "681 with it against 3,817 without",
                             "grouped by length they read 1,856 (their 1,852 tokens of context, each padded to the "
                             "longest of the four, 464)"],
-    "09_serving.py": ["Read: server_routes.py", "generate", "chat_completions", "Read: server_requests.py",
+    "09_serving.py": ["Read: serving/routes.py", "generate", "chat_completions", "Read: serving/requests.py",
                       "take_cache_salt", "tenant_of", '"prompt_tokens_details": {"cached_tokens": 448}',
                       "Without salts the right guess comes back with cached_tokens=208",
                       "With the salt derived from each key, the right guess gets cached_tokens=0",
@@ -233,7 +233,7 @@ def test_hit_rates_follow_the_workloads():
 
 
 def test_the_design_doc_example_with_free_uncached_first():
-    from walkthrough import design_doc_example
+    from commands.walkthrough import design_doc_example
 
     assert design_doc_example(until=3).block_tables == {"request 0": [0, 1, 2, 3, 4], "request 1": [0, 1, 5, 6]}
     assert design_doc_example(until=5).free_queue.block_ids() == [7, 8, 9, 4, 3, 2, 6, 5, 1, 0]
@@ -301,7 +301,7 @@ def test_the_token_counter_counts_what_the_model_embeds(tiny_model):
 
 
 def test_a_word_has_the_same_token_id_in_every_lesson():
-    from prefix_caching import compute_block_hashes
+    from allocator import compute_block_hashes
     from words import Words
 
     first, second = Words(), Words()

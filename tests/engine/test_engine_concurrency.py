@@ -1,7 +1,7 @@
 """The engine under several threads: every reply equals the one its request gets alone.
 
 The rule that matters: a cached block is never read before its K/V is written. Stage 7's
-path (one_request.py, run in each caller's thread over the engine's parts) caches a prompt's
+path (engine/one_request.py, run in each caller's thread over the engine's parts) caches a prompt's
 full blocks when it allocates them, so allocation and prefill must be one step; these tests
 force the interleaving that would break it instead of hoping a scheduler finds it. The
 engine loop's callers share its steps (test_batching.py and the server's tests).
@@ -11,9 +11,9 @@ import sys
 import threading
 from dataclasses import replace
 
-import one_request
+from engine import one_request
 from helpers import wait_until_idle
-from request import SamplingParams
+from engine.request import SamplingParams
 
 SHARED = list(range(300, 316))  # 4 full blocks of 4, new to every engine these tests make
 

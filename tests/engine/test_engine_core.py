@@ -13,11 +13,11 @@ from dataclasses import replace
 
 import pytest
 
-import batch_engine
+from engine import batch_engine
 from helpers import MODEL, assert_pool_whole, call, queued_together, serve, wait_until_idle
-from one_request import generate, run_request
-from request import SamplingParams
-from scheduler import Scheduler
+from engine.one_request import generate, run_request
+from engine.request import SamplingParams
+from engine.scheduler import Scheduler
 from server import create_app
 
 PROMPT = list(range(100, 118))  # 18 tokens
@@ -275,7 +275,7 @@ def test_the_server_sends_a_failed_steps_error_then_done_and_serves_on(make_engi
 
 
 def test_a_reply_cut_in_the_middle_of_a_character_drops_its_half(tokenizer):
-    from outputs import Generation, ReplyBuilder
+    from engine.outputs import Generation, ReplyBuilder
 
     ok, smile = tokenizer.encode(" ok 🙂")[0], tokenizer.encode("🙂")  # " ok", then 🙂 in two tokens
     cut = ReplyBuilder(Generation("r", 3), tokenizer, set(), max_tokens=2)

@@ -14,15 +14,15 @@ import weakref
 
 import pytest
 
-import engine as engine_module
-from cpu_threads import in_own_thread
+from engine import llm_engine as engine_module
+from engine.cpu_threads import in_own_thread
 from engine import Engine, EngineClosedError
-from engine_loop import EngineStoppedError
+from engine.engine_loop import EngineStoppedError
 from helpers import assert_pool_whole
 from models import tiny_llama
-from one_request import greedy_reference
-from outputs import ReplyBuilder
-from request import SamplingParams
+from engine.one_request import greedy_reference
+from engine.outputs import ReplyBuilder
+from engine.request import SamplingParams
 
 PROMPTS = [list(range(10, 30)), list(range(40, 57)), list(range(70, 95))]
 

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from outputs import Generation, ReplyBuilder, held_back
+from engine.outputs import Generation, ReplyBuilder, held_back
 
 # Texts whose tokens cut characters in pieces: emoji, CJK, accents, a family emoji joined by ZWJ.
 TEXTS = ["naïve café 🙂🎉 ok", "你好，世界！日本語のテキスト", "a family 👩‍👩‍👧 and ½ ✓ 𝔘𝔫𝔦", " Yes. No.! Q: A:"]

@@ -1,14 +1,14 @@
-"""A request is one object (request.py) whose block hashes are computed once: the scheduler
+"""A request is one object (engine/request.py) whose block hashes are computed once: the scheduler
 and the allocator extend the list kept on it, so a request that waits at the head of a full
 pool, or is preempted and comes back, never has a block hashed again (vLLM's
 Request.block_hashes). Counted by wrapping the digest the allocator hashes with."""
 
 import pytest
 
-import prefix_caching
-from prefix_caching import PrefixCachingAllocator, compute_block_hashes
-from request import Request, SamplingParams
-from scheduler import FINISHED, Scheduler
+from allocator import prefix_caching
+from allocator import PrefixCachingAllocator, compute_block_hashes
+from engine.request import Request, SamplingParams
+from engine.scheduler import FINISHED, Scheduler
 
 
 @pytest.fixture

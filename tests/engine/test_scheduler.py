@@ -10,9 +10,9 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from prefix_caching import PrefixCachingAllocator
-from scheduler import FINISHED, RUNNING, WAITING, Budget, Request, Scheduler
-from request import SamplingParams
+from allocator import PrefixCachingAllocator
+from engine.scheduler import FINISHED, RUNNING, WAITING, Budget, Request, Scheduler
+from engine.request import SamplingParams
 
 
 def run_step(scheduler: Scheduler, token: int = 7, budget=None) -> list[tuple[str, int, int]]:

@@ -17,10 +17,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import batch_attention
-from batch_attention import MAX_GROUPS, build_step, pool_attention
-from kv_pool import PagedKVPool
-from scheduler import Request, ScheduledRequest, StepPlan
+from engine import batch_attention
+from engine.batch_attention import MAX_GROUPS, build_step, pool_attention
+from engine.kv_pool import PagedKVPool
+from engine.scheduler import Request, ScheduledRequest, StepPlan
 
 pytestmark = [pytest.mark.model]
 

@@ -1,4 +1,4 @@
-"""Each step's token budget from a target step time (step_budget.py): the costs it learns, the
+"""Each step's token budget from a target step time (engine/step_budget.py): the costs it learns, the
 budgets it picks, the hard cap never passed, and exact replies whatever chunks it picks."""
 
 import threading
@@ -8,17 +8,17 @@ import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-import batch_attention
-import model_runner
-from batch_engine import BatchRunner
+from engine import batch_attention
+from engine import model_runner
+from engine.batch_engine import BatchRunner
 from engine import DEFAULT_MAX_NUM_BATCHED_TOKENS, Engine
 from helpers import call, serve
-from one_request import greedy_reference
-from prefix_caching import PrefixCachingAllocator
-from request import SamplingParams
-from scheduler import Budget, Candidate, Request, Scheduler
+from engine.one_request import greedy_reference
+from allocator import PrefixCachingAllocator
+from engine.request import SamplingParams
+from engine.scheduler import Budget, Candidate, Request, Scheduler
 from server import create_app
-from step_budget import (ARRIVAL_STALL, CALIBRATION_TOKENS, DEFAULT_TARGET_STEP_MS, FAIR_SLACK, FAIR_STALL, FIRST_CHUNK,
+from engine.step_budget import (ARRIVAL_STALL, CALIBRATION_TOKENS, DEFAULT_TARGET_STEP_MS, FAIR_SLACK, FAIR_STALL, FIRST_CHUNK,
                          FLOOR, GAP_MAX, MIN_CHUNK, STALL, ModelShape, StepBudget, StepCosts, chunk_flops,
                          keys_attended)
 
@@ -289,7 +289,7 @@ def expected(model, prompt):
 @example(budgets=[64], cascade=True)
 def test_replies_are_exact_whatever_budget_each_step_gets(tiny_model, tokenizer, monkeypatch, budgets, cascade):
     """Chunks of every size, with the decodes' groups sharing their prefix or not: the thresholds
-    are lowered so that the tiny prompts' 40 shared tokens make a family (batch_attention.py)."""
+    are lowered so that the tiny prompts' 40 shared tokens make a family (engine/batch_attention.py)."""
     monkeypatch.setattr(batch_attention, "CASCADE_MIN_TOKENS", 8)
     monkeypatch.setattr(batch_attention, "CASCADE_MIN_REQUESTS", 2)
     monkeypatch.setattr(batch_attention, "CASCADE_GROUP_SLOTS", 0)

@@ -46,10 +46,12 @@ import types
 from collections import Counter
 
 MODE, EXERCISE_DIR, ROOT, SCRATCH = sys.argv[1], *(os.path.realpath(arg) for arg in sys.argv[2:5])
-REFERENCE = {"block_hash": "prefix_caching", "allocator": "prefix_caching", "free_queue": "prefix_caching",
-             "gather_kv": "kv_pool", "scheduler": "scheduler"}
-TOP_LEVEL = {name[:-3] for name in os.listdir(ROOT) if name.endswith(".py")} | {"tests", "lessons", "benchmarks",
-                                                                                "grading", "twins", "conftest"}
+REFERENCE = {"block_hash": "allocator.prefix_caching", "allocator": "allocator.prefix_caching",
+             "free_queue": "allocator.prefix_caching", "gather_kv": "engine.kv_pool", "scheduler": "engine.scheduler"}
+# The reference's modules and packages (every .py file and package of ROOT but exercises/), and the tests.
+TOP_LEVEL = ({name[:-3] for name in os.listdir(ROOT) if name.endswith(".py")}
+             | {name for name in os.listdir(ROOT) if os.path.isfile(os.path.join(ROOT, name, "__init__.py"))}
+             | {"tests", "lessons", "grading", "twins", "conftest"}) - {"exercises"}
 PROTOCOL = os.fdopen(os.dup(1), "w")  # the answers; print() and the student's output go to stderr
 os.dup2(2, 1)
 sys.dont_write_bytecode = True

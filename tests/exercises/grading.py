@@ -108,7 +108,7 @@ class ChildError(Exception):
 
 def raised(error: dict) -> Exception:
     """The exception the graded code raised, rebuilt here from its name and message."""
-    from prefix_caching import OutOfBlocksError
+    from allocator import OutOfBlocksError
 
     text = error["message"]
     if error["type"] == "OutOfBlocksError":

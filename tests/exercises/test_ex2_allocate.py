@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from grading import GRADING, drawn
-from prefix_caching import OutOfBlocksError
+from allocator import OutOfBlocksError
 from twins import RemoteAllocator
 
 EXERCISE = "allocator"

@@ -27,9 +27,9 @@ from transformers import LlamaConfig
 
 from grading import GRADING, SCALING_LIMIT, drawn, fastest_times, milliseconds, timed_call, times
 
-from kv_pool import PagedKVPool
-from one_request import generate, greedy_reference
-from request import SamplingParams
+from engine.kv_pool import PagedKVPool
+from engine.one_request import generate, greedy_reference
+from engine.request import SamplingParams
 from twins import LINE_COST, remote_pool_class
 
 pytestmark = [pytest.mark.model]

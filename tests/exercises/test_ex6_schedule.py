@@ -4,7 +4,7 @@ it runs on prefix_caching's allocator, which has the decode side (append_tokens)
 Your scheduler runs in the child; its allocator lives here, and each of its calls comes
 here to run. No model runs: `step` below plays it, so each test reads as a few steps and
 the plans they give. A plan is a list of (request id, start, end): compute tokens
-[start, end) this step. Every step also runs on scheduler.py's Scheduler, and the plans,
+[start, end) this step. Every step also runs on engine/scheduler.py's Scheduler, and the plans,
 queues, counters and allocators are compared.
 
 The tests write their inputs as small literals (a=[1, 2], cache_salt="tenant-b"), and run on
@@ -21,8 +21,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from grading import GRADING, drawn
-from prefix_caching import OutOfBlocksError
-from scheduler import RUNNING, WAITING, Request
+from allocator import OutOfBlocksError
+from engine.scheduler import RUNNING, WAITING, Request
 from twins import RemoteScheduler
 
 EXERCISE = "scheduler"

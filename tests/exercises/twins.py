@@ -147,7 +147,7 @@ class RemoteAllocator(Twin):
         return {bytes.fromhex(h) if _is_hex(h) else h: ids for h, ids in self.state["cached"].items()}
 
     def allocate_with_prefix(self, request_id: str, token_ids, cache_salt: str | None = None):
-        from prefix_caching import Allocation
+        from allocator import Allocation
 
         result = self.run("allocate_with_prefix", [request_id, list(token_ids), cache_salt],
                           lambda: tuple(self.reference.allocate_with_prefix(request_id, list(token_ids), cache_salt)))
@@ -349,7 +349,7 @@ def gathered(child: Child, handle: int, block_ids: list[int], drop: bool = False
 
 def remote_pool_class():
     """kv_pool.PagedKVPool whose gather runs the student's, in the child, on this pool's data."""
-    import kv_pool
+    from engine import kv_pool
     import torch
     from transformers import DynamicCache
 
@@ -468,7 +468,7 @@ class RemoteScheduler(Twin):
     def __init__(self, child: Child, num_blocks: int, block_size: int = 4, **options):
         super().__init__()
         import prefix_caching
-        import scheduler
+        from engine import scheduler
 
         self.child, self.options = child, options
         self.allocator = prefix_caching.PrefixCachingAllocator(num_blocks=num_blocks, block_size=block_size)
@@ -504,7 +504,7 @@ class RemoteScheduler(Twin):
         return list(result) if isinstance(result, tuple) else result
 
     def add(self, request) -> None:
-        import scheduler
+        from engine import scheduler
 
         fields = {"request_id": request.request_id, "prompt_ids": list(request.prompt_ids),
                   "cache_salt": request.cache_salt, "output_ids": list(request.output_ids),

@@ -1,13 +1,13 @@
-"""What every pass runs with, per device (cpu_threads.py, model_loader.resolve_dtype): the
+"""What every pass runs with, per device (engine/cpu_threads.py, model_loader.resolve_dtype): the
 CPU side runs here; the GPU side's choices are flags and functions a CPU can check."""
 
 import torch
 
-import kv_pool
-import one_request
-from cpu_threads import GPU_ATTENTION, ThreadChooser, one_pass
-from model_loader import resolve_dtype
-from request import SamplingParams
+from engine import kv_pool
+from engine import one_request
+from engine.cpu_threads import GPU_ATTENTION, ThreadChooser, one_pass
+from engine.model_loader import resolve_dtype
+from engine.request import SamplingParams
 
 
 def test_the_default_dtype_follows_what_the_device_computes_natively(monkeypatch):

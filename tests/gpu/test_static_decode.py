@@ -1,5 +1,5 @@
-"""The padded decode step (static_decode.py), run eagerly on a CPU: the same logits and tokens
-as the packed step of batch_attention.py for every mix of decodes, whatever the padding holds;
+"""The padded decode step (engine/static_decode.py), run eagerly on a CPU: the same logits and tokens
+as the packed step of engine/batch_attention.py for every mix of decodes, whatever the padding holds;
 the ladders pick the smallest rung that fits; a step that does not fit runs as before; and
 the graphs that only a GPU captures, their calls faked here: each shape captured once after a
 warm-up and replayed after, and a capture that fails turning every later step eager."""
@@ -10,13 +10,13 @@ import random
 import pytest
 import torch
 
-import model_runner
-from batch_engine import BatchRunner
+from engine import model_runner
+from engine.batch_engine import BatchRunner
 
-from model_runner import ModelRunner
-from one_request import greedy_reference
-from request import SamplingParams
-from static_decode import block_widths, decode_sizes, forward, padded_to
+from engine.model_runner import ModelRunner
+from engine.one_request import greedy_reference
+from engine.request import SamplingParams
+from engine.static_decode import block_widths, decode_sizes, forward, padded_to
 
 pytestmark = [pytest.mark.gpu, pytest.mark.model]
 

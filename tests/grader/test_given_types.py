@@ -4,10 +4,10 @@ The grading child process cannot import the reference modules (exercises/README.
 why), so given.py writes out again what the starters build on: the block type, the free
 queue's sentinels, the pool's tensor, the scheduler's Request, ScheduledRequest, StepPlan
 and queues. Nothing else ties the two together, and a copy drifts: given.py's `finish` once
-freed a request's blocks without its num_computed_tokens, which scheduler.py's passes.
+freed a request's blocks without its num_computed_tokens, which engine/scheduler.py's passes.
 
 Each name given.py defines is compared with the one its reference module defines *now*,
-whatever that is (REFERENCE below: when a type moves, say Request to request.py, change its
+whatever that is (REFERENCE below: when a type moves, say Request to engine/request.py, change its
 row). For a dataclass: its fields (names, order, types, defaults) and its dataclass options.
 For every class: the methods and properties it defines, with the same signatures, and for
 the ones given.py copies, the same code (comments and docstrings aside). For a constant: its
@@ -31,22 +31,22 @@ GIVEN = ROOT / "exercises" / "given.py"
 
 # given.py's name -> (the reference module that defines it, its name there).
 REFERENCE = {
-    "OutOfBlocksError": ("prefix_caching", "OutOfBlocksError"),
-    "Allocation": ("prefix_caching", "Allocation"),
-    "KVCacheBlock": ("prefix_caching", "KVCacheBlock"),
-    "LinkedFreeQueue": ("prefix_caching", "FreeKVCacheBlockQueue"),
-    "ListFreeQueue": ("prefix_caching", "FreeKVCacheBlockQueue"),
-    "PoolBase": ("kv_pool", "PagedKVPool"),
-    "WAITING": ("request", "WAITING"),
-    "RUNNING": ("request", "RUNNING"),
-    "FINISHED": ("request", "FINISHED"),
-    "Request": ("request", "Request"),
-    "ScheduledRequest": ("scheduler", "ScheduledRequest"),
-    "StepPlan": ("scheduler", "StepPlan"),
-    "SchedulerBase": ("scheduler", "Scheduler"),
+    "OutOfBlocksError": ("allocator.prefix_caching", "OutOfBlocksError"),
+    "Allocation": ("allocator.prefix_caching", "Allocation"),
+    "KVCacheBlock": ("allocator.prefix_caching", "KVCacheBlock"),
+    "LinkedFreeQueue": ("allocator.prefix_caching", "FreeKVCacheBlockQueue"),
+    "ListFreeQueue": ("allocator.prefix_caching", "FreeKVCacheBlockQueue"),
+    "PoolBase": ("engine.kv_pool", "PagedKVPool"),
+    "WAITING": ("engine.request", "WAITING"),
+    "RUNNING": ("engine.request", "RUNNING"),
+    "FINISHED": ("engine.request", "FINISHED"),
+    "Request": ("engine.request", "Request"),
+    "ScheduledRequest": ("engine.scheduler", "ScheduledRequest"),
+    "StepPlan": ("engine.scheduler", "StepPlan"),
+    "SchedulerBase": ("engine.scheduler", "Scheduler"),
 }
 
-ENGINE_SIDE = "the engine's side of a request (request.py); exercise 6 plans steps, and no model runs"
+ENGINE_SIDE = "the engine's side of a request (engine/request.py); exercise 6 plans steps, and no model runs"
 FAIR_SHARE = "fair_share's tenant counters (the Virtual Token Counter): exercise 6 reads the queue in arrival order"
 ANSWER = "schedule's helper: part of exercise 6's answer"
 
@@ -63,8 +63,8 @@ OMITTED = {
     ("PoolBase", "bytes_per_block"): "the engines' sizing, which no exercise uses",
     ("PoolBase", "slots"): "the batching engine's writes, which no exercise makes",
     ("PoolBase", "read_blocks"): "the batching engine's attention, which no exercise runs",
-    ("PoolBase", "blocks"): "the padded decode step's attention (static_decode.py), which no exercise runs",
-    ("PoolBase", "scratch_block"): "where a padded decode step's padding goes (static_decode.py); no exercise pads",
+    ("PoolBase", "blocks"): "the padded decode step's attention (engine/static_decode.py), which no exercise runs",
+    ("PoolBase", "scratch_block"): "where a padded decode step's padding goes (engine/static_decode.py); no exercise pads",
     ("PoolBase", "write"): "the engines write a step's K/V; exercise 5's tests fill the pool themselves",
     ("PoolBase", "__str__"): "the server's start-up line, which no exercise prints",
     ("Request", "reply"): ENGINE_SIDE,
@@ -78,7 +78,7 @@ OMITTED = {
     **{("SchedulerBase", name): FAIR_SHARE for name in ("_arrive", "least_served", "lead", "charge", "_forget_idle")},
     ("SchedulerBase", "waiting_order"): "the queue least-served tenant first under fair_share; exercise 6 reads it "
                                         "in arrival order (self.waiting as it stands)",
-    ("SchedulerBase", "candidates"): "what a budget policy sees (step_budget.py); exercise 6's tests give a budget",
+    ("SchedulerBase", "candidates"): "what a budget policy sees (engine/step_budget.py); exercise 6's tests give a budget",
     ("SchedulerBase", "shared_blocks"): "a view the lessons print; the grader reads the queues itself",
     ("SchedulerBase", "check_invariants"): "the grader compares the student's queues and counters with the reference's",
 }
@@ -93,7 +93,7 @@ OMITTED_PARAMETERS = {
 
 # Fields of a reference dataclass that given.py leaves out: (given name, field) -> why.
 OMITTED_FIELDS = {
-    ("Request", "tenant"): "whom fair_share and a budget policy (step_budget.py) count a request's tokens for: "
+    ("Request", "tenant"): "whom fair_share and a budget policy (engine/step_budget.py) count a request's tokens for: "
                            "exercise 6 reads the queue in arrival order and its tests give a budget",
     **{("Request", name): ENGINE_SIDE for name in ("params", "builder", "generator", "events", "arrival", "admitted_at",
                                                    "error")},
@@ -134,7 +134,7 @@ def module_tree(path: Path) -> ast.Module:
 
 
 def module_path(module: str) -> Path:
-    return ROOT / f"{module}.py"
+    return ROOT / f"{module.replace('.', '/')}.py"
 
 
 def top_level_names(tree: ast.Module) -> dict[str, ast.AST]:
@@ -239,15 +239,16 @@ def test_every_name_given_defines_has_its_reference():
 def test_the_table_names_the_module_that_defines_it(name):
     module, ref_name = REFERENCE[name]
     assert ref_name in top_level_names(module_tree(module_path(module))), (
-        f"{module}.py no longer defines {ref_name} (given.py's {name}): point REFERENCE at the module that "
-        f"does now (grep -n '^class {ref_name}\\b\\|^{ref_name} =' *.py)")
+        f"{module_path(module).relative_to(ROOT)} no longer defines {ref_name} (given.py's {name}): point REFERENCE at the module that "
+        f"does now (grep -rn '^class {ref_name}\\b\\|^{ref_name} =' --include=*.py .)")
 
 
 def test_given_says_which_reference_files_it_copies():
     docstring = ast.get_docstring(module_tree(GIVEN))
     for module in sorted({module for module, _ in REFERENCE.values()}):
-        assert f"{module}.py" in docstring, (
-            f"exercises/given.py's docstring should name {module}.py, where some of the types it copies live now")
+        path = module_path(module).relative_to(ROOT)
+        assert str(path) in docstring, (
+            f"exercises/given.py's docstring should name {path}, where some of the types it copies live now")
 
 
 def test_every_table_entry_is_still_about_something():
@@ -377,7 +378,7 @@ def test_a_copied_method_has_the_reference_code(name, method, ours, theirs):
     module, ref_name = REFERENCE[name]
     assert code_of(ours) == code_of(theirs), (
         f"given.{name}.{method} is not {module}.{ref_name}.{method}'s code:\n--- given.py\n{ast.unparse(ours)}\n"
-        f"--- {module}.py\n{ast.unparse(theirs)}\ncopy the reference's code into exercises/given.py, or, if the "
+        f"--- {module_path(module).relative_to(ROOT)}\n{ast.unparse(theirs)}\ncopy the reference's code into exercises/given.py, or, if the "
         "grading child needs its own, list it in OWN_CODE (tests/grader/test_given_types.py) with the reason")
 
 

@@ -26,7 +26,7 @@ import pytest
 import torch  # noqa: F401
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM  # noqa: F401
 
-import kv_pool  # noqa: F401
+from engine import kv_pool  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[2]
 EXERCISE_TESTS = ROOT / "tests" / "exercises"

@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 
 import engine
-import step_budget
+from engine import step_budget
 
 ROOT = Path(__file__).resolve().parents[2]
 NUM = r"(?P<n>(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?)"  # the number a phrase states: 400, 2,048, 2.2
@@ -94,8 +94,8 @@ ALLOWED = [
      LESSON_FIXED),
     ("notebooks/03_many_requests_and_serving.ipynb", "the fixed budget of 2,048 tokens a step (made in the",
      LESSON_FIXED),
-    ("step_budget.py", "head_dim=64), 400, 2048)", DOCTEST),
-    ("step_budget.py", "head_dim=1), 400, 2048)", DOCTEST),
+    ("engine/step_budget.py", "head_dim=64), 400, 2048)", DOCTEST),
+    ("engine/step_budget.py", "head_dim=1), 400, 2048)", DOCTEST),
     ("analyzer/kv_memory.py", "(2048, 1.95, 5.95)", DOCTEST + ": running blocks"),
     ("analyzer/caching_models.py", "(2048, 1024)", DOCTEST + ": a llama-server slot's context"),
     ("docs/analyzer.md", "(slots of 2,048 tokens, prompts", SLOT),
@@ -230,7 +230,7 @@ def test_the_scheduler_defaults_to_the_engines_cap():
     test_given_types.py ties to it) is the engine's cap, vLLM's default: one number."""
     import inspect
 
-    import scheduler
+    from engine import scheduler
 
     default = inspect.signature(scheduler.Scheduler).parameters["max_num_batched_tokens"].default
     assert default == engine.DEFAULT_MAX_NUM_BATCHED_TOKENS

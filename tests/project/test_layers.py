@@ -1,10 +1,11 @@
-"""The course's files import one way: each top-level module only modules above it in the
-reading order (README, "The code, in reading order"), so the allocator can be read, run and
-tested without anything built on it. Every import counts, those inside functions too; only
-an `if __name__ == "__main__":` block may reach up (prefix_caching.py's runs cli.py).
-A package of the course (analyzer/) is one row of the table and one place in the order; its
-files keep the same rule among themselves, in the order its row lists them. No module reads
-another's private names, and the allocator, the prompts and the analyzer never load torch.
+"""The course's modules import one way: each module only modules above it in the reading order
+(README, "The code, in reading order"), so the allocator can be read, run and tested without
+anything built on it, and no import goes in a circle. Every import counts: those inside
+functions, and those under `if __name__ == "__main__":`. The root holds the two commands and
+nothing else of the course's code; everything else lives in a package named for its role
+(allocator/, engine/, commands/, analyzer/, serving/), whose files keep the same rule. No
+module reads another's private names, and the allocator, the prompts and the analyzer never
+load torch.
 """
 
 import ast
@@ -21,84 +22,137 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # Bottom to top: the order of the README's table.
 ORDER = [
-    "prefix_caching", "walkthrough", "flags", "model_files", "model_loader", "prompts", "kv_pool", "outputs",
-    "request", "sampling", "cpu_threads", "one_request", "scheduler", "step_budget", "batch_attention",
-    "static_decode", "model_runner", "batch_engine", "engine_loop", "engine", "model_flags", "demo", "analyzer",
-    "server_requests", "server_views", "server_connections", "server_routes", "server", "cli",
+    "allocator.prefix_caching",
+    "engine.model_files", "engine.model_loader", "engine.prompts", "engine.kv_pool", "engine.outputs",
+    "engine.request", "engine.sampling", "engine.cpu_threads", "engine.one_request", "engine.scheduler",
+    "engine.step_budget", "engine.batch_attention", "engine.static_decode", "engine.model_runner",
+    "engine.batch_engine", "engine.engine_loop", "engine.llm_engine",
+    "commands.flags", "commands.walkthrough", "commands.model_flags", "commands.demo",
+    "analyzer.request_logs", "analyzer.caching_models", "analyzer.kv_memory", "analyzer.fleet", "analyzer.log_replay",
+    "analyzer.workload_analyzer",
+    "serving.requests", "serving.views", "serving.connections", "serving.routes",
+    "server", "prefix_caching",
 ]
-# A package's place in ORDER, and its own files bottom to top (its row of the table lists them so).
-PACKAGES = {"analyzer": ["request_logs", "caching_models", "kv_memory", "fleet", "log_replay", "workload_analyzer"]}
-TOP_LEVEL = {path.stem for path in ROOT.glob("*.py")} | set(PACKAGES)
+MODULES = ORDER
+PACKAGES = list(dict.fromkeys(name.split(".")[0] for name in ORDER if "." in name))
+ROOT_FILES = {path.stem for path in ROOT.glob("*.py")}
+OURS = set(ORDER) | set(PACKAGES)
 LESSONS = {path.stem for path in (ROOT / "lessons").glob("*.py")}
-
-
-def modules_of(name: str) -> list[str]:
-    """A top-level module's name, or a package's modules in their order ("analyzer.request_logs", ...)."""
-    return [f"{name}.{inner}" for inner in PACKAGES[name]] if name in PACKAGES else [name]
-
-
-MODULES = [module for name in ORDER for module in modules_of(name)]  # every module, bottom to top
-TORCH_FREE = ["prefix_caching", "walkthrough", "flags", "model_files", "prompts", *modules_of("analyzer")]
+TORCH_FREE = ["prefix_caching", "allocator.prefix_caching", "commands.walkthrough", "commands.flags",
+              "engine.model_files", "engine.prompts", *[name for name in ORDER if name.startswith("analyzer.")]]
 
 
 def path_of(module: str) -> Path:
     return ROOT / f"{module.replace('.', '/')}.py"
 
 
-def is_main_block(node: ast.AST) -> bool:
-    return (isinstance(node, ast.If) and isinstance(node.test, ast.Compare)
-            and isinstance(node.test.left, ast.Name) and node.test.left.id == "__name__")
+def exports_of(package: str) -> dict[str, str]:
+    """The names `from package import NAME` gives, and the module of ours that defines each: the
+    package's own `from package.module import ...` lines, or its EXPORTS table (engine's, whose
+    names load when first asked for)."""
+    exports = {}
+    for node in ast.walk(ast.parse((ROOT / package / "__init__.py").read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module in ORDER:
+            exports |= {alias.asname or alias.name: node.module for alias in node.names}
+        elif isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == ["EXPORTS"]:
+            exports |= ast.literal_eval(node.value)
+    return exports
 
 
-def walk_outside_main(tree: ast.AST):
-    """Every node of the module, except what an `if __name__ == "__main__":` block holds."""
-    todo = [tree]
-    while todo:
-        node = todo.pop()
-        yield node
-        todo.extend(child for child in ast.iter_child_nodes(node) if not is_main_block(child))
+EXPORTS = {package: exports_of(package) for package in PACKAGES}
 
 
-def imported_modules(path: Path) -> set[str]:
-    """The first part of every module name `path` imports, wherever the import sits, and each
-    module of a package of ours it names ("analyzer.request_logs")."""
-    full = set()
-    for node in walk_outside_main(ast.parse(path.read_text())):
+def imported_modules(path: Path, tree: ast.AST | None = None) -> set[str]:
+    """Every module `path` imports, wherever the import sits (main blocks included): a module of
+    ours by its full name ("engine.kv_pool"; `from engine import Engine` names engine.llm_engine,
+    the module its package takes Engine from), anything else by its first part ("torch")."""
+    found = set()
+    for node in ast.walk(tree or ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
-            full |= {alias.name for alias in node.names}
-        elif isinstance(node, ast.ImportFrom):
-            module = node.module if node.level == 0 else ".".join(filter(None, [path.parent.name, node.module]))
-            full |= {module} | {f"{module}.{alias.name}" for alias in node.names if module in PACKAGES}
-    return {name.split(".")[0] for name in full} | (full & set(MODULES))
+            found |= {alias.name if alias.name in OURS else alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            module = node.module
+            if module in PACKAGES:
+                for alias in node.names:
+                    inner = f"{module}.{alias.name}"
+                    if inner in ORDER:
+                        found.add(inner)
+                    elif alias.name in EXPORTS[module]:
+                        found.add(EXPORTS[module][alias.name])
+                    else:  # `*`, `__all__`: every module the package takes names from
+                        found |= set(EXPORTS[module].values()) or {module}
+            else:
+                found.add(module if module in OURS else module.split(".")[0])
+    return found
 
 
-def test_the_order_names_every_top_level_module():
-    assert set(ORDER) == TOP_LEVEL, "a new top-level file belongs somewhere in ORDER (and in the README's table)"
-    for package, inner in PACKAGES.items():
-        files = {path.stem for path in (ROOT / package).glob("*.py")} - {"__init__"}
-        assert set(inner) == files, f"a new file of {package}/ belongs somewhere in PACKAGES (and in its row)"
+def test_the_root_holds_the_two_commands_and_every_module_is_in_the_order():
+    assert ROOT_FILES == {"prefix_caching", "server"}, "a new module belongs in a package (and in ORDER)"
+    for package in PACKAGES:
+        files = {f"{package}.{path.stem}" for path in (ROOT / package).glob("*.py")} - {f"{package}.__init__"}
+        assert files == {name for name in ORDER if name.startswith(f"{package}.")}, \
+            f"a new file of {package}/ belongs somewhere in ORDER (and in the README's table)"
+        assert not (ROOT / f"{package}.py").exists(), f"{package}/ would shadow {package}.py"
 
 
 def test_the_readme_table_lists_the_files_in_this_order():
     readme = (ROOT / "README.md").read_text()
     table = readme[readme.index("## The code, in reading order"):]
     table = table[: table.index("\n\n", table.index("| file |"))]
-    listed = [name for name in re.findall(r"\[`(\w+)(?:\.py|/)`\]", table) if name in TOP_LEVEL]
+    listed = [target[:-3].replace("/", ".") for target in re.findall(r"\]\(([\w/]+\.py)\)", table)]
     assert listed == ORDER
-    for package, inner in PACKAGES.items():
-        (row,) = [line for line in table.splitlines() if line.startswith(f"| [`{package}/`]")]
-        assert re.findall(rf"\[`(\w+)\.py`\]\({package}/", row) == inner, f"{package}/'s row lists its files in order"
 
 
 def test_each_module_imports_only_modules_below_it():
-    for position, name in enumerate(MODULES):
-        ours = imported_modules(path_of(name)) & (TOP_LEVEL | set(MODULES))
-        above = sorted(ours - set(MODULES[:position]) - set(PACKAGES))  # a package's modules are checked one by one
+    for position, name in enumerate(ORDER):
+        ours = imported_modules(path_of(name)) & OURS
+        above = sorted(ours - set(ORDER[:position]))
         assert not above, f"{name} imports {above}, which come after it in the reading order"
 
 
+def test_the_packages_init_files_import_only_their_own_modules():
+    for package in PACKAGES:
+        ours = imported_modules(ROOT / package / "__init__.py") & OURS
+        assert all(name.startswith(f"{package}.") for name in ours), f"{package}/__init__.py imports {ours}"
+
+
+def test_no_import_goes_in_a_circle_anywhere_in_the_repository():
+    """Every module of the repository outside tests/ (the packages, the two commands, the
+    benchmarks, the lessons' helpers), every import counted: no cycle, however long."""
+    folders = [ROOT, *(ROOT / package for package in PACKAGES), ROOT / "benchmarks", ROOT / "lessons"]
+    paths = [p for folder in folders for p in folder.glob("*.py") if not p.name[0].isdigit() and p.name != "__init__.py"]
+    names = {".".join(p.relative_to(ROOT).with_suffix("").parts): p for p in paths}
+    lessons = {p.stem: f"lessons.{p.stem}" for p in paths if p.parent.name == "lessons"}
+    graph = {}
+    for name, path in names.items():
+        tree = ast.parse(path.read_text())
+        imports = imported_modules(path, tree)
+        for node in ast.walk(tree):  # benchmarks.x, lessons.x and the lessons' own `import words`
+            if isinstance(node, ast.ImportFrom) and node.module in ("benchmarks", "lessons"):
+                imports |= {f"{node.module}.{alias.name}" for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                imports.add(node.module)
+            elif isinstance(node, ast.Import):
+                imports |= {alias.name for alias in node.names}
+        graph[name] = {lessons.get(i, i) for i in imports if lessons.get(i, i) in names and lessons.get(i, i) != name}
+    state = {}
+
+    def visit(name, trail):
+        state[name] = "open"
+        for other in sorted(graph[name]):
+            assert state.get(other) != "open", f"an import cycle: {' -> '.join(trail[trail.index(other):] + [other])}"
+            if other not in state:
+                visit(other, trail + [other])
+        state[name] = "done"
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [name])
+    assert len(graph) > 60
+
+
 def test_no_reference_module_imports_the_lessons_or_the_tests():
-    for name in MODULES:
+    for name in ORDER:
         imports = imported_modules(path_of(name))
         assert not imports & ({"lessons", "tests"} | LESSONS), f"{name} imports the course material"
 
@@ -114,7 +168,7 @@ def test_the_allocator_the_prompts_and_the_analyzer_load_without_torch():
 def test_benchmarks_import_the_reference_only():
     for path in (ROOT / "benchmarks").glob("*.py"):
         imports = imported_modules(path)
-        assert not imports & ({"lessons", "tests"} | (LESSONS - TOP_LEVEL)), f"benchmarks/{path.name} imports lessons"
+        assert not imports & ({"lessons", "tests"} | (LESSONS - ROOT_FILES)), f"benchmarks/{path.name} imports lessons"
 
 
 def private_names(tree: ast.AST) -> set[str]:
@@ -136,8 +190,8 @@ def test_no_module_reads_another_modules_private_names():
     for name, tree in trees.items():
         others = set().union(*(names for other, names in private.items() if other != name)) - private[name]
         for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom) and node.module in TOP_LEVEL | set(MODULES):
-                taken = [a.name for a in node.names if a.name.startswith("_")]
+            if isinstance(node, ast.ImportFrom) and node.module in OURS:
+                taken = [a.name for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
                 assert not taken, f"{name} imports private {taken} from {node.module}"
             if isinstance(node, ast.Attribute) and node.attr in others:
                 owner = node.value.id if isinstance(node.value, ast.Name) else None
@@ -151,7 +205,8 @@ def module(request):
     return importlib.import_module(request.param)
 
 
-@pytest.mark.parametrize("module", [n for n in MODULES if n not in ("prefix_caching", "cli")], indirect=True)
+@pytest.mark.parametrize("module", [n for n in ORDER if n not in ("allocator.prefix_caching", "prefix_caching")],
+                         indirect=True)
 def test_docstring_examples(module):
-    """The small worked examples in docstrings (prefix_caching.py's run in test_allocator.py)."""
+    """The small worked examples in docstrings (allocator/prefix_caching.py's run in test_allocator.py)."""
     assert doctest.testmod(module).failed == 0

@@ -1,4 +1,4 @@
-"""Fair shares between students over real HTTP (scheduler.py's Virtual Token Counter, the
+"""Fair shares between students over real HTTP (engine/scheduler.py's Virtual Token Counter, the
 server's tenants): the least-served student's request is admitted first, a prompt refused
 after tokenizing is charged to its sender, and /health shows a student its own share.
 

@@ -30,7 +30,7 @@ from benchmarks.router import Fleet, replay_through_router, router
 from engine import Engine
 from helpers import MODEL, StubWorker, calibrated, serve, wait_until_idle
 from server import create_app
-from server_requests import CHAT, COMPLETIONS, Settings, parse_generation_request
+from serving.requests import CHAT, COMPLETIONS, Settings, parse_generation_request
 
 pytestmark = [pytest.mark.router, pytest.mark.server]
 
@@ -142,7 +142,7 @@ def test_the_bodies_the_router_writes_are_taken():
 
 @pytest.mark.parametrize("field, value", [("ignore_eos", True), ("no_stop_trim", True), ("skip_special_tokens", False)])
 def test_sglang_fields_that_would_change_the_reply_are_refused(field, value):
-    from server_requests import APIError
+    from serving.requests import APIError
 
     with pytest.raises(APIError, match=f"does not implement '{field}'"):
         parse_generation_request({**ROUTER_CHAT_BODY, field: value}, CHAT, Settings(MODEL), headers={})

@@ -28,7 +28,7 @@ from benchmarks.router import Keys, body_limit, front, router
 from engine import Engine
 from helpers import MODEL, ask, calibrated, connect_from, serve, until, wait_until_idle
 from server import create_app
-from server_connections import connection_cap
+from serving.connections import connection_cap
 
 pytestmark = [pytest.mark.router, pytest.mark.server]
 

@@ -31,8 +31,8 @@ from helpers import (
     wait_until_idle,
 )
 from server import create_app, drain, serve_in_background
-from server_connections import AFTER_BODY_LIMIT
-from server_views import ServerState
+from serving.connections import AFTER_BODY_LIMIT
+from serving.views import ServerState
 
 ATTACKER = "127.0.0.2"
 MALLORY, BOB = ({"Authorization": f"Bearer {key}"} for key in ("mallory-key", "bob-key"))

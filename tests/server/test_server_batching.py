@@ -20,7 +20,7 @@ import time
 import pytest
 
 from engine import Engine
-from engine_loop import EngineLoop
+from engine.engine_loop import EngineLoop
 from helpers import (
     MODEL, SYSTEM, calibrated, call, client, held_in_step, queued_together, raw_request, serve, wait_for_log,
     wait_until_idle,

@@ -11,8 +11,8 @@ import shutil
 import pytest
 
 from engine import Engine
-from one_request import run_request
-from request import SamplingParams
+from engine.one_request import run_request
+from engine.request import SamplingParams
 from server import create_app
 from helpers import SYSTEM, assert_pool_whole, call, serve
 

@@ -20,8 +20,8 @@ import pytest
 
 from helpers import MODEL, call, raw_request, serve, wait_until_idle
 from server import create_app
-from server_connections import AFTER_BODY_LIMIT, MAX_HEAD_BYTES, MAX_HEADER_FIELDS
-from server_requests import MAX_CHAT_MESSAGES
+from serving.connections import AFTER_BODY_LIMIT, MAX_HEAD_BYTES, MAX_HEADER_FIELDS
+from serving.requests import MAX_CHAT_MESSAGES
 
 BODY = json.dumps({"prompt": "Hi", "max_tokens": 2}).encode()
 

@@ -28,7 +28,7 @@ from helpers import (
     MODEL, calibrated, call, call_with_headers, connect_from, queued_together, serve, until, wait_until_idle,
 )
 from server import create_app
-from server_connections import connection_cap
+from serving.connections import connection_cap
 
 STUDENTS = [f"student-{i:02}" for i in range(30)]
 TEACHER = "teacher-secret"

@@ -1,4 +1,4 @@
-"""How server_requests.py reads what a client sends, without HTTP: plain values in, a
+"""How serving/requests.py reads what a client sends, without HTTP: plain values in, a
 GenerationRequest or an APIError out. The status and the words of each error are the spec:
 a client that reads the message knows what to send instead.
 """
@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from server_requests import (
+from serving.requests import (
     CHAT, COMPLETIONS, GENERATE, MAX_STOP_CHARS, NO_OP_VALUES, APIError, PromptBounds, Settings, check_admin,
     check_content_type, check_host, parse_generation_request, parse_json_object, read_body, tenant_of,
 )
@@ -184,7 +184,7 @@ def test_the_reset_is_open_without_keys_and_needs_the_admin_key_with_them():
 
 
 def test_errors_are_json_objects_an_openai_client_reads():
-    from server_requests import error_json
+    from serving.requests import error_json
 
     assert json.loads(json.dumps(error_json(415, "m"))) == {"error": {"message": "m", "type": "invalid_request_error"}}
     assert error_json(403, "m")["error"]["type"] == "permission_error"

@@ -16,14 +16,14 @@ import threading
 
 import pytest
 
-from engine_loop import EngineLoop, EngineStoppedError
+from engine.engine_loop import EngineLoop, EngineStoppedError
 from engine import Engine
 from helpers import (
     MODEL, SYSTEM, EmbeddingCounter, calibrated, call, call_with_headers, held_in_step, queued_together, raw_request,
     serve, until, wait_until_idle,
 )
 from server import create_app, drain, serve_in_background
-from server_views import ServerState
+from serving.views import ServerState
 
 ALICE, BOB, ADMIN = ({"Authorization": f"Bearer {key}"} for key in ("alice-key", "bob-key", "s3cret"))
 
@@ -222,7 +222,7 @@ def keys_file(tmp_path):
 
 
 def test_with_a_key_list_an_unknown_key_gets_401_everywhere_and_probes_still_work(engine, keys_file):
-    from server_requests import read_api_keys
+    from serving.requests import read_api_keys
 
     app = create_app(engine, model_name=MODEL, salt_by_api_key=True, admin_key="s3cret",
                      api_keys=read_api_keys(str(keys_file)))

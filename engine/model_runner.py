@@ -1,9 +1,9 @@
 """
 The model runner: a step's plan in, the logits of every request that samples out.
 
-Read batch_attention.py first (how one forward pass attends for every request over the
-pool), then static_decode.py (a decode step with fixed shapes). The runner knows nothing of
-queues, budgets or replies: batch_engine.py's BatchRunner hands it a plan and gets logits
+Read engine/batch_attention.py first (how one forward pass attends for every request over the
+pool), then engine/static_decode.py (a decode step with fixed shapes). The runner knows nothing of
+queues, budgets or replies: engine/batch_engine.py's BatchRunner hands it a plan and gets logits
 back, as nano-vllm's LLMEngine hands its ModelRunner the scheduled sequences
 (nanovllm/engine/model_runner.py at bb823b3: prepare_prefill or prepare_decode builds the
 inputs, run_model returns the logits; its run also samples, which here stays with the step).
@@ -11,8 +11,8 @@ inputs, run_model returns the logits; its run also samples, which here stays wit
     StepFigures   how big one step was: requests, tokens, slots attended over and copied
     DecodeGraphs  CUDA graphs of the padded decode step, one per (size, width) of its ladders
     ModelRunner   run: one forward pass, eager (build_step's packed step) or, for a step that
-                  only decodes, the padded step of static_decode.py, replayed as a graph on a
-                  GPU; on a CPU with the thread count cpu_threads.py picks
+                  only decodes, the padded step of engine/static_decode.py, replayed as a graph on a
+                  GPU; on a CPU with the thread count engine/cpu_threads.py picks
 
 On a GPU a decode step of a small model is mostly the CPU's work: the Python of the forward
 pass and of its attention, and one launch for each of its hundreds of kernels, while the GPU
@@ -23,7 +23,7 @@ buffers allocated once (static_decode.DecodeBuffers) and the batch is padded to 
 ladder. What a graph cannot replay is a shape it was not captured with: a step with a
 prompt's chunk changes its token count every step, and runs eagerly, as does a step larger
 than the ladders. nano-vllm captures its decode step the same way (nanovllm/engine/
-model_runner.py: capture_cudagraph, and run_model, which replays it), as does vLLM (capture_model
+engine/model_runner.py: capture_cudagraph, and run_model, which replays it), as does vLLM (capture_model
 and _dummy_run in vllm/v1/worker/gpu_model_runner.py).
 """
 
@@ -34,11 +34,11 @@ from dataclasses import dataclass
 
 import torch
 
-from batch_attention import StepInputs, build_step, use_pool_attention
-from cpu_threads import ThreadChooser, one_pass
-from one_request import EngineParts
-from scheduler import StepPlan
-from static_decode import DecodeBuffers, block_widths, decode_sizes, forward, rung
+from engine.batch_attention import StepInputs, build_step, use_pool_attention
+from engine.cpu_threads import ThreadChooser, one_pass
+from engine.one_request import EngineParts
+from engine.scheduler import StepPlan
+from engine.static_decode import DecodeBuffers, block_widths, decode_sizes, forward, rung
 
 log = logging.getLogger("engine")
 
@@ -111,10 +111,10 @@ class ModelRunner:
 
     parts: the model and pool (one_request.EngineParts); cascade_attention: decodes sharing a
     long prefix's blocks may attend over them once, where counted work says it pays
-    (batch_attention.decode_groups); threads: the CPU thread policy (cpu_threads.py), or None
+    (batch_attention.decode_groups); threads: the CPU thread policy (engine/cpu_threads.py), or None
     for torch's own count (and on a GPU, where the CPU only launches kernels); max_num_seqs:
     the most requests a step holds, the top of the batch-size ladder. static_decode: a step
-    whose every request computes one token runs padded (static_decode.py), as a CUDA graph on
+    whose every request computes one token runs padded (engine/static_decode.py), as a CUDA graph on
     a GPU and eagerly on a CPU; None: on a GPU only. If a capture fails, the runner says why
     once (the "engine" logger) and runs every later step eagerly, unpadded.
     """

@@ -4,7 +4,7 @@ engine loop.
 
 Read prefix_caching.py (the allocator) first. The files under this one, each with one role,
 are listed in the README's reading-order table ("The code, in reading order"): the pool, the
-one finisher of reply text, a request (request.py), the sampler, the thread policy, stage 7's
+one finisher of reply text, a request (engine/request.py), the sampler, the thread policy, stage 7's
 one-request path (and EngineParts, what it and the loop are handed instead of the Engine),
 and stage 8's scheduler, budget policies, attention, model runner, batch runner and loop.
 
@@ -12,7 +12,7 @@ This file builds the model, the allocator and the pool (bundled once as EnginePa
 one EngineConfig, checks what callers send (the prompt, the SamplingParams, the salt, the
 request id) once, before any work, and submits the request to the engine loop (stage 8's
 scheduler, budget and batch runner), which trusts it. Every caller's request runs there:
-generate, stream, generate_batch, the server, the benches. Stage 7's path (one_request.py's
+generate, stream, generate_batch, the server, the benches. Stage 7's path (engine/one_request.py's
 run_request) is the lesson's and the demo's, called by name over an Engine's parts, not a
 mode of the Engine. Nothing under this file imports it.
 
@@ -20,8 +20,8 @@ mode of the Engine. Nothing under this file imports it.
     Engine             Engine(...), tokenize, generate, stream, generate_batch, snapshot,
                        reset_prefix_cache, close (and `with Engine(...) as engine:`)
 
-A prompt is checked and tokenized by prompts.py; the flags that make an Engine from a
-command line are model_flags.py's.
+A prompt is checked and tokenized by engine/prompts.py; the flags that make an Engine from a
+command line are commands/model_flags.py's.
 
 References: vLLM v1 (vllm/v1/engine/llm_engine.py and core.py: an EngineCore composing a
 Scheduler and a model executor, with an output processor beside it); nano-vllm
@@ -41,19 +41,19 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
-from cpu_threads import ThreadChooser, in_own_thread, one_pass, synchronize
-from engine_loop import (
+from engine.cpu_threads import ThreadChooser, in_own_thread, one_pass, synchronize
+from engine.engine_loop import (
     ClientGoneError, EngineLoop, EngineStoppedError, LoopSnapshot, QueueFullError, thaw_startup_heap,
 )
-from kv_pool import PagedKVPool
-from model_loader import load_model
-from one_request import EngineParts, forward
-from outputs import Generation, StreamEvent
-from prefix_caching import HASH_ALGOS, PrefixCachingAllocator, check_cache_salt, check_text
-from prompts import tokenize_prompts
-from request import FINISHED, SamplingParams
-from scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS, check_step_size
-from step_budget import CALIBRATION_TOKENS, DEFAULT_TARGET_STEP_MS, ModelShape, StepBudget
+from engine.kv_pool import PagedKVPool
+from engine.model_loader import load_model
+from engine.one_request import EngineParts, forward
+from engine.outputs import Generation, StreamEvent
+from allocator import HASH_ALGOS, PrefixCachingAllocator, check_cache_salt, check_text
+from engine.prompts import tokenize_prompts
+from engine.request import FINISHED, SamplingParams
+from engine.scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS, check_step_size
+from engine.step_budget import CALIBRATION_TOKENS, DEFAULT_TARGET_STEP_MS, ModelShape, StepBudget
 
 # -----------------------------------------------------------------------------
 # The Engine and its configuration
@@ -68,16 +68,16 @@ class EngineConfig:
 
     The pool: block_size, and num_blocks or kv_memory_gb (DEFAULT_KV_MEMORY_GB GiB when
     neither is given); enable_caching, hash_algo, free_uncached_first (the allocator's).
-    Every caller's requests run in one engine loop (engine_loop.py). A step: max_num_seqs
+    Every caller's requests run in one engine loop (engine/engine_loop.py). A step: max_num_seqs
     requests at most, and a token budget that is max_num_batched_tokens every step when it
-    is given (vLLM's meaning), or else as many tokens as fit in target_step_ms (step_budget.py,
+    is given (vLLM's meaning), or else as many tokens as fit in target_step_ms (engine/step_budget.py,
     DEFAULT_TARGET_STEP_MS unless given), at most DEFAULT_MAX_NUM_BATCHED_TOKENS.
     enable_chunked_prefill, cascade_attention (decodes sharing a long prefix read it once,
     where it pays), choose_threads (False keeps torch's thread count on a CPU), fair_share
     (the waiting queue read least-served tenant first, and a tenant far ahead held to a
-    smaller share of a step: scheduler.py and step_budget.py; False: arrival order),
+    smaller share of a step: engine/scheduler.py and engine/step_budget.py; False: arrival order),
     static_decode (a step that only decodes runs padded to fixed shapes, replayed as a CUDA
-    graph on a GPU: model_runner.py; None: on a GPU only; True on a CPU runs it eagerly).
+    graph on a GPU: engine/model_runner.py; None: on a GPU only; True on a CPU runs it eagerly).
     """
 
     block_size: int = 16
@@ -195,10 +195,10 @@ class Engine:
     the stop tokens (one_request.EngineParts): what every runner of the engine is handed,
     and what those attributes read.
 
-    stream, generate and generate_batch submit to one engine loop (engine_loop.py), in a
+    stream, generate and generate_batch submit to one engine loop (engine/engine_loop.py), in a
     thread started by the first request, that runs every caller's requests in the same
     forward passes, each layer's attention copying every request's context out of the pool
-    by its block table (batch_engine.py says how much); a busy pool makes requests wait
+    by its block table (engine/batch_engine.py says how much); a busy pool makes requests wait
     instead of refusing them. Stage 7's one request at a time, its cached prefix gathered
     into a DynamicCache, is one_request.generate(engine.parts, ...): what the lesson and the
     demo run. A request's sampling is one SamplingParams, given as params= or as its fields
@@ -219,7 +219,7 @@ class Engine:
                  config: EngineConfig | None = None, **options):
         if "batching" in options:
             raise TypeError("batching is not an option: every Engine runs its callers' requests in one engine loop "
-                            "(engine_loop.py); stage 7's one request at a time is one_request.generate(engine.parts, "
+                            "(engine/engine_loop.py); stage 7's one request at a time is one_request.generate(engine.parts, "
                             "...)")
         unknown = sorted(set(options) - set(CONFIG_FIELDS))
         if unknown:
@@ -410,7 +410,7 @@ class Engine:
                        cache_salt: str | None = None, max_num_seqs: int | None = None,
                        max_num_batched_tokens: int | None = None, **sampling) -> list[Generation]:
         """Run many requests together, one forward pass per step for all of them (continuous
-        batching on the paged pool: batch_engine.py); their Generations, in the order given.
+        batching on the paged pool: engine/batch_engine.py); their Generations, in the order given.
 
         Every prompt is checked before any runs. They join the engine loop's queue, behind
         every request submitted before them, and share its steps with every other caller;
@@ -464,7 +464,7 @@ class Engine:
             contains, with finish_reason "stop", and the stop text is not part of it).
         cache_salt: requests hit each other's blocks only when their salts are equal
             (None and "" are the public cache).
-        A server's guards (the engine loop's, engine_loop.py):
+        A server's guards (the engine loop's, engine/engine_loop.py):
         tenant: who asks (a budget policy may share steps by it);
         gone: a check the loop calls while the request waits and before each of its prefill
             steps; True drops the request, and iteration raises ClientGoneError (a check that

@@ -37,7 +37,7 @@ across a forward pass. /cache is the biggest answer (every block, decoded): it i
 at most once per PAGE_EVERY_S for each viewer, and a key that owns nothing in the pool (a
 made-up one) gets the one page every such key gets, so new keys cost no new rendering.
 
-Read server_requests.py first (Settings, who is asking); server_routes.py answers with this.
+Read serving/requests.py first (Settings, who is asking); serving/routes.py answers with this.
 """
 
 from __future__ import annotations
@@ -47,9 +47,9 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from engine import Engine
-from prefix_caching import KVCacheBlock, short_hash
-from server_requests import Settings, is_admin, tenant_of
+from engine.llm_engine import Engine
+from allocator import KVCacheBlock, short_hash
+from serving.requests import Settings, is_admin, tenant_of
 
 PAGE_EVERY_S = 0.25
 
@@ -83,7 +83,7 @@ class TenantCounters:
 def share_of(loop, tenant: str | None) -> dict:
     """A tenant's own fair-share figures: the tokens computed for it (refused prompts' too)
     while it or anyone has work, and how far that is ahead of the least-served tenant with
-    work (scheduler.py's counter; 0 when it is the least served, or nobody has work)."""
+    work (engine/scheduler.py's counter; 0 when it is the least served, or nobody has work)."""
     served = loop.served.get(tenant, 0)
     ahead = 0 if loop.least_served is None else max(0, served - loop.least_served)
     return {"served_tokens": served, "tokens_ahead_of_least_served": ahead}
@@ -166,7 +166,7 @@ class ServerState:
                      "preemptions": None, "steps": None,
                      **share_of(loop, viewer.tenant if viewer.share is None else viewer.share)}
         else:
-            if loop.step_budget is not None:  # what a step costs on this machine, learned (step_budget.py)
+            if loop.step_budget is not None:  # what a step costs on this machine, learned (engine/step_budget.py)
                 pool["step_costs"] = loop.step_budget["learned"]
             pool["last_step"] = None if last is None else {
                 "requests": last.num_requests, "tokens": last.num_tokens, "prefill_tokens": last.num_prefill_tokens,

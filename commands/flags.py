@@ -5,8 +5,8 @@ Command-line flags: the argparse types every command of the course shares, witho
     positive_float   a finite number > 0 (GiB of KV memory, a step time)
 
 A bad value is a usage error that says what was wrong, before any model loads. The model
-and pool flags the demo, benchmarks and server share (add_model_arguments) are model_flags.py's,
-after engine.py in the reading order, since they show the engine's defaults; these types are
+and pool flags the demo, benchmarks and server share (add_model_arguments) are commands/model_flags.py's,
+after engine/llm_engine.py in the reading order, since they show the engine's defaults; these types are
 apart so that the workload analyzer (analyzer/) can use them without loading torch.
 
     >>> positive_int("16"), positive_float("0.5")

@@ -1,8 +1,8 @@
 """
 The decode step with fixed shapes: the forward pass a CUDA graph can capture and replay.
 
-Read batch_attention.py first (a step's inputs packed and grouped anew every step);
-model_runner.py runs this file's step, captured as a CUDA graph on a GPU.
+Read engine/batch_attention.py first (a step's inputs packed and grouped anew every step);
+engine/model_runner.py runs this file's step, captured as a CUDA graph on a GPU.
 
 A step that only decodes computes one token a request. Its inputs are the same few tensors
 every step, only their values change, so they can live in buffers allocated once, and the
@@ -17,7 +17,7 @@ each row's block table padded to a width of another ladder. A graph captured for
                                  (pool_step=), built from the buffers inside the pass
 
 Padding rows never touch a request's K/V: each writes its token to the pool's scratch block
-(kv_pool.py; the allocator never hands it out) and reads only that block, context length 1.
+(engine/kv_pool.py; the allocator never hands it out) and reads only that block, context length 1.
 A real row reads its own blocks and, past them, its last block again, masked: no real row
 ever reads the scratch block, so whatever padding leaves there cannot reach it.
 
@@ -39,8 +39,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kv_pool import PagedKVPool
-from scheduler import StepPlan
+from engine.kv_pool import PagedKVPool
+from engine.scheduler import StepPlan
 
 # -----------------------------------------------------------------------------
 # 1. The ladders
@@ -145,7 +145,7 @@ def rung(plan: StepPlan, sizes: list[int], widths: list[int], block_size: int) -
 
 @dataclass
 class StaticStep:
-    """What pool_attention hands its layers' work to (batch_attention.py): rows of one token
+    """What pool_attention hands its layers' work to (engine/batch_attention.py): rows of one token
     each, every row reading `width` whole blocks.
 
         slot_mapping  (rows,)                   where each row's new K/V go

@@ -3,8 +3,8 @@ What each forward pass runs with: on a CPU, how many threads, chosen by measurin
 machine; on a GPU, which attention kernels (GPU_ATTENTION, and why).
 
 Every forward pass the engines run goes through one_pass below: stage 7's one-request
-engine (one_request.py, which the demo runs; its step's copies to and from the pool too)
-and stage 8's batched step (batch_engine.py); so do the passes the lessons' own loops
+engine (engine/one_request.py, which the demo runs; its step's copies to and from the pool too)
+and stage 8's batched step (engine/batch_engine.py); so do the passes the lessons' own loops
 (stages 1 and 2) and the benchmarks' floors time, and the engine's warm-up. A timing that
 compares two of them holds both to one policy. Peers (transformers' generate, llama.cpp)
 are not wrapped, nor are the lessons' untimed checks against them: they keep their own.

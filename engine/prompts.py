@@ -11,7 +11,7 @@ loading a model's framework.
                         call each for texts and for chats
     refused_by_template why the model's chat template refused a batch of chats
 
-The Engine (engine.py) tokenizes every request here, at its front; the analyzer tokenizes a
+The Engine (engine/llm_engine.py) tokenizes every request here, at its front; the analyzer tokenizes a
 whole log here, so both count the same tokens.
 """
 
@@ -22,7 +22,7 @@ from typing import Sequence
 
 from jinja2 import TemplateError
 
-from prefix_caching import check_text
+from allocator import check_text
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")  # OpenAI's chat API's roles
 

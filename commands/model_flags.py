@@ -4,9 +4,9 @@ The model and pool flags the demo, the benchmarks, the lessons and the server sh
     add_model_arguments   --model, --device, --dtype, --block-size, --num-blocks or --kv-memory-gb
     pool_arguments        the Engine's pool keywords from those flags
 
-Read engine.py first: the flags show its defaults (the offline model, DEFAULT_KV_MEMORY_GB of
+Read engine/llm_engine.py first: the flags show its defaults (the offline model, DEFAULT_KV_MEMORY_GB of
 memory for the pool) and pool_arguments hands the pool's size to it. The argparse types are
-flags.py's, apart, so that commands without torch can use them.
+commands/flags.py's, apart, so that commands without torch can use them.
 
     >>> import argparse
     >>> parser = argparse.ArgumentParser()
@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import argparse
 
-from engine import DEFAULT_KV_MEMORY_GB
-from flags import positive_float, positive_int
-from model_files import DEFAULT_MODEL
-from model_loader import DTYPES
+from engine.llm_engine import DEFAULT_KV_MEMORY_GB
+from commands.flags import positive_float, positive_int
+from engine.model_files import DEFAULT_MODEL
+from engine.model_loader import DTYPES
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:

@@ -1,8 +1,8 @@
 """
 The engine loop: a thread that steps one BatchRunner for callers in many threads.
 
-Read batch_engine.py first: the step (schedule, one forward pass, a token per request).
-Every Engine (engine.py) submits every request here, whoever calls (generate, stream,
+Read engine/batch_engine.py first: the step (schedule, one forward pass, a token per request).
+Every Engine (engine/llm_engine.py) submits every request here, whoever calls (generate, stream,
 generate_batch, a server's clients), so one scheduler plans every step. Callers read each
 request's StreamEvents from a queue; a loop that fails outside a step is dead (crash-only),
 and a gentle shutdown drains it. After each change to its queues or the pool, the loop
@@ -29,9 +29,9 @@ from collections import Counter, deque
 from dataclasses import dataclass, replace
 from typing import Callable
 
-from batch_engine import BatchRunner, StepFigures
-from one_request import EngineParts
-from request import FINISHED, Request, SamplingParams
+from engine.batch_engine import BatchRunner, StepFigures
+from engine.one_request import EngineParts
+from engine.request import FINISHED, Request, SamplingParams
 
 # -----------------------------------------------------------------------------
 # 1. The loop's pieces: its errors, its snapshot, the heap it freezes

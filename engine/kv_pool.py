@@ -9,9 +9,9 @@ K/V in and out of it:
     PagedKVPool   the tensors, sized once from the model's shape; gather copies cached
                   blocks into a DynamicCache (stage 7's path), write copies new K/V back;
                   one scratch block beyond the allocator's, for a padded decode step's
-                  padding rows (static_decode.py)
+                  padding rows (engine/static_decode.py)
 
-Both engines (one_request.py, batch_engine.py) use it; it imports neither.
+Both engines (engine/one_request.py, engine/batch_engine.py) use it; it imports neither.
 """
 
 from __future__ import annotations
@@ -28,10 +28,10 @@ from transformers import DynamicCache
 # block whose slots were written by an earlier request and not overwritten since.
 #
 # Neither engine runs attention on the pool itself; both copy out what a step needs.
-# One request at a time (one_request.py): a hit is *gathered* from the pool into a fresh
+# One request at a time (engine/one_request.py): a hit is *gathered* from the pool into a fresh
 # DynamicCache, the model attends over that, and whatever it computes is *written* back into
 # the request's slots, so the blocks that fill are truly there for the next request. Many
-# requests (batch_engine.py): every layer copies each request's blocks, whole, into one buffer
+# requests (engine/batch_engine.py): every layer copies each request's blocks, whole, into one buffer
 # the pool keeps (read_blocks), and attends over that. vLLM's paged-attention kernels read the
 # blocks where they lie, with no copy; the copy is the price of running an unmodified Hugging
 # Face model with torch's own attention on any device. It costs what transformers' own
@@ -57,7 +57,7 @@ class PagedKVPool:
         data[layer, 1, block, offset]  the value of that token
 
     The memory holds one block more than the allocator's, block id num_blocks: the scratch
-    block. The allocator never hands it out; a padded decode step (static_decode.py) points
+    block. The allocator never hands it out; a padded decode step (engine/static_decode.py) points
     its padding rows at it, so they write and read there and touch no request's K/V. vLLM's
     BlockPool holds back block 0 the same way, its null_block: a placeholder no request owns
     (vllm/v1/core/block_pool.py).
@@ -154,7 +154,7 @@ class PagedKVPool:
 
         The copy lands in a buffer the pool keeps for it, grown to the largest read so far and
         overwritten by the next read: use the result before reading again, and read from one
-        thread at a time (batch_engine.py's steps hold the engine's lock, so they never overlap). A fresh tensor each
+        thread at a time (engine/batch_engine.py's steps hold the engine's lock, so they never overlap). A fresh tensor each
         time can cost more than the copy itself once it is big: memory that large comes straight
         from the operating system, and the first write to each of its pages faults.
 

@@ -1,7 +1,7 @@
 """
 Stage 7's engine: one request at a time, its cached prefix gathered into past_key_values.
 
-Read prefix_caching.py (the allocator) and kv_pool.py (the memory its block ids name) first.
+Read prefix_caching.py (the allocator) and engine/kv_pool.py (the memory its block ids name) first.
 A request, from prompt to reply:
 
     allocate_with_prefix   which leading blocks are cached? take them, and new blocks for the rest
@@ -17,8 +17,8 @@ last token of a reply never does: no cached block ever holds a slot nobody wrote
 
 This is the lesson's path, run by name: stage 7 and the demo (`python prefix_caching.py
 --demo`) call generate (below) over an Engine's parts, engine.parts. The Engine itself runs
-every caller's requests in its engine loop (engine_loop.py), many in one forward pass
-(batch_engine.py); both take the same EngineParts (section 1), the Engine's model, pool and
+every caller's requests in its engine loop (engine/engine_loop.py), many in one forward pass
+(engine/batch_engine.py); both take the same EngineParts (section 1), the Engine's model, pool and
 locks, and nothing else of it, so the two share one pool and its cache.
 
     1. the parts        EngineParts: what a request runs on
@@ -38,12 +38,12 @@ from typing import TYPE_CHECKING, Iterator
 
 import torch
 
-from cpu_threads import ThreadChooser, one_pass, synchronize
-from kv_pool import PagedKVPool
-from outputs import Generation, ReplyBuilder, StreamEvent
-from prefix_caching import OutOfBlocksError, PrefixCachingAllocator
-from request import SamplingParams
-from sampling import sample
+from engine.cpu_threads import ThreadChooser, one_pass, synchronize
+from engine.kv_pool import PagedKVPool
+from engine.outputs import Generation, ReplyBuilder, StreamEvent
+from allocator import OutOfBlocksError, PrefixCachingAllocator
+from engine.request import SamplingParams
+from engine.sampling import sample
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -54,20 +54,20 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class EngineParts:
-    """What a request runs on: the parts engine.py's Engine builds once and hands to
-    run_request (below) and to batch_engine.py's BatchRunner, instead of the whole Engine.
+    """What a request runs on: the parts engine/llm_engine.py's Engine builds once and hands to
+    run_request (below) and to engine/batch_engine.py's BatchRunner, instead of the whole Engine.
 
         model           the Hugging Face causal LM every forward pass runs
         tokenizer       turns sampled tokens into the reply's text (outputs.ReplyBuilder)
         stop_token_ids  tokens that end a reply with finish_reason "stop" (the model's EOS)
         allocator       the block bookkeeping (prefix_caching.py): block tables, hits, frees
-        kv              the pool of K/V memory the allocator's block ids point into (kv_pool.py)
+        kv              the pool of K/V memory the allocator's block ids point into (engine/kv_pool.py)
         device          where the model and the pool live (model.device)
         lock            held for every step (a prefill, one decoded token, one batched step),
                         so the steps of callers in many threads never interleave inside one
         allocator_lock  held around the allocator's (and a scheduler's) bookkeeping only,
                         never across a forward pass: a status page reads them while a step runs
-        threads         the ThreadChooser run_request's passes use on a CPU (cpu_threads.py),
+        threads         the ThreadChooser run_request's passes use on a CPU (engine/cpu_threads.py),
                         or None for torch's own count; a BatchRunner is given its own
     """
 
@@ -111,7 +111,7 @@ def forward(model, token_ids: list[int], past_key_values):
 def step_pass(parts: EngineParts, num_new: int, num_cached: int):
     """The context of one step of a request: the cached K/V copied in (a prefill), the
     forward pass, the new K/V copied out to the pool. On a CPU every tensor operation of it
-    runs with the thread count the chooser picks (cpu_threads.py): the copies too, since
+    runs with the thread count the chooser picks (engine/cpu_threads.py): the copies too, since
     beside busy programs a copy with all the cores waits for a core as a matrix product
     does. Steps about as big are timed against each other; a long prefill never probes."""
     kind = ("one request", num_new > 1, num_new.bit_length(), num_cached.bit_length())

@@ -25,7 +25,7 @@ from rich.rule import Rule
 from rich.table import Table
 from rich.text import Text
 
-from prefix_caching import KVCacheBlock, PrefixCachingAllocator, short_hash
+from allocator import KVCacheBlock, PrefixCachingAllocator, short_hash
 
 # -----------------------------------------------------------------------------
 # 1. Rich views: see the state

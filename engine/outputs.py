@@ -6,7 +6,7 @@ What a request gives back, and the one place its text is made.
     ReplyBuilder   sampled token in, new text and finish reason out: detokenizing (a few
                    tokens at a time), stop strings, EOS, max_tokens, and the text held back
 
-Both engines (one_request.py, batch_engine.py) feed every sampled token through a
+Both engines (engine/one_request.py, engine/batch_engine.py) feed every sampled token through a
 ReplyBuilder and nothing else, so a reply's text cannot depend on which engine ran it. In
 vLLM the same job is the output processor's (vllm/v1/engine/output_processor.py, with
 detokenizer.py and its stop-string check), run outside the engine core.

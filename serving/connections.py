@@ -35,7 +35,7 @@ What a connection may hold, and for how long:
                                closed (a body refused unread is discarded until its deadline)
 
 werkzeug answers every request with `Connection: close`, so nothing a client sends after its
-body can be a next request. Read server_views.py before, server_routes.py after.
+body can be a next request. Read serving/views.py before, serving/routes.py after.
 """
 
 from __future__ import annotations
@@ -54,8 +54,8 @@ from dataclasses import dataclass
 
 from werkzeug.serving import ThreadedWSGIServer, WSGIRequestHandler
 
-from engine import Engine
-from server_requests import (
+from engine.llm_engine import Engine
+from serving.requests import (
     DEFAULT_HEAD_TIMEOUT, DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_CONNECTIONS_PER_CLIENT, DEFAULT_MAX_REQUESTS_PER_KEY,
     DEFAULT_READ_TIMEOUT, RETRY_AFTER_S, APIError, Asker, error_json, forwarded_client, is_proxy, trusted_proxies,
 )
@@ -150,7 +150,7 @@ class RequestHead:
     b'Host: a\\r\\n'
     >>> head.readline(65537)  # doctest: +ELLIPSIS
     Traceback (most recent call last):
-    server_connections.HeadTooLarge: the request's header lines are over 16 KiB, ...
+    serving.connections.HeadTooLarge: the request's header lines are over 16 KiB, ...
     """
 
     def __init__(self, rfile):
@@ -379,7 +379,7 @@ class Admission:
     True
     >>> caps.admit(b, alice)  # doctest: +ELLIPSIS
     Traceback (most recent call last):
-    server_requests.APIError: this API key has 1 generation requests open ...
+    serving.requests.APIError: this API key has 1 generation requests open ...
     """
 
     def __init__(self, max_connections: int, max_connections_per_client: int, max_requests_per_key: int,

@@ -4,16 +4,16 @@ Sampling: how the engines pick the next token from the logits of a request's las
     sample           one token id: argmax, or a draw from the softmax (top_p kept)
     sample_batch     one token id per request of a batched step
 
-Read request.py first: SamplingParams, what a request asks for, lives there (its one home).
+Read engine/request.py first: SamplingParams, what a request asks for, lives there (its one home).
 
-one_request.py calls sample once a step; batch_engine.py calls sample_batch once a step.
+engine/one_request.py calls sample once a step; engine/batch_engine.py calls sample_batch once a step.
 """
 
 from __future__ import annotations
 
 import torch
 
-from request import SamplingParams
+from engine.request import SamplingParams
 
 __all__ = ["sample", "sample_batch"]
 

@@ -2,7 +2,7 @@
 The routes of server.py, and what runs a generation request: the app that create_app builds.
 
     app = create_app(Engine(), salt_by_api_key=True, admin_key="SECRET")
-    url, server = serve_in_background(app)      # server_connections.py; python server.py serves it too
+    url, server = serve_in_background(app)      # serving/connections.py; python server.py serves it too
 
 Routes:
     POST /generate               {"prompt": str} or {"messages": [...]}, max_tokens, temperature,
@@ -19,16 +19,16 @@ Routes:
     GET  /server_info            the served model's name, and /model_info its type, as SGLang's
     GET  /model_info             server names them: what SGLang's router asks a worker for
                                  when it registers it
-    GET  /                       the live view of the pool (static/index.html), polling /cache
+    GET  /                       the live view of the pool (serving/static/index.html), polling /cache
 
 Every error is a JSON object {"error": {"message", "type"}} with a 4xx status (5xx when the
 server is at fault, or busy: a 503 says when to try again, as a 429 does for an API key
 with its share of requests open). Before any work a request's size is checked against what
---max-prompt-tokens could ever accept (server_requests.py), and who asks is counted by the
-connection's caps (server_connections.Admission).
+--max-prompt-tokens could ever accept (serving/requests.py), and who asks is counted by the
+connection's caps (serving.connections.Admission).
 
-Read server_requests.py (what a client sends), server_views.py (what it may see) and
-server_connections.py (its connection) first. Here: running a request (1), the routes (2),
+Read serving/requests.py (what a client sends), serving/views.py (what it may see) and
+serving/connections.py (its connection) first. Here: running a request (1), the routes (2),
 create_app (3), the log's guard against client text (4).
 """
 
@@ -47,18 +47,18 @@ from typing import Iterator
 from flask import Blueprint, Flask, Response, current_app, g, request
 from werkzeug.exceptions import ClientDisconnected, HTTPException
 
-from engine import (
+from engine.llm_engine import (
     ClientGoneError, Engine, EngineStoppedError, Generation, QueueFullError, StreamEvent,
 )
-from request import SamplingParams
-from server_connections import AFTER_BODY_LIMIT, HangUpCheck, connection_of
-from server_requests import (
+from engine.request import SamplingParams
+from serving.connections import AFTER_BODY_LIMIT, HangUpCheck, connection_of
+from serving.requests import (
     CHAT, COMPLETIONS, DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_MAX_TOKENS_LIMIT, DEFAULT_MAX_WAITING,
     DEFAULT_REQUEST_TIMEOUT, GENERATE, LOCAL_HOSTS, RETRY_AFTER_S, APIError, Asker, GenerationRequest, PromptBounds,
     Route, Settings, bearer_key, check_admin, check_api_key, check_content_type, check_host, error_json, is_listed,
     load_json_object, max_token_bytes, parse_generation_request, parse_json_object, read_body,
 )
-from server_views import PAGE_EVERY_S, ServerState
+from serving.views import PAGE_EVERY_S, ServerState
 
 log = logging.getLogger("server")
 
@@ -79,7 +79,7 @@ def start(server: ServerState, req: GenerationRequest, request_id: str, gone: Ha
     which never raises): one that hangs up while its request waits or before a chunk of its
     prompt is computed is dropped there, its blocks freed."""
     engine, settings = server.engine, server.settings
-    # the engine loop's guards (engine_loop.py, EngineLoop)
+    # the engine loop's guards (engine/engine_loop.py, EngineLoop)
     guards = {"tenant": tenant, "gone": gone, "max_waiting": settings.max_waiting, "timeout": settings.request_timeout}
     try:
         params = SamplingParams(req.max_tokens, req.temperature, req.top_p, req.seed, req.stop)

@@ -1,9 +1,9 @@
 """
-Many requests, one forward pass: the step that runs what scheduler.py plans, on the paged pool.
+Many requests, one forward pass: the step that runs what engine/scheduler.py plans, on the paged pool.
 
-Read one_request.py first (stage 7: one request at a time, its cached prefix copied out of
-the pool into a private DynamicCache), scheduler.py (what runs in the next step),
-step_budget.py (how much it may compute) and model_runner.py (plan in, logits out). Here no
+Read engine/one_request.py first (stage 7: one request at a time, its cached prefix copied out of
+the pool into a private DynamicCache), engine/scheduler.py (what runs in the next step),
+engine/step_budget.py (how much it may compute) and engine/model_runner.py (plan in, logits out). Here no
 DynamicCache is kept between steps: in every layer, the model's attention copies each
 request's blocks out of the pool through its block table, whole blocks, padded to the
 longest context of its group, into one buffer the pool reuses (StepFigures counts the slots
@@ -18,9 +18,9 @@ postprocess). What it may compute is a budget policy's to say, how many threads 
 with the model runner's thread policy: objects handed in, not branches of the step.
 A failure in one request's bookkeeping (its reply builder) ends that request only; a
 failure of the step itself (the model, the sampler) raises, for the caller to end the
-step's requests (engine_loop.py does).
+step's requests (engine/engine_loop.py does).
 
-A runner takes the EngineParts it runs on (one_request.py), not the Engine. engine_loop.py
+A runner takes the EngineParts it runs on (engine/one_request.py), not the Engine. engine/engine_loop.py
 steps one for callers in many threads (every Engine's requests: the server's clients too).
 """
 
@@ -31,15 +31,15 @@ from typing import Callable
 
 import torch
 
-from cpu_threads import ThreadChooser
-from model_runner import ModelRunner, StepFigures
-from one_request import EngineParts
-from outputs import Generation, ReplyBuilder
-from prefix_caching import OutOfBlocksError
-from request import FINISHED, Request, SamplingParams
-from sampling import sample_batch
-from scheduler import Scheduler, StepPlan
-from step_budget import FixedBudget, StepBudget
+from engine.cpu_threads import ThreadChooser
+from engine.model_runner import ModelRunner, StepFigures
+from engine.one_request import EngineParts
+from engine.outputs import Generation, ReplyBuilder
+from allocator import OutOfBlocksError
+from engine.request import FINISHED, Request, SamplingParams
+from engine.sampling import sample_batch
+from engine.scheduler import Scheduler, StepPlan
+from engine.step_budget import FixedBudget, StepBudget
 
 __all__ = ["BatchRunner", "StepFigures"]
 
@@ -62,10 +62,10 @@ class BatchRunner:
         once (shared_prefix_attention), where counted work says it pays (decode_groups);
         False: never. threads: the ThreadChooser to use (one that has measured already, as
         the Engine's), or None for a new one; choose_threads=False keeps torch's own thread
-        count for every step. step_budget: the budget policy (step_budget.py's StepBudget,
+        count for every step. step_budget: the budget policy (engine/step_budget.py's StepBudget,
         or any object with its budget, record and describe); None: max_num_batched_tokens
         every step (FixedBudget). static_decode: a step that only decodes runs padded to a
-        ladder's size, a CUDA graph on a GPU (model_runner.py); None: on a GPU only.
+        ladder's size, a CUDA graph on a GPU (engine/model_runner.py); None: on a GPU only.
         scheduler_options: Scheduler's max_num_seqs, max_num_batched_tokens and
         enable_chunked_prefill."""
         self.parts = parts

@@ -7,7 +7,7 @@ tokenizer alone (what reading a request log needs: no weights).
     gguf_dir            where its GGUF file is, found without importing its package
     load_tokenizer      a model's tokenizer: the class its tokenizer_config.json names
 
-model_loader.py (torch) converts the default and loads a model's weights; it takes the
+engine/model_loader.py (torch) converts the default and loads a model's weights; it takes the
 tokenizer from here, so the engine and the workload analyzer (analyzer/) tokenize with the
 same class. The analyzer reads only this file and never loads torch: transformers'
 AutoTokenizer would (it reads the model's config to choose a class, and a config imports
@@ -39,7 +39,7 @@ def cache_home() -> Path:
 
 
 def converted_default() -> Path:
-    """Where the default lives as safetensors, once model_loader.py has converted its GGUF file."""
+    """Where the default lives as safetensors, once engine/model_loader.py has converted its GGUF file."""
     return cache_home() / DEFAULT_MODEL
 
 

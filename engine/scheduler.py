@@ -1,8 +1,8 @@
 """
 The scheduler: which requests run in the next forward pass, and how many tokens each.
 
-Read prefix_caching.py (the allocator) and request.py (a request's state) first;
-batch_engine.py runs what this file plans.
+Read prefix_caching.py (the allocator) and engine/request.py (a request's state) first;
+engine/batch_engine.py runs what this file plans.
 Pure Python, like the allocator: the rules below are tested without a model.
 
 There is no prefill phase and no decode phase, as in vLLM v1's Scheduler.schedule
@@ -43,23 +43,23 @@ Serving Large Language Models", OSDI 2024): a counter per tenant of the tokens c
 it (served), a tenant that comes back after a pause lifted to the least-served active
 tenant's count (time away is not credit), and within one tenant arrival order. A budget
 policy sees each tenant's lead over the least-served one (Candidate.lead) and may hold a
-tenant that is far ahead to a smaller share (step_budget.py does).
+tenant that is far ahead to a smaller share (engine/step_budget.py does).
 
 A step allocates slots only for the tokens it schedules, and a block is cached the moment
 its last token gets a slot: so another request can find a block from the step that computes
-its K/V on, never earlier. Within that step it may: the step's attention (batch_attention.py,
+its K/V on, never earlier. Within that step it may: the step's attention (engine/batch_attention.py,
 pool_attention) writes every new K/V of the step into the pool before anything attends, so a
 request admitted in the same step as another can hit the blocks the other computes in that
 very step.
 
-A request's block hashes are computed once and kept on it (request.py: Request.block_hashes,
+A request's block hashes are computed once and kept on it (engine/request.py: Request.block_hashes,
 extended through the allocator's hash_blocks), so a request that waits at the head of a full
 pool, or comes back after a preemption, is never hashed again. The scheduler trusts what it
 is given (the Engine's front checked the request); the allocator keeps its own checks, as the
 public API the lessons teach.
 
 How many tokens a step may compute, and how many of them each request may take, is a budget
-policy's to say (step_budget.py): schedule(budget) takes a Budget (a total, and a cap per
+policy's to say (engine/step_budget.py): schedule(budget) takes a Budget (a total, and a cap per
 request if the policy wants one), and candidates() is what a policy sees before it decides:
 each running request and each waiting one that could be admitted, with its cached, computed
 and remaining tokens and its tenant.
@@ -75,8 +75,8 @@ from __future__ import annotations
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
-from prefix_caching import OutOfBlocksError, PrefixCachingAllocator
-from request import FINISHED, RUNNING, WAITING, Request
+from allocator import OutOfBlocksError, PrefixCachingAllocator
+from engine.request import FINISHED, RUNNING, WAITING, Request
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048  # tokens one step computes at most (vLLM's flag of that name)
 
@@ -195,7 +195,7 @@ class Scheduler:
     >>> s.add(Request("a", list(range(10)))); s.add(Request("b", list(range(9)) + [99]))
     >>> plan = s.schedule(); [(r.request.request_id, r.start, r.end) for r in plan.scheduled]  # a's first chunk
     [('a', 0, 8)]
-    >>> for r in plan.scheduled: r.request.num_computed_tokens = r.end   # the model ran it (batch_engine.py)
+    >>> for r in plan.scheduled: r.request.num_computed_tokens = r.end   # the model ran it (engine/batch_engine.py)
     >>> [(r.request.request_id, r.start, r.end) for r in s.schedule().scheduled]  # b hits a's 2 blocks
     [('a', 8, 10), ('b', 8, 10)]
     """
@@ -294,7 +294,7 @@ class Scheduler:
     def schedule(self, budget: int | Budget | None = None) -> StepPlan:
         """The next step's plan. budget: the tokens this step may compute (at most
         max_num_batched_tokens, the default), or a Budget that also caps single requests;
-        step_budget.py's policies pick one."""
+        engine/step_budget.py's policies pick one."""
         alloc = self.allocator
         scheduled: list[ScheduledRequest] = []
         preempted: list[Request] = []

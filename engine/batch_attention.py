@@ -1,7 +1,7 @@
 """
 Attention on the paged pool: how one forward pass serves many requests at once.
 
-Read kv_pool.py (the pool) and scheduler.py (what a step schedules) first; batch_engine.py
+Read engine/kv_pool.py (the pool) and engine/scheduler.py (what a step schedules) first; engine/batch_engine.py
 runs a step with what this file builds.
 
     1. pool attention    an attention function registered with transformers'
@@ -47,13 +47,13 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-from kv_pool import slot_ids
-from scheduler import StepPlan
+from engine.kv_pool import slot_ids
+from engine.scheduler import StepPlan
 
 # -----------------------------------------------------------------------------
 # 1. Pool attention
 #
-# Registered under its own name; when a forward pass carries no `pool_step` (one_request.py's
+# Registered under its own name; when a forward pass carries no `pool_step` (engine/one_request.py's
 # path, or plain model.generate) it is exactly transformers' sdpa.
 
 POOL_ATTENTION = "prefix_caching_pool"

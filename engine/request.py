@@ -2,7 +2,7 @@
 What a request is: how to sample it (SamplingParams) and everything the engine knows of it
 while it runs (Request), in one object every layer above reads.
 
-Read outputs.py first (the reply a request builds). Pure Python, like the allocator.
+Read engine/outputs.py first (the reply a request builds). Pure Python, like the allocator.
 
     SamplingParams   max_tokens, temperature (0 = greedy), top_p, seed, stop; checked when made
     Request          one request's life: its tokens (prompt, then output, appended as they
@@ -22,8 +22,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from outputs import Generation, ReplyBuilder, check_stop
-from prefix_caching import BlockHash, check_text
+from engine.outputs import Generation, ReplyBuilder, check_stop
+from allocator import BlockHash, check_text
 
 # -----------------------------------------------------------------------------
 # 1. How to sample
@@ -99,7 +99,7 @@ class Request:
     the pool), num_cached_tokens (its prompt's hit at first admission), num_preemptions.
     The engine's side: the builder of its reply (outputs.ReplyBuilder), its sampler's
     generator, its times, and where its StreamEvents go (events: a queue, or None when nobody
-    streams it). (A caller's hang-up check is the engine loop's to keep: engine_loop.py.)
+    streams it). (A caller's hang-up check is the engine loop's to keep: engine/engine_loop.py.)
 
     >>> r = Request("a", [1, 2, 3]); r.append_output(7); r.token_ids, r.output_ids
     ([1, 2, 3, 7], [7])

@@ -1,7 +1,7 @@
 """
 Each step's token budget, picked from a target step time (stage 8).
 
-Read scheduler.py first: Scheduler.schedule(budget) hands out `budget` tokens a step, decodes
+Read engine/scheduler.py first: Scheduler.schedule(budget) hands out `budget` tokens a step, decodes
 first, then chunks of prompts. vLLM's budget is a fixed number, max_num_batched_tokens
 (2,048 by default here as there), sized for a GPU. On a laptop's CPU a step that size takes
 seconds, and every stream waits for it: four students' replies freeze while a fifth
@@ -13,7 +13,7 @@ in LLM Inference with Sarathi-Serve", OSDI 2024: pick the chunk size from a late
                   weights, and each key its token attends to
     StepCosts     what a step costs on this machine, learned from the steps run:
                   seconds = fixed + per_flop x flops, one fit per thread count
-                  (cpu_threads.py runs a step with one thread while others keep the cores busy)
+                  (engine/cpu_threads.py runs a step with one thread while others keep the cores busy)
     StepBudget    calibrated when the engine starts (two passes far apart in work), then
                   before each step: the decodes' predicted time, then as many prompt tokens
                   as keep the step within the target and within STALL times the decodes'
@@ -21,8 +21,8 @@ in LLM Inference with Sarathi-Serve", OSDI 2024: pick the chunk size from a late
                   long as the decodes take (so the prompt still gets half of each step)
     FixedBudget   max_num_batched_tokens every step
 
-Both are budget policies, the objects a BatchRunner is handed (batch_engine.py): before each
-step budget(candidates, threads) says what the step may compute (scheduler.py's Budget:
+Both are budget policies, the objects a BatchRunner is handed (engine/batch_engine.py): before each
+step budget(candidates, threads) says what the step may compute (engine/scheduler.py's Budget:
 a total, and a cap per request where a policy wants one); after it, record(threads, plan,
 seconds) tells the policy what the step took; describe() is what /health shows.
 
@@ -38,7 +38,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from scheduler import Budget, Candidate, Request, StepPlan, keys_attended, share_tokens
+from engine.scheduler import Budget, Candidate, Request, StepPlan, keys_attended, share_tokens
 
 DEFAULT_TARGET_STEP_MS = 400.0  # a step never longer than this (the chunks it gives: docs/measured.md)
 STALL = 2.2  # a step carrying a prompt's chunk: at most this many times the streams' own step

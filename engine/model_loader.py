@@ -2,8 +2,8 @@
 Loading a model: the offline default (SmolLM2-135M-Instruct) or any Hugging Face model, or a
 model of a known shape with random weights (the tests' tiny model; a config without its weights).
 
-Read model_files.py first: the default's name, where its files live, and load_tokenizer
-(without torch, for the workload analyzer: a log needs no weights). The engine (engine.py)
+Read engine/model_files.py first: the default's name, where its files live, and load_tokenizer
+(without torch, for the workload analyzer: a log needs no weights). The engine (engine/llm_engine.py)
 calls load_model; nothing here knows about prefix caching.
 """
 
@@ -20,7 +20,7 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from transformers import AutoModelForCausalLM, GgufConfig, LlamaConfig, LlamaForCausalLM
 from transformers import modeling_gguf_pytorch_utils as gguf_utils
 
-from model_files import (
+from engine.model_files import (
     DEFAULT_MODEL, GGUF_FILE, converted_default, gguf_dir, hf_progress_bars_off, load_error, load_tokenizer,
 )
 

@@ -18,13 +18,13 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from cpu_threads import GPU_ATTENTION, ThreadChooser, cores_used_by_others, cpu_sample
-from engine import Engine, Generation
-from model_flags import pool_arguments
-from model_loader import DEFAULT_MODEL
-from one_request import generate
-from request import SamplingParams
-from walkthrough import render_free_queue, render_stats
+from engine.cpu_threads import GPU_ATTENTION, ThreadChooser, cores_used_by_others, cpu_sample
+from engine.llm_engine import Engine, Generation
+from commands.model_flags import pool_arguments
+from engine.model_loader import DEFAULT_MODEL
+from engine.one_request import generate
+from engine.request import SamplingParams
+from commands.walkthrough import render_free_queue, render_stats
 
 # -----------------------------------------------------------------------------
 # Every question arrives with the same few hundred tokens of instructions in front. The
@@ -97,7 +97,7 @@ def run_demo(args: argparse.Namespace) -> list[Generation]:
     replies: list[Generation] = []
     started, machine = time.perf_counter(), cpu_sample()
     for i, (question, prompt) in enumerate(zip(DEMO_QUESTIONS, prompts), 1):
-        # Stage 7's path (one_request.py): the cached prefix gathered into past_key_values
+        # Stage 7's path (engine/one_request.py): the cached prefix gathered into past_key_values
         reply = generate(engine.parts, f"demo-{i}", engine.tokenize(prompt), SamplingParams(max_tokens=DEMO_MAX_TOKENS))
         replies.append(reply)
         hit = reply.cached_tokens > 0
@@ -151,7 +151,7 @@ def shared_prefix_sentence(prompts: list[list[int]], block_size: int) -> str:
 
 
 def how_passes_run(device: torch.device) -> str:
-    """What the first line says of the kernels (cpu_threads.py says why).
+    """What the first line says of the kernels (engine/cpu_threads.py says why).
 
     >>> how_passes_run(torch.device("cuda"))
     'attention by flash, efficient or math kernels (never cuDNN: it plans each new shape)'
@@ -167,7 +167,7 @@ def how_passes_run(device: torch.device) -> str:
 def machine_note(threads: ThreadChooser | None, others: float | None) -> str:
     """What the machine was doing while the demo ran, so a slow run explains itself: how many
     cores other programs kept busy (read from /proc/stat, on Linux) and the thread counts the
-    forward passes ran with (cpu_threads.py picks one thread while others are busy).
+    forward passes ran with (engine/cpu_threads.py picks one thread while others are busy).
 
     >>> chooser = ThreadChooser(); chooser.passes = {1: 230, 2: 10}
     >>> machine_note(chooser, others=1.7)

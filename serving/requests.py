@@ -19,7 +19,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from prefix_caching import check_cache_salt, check_text
+from allocator import check_cache_salt, check_text
 
 DEFAULT_MAX_TOKENS_LIMIT = 512
 # Limits for one laptop and a class (docs/server.md lists them; each has a flag).
@@ -148,7 +148,7 @@ def check_prompt_size(prompt: str | list, bounds: PromptBounds, max_prompt_token
 
     >>> check_prompt_size("Hi" * 100, PromptBounds.of(2, 81), 2)  # doctest: +ELLIPSIS
     Traceback (most recent call last):
-    server_requests.APIError: the prompt's text is 200 bytes, more than a prompt of at most 2 tokens ... (162 bytes); ...
+    serving.requests.APIError: the prompt's text is 200 bytes, more than a prompt of at most 2 tokens ... (162 bytes); ...
     """
     limit = f"a prompt of at most {max_prompt_tokens:,} tokens (--max-prompt-tokens) can hold"
     if isinstance(prompt, str):
@@ -245,7 +245,7 @@ def check_strings(body: dict) -> None:
 
     >>> check_strings({"messages": [{"role": "user", "content": "\\ud800"}]})
     Traceback (most recent call last):
-    server_requests.APIError: messages[0].content holds '\\ud800', a lone surrogate, which is not text; send valid UTF-8
+    serving.requests.APIError: messages[0].content holds '\\ud800', a lone surrogate, which is not text; send valid UTF-8
     """
     stack: list[tuple[str, object]] = [("the body", body)]
     try:
@@ -424,7 +424,7 @@ def forwarded_client(peer: str, forwarded_for: list[str] | None, proxies) -> str
 @dataclass(frozen=True)
 class Asker:
     """Who a request's head says is asking: what the connection caps count it as
-    (server_connections.Admission), read once the head is in and its key checked."""
+    (serving.connections.Admission), read once the head is in and its key checked."""
 
     address: str  # the client's IP address (from a proxy of --forwarded-allow-ips: the one it forwarded)
     key: str | None = None  # the SHA-256 of its API key, where keys are in use (--api-keys, --salt-by-api-key)
