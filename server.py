@@ -38,9 +38,9 @@ from __future__ import annotations
 import argparse
 import logging
 
-from engine.llm_engine import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, DEFAULT_TARGET_STEP_MS, Engine, EngineConfig
 from commands.flags import positive_float, positive_int
 from commands.model_flags import add_model_arguments, pool_arguments
+from engine.llm_engine import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, DEFAULT_TARGET_STEP_MS, Engine, EngineConfig
 from engine.model_loader import DEFAULT_MODEL
 from serving.connections import (
     MAX_HEAD_BYTES, MAX_HEADER_FIELDS, MOST_CONNECTIONS, ClassServer, connection_cap, drain, serve_in_background,

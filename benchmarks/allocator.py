@@ -27,9 +27,9 @@ import platform
 import random
 import time
 
+from allocator import FreeKVCacheBlockQueue, PrefixCachingAllocator, compute_block_hashes
 from benchmarks import save_json
 from benchmarks.measure import Runs, busy_note
-from allocator import FreeKVCacheBlockQueue, PrefixCachingAllocator, compute_block_hashes
 
 BLOCK_SIZE = 16
 MAX_MISS_OVERHEAD_NS = 100  # per prompt token: what caching may cost a workload it cannot help

@@ -49,17 +49,17 @@ import torch
 from rich.table import Table
 from transformers import AttentionInterface
 
-from engine.batch_attention import POOL_ATTENTION, pool_attention
-from engine.batch_engine import BatchRunner
 from benchmarks import save_json
 from benchmarks.engines import open_engine
-from engine.cpu_threads import synchronize
-from engine.llm_engine import Engine
-from commands.flags import positive_int
-from commands.model_flags import add_model_arguments
-from engine.model_loader import DEFAULT_MODEL
 from benchmarks.throughput import TOPICS, questions
 from commands.demo import DEMO_SYSTEM_PROMPT
+from commands.flags import positive_int
+from commands.model_flags import add_model_arguments
+from engine.batch_attention import POOL_ATTENTION, pool_attention
+from engine.batch_engine import BatchRunner
+from engine.cpu_threads import synchronize
+from engine.llm_engine import Engine
+from engine.model_loader import DEFAULT_MODEL
 from engine.request import SamplingParams
 
 

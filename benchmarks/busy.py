@@ -43,10 +43,10 @@ from rich.table import Table
 from benchmarks import save_json
 from benchmarks.engines import open_engine, stage_7
 from benchmarks.throughput import questions, run_ours, run_transformers, summary
-from engine.cpu_threads import in_own_thread
-from engine.llm_engine import Engine
 from commands.flags import positive_int
 from commands.model_flags import add_model_arguments
+from engine.cpu_threads import in_own_thread
+from engine.llm_engine import Engine
 from engine.model_loader import DEFAULT_MODEL
 
 SPIN = "while True: pass"  # one core kept busy, as a browser tab running a script would

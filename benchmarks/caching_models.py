@@ -59,8 +59,8 @@ from rich.table import Table
 
 from analyzer.caching_models import EVICTION_POLICIES, SERVER_EVICTION_POLICIES, LlamaCpp, SGLang
 from analyzer.kv_memory import KNOWN_MODELS
-from analyzer.request_logs import Writer, interleave, rag, read_log, write_log
 from analyzer.log_replay import tokenize_log
+from analyzer.request_logs import Writer, interleave, rag, read_log, write_log
 from benchmarks import save_json
 from engine.model_files import GGUF_FILE, cache_home, gguf_dir, load_tokenizer, training_context
 

@@ -28,12 +28,12 @@ import time
 import torch
 from rich.table import Table
 
-from engine.batch_engine import BatchRunner
 from benchmarks import save_json
 from benchmarks.engines import open_engine
-from engine.llm_engine import Engine
 from commands.flags import positive_int
 from commands.model_flags import add_model_arguments
+from engine.batch_engine import BatchRunner
+from engine.llm_engine import Engine
 from engine.model_loader import DEFAULT_MODEL
 from engine.request import SamplingParams
 

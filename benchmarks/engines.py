@@ -11,8 +11,8 @@ import sys
 import torch
 from rich.console import Console
 
-from engine.llm_engine import Engine, Generation
 from commands.model_flags import pool_arguments
+from engine.llm_engine import Engine, Generation
 from engine.one_request import generate
 from engine.request import SamplingParams
 

@@ -32,8 +32,8 @@ import time
 
 from benchmarks import save_json
 from benchmarks.served_clients import Server, serving
-from engine.llm_engine import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from commands.flags import positive_int
+from engine.llm_engine import DEFAULT_MAX_NUM_BATCHED_TOKENS
 
 WAYS = {"default": [], "fixed": ["--max-num-batched-tokens", str(DEFAULT_MAX_NUM_BATCHED_TOKENS)]}
 

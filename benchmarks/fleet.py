@@ -37,8 +37,8 @@ import tempfile
 from pathlib import Path
 
 from analyzer.fleet import RouterFlags, Routing, route_log
-from analyzer.request_logs import Log, agent, interleave, write_log
 from analyzer.log_replay import LIKE, tokenize_log
+from analyzer.request_logs import Log, agent, interleave, write_log
 from analyzer.workload_analyzer import replay_fleet
 from benchmarks import save_json
 from benchmarks.router import POLICIES, ROUTER_VERSION, Fleet, replay_through_router, reset_caches, router

@@ -52,13 +52,13 @@ from transformers import AutoConfig
 
 from benchmarks import save_json
 from benchmarks.engines import device_name, open_console, stage_7
-from engine.cpu_threads import synchronize
 from benchmarks.throughput import questions, run_ours, summary
 from benchmarks.ttft import SUFFIX_LEN, cold_vs_warm, random_tokens
 from commands.demo import DEMO_MAX_TOKENS, DEMO_QUESTIONS, DEMO_SYSTEM_PROMPT
+from commands.model_flags import add_model_arguments, pool_arguments
+from engine.cpu_threads import synchronize
 from engine.llm_engine import Engine
 from engine.model_files import DEFAULT_MODEL, converted_default, load_tokenizer
-from commands.model_flags import add_model_arguments, pool_arguments
 from engine.model_loader import load_model, random_model, resolve_device, resolve_dtype, tiny_llama
 from engine.one_request import generate, greedy_reference
 from engine.request import SamplingParams

@@ -30,8 +30,8 @@ import urllib.error
 import urllib.request
 from dataclasses import asdict, dataclass
 
-from engine.llm_engine import Engine
 from commands.model_flags import add_model_arguments, pool_arguments
+from engine.llm_engine import Engine
 
 
 NOT_REPORTED = ("[yellow]This server does not report cached tokens[/] (usage.prompt_tokens_details.cached_tokens; "

@@ -36,14 +36,14 @@ import torch
 from rich.table import Table
 from transformers import DynamicCache
 
-from engine.batch_engine import BatchRunner
 from benchmarks import save_json
 from benchmarks.attention import floor_ms, timed_attention
 from benchmarks.engines import open_engine
-from engine.cpu_threads import synchronize
-from engine.llm_engine import Engine
 from commands.flags import positive_int
 from commands.model_flags import add_model_arguments
+from engine.batch_engine import BatchRunner
+from engine.cpu_threads import synchronize
+from engine.llm_engine import Engine
 from engine.request import SamplingParams
 
 

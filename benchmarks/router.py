@@ -102,13 +102,13 @@ from typing import Iterator, Sequence
 
 from analyzer.fleet import ROUTER_VERSION
 from analyzer.kv_memory import KNOWN_MODELS
-from analyzer.request_logs import Log, LoggedRequest, interleave
 from analyzer.log_replay import hit_rate_curve, tokenize_log
+from analyzer.request_logs import Log, LoggedRequest, interleave
 from benchmarks import save_json
 from benchmarks.openai_api import SPREAD_COLUMN, OpenAIServer, spread_json, spread_text
 from commands.flags import positive_int
-from engine.model_files import load_tokenizer
 from commands.model_flags import add_model_arguments
+from engine.model_files import load_tokenizer
 from serving.requests import DEFAULT_MAX_PROMPT_TOKENS, SMOLLM2_TOKEN_BYTES, PromptBounds, read_api_keys
 from serving.routes import tokenizer_token_bytes
 

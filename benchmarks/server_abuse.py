@@ -87,9 +87,9 @@ from pathlib import Path
 from benchmarks import save_json
 from benchmarks.openai_api import fresh_line
 from benchmarks.served_clients import Server, Timed, budget_of, health, send, serving, wait_until_idle
-from engine.llm_engine import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from commands.flags import positive_float, positive_int
 from commands.model_flags import add_model_arguments
+from engine.llm_engine import DEFAULT_MAX_NUM_BATCHED_TOKENS
 
 ROOT = Path(__file__).resolve().parents[1]
 SYSTEM_PROMPT = (

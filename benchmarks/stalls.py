@@ -36,9 +36,9 @@ from benchmarks.engines import open_engine
 from benchmarks.openai_api import start_server
 from benchmarks.throughput import TOPICS
 from commands.demo import DEMO_SYSTEM_PROMPT
-from engine.llm_engine import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_TARGET_STEP_MS, Engine
 from commands.flags import positive_int
 from commands.model_flags import add_model_arguments
+from engine.llm_engine import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_TARGET_STEP_MS, Engine
 from engine.model_loader import DEFAULT_MODEL
 
 SYSTEM = {"role": "system", "content": DEMO_SYSTEM_PROMPT}

@@ -29,14 +29,14 @@ import torch
 from rich.table import Table
 from transformers import AttentionInterface
 
-from engine import batch_attention
-from engine.batch_engine import BatchRunner
 from benchmarks import save_json
 from benchmarks.engines import open_engine
-from engine.cpu_threads import synchronize
 from benchmarks.throughput import questions
 from commands.flags import positive_int
 from commands.model_flags import add_model_arguments
+from engine import batch_attention
+from engine.batch_engine import BatchRunner
+from engine.cpu_threads import synchronize
 from engine.model_loader import DEFAULT_MODEL
 from engine.request import SamplingParams
 

@@ -37,10 +37,10 @@ from transformers import ContinuousBatchingConfig, GenerationConfig
 from benchmarks import save_json
 from benchmarks.engines import open_engine
 from benchmarks.measure import TokenCounter
-from engine.cpu_threads import in_own_thread, one_pass, synchronize
 from commands.demo import DEMO_SYSTEM_PROMPT
-from engine.llm_engine import Engine
 from commands.model_flags import add_model_arguments
+from engine.cpu_threads import in_own_thread, one_pass, synchronize
+from engine.llm_engine import Engine
 from engine.model_loader import DEFAULT_MODEL
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"

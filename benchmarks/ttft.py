@@ -29,9 +29,9 @@ from pathlib import Path
 
 from benchmarks import save_json
 from benchmarks.engines import device_name, stage_7
+from commands.model_flags import add_model_arguments, pool_arguments
 from engine.cpu_threads import synchronize
 from engine.llm_engine import Engine
-from commands.model_flags import add_model_arguments, pool_arguments
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 SUFFIX_LEN = 32  # each request's own tokens after the shared prefix

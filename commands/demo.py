@@ -18,13 +18,13 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from commands.model_flags import pool_arguments
+from commands.walkthrough import render_free_queue, render_stats
 from engine.cpu_threads import GPU_ATTENTION, ThreadChooser, cores_used_by_others, cpu_sample
 from engine.llm_engine import Engine, Generation
-from commands.model_flags import pool_arguments
 from engine.model_loader import DEFAULT_MODEL
 from engine.one_request import generate
 from engine.request import SamplingParams
-from commands.walkthrough import render_free_queue, render_stats
 
 # -----------------------------------------------------------------------------
 # Every question arrives with the same few hundred tokens of instructions in front. The

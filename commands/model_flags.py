@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import argparse
 
-from engine.llm_engine import DEFAULT_KV_MEMORY_GB
 from commands.flags import positive_float, positive_int
+from engine.llm_engine import DEFAULT_KV_MEMORY_GB
 from engine.model_files import DEFAULT_MODEL
 from engine.model_loader import DTYPES
 

@@ -31,11 +31,11 @@ from typing import Callable
 
 import torch
 
+from allocator import OutOfBlocksError
 from engine.cpu_threads import ThreadChooser
 from engine.model_runner import ModelRunner, StepFigures
 from engine.one_request import EngineParts
 from engine.outputs import Generation, ReplyBuilder
-from allocator import OutOfBlocksError
 from engine.request import FINISHED, Request, SamplingParams
 from engine.sampling import sample_batch
 from engine.scheduler import Scheduler, StepPlan

@@ -41,6 +41,7 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
+from allocator import HASH_ALGOS, PrefixCachingAllocator, check_cache_salt, check_text
 from engine.cpu_threads import ThreadChooser, in_own_thread, one_pass, synchronize
 from engine.engine_loop import (
     ClientGoneError, EngineLoop, EngineStoppedError, LoopSnapshot, QueueFullError, thaw_startup_heap,
@@ -49,7 +50,6 @@ from engine.kv_pool import PagedKVPool
 from engine.model_loader import load_model
 from engine.one_request import EngineParts, forward
 from engine.outputs import Generation, StreamEvent
-from allocator import HASH_ALGOS, PrefixCachingAllocator, check_cache_salt, check_text
 from engine.prompts import tokenize_prompts
 from engine.request import FINISHED, SamplingParams
 from engine.scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS, check_step_size

@@ -38,10 +38,10 @@ from typing import TYPE_CHECKING, Iterator
 
 import torch
 
+from allocator import OutOfBlocksError, PrefixCachingAllocator
 from engine.cpu_threads import ThreadChooser, one_pass, synchronize
 from engine.kv_pool import PagedKVPool
 from engine.outputs import Generation, ReplyBuilder, StreamEvent
-from allocator import OutOfBlocksError, PrefixCachingAllocator
 from engine.request import SamplingParams
 from engine.sampling import sample
 

@@ -22,8 +22,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.outputs import Generation, ReplyBuilder, check_stop
 from allocator import BlockHash, check_text
+from engine.outputs import Generation, ReplyBuilder, check_stop
 
 # -----------------------------------------------------------------------------
 # 1. How to sample

@@ -30,9 +30,9 @@ from rich.rule import Rule
 from rich.table import Table
 
 import models
-from engine.cpu_threads import one_pass
-from commands.demo import DEMO_SYSTEM_PROMPT
 from benchmarks.measure import Runs, TokenCounter, conclusion
+from commands.demo import DEMO_SYSTEM_PROMPT
+from engine.cpu_threads import one_pass
 from reading import show_code
 
 QUESTION = [{"role": "user", "content": "What does the processor of a computer do?"}]

@@ -36,9 +36,9 @@ from rich.table import Table
 from transformers import DynamicCache
 
 import models
+from benchmarks.measure import Runs, TokenCounter, busy_note, conclusion, how_much_faster
 from engine.cpu_threads import one_pass
 from engine.kv_pool import PagedKVPool
-from benchmarks.measure import Runs, TokenCounter, busy_note, conclusion, how_much_faster
 from reading import show_code
 
 stage_1 = importlib.import_module("01_naive_prefill")  # a file name starting with a digit needs importlib

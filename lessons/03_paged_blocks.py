@@ -29,8 +29,8 @@ from rich.rule import Rule
 from rich.table import Table
 
 from allocator import PrefixCachingAllocator
-from reading import show_code
 from commands.walkthrough import render_block_table, render_pool
+from reading import show_code
 
 BLOCK_SIZE = 4
 MAX_LEN = 16  # the longest sequence a request may grow to (prompt + answer)

@@ -36,8 +36,8 @@ from allocator import (
     hash_block_tokens,
     short_hash,
 )
-from reading import show_code, show_exercise
 from commands.walkthrough import render_block_table
+from reading import show_code, show_exercise
 from words import Words
 
 BLOCK_SIZE = 4

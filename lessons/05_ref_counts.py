@@ -29,8 +29,8 @@ from rich.rule import Rule
 from rich.table import Table
 
 from allocator import PrefixCachingAllocator
-from reading import show_code, show_exercise
 from commands.walkthrough import render_block_table, render_free_queue
+from reading import show_code, show_exercise
 from words import Words
 
 BLOCK_SIZE = 4

@@ -34,8 +34,8 @@ from rich.rule import Rule
 from rich.table import Table
 
 from allocator import FreeKVCacheBlockQueue, KVCacheBlock, PrefixCachingAllocator
-from reading import show_code, show_exercise
 from commands.walkthrough import design_doc_example, walkthrough
+from reading import show_code, show_exercise
 from workloads import multi_turn, replay
 
 QUEUES = {"linked list": FreeKVCacheBlockQueue, "list": list, "deque": deque}  # NEW: the first, vs Python's own

@@ -36,13 +36,13 @@ from rich.rule import Rule
 from rich.table import Table
 
 import models
+from benchmarks.measure import Runs, TokenCounter, conclusion, how_much_faster
 from commands.demo import DEMO_QUESTIONS, DEMO_SYSTEM_PROMPT
 from engine import Engine
 from engine.kv_pool import PagedKVPool
 from engine.one_request import generate, greedy_reference, run_request
 from engine.outputs import Generation
 from engine.request import SamplingParams
-from benchmarks.measure import Runs, TokenCounter, conclusion, how_much_faster
 from reading import show_code, show_exercise
 
 SYSTEM = {"role": "system", "content": DEMO_SYSTEM_PROMPT}

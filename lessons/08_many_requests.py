@@ -64,21 +64,21 @@ from rich.rule import Rule
 from rich.table import Table
 
 import models
-from engine.batch_attention import attend, build_step, pool_attention, shared_prefix_attention
-from engine.batch_engine import BatchRunner
-from engine.model_runner import ModelRunner
 from batch_views import add_step_row, render_step, run_step, step_history
+from benchmarks.measure import Runs, TokenCounter, busy_note, how_much_faster
 from benchmarks.throughput import TOPICS, questions, run_ours, summary
 from commands.demo import DEMO_SYSTEM_PROMPT
 from engine import DEFAULT_MAX_NUM_BATCHED_TOKENS, Engine
+from engine.batch_attention import attend, build_step, pool_attention, shared_prefix_attention
+from engine.batch_engine import BatchRunner
+from engine.cpu_threads import cores_used_by_others, cpu_sample
+from engine.model_runner import ModelRunner
 from engine.one_request import greedy_reference
 from engine.request import SamplingParams
-from benchmarks.measure import Runs, TokenCounter, busy_note, how_much_faster
-from engine.cpu_threads import cores_used_by_others, cpu_sample
-from reading import show_code, show_exercise
 from engine.scheduler import Scheduler
 from engine.step_budget import (BOUNDS, DEFAULT_TARGET_STEP_MS, FLOOR, GAP_MAX, MIN_CHUNK, STALL, ModelShape, StepBudget,
-                         chunk_flops)
+                                chunk_flops)
+from reading import show_code, show_exercise
 
 USERS = ["alice", "bob", "carol", "dave"]
 MAX_TOKENS = 16

@@ -40,18 +40,18 @@ from rich.padding import Padding
 from rich.rule import Rule
 from rich.table import Table
 
+import models
 from analyzer.kv_memory import KNOWN_MODELS, memory_to_buy, server_flags
-from analyzer.request_logs import EXAMPLE_LOGS, interleave, read_log
 from analyzer.log_replay import LIKE, hit_rate_curve, tokenize_log
+from analyzer.request_logs import EXAMPLE_LOGS, interleave, read_log
 from analyzer.workload_analyzer import variable_starts
 from benchmarks import cache_probe
 from benchmarks.router import Fleet, replay_through_router, router, working_sets
-import models
-from figures import POOL_SIZES
 from engine.model_files import load_tokenizer
-from server import create_app, serve_in_background
+from figures import POOL_SIZES
 from radix_tree import RadixTree
 from reading import show_code
+from server import create_app, serve_in_background
 from words import Words
 from workloads import WORKLOADS, hit_rate_table, lru_burst, radix_vs_hash
 

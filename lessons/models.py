@@ -18,9 +18,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find prefix_caching.py from anywhere
 
-from engine.cpu_threads import ThreadChooser
-from engine import Engine
 from commands.model_flags import add_model_arguments, pool_arguments
+from engine import Engine
+from engine.cpu_threads import ThreadChooser
 from engine.model_loader import (
     DEFAULT_MODEL, DTYPES, default_model_dir, load_model, resolve_device, resolve_dtype, tiny_llama,
 )

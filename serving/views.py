@@ -47,8 +47,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from engine.llm_engine import Engine
 from allocator import KVCacheBlock, short_hash
+from engine.llm_engine import Engine
 from serving.requests import Settings, is_admin, tenant_of
 
 PAGE_EVERY_S = 0.25

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
+from allocator import PrefixCachingAllocator
 from analyzer.caching_models import (ENGINE, EVICTION_POLICIES, RADIX_CACHE_ONLY_POLICIES, SERVER_EVICTION_POLICIES,
                                      VLLM, LlamaCpp, SGLang, SlotServer, block_hash_ids, common_prefix)
-from analyzer.request_logs import Log, interleave
 from analyzer.log_replay import LIKE, hit_rate_curve, replay, smallest_pool, tokenize_log
-from allocator import PrefixCachingAllocator
+from analyzer.request_logs import Log, interleave
 
 EXAMPLE_LOGS = sorted((Path(__file__).resolve().parents[2] / "lessons" / "data").glob("*.jsonl.xz"))
 

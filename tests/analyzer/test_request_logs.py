@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from analyzer.request_logs import MAX_TOKEN_ID, JSONArray, Log, LogError, lines, read_log, requests_from_record
 from analyzer.log_replay import tokenize_log
+from analyzer.request_logs import MAX_TOKEN_ID, JSONArray, Log, LogError, lines, read_log, requests_from_record
 from engine.prompts import CHAT_ROLES, check_prompt, tokenize_prompts
 
 TOOL_CHAT = [  # a developer message, content parts, a tool call with null content, the tool's answer

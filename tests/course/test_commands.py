@@ -16,9 +16,9 @@ import pytest
 from rich.console import Console
 
 import prefix_caching as cli
-from commands import walkthrough
 from benchmarks import attention, busy, chunked_prefill, paged, stalls, step_profile, throughput, ttft
 from benchmarks.allocator import free_order_hit_rates
+from commands import walkthrough
 from commands.demo import run_demo
 from commands.model_flags import add_model_arguments, pool_arguments
 

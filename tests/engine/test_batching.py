@@ -11,17 +11,17 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from allocator import PrefixCachingAllocator
 from engine import batch_attention
 from engine import cpu_threads
 from engine import one_request
+from engine import Engine
 from engine.batch_attention import MAX_GROUPS, Row, group_rows
 from engine.batch_engine import BatchRunner
-from engine import Engine
-from helpers import EmbeddingCounter, assert_pool_whole
 from engine.kv_pool import PagedKVPool
 from engine.one_request import EngineParts, greedy_reference, run_request
-from allocator import PrefixCachingAllocator
 from engine.request import SamplingParams
+from helpers import EmbeddingCounter, assert_pool_whole
 
 SHARED = list(range(300, 330))  # 30 tokens: 7 full blocks of 4 and a partial one
 MIXED = [SHARED + [40], SHARED + [41, 42, 43, 44, 45], [7], list(range(500, 523)), SHARED[:9], [8, 9]]

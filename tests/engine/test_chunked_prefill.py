@@ -13,11 +13,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.batch_engine import BatchRunner
 from engine import Engine
-from helpers import assert_pool_whole
+from engine.batch_engine import BatchRunner
 from engine.one_request import greedy_reference
 from engine.request import SamplingParams
+from helpers import assert_pool_whole
 
 TEXT = ("Prefix caching keeps the keys and values of a prompt in blocks, so that the next request "
         "which starts with the same tokens can skip computing them again and go straight to its own part.")

@@ -12,14 +12,14 @@ from dataclasses import fields, replace
 import pytest
 import torch
 
+from allocator import OutOfBlocksError
 from engine import one_request
 from engine import Engine, EngineClosedError, EngineConfig
-from helpers import EmbeddingCounter, assert_pool_whole, wait_until_idle
 from engine.kv_pool import PagedKVPool
 from engine.one_request import greedy_reference
-from allocator import OutOfBlocksError
 from engine.request import SamplingParams
 from engine.sampling import sample
+from helpers import EmbeddingCounter, assert_pool_whole, wait_until_idle
 
 PROMPTS = {
     "token ids": list(range(100, 123)),  # 23 tokens: 5 full blocks of 4 and a partial one

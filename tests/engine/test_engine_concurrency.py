@@ -12,8 +12,8 @@ import threading
 from dataclasses import replace
 
 from engine import one_request
-from helpers import wait_until_idle
 from engine.request import SamplingParams
+from helpers import wait_until_idle
 
 SHARED = list(range(300, 316))  # 4 full blocks of 4, new to every engine these tests make
 

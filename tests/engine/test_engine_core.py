@@ -14,10 +14,10 @@ from dataclasses import replace
 import pytest
 
 from engine import batch_engine
-from helpers import MODEL, assert_pool_whole, call, queued_together, serve, wait_until_idle
 from engine.one_request import generate, run_request
 from engine.request import SamplingParams
 from engine.scheduler import Scheduler
+from helpers import MODEL, assert_pool_whole, call, queued_together, serve, wait_until_idle
 from server import create_app
 
 PROMPT = list(range(100, 118))  # 18 tokens

@@ -15,14 +15,14 @@ import weakref
 import pytest
 
 from engine import llm_engine as engine_module
-from engine.cpu_threads import in_own_thread
 from engine import Engine, EngineClosedError
+from engine.cpu_threads import in_own_thread
 from engine.engine_loop import EngineStoppedError
-from helpers import assert_pool_whole
-from models import tiny_llama
 from engine.one_request import greedy_reference
 from engine.outputs import ReplyBuilder
 from engine.request import SamplingParams
+from helpers import assert_pool_whole
+from models import tiny_llama
 
 PROMPTS = [list(range(10, 30)), list(range(40, 57)), list(range(70, 95))]
 

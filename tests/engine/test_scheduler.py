@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from allocator import PrefixCachingAllocator
-from engine.scheduler import FINISHED, RUNNING, WAITING, Budget, Request, Scheduler
 from engine.request import SamplingParams
+from engine.scheduler import FINISHED, RUNNING, WAITING, Budget, Request, Scheduler
 
 
 def run_step(scheduler: Scheduler, token: int = 7, budget=None) -> list[tuple[str, int, int]]:

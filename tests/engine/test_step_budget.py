@@ -8,19 +8,19 @@ import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from allocator import PrefixCachingAllocator
 from engine import batch_attention
 from engine import model_runner
-from engine.batch_engine import BatchRunner
 from engine import DEFAULT_MAX_NUM_BATCHED_TOKENS, Engine
-from helpers import call, serve
+from engine.batch_engine import BatchRunner
 from engine.one_request import greedy_reference
-from allocator import PrefixCachingAllocator
 from engine.request import SamplingParams
 from engine.scheduler import Budget, Candidate, Request, Scheduler
-from server import create_app
 from engine.step_budget import (ARRIVAL_STALL, CALIBRATION_TOKENS, DEFAULT_TARGET_STEP_MS, FAIR_SLACK, FAIR_STALL, FIRST_CHUNK,
-                         FLOOR, GAP_MAX, MIN_CHUNK, STALL, ModelShape, StepBudget, StepCosts, chunk_flops,
-                         keys_attended)
+                                FLOOR, GAP_MAX, MIN_CHUNK, STALL, ModelShape, StepBudget, StepCosts, chunk_flops,
+                                keys_attended)
+from helpers import call, serve
+from server import create_app
 
 SMOL = ModelShape(body_params=106_000_000, layers=30, heads=9, head_dim=64)  # SmolLM2-135M's sizes
 

@@ -15,8 +15,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from grading import GRADING, drawn
 from allocator import OutOfBlocksError
+from grading import GRADING, drawn
 from twins import RemoteAllocator
 
 EXERCISE = "allocator"

@@ -14,8 +14,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from grading import GRADING, REPEATS, SCALING_LIMIT, drawn, fastest_times, milliseconds, times
 from allocator import OutOfBlocksError
+from grading import GRADING, REPEATS, SCALING_LIMIT, drawn, fastest_times, milliseconds, times
 from test_ex2_allocate import VOCAB, inputs, vocabulary  # this run's inputs, drawn as exercise 2's are
 from twins import RemoteAllocator
 

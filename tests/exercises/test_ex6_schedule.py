@@ -20,9 +20,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from grading import GRADING, drawn
 from allocator import OutOfBlocksError
 from engine.scheduler import RUNNING, WAITING, Request
+from grading import GRADING, drawn
 from twins import RemoteScheduler
 
 EXERCISE = "scheduler"

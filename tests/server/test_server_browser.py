@@ -13,8 +13,8 @@ import pytest
 from engine import Engine
 from engine.one_request import run_request
 from engine.request import SamplingParams
-from server import create_app
 from helpers import SYSTEM, assert_pool_whole, call, serve
+from server import create_app
 
 sync_api = pytest.importorskip("playwright.sync_api")
 

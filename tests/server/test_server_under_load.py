@@ -16,8 +16,8 @@ import threading
 
 import pytest
 
-from engine.engine_loop import EngineLoop, EngineStoppedError
 from engine import Engine
+from engine.engine_loop import EngineLoop, EngineStoppedError
 from helpers import (
     MODEL, SYSTEM, EmbeddingCounter, calibrated, call, call_with_headers, held_in_step, queued_together, raw_request,
     serve, until, wait_until_idle,
