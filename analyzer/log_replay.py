@@ -2,7 +2,7 @@
 A request log replayed: the part of the workload analyzer that measures (workload_analyzer.py
 is the command that reports it).
 
-Read request_logs.py (what a log holds), prefix_caching.py (the allocator it replays through)
+Read request_logs.py (what a log holds), allocator/prefix_caching.py (the allocator it replays through)
 and caching_models.py (its steps in a fast form, and two other servers' caches) first. In
 this file:
 

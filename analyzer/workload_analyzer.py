@@ -3,11 +3,11 @@ The workload analyzer: how much would prefix caching save on your own traffic, a
 must the pool be? It reads a request log, tokenizes it with the model's tokenizer and
 replays it through this course's allocator, offline, on a CPU.
 
-    python prefix_caching.py --analyze LOG [--model M] [--chat-template FILE] [--block-size 16] [--num-blocks N]
+    python allocator/prefix_caching.py --analyze LOG [--model M] [--chat-template FILE] [--block-size 16] [--num-blocks N]
         [--plot FILE.png] [--like vllm|sglang|llamacpp|engine] [--kv-model NAME|CONFIG --concurrency N --context TOKENS]
         [--replicas N --router cache_aware|round_robin|random|power_of_two] [--json FILE]
 
-Read request_logs.py (what a log holds), prefix_caching.py (the allocator it replays
+Read request_logs.py (what a log holds), allocator/prefix_caching.py (the allocator it replays
 through) and caching_models.py (its steps in a fast form, and two other servers' caches)
 first; kv_memory.py turns the working set into GiB, fleet.py routes a log among replicas.
 log_replay.py measures (1. the log tokenized as it streams, 2. its replay through
@@ -455,7 +455,7 @@ def plot_curve(curve: Curve, path: Path, title: str) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="prefix_caching.py --analyze", description="Replay a request log through the allocator: hit rate and "
+        prog="allocator/prefix_caching.py --analyze", description="Replay a request log through the allocator: hit rate and "
         "prefill saved vs pool size, the working set, the prefixes behind the hits, warnings.")
     add_log_arguments(parser)
     parser.add_argument("--model", default=None,

@@ -1,9 +1,9 @@
 """
 Seeing the allocator: rich views of its state, and the vLLM design doc's examples replayed.
 
-Read prefix_caching.py first; this file draws what it holds and checks it against the doc.
+Read allocator/prefix_caching.py first; this file draws what it holds and checks it against the doc.
 
-    python prefix_caching.py --walkthrough     # runs walkthrough() below
+    python allocator/prefix_caching.py --walkthrough     # runs walkthrough() below
 
     render_block_table   a request's blocks: logical -> physical, tokens, hash, ref count
     render_free_queue    the free queue from head (evicted next) to tail

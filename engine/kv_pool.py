@@ -1,7 +1,7 @@
 """
 The paged KV pool: the K/V memory the allocator's block ids point into.
 
-Read prefix_caching.py (the allocator: which block holds which tokens) first. The allocator
+Read allocator/prefix_caching.py (the allocator: which block holds which tokens) first. The allocator
 hands out block ids; this file is the memory they name, and the two ways the engines move
 K/V in and out of it:
 
@@ -36,7 +36,7 @@ from transformers import DynamicCache
 # blocks where they lie, with no copy; the copy is the price of running an unmodified Hugging
 # Face model with torch's own attention on any device. It costs what transformers' own
 # contiguous cache costs for the same step, which copies every context once a step too
-# (DynamicCache appends a token with torch.cat): python prefix_caching.py --bench paged.
+# (DynamicCache appends a token with torch.cat): python allocator/prefix_caching.py --bench paged.
 
 
 def slot_ids(block_table: list[int], block_size: int, start: int, end: int, device=None):

@@ -2,7 +2,7 @@
 The engine: a Hugging Face model served with automatic prefix caching, the front of its one
 engine loop.
 
-Read prefix_caching.py (the allocator) first. The files under this one, each with one role,
+Read allocator/prefix_caching.py (the allocator) first. The files under this one, each with one role,
 are listed in the README's reading-order table ("The code, in reading order"): the pool, the
 one finisher of reply text, a request (engine/request.py), the sampler, the thread policy, stage 7's
 one-request path (and EngineParts, what it and the loop are handed instead of the Engine),

@@ -1,7 +1,7 @@
 """
 Stage 7's engine: one request at a time, its cached prefix gathered into past_key_values.
 
-Read prefix_caching.py (the allocator) and engine/kv_pool.py (the memory its block ids name) first.
+Read allocator/prefix_caching.py (the allocator) and engine/kv_pool.py (the memory its block ids name) first.
 A request, from prompt to reply:
 
     allocate_with_prefix   which leading blocks are cached? take them, and new blocks for the rest
@@ -15,7 +15,7 @@ A request, from prompt to reply:
 A sampled token goes to the allocator only when its K/V is about to be computed, so the
 last token of a reply never does: no cached block ever holds a slot nobody wrote.
 
-This is the lesson's path, run by name: stage 7 and the demo (`python prefix_caching.py
+This is the lesson's path, run by name: stage 7 and the demo (`python allocator/prefix_caching.py
 --demo`) call generate (below) over an Engine's parts, engine.parts. The Engine itself runs
 every caller's requests in its engine loop (engine/engine_loop.py), many in one forward pass
 (engine/batch_engine.py); both take the same EngineParts (section 1), the Engine's model, pool and
@@ -60,7 +60,7 @@ class EngineParts:
         model           the Hugging Face causal LM every forward pass runs
         tokenizer       turns sampled tokens into the reply's text (outputs.ReplyBuilder)
         stop_token_ids  tokens that end a reply with finish_reason "stop" (the model's EOS)
-        allocator       the block bookkeeping (prefix_caching.py): block tables, hits, frees
+        allocator       the block bookkeeping (allocator/prefix_caching.py): block tables, hits, frees
         kv              the pool of K/V memory the allocator's block ids point into (engine/kv_pool.py)
         device          where the model and the pool live (model.device)
         lock            held for every step (a prefill, one decoded token, one batched step),

@@ -1,7 +1,7 @@
 """
 Prompts: what a caller may send as a prompt, and its token ids.
 
-Read prefix_caching.py first: a prompt's token ids are what it hashes into blocks. Pure Python,
+Read allocator/prefix_caching.py first: a prompt's token ids are what it hashes into blocks. Pure Python,
 like the allocator: no torch, so the workload analyzer (analyzer/) tokenizes a log without
 loading a model's framework.
 

@@ -1,7 +1,7 @@
 """
 The scheduler: which requests run in the next forward pass, and how many tokens each.
 
-Read prefix_caching.py (the allocator) and engine/request.py (a request's state) first;
+Read allocator/prefix_caching.py (the allocator) and engine/request.py (a request's state) first;
 engine/batch_engine.py runs what this file plans.
 Pure Python, like the allocator: the rules below are tested without a model.
 

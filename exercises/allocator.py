@@ -1,7 +1,7 @@
 """
 Exercises 2 and 4: allocate with prefix (stage 5), and free in reverse order (stage 6).
 
-A small PrefixCachingAllocator: the ideas of prefix_caching.py without decode, argument
+A small PrefixCachingAllocator: the ideas of allocator/prefix_caching.py without decode, argument
 checks or views. It runs on your hashes (exercise 1), so do that first. Its free queue is a
 stand-in on a Python list (exercises/given.py) until you write your own in exercise 3:
 exercise 4's tests then run this allocator on yours.

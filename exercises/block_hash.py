@@ -1,7 +1,7 @@
 """
 Exercise 1: the chained block hash (stage 4).
 
-Write the two functions below. The reference is `prefix_caching.py`, section 1; try
+Write the two functions below. The reference is `allocator/prefix_caching.py`, section 1; try
 without reading it first.
 
 Finish line:
@@ -53,7 +53,7 @@ def compute_block_hashes(
     block 0 alone gets extra_keys + (("cache_salt", cache_salt),) when a salt is given:
     every later hash is chained to block 0, so one salted block separates whole prompts. The
     tag keeps a salt from hashing like an extra key of the same text (a tenant called
-    "lora-1" must not share blocks with the adapter "lora-1"); prefix_caching.py's
+    "lora-1" must not share blocks with the adapter "lora-1"); allocator/prefix_caching.py's
     block_extra_keys does the same.
 
     >>> len(compute_block_hashes(list(range(10)), block_size=4))   # 2 full blocks, 2 tokens left over

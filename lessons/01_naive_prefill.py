@@ -18,22 +18,18 @@ Run:  python lessons/01_naive_prefill.py            (SmolLM2-135M; run times: le
       python lessons/01_naive_prefill.py --tiny     (a random 2-layer model, faster)
 """
 
-import sys
 import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find prefix_caching.py from anywhere
 
 import torch
 from rich.console import Console
 from rich.rule import Rule
 from rich.table import Table
 
-import models
 from benchmarks.measure import Runs, TokenCounter, conclusion
 from commands.demo import DEMO_SYSTEM_PROMPT
 from engine.cpu_threads import one_pass
-from reading import show_code
+from lessons import models
+from lessons.reading import show_code
 
 QUESTION = [{"role": "user", "content": "What does the processor of a computer do?"}]
 REPLY_TOKENS = 8

@@ -23,11 +23,7 @@ Run:  python lessons/02_kv_cache.py            (SmolLM2-135M; run times: lessons
 """
 
 import importlib
-import sys
 import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find prefix_caching.py from anywhere
 
 import torch
 from rich.console import Console
@@ -35,13 +31,13 @@ from rich.rule import Rule
 from rich.table import Table
 from transformers import DynamicCache
 
-import models
 from benchmarks.measure import Runs, TokenCounter, busy_note, conclusion, how_much_faster
 from engine.cpu_threads import one_pass
 from engine.kv_pool import PagedKVPool
-from reading import show_code
+from lessons import models
+from lessons.reading import show_code
 
-stage_1 = importlib.import_module("01_naive_prefill")  # a file name starting with a digit needs importlib
+stage_1 = importlib.import_module("lessons.01_naive_prefill")  # a file name starting with a digit needs importlib
 REPEATS = 3  # runs per prompt length: a median, and a spread that says if the machine was busy
 
 

@@ -12,17 +12,13 @@ physical block, wherever it is.
 New in this stage (marked # NEW): PrefixCachingAllocator with enable_caching=False, the
 block table, and slot() (where one token's K/V lives).
 
-Read: prefix_caching.py, section 3: PrefixCachingAllocator.get_new_blocks and .slot (printed
+Read: allocator/prefix_caching.py, section 3: PrefixCachingAllocator.get_new_blocks and .slot (printed
       when the stage starts).
 
 Run:  python lessons/03_paged_blocks.py
 """
 
 import argparse
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find prefix_caching.py from anywhere
 
 from rich.console import Console
 from rich.rule import Rule
@@ -30,7 +26,7 @@ from rich.table import Table
 
 from allocator import PrefixCachingAllocator
 from commands.walkthrough import render_block_table, render_pool
-from reading import show_code
+from lessons.reading import show_code
 
 BLOCK_SIZE = 4
 MAX_LEN = 16  # the longest sequence a request may grow to (prompt + answer)

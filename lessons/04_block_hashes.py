@@ -10,7 +10,7 @@ on a full block gets a name the moment it fills.
 New in this stage (marked # NEW): hash_block_tokens, compute_block_hashes, extra keys and
 cache_salt.
 
-Read: prefix_caching.py, section 1: block_extra_keys (printed when the stage starts). The
+Read: allocator/prefix_caching.py, section 1: block_extra_keys (printed when the stage starts). The
       stage prints exercise 1's hash_block_tokens from exercises/block_hash.py in place of
       the reference's: write it first, then read the reference.
 
@@ -19,11 +19,7 @@ Run:  python lessons/04_block_hashes.py
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find prefix_caching.py from anywhere
 
 from rich.console import Console
 from rich.rule import Rule
@@ -37,8 +33,8 @@ from allocator import (
     short_hash,
 )
 from commands.walkthrough import render_block_table
-from reading import show_code, show_exercise
-from words import Words
+from lessons.reading import show_code, show_exercise
+from lessons.words import Words
 
 BLOCK_SIZE = 4
 # One word = one token, so a block of 4 tokens is 4 words (the design doc's own example).

@@ -10,7 +10,7 @@ hash and its K/V: until it is reused for something else, a later request can sti
 New in this stage (marked # NEW): allocate_with_prefix hitting cached blocks, ref_count,
 and blocks that are free and cached at the same time.
 
-Read: prefix_caching.py, section 3: PrefixCachingAllocator.touch (printed when the stage
+Read: allocator/prefix_caching.py, section 3: PrefixCachingAllocator.touch (printed when the stage
       starts). allocate_with_prefix is exercise 2: the stage prints it from
       exercises/allocator.py in place of the reference's: write it first, then read the reference.
 
@@ -18,10 +18,6 @@ Run:  python lessons/05_ref_counts.py
 """
 
 import argparse
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find prefix_caching.py from anywhere
 
 from rich.columns import Columns
 from rich.console import Console
@@ -30,8 +26,8 @@ from rich.table import Table
 
 from allocator import PrefixCachingAllocator
 from commands.walkthrough import render_block_table, render_free_queue
-from reading import show_code, show_exercise
-from words import Words
+from lessons.reading import show_code, show_exercise
+from lessons.words import Words
 
 BLOCK_SIZE = 4
 SYSTEM = "You are a helpful assistant . Answer in one short sentence and say so if unsure"  # 16 words: 4 full blocks

@@ -13,7 +13,7 @@ measures why the queue is a hand-made doubly linked list, and what newer vLLM ch
 
 New in this stage (marked # NEW): FreeKVCacheBlockQueue, eviction, free_uncached_first.
 
-Read: prefix_caching.py, section 3: PrefixCachingAllocator.evict (printed when the stage
+Read: allocator/prefix_caching.py, section 3: PrefixCachingAllocator.evict (printed when the stage
       starts). FreeKVCacheBlockQueue.remove is exercise 3 and PrefixCachingAllocator.free
       exercise 4: the stage prints them from exercises/free_queue.py and exercises/allocator.py
       in place of the reference's: write them first, then read the reference.
@@ -22,12 +22,8 @@ Run:  python lessons/06_free_queue_lru.py
 """
 
 import argparse
-import sys
 import time
 from collections import deque
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find prefix_caching.py from anywhere
 
 from rich.console import Console
 from rich.rule import Rule
@@ -35,8 +31,8 @@ from rich.table import Table
 
 from allocator import FreeKVCacheBlockQueue, KVCacheBlock, PrefixCachingAllocator
 from commands.walkthrough import design_doc_example, walkthrough
-from reading import show_code, show_exercise
-from workloads import multi_turn, replay
+from lessons.reading import show_code, show_exercise
+from lessons.workloads import multi_turn, replay
 
 QUEUES = {"linked list": FreeKVCacheBlockQueue, "list": list, "deque": deque}  # NEW: the first, vs Python's own
 
@@ -94,7 +90,7 @@ def main(argv: list[str] | None = None) -> None:
     console.print(f"On the multi-turn chat workload of stage 10 (512 blocks): off: {rates[0]}; on: {rates[1]}. "
                   "Small, because each request leaves at most one hashless block behind. It matters when a "
                   "pool barely holds the prompts in use and replies leave partial blocks: "
-                  "python prefix_caching.py --bench allocator measures 53.8% against 78.4% on such traffic.")
+                  "python allocator/prefix_caching.py --bench allocator measures 53.8% against 78.4% on such traffic.")
     console.print("A drawing of the pool at Time 5: assets/block_pool.png (python lessons/figures.py).")
 
 

@@ -25,17 +25,12 @@ Run:  python lessons/07_real_model.py            (SmolLM2-135M; run times: lesso
 """
 
 import itertools
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find prefix_caching.py from anywhere
 
 import torch
 from rich.console import Console
 from rich.rule import Rule
 from rich.table import Table
 
-import models
 from benchmarks.measure import Runs, TokenCounter, conclusion, how_much_faster
 from commands.demo import DEMO_QUESTIONS, DEMO_SYSTEM_PROMPT
 from engine import Engine
@@ -43,7 +38,8 @@ from engine.kv_pool import PagedKVPool
 from engine.one_request import generate, greedy_reference, run_request
 from engine.outputs import Generation
 from engine.request import SamplingParams
-from reading import show_code, show_exercise
+from lessons import models
+from lessons.reading import show_code, show_exercise
 
 SYSTEM = {"role": "system", "content": DEMO_SYSTEM_PROMPT}
 MAX_TOKENS = 24

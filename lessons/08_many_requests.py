@@ -53,18 +53,11 @@ Run:  python lessons/08_many_requests.py            (SmolLM2-135M; run times: le
       python lessons/08_many_requests.py --tiny     (a random 2-layer model, faster)
 """
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find prefix_caching.py from anywhere
-
 import torch
 from rich.console import Console
 from rich.rule import Rule
 from rich.table import Table
 
-import models
-from batch_views import add_step_row, render_step, run_step, step_history
 from benchmarks.measure import Runs, TokenCounter, busy_note, how_much_faster
 from benchmarks.throughput import TOPICS, questions, run_ours, summary
 from commands.demo import DEMO_SYSTEM_PROMPT
@@ -78,7 +71,9 @@ from engine.request import SamplingParams
 from engine.scheduler import Scheduler
 from engine.step_budget import (BOUNDS, DEFAULT_TARGET_STEP_MS, FLOOR, GAP_MAX, MIN_CHUNK, STALL, ModelShape, StepBudget,
                                 chunk_flops)
-from reading import show_code, show_exercise
+from lessons import models
+from lessons.batch_views import add_step_row, render_step, run_step, step_history
+from lessons.reading import show_code, show_exercise
 
 USERS = ["alice", "bob", "carol", "dave"]
 MAX_TOKENS = 16

@@ -29,22 +29,18 @@ Run:  python lessons/09_serving.py            (SmolLM2-135M; run times: lessons/
 import json
 import logging
 import statistics
-import sys
 import threading
 import time
 import urllib.error
 import urllib.request
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find prefix_caching.py and server.py from anywhere
 
 from rich.console import Console
 from rich.rule import Rule
 from rich.table import Table
 
-import models
 from commands.demo import DEMO_QUESTIONS, DEMO_SYSTEM_PROMPT
-from reading import show_code
+from lessons import models
+from lessons.reading import show_code
 from server import chat_completions, create_app, generate, serve_in_background
 from serving.requests import JSON_HEADER, take_cache_salt, tenant_of
 

@@ -30,17 +30,13 @@ Run:  python lessons/10_going_further.py   (sections 6 and 8 run SmolLM2-135M; r
 
 import argparse
 import logging
-import sys
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find prefix_caching.py from anywhere
 
 from rich.console import Console
 from rich.padding import Padding
 from rich.rule import Rule
 from rich.table import Table
 
-import models
 from analyzer.kv_memory import KNOWN_MODELS, memory_to_buy, server_flags
 from analyzer.log_replay import LIKE, hit_rate_curve, tokenize_log
 from analyzer.request_logs import EXAMPLE_LOGS, interleave, read_log
@@ -48,12 +44,13 @@ from analyzer.workload_analyzer import variable_starts
 from benchmarks import cache_probe
 from benchmarks.router import Fleet, replay_through_router, router, working_sets
 from engine.model_files import load_tokenizer
-from figures import POOL_SIZES
-from radix_tree import RadixTree
-from reading import show_code
+from lessons import models
+from lessons.figures import POOL_SIZES
+from lessons.radix_tree import RadixTree
+from lessons.reading import show_code
+from lessons.words import Words
+from lessons.workloads import WORKLOADS, hit_rate_table, lru_burst, radix_vs_hash
 from server import create_app, serve_in_background
-from words import Words
-from workloads import WORKLOADS, hit_rate_table, lru_burst, radix_vs_hash
 
 # What the long-form article on vLLM v1 prefix caching (README, Sources) reports for the
 # same kinds of traffic.

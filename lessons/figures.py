@@ -8,17 +8,14 @@ The notebooks call the same functions to show the figures inline.
 """
 
 import argparse
-import sys
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find prefix_caching.py from anywhere
 
 import matplotlib.pyplot as plt
 from matplotlib.patches import FancyBboxPatch
 
 from allocator import PrefixCachingAllocator, short_hash
 from commands.walkthrough import design_doc_example
-from workloads import BLOCK_SIZE, hit_rate_table
+from lessons.workloads import BLOCK_SIZE, hit_rate_table
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
 # The rich views' colours: green = in use, yellow = free but cached, grey = free and empty.

@@ -13,10 +13,6 @@ The model a model stage (1, 2, 7, 8, 9, and 10's sections 6 and 8) runs, chosen 
 """
 
 import argparse
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find prefix_caching.py from anywhere
 
 from commands.model_flags import add_model_arguments, pool_arguments
 from engine import Engine

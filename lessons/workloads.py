@@ -24,7 +24,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from allocator import OutOfBlocksError, PrefixCachingAllocator
-from radix_tree import RadixTree
+from lessons.radix_tree import RadixTree
 
 VOCAB_SIZE = 32_000
 BLOCK_SIZE = 16  # vLLM's default block size

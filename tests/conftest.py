@@ -19,14 +19,12 @@ for one.
 """
 
 import os
-import sys
 from pathlib import Path
 
 import pytest
 
 import machine
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lessons"))  # the lessons' helper modules
 
 pytest_plugins = ["pytester"]  # grader/test_grading.py runs the exercise tests against wrong solutions
 
@@ -118,7 +116,7 @@ def tiny_model(tokenizer):
     """A 2-layer Llama with random weights and grouped-query attention (4 query heads share
     2 KV heads), in float32 so cached and uncached runs agree to ~1e-6: what a stage's --tiny
     runs is what the tests check."""
-    from models import tiny_llama
+    from lessons.models import tiny_llama
 
     return tiny_llama(tokenizer)
 

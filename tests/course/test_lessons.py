@@ -14,10 +14,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 LESSONS = ROOT / "lessons"
-sys.path.insert(0, str(LESSONS))  # the lessons' helper modules: workloads, radix_tree, words, figures, models
 
 STAGES = sorted(LESSONS.glob("[0-9][0-9]_*.py"))
-HELPERS = ["workloads", "radix_tree", "words", "models", "reading", "benchmarks.measure", "batch_views"]
+HELPERS = ["lessons.workloads", "lessons.radix_tree", "lessons.words", "lessons.models", "lessons.reading", "benchmarks.measure",
+           "lessons.batch_views"]
 
 # Flags a stage needs to run fast in the test suite (e.g. a tiny model); none means none.
 FLAGS: dict[str, list[str]] = {
@@ -137,7 +137,6 @@ def test_stage_answers_help_with_its_usage_and_runs_nothing(path, monkeypatch, c
     # torch and the engine at its top, which an interpreter of its own would pay for again.
     monkeypatch.setattr(sys, "argv", [str(path), "--help"])
     monkeypatch.chdir(ROOT)
-    monkeypatch.setattr(sys, "path", list(sys.path))  # the stage puts the root on it
     with pytest.raises(SystemExit) as exit:
         runpy.run_path(str(path), run_name="__main__")
     out = capsys.readouterr().out
@@ -148,7 +147,7 @@ def test_stage_answers_help_with_its_usage_and_runs_nothing(path, monkeypatch, c
 
 
 def test_tiny_and_model_together_are_refused(capsys):
-    from models import parse_args
+    from lessons.models import parse_args
 
     with pytest.raises(SystemExit):
         parse_args("a model stage", ["--tiny", "--model", "gpt2"])
@@ -178,7 +177,7 @@ def test_helper_docstring_examples(name):
 
 
 def test_the_syllabus_shows_the_curl_commands_stage_9_prints():
-    stage_9 = importlib.import_module("09_serving")
+    stage_9 = importlib.import_module("lessons.09_serving")
     readme = (LESSONS / "README.md").read_text()
     for line in stage_9.curl_commands().splitlines():
         assert line in readme, f"lessons/README.md (stage 9) lacks: {line}"
@@ -189,7 +188,7 @@ def test_the_syllabus_shows_the_curl_commands_stage_9_prints():
 
 @pytest.mark.slow
 def test_the_radix_tree_and_the_hash_table_agree_on_whole_blocks():
-    from workloads import WORKLOADS, radix_vs_hash
+    from lessons.workloads import WORKLOADS, radix_vs_hash
 
     for name, make in WORKLOADS.items():
         result = radix_vs_hash(make())
@@ -201,7 +200,7 @@ def test_the_radix_tree_and_the_hash_table_agree_on_whole_blocks():
 
 
 def test_the_radix_tree_splits_edges_and_matches_tokens():
-    from radix_tree import RadixTree
+    from lessons.radix_tree import RadixTree
 
     tree = RadixTree()
     tree.insert([1, 2, 3, 4, 5])
@@ -212,7 +211,7 @@ def test_the_radix_tree_splits_edges_and_matches_tokens():
 
 
 def test_an_lru_burst_evicts_the_hot_system_prompt_from_its_end():
-    from workloads import lru_burst
+    from lessons.workloads import lru_burst
 
     hits = [hit for _, _, hit in lru_burst([0, 8, 10, 11, 12, 16])]
     assert hits[0] == hits[1] == 512  # a small burst fits beside the prompt
@@ -223,7 +222,7 @@ def test_an_lru_burst_evicts_the_hot_system_prompt_from_its_end():
 
 @pytest.mark.slow
 def test_hit_rates_follow_the_workloads():
-    from workloads import hit_rate_table
+    from lessons.workloads import hit_rate_table
 
     rates = hit_rate_table([256, 2048])
     assert rates["unique prompts"] == [0.0, 0.0]
@@ -302,7 +301,7 @@ def test_the_token_counter_counts_what_the_model_embeds(tiny_model):
 
 def test_a_word_has_the_same_token_id_in_every_lesson():
     from allocator import compute_block_hashes
-    from words import Words
+    from lessons.words import Words
 
     first, second = Words(), Words()
     second.encode("unrelated words seen first")
@@ -314,7 +313,7 @@ def test_a_word_has_the_same_token_id_in_every_lesson():
 
 
 def test_stage_6_times_a_removal_from_the_middle_every_time(monkeypatch):
-    stage_6 = importlib.import_module("06_free_queue_lru")
+    stage_6 = importlib.import_module("lessons.06_free_queue_lru")
     positions = []
 
     class RecordingList(list):

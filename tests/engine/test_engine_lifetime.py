@@ -22,7 +22,7 @@ from engine.one_request import greedy_reference
 from engine.outputs import ReplyBuilder
 from engine.request import SamplingParams
 from helpers import assert_pool_whole
-from models import tiny_llama
+from lessons.models import tiny_llama
 
 PROMPTS = [list(range(10, 30)), list(range(40, 57)), list(range(70, 95))]
 

@@ -488,7 +488,7 @@ CHEATS = {
             return find("compute_block_hashes")(tokens, size, salt, keys)
         """),
     "the reference's source exec'd under the starter's name": ("block_hash", f"""
-        exec(compile(open({str(ROOT / "prefix_caching.py")!r}).read(), "exercises/block_hash.py", "exec"))
+        exec(compile(open({str(ROOT / "allocator/prefix_caching.py")!r}).read(), "exercises/block_hash.py", "exec"))
         """),
     "the reference run in a subprocess": ("block_hash", f"""
         import json, subprocess, sys

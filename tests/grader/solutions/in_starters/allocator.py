@@ -25,7 +25,7 @@ class PrefixCachingAllocator:
     def allocate_with_prefix(self, request_id: str, token_ids: Sequence[int], cache_salt: str | None = None) -> Allocation:
         """Give a new request its blocks, reusing the longest cached prefix.
 
-        In this order (the design doc's "Block Allocation"; prefix_caching.py names the
+        In this order (the design doc's "Block Allocation"; allocator/prefix_caching.py names the
         same five steps):
           1. lookup  Hash the prompt's full blocks. Walk them from block 0: block i hits while
                      its hash is in self.cached_blocks AND that block's token_ids equal the

@@ -68,7 +68,7 @@ def compute_block_hashes(
     block 0 alone gets extra_keys + (("cache_salt", cache_salt),) when a salt is given:
     every later hash is chained to block 0, so one salted block separates whole prompts. The
     tag keeps a salt from hashing like an extra key of the same text (a tenant called
-    "lora-1" must not share blocks with the adapter "lora-1"); prefix_caching.py's
+    "lora-1" must not share blocks with the adapter "lora-1"); allocator/prefix_caching.py's
     block_extra_keys does the same.
 
     >>> len(compute_block_hashes(list(range(10)), block_size=4))   # 2 full blocks, 2 tokens left over
