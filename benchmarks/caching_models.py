@@ -42,7 +42,6 @@ import importlib.abc
 import importlib.machinery
 import json
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -62,6 +61,7 @@ from analyzer.kv_memory import KNOWN_MODELS
 from analyzer.log_replay import tokenize_log
 from analyzer.request_logs import Writer, interleave, rag, read_log, write_log
 from benchmarks import save_json
+from benchmarks.served_clients import free_port
 from engine.model_files import GGUF_FILE, cache_home, gguf_dir, load_tokenizer, training_context
 
 NUM_REQUESTS = 99
@@ -203,12 +203,6 @@ def f32_copy() -> Path:
     writer.close()
     partial.rename(path)
     return path
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def post(url: str, body: dict) -> dict:

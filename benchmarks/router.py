@@ -89,7 +89,6 @@ import os
 import platform
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -106,6 +105,7 @@ from analyzer.log_replay import hit_rate_curve, tokenize_log
 from analyzer.request_logs import Log, LoggedRequest, interleave
 from benchmarks import save_json
 from benchmarks.openai_api import SPREAD_COLUMN, OpenAIServer, spread_json, spread_text
+from benchmarks.served_clients import free_ports
 from commands.flags import positive_int
 from commands.model_flags import add_model_arguments
 from engine.model_files import load_tokenizer
@@ -180,23 +180,6 @@ class Routed:
 
 # -----------------------------------------------------------------------------
 # Starting and stopping the processes
-
-
-def free_ports(n: int) -> list[int]:
-    """n different ports of 127.0.0.1, free right now (the processes that take them bind them a
-    moment later). Held open together while they are picked: two picked one after the other can
-    be the same port, since the first is free again when the second is asked for, and then two
-    replicas race for it and one exits with "Address already in use"."""
-    with contextlib.ExitStack() as stack:
-        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
-        for sock in socks:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in socks]
-
-
-def free_port() -> int:
-    """A port of 127.0.0.1 free right now."""
-    return free_ports(1)[0]
 
 
 def bearer(key: str | None) -> dict:
@@ -293,7 +276,7 @@ def replicas(n: int, server_args: Sequence[str] = (), timeout: float = STARTUP_T
                     # Another program took the port between its pick and the replica's bind: another port.
                     if attempt == PORT_ATTEMPTS or "Address already in use" not in log_tail(log):
                         raise
-                    started[i] = start(i, free_port(), attempt)
+                    started[i] = start(i, free_ports(1)[0], attempt)
         yield tuple(url for url, _, _ in started)
 
 
@@ -387,7 +370,7 @@ def front(router_url: str, keys: Keys, max_body_bytes: int = DEFAULT_BODY_BYTES,
     `host` (default: a free port of 127.0.0.1), taking the keys of `keys`; front_args: its other
     flags. open_files: its process's open-file limit (ulimit -n), else this one's. Yields its URL
     once it answers. Stopped with SIGTERM."""
-    port = port or free_port()
+    port = port or free_ports(1)[0]
     url = f"http://{'127.0.0.1' if host == '0.0.0.0' else host}:{port}"
 
     def limit_files() -> None:

@@ -43,11 +43,21 @@ class Server:
     admin_key: str
 
 
+def free_ports(n: int) -> list[int]:
+    """n different ports of 127.0.0.1, free right now (the processes that take them bind them a
+    moment later). Held open together while they are picked: two picked one after the other can
+    be the same port, since the first is free again when the second is asked for, and then two
+    replicas race for it and one exits with "Address already in use"."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for sock in socks:
+            sock.bind((CLASS, 0))
+        return [sock.getsockname()[1] for sock in socks]
+
+
 def free_port() -> int:
-    """A port of 127.0.0.1 that nothing listens on now (server.py takes no --port 0)."""
-    with socket.socket() as sock:
-        sock.bind((CLASS, 0))
-        return sock.getsockname()[1]
+    """A port of 127.0.0.1 free right now."""
+    return free_ports(1)[0]
 
 
 @contextlib.contextmanager

@@ -220,7 +220,8 @@ def test_serve_starts_the_door_in_front_and_stops_on_ctrl_c(tiny_model_dir):
     model: the keys it prints open the door, the door passes a chat and nothing of the
     router's, the router's control plane answers the teacher on this machine, and Ctrl+C
     stops every process."""
-    from benchmarks.router import ROOT, free_port
+    from benchmarks.router import ROOT
+    from benchmarks.served_clients import free_port
 
     port = free_port()
     command = [sys.executable, "prefix_caching.py", "--bench", "router", "--serve", "--replicas", "1",

@@ -24,8 +24,9 @@ from pathlib import Path
 import pytest
 
 from benchmarks.router import (
-    DEFAULT_BODY_BYTES, Fleet, Keys, body_limit, free_port, guard_flags, request_counts, reset_caches, router,
+    DEFAULT_BODY_BYTES, Fleet, Keys, body_limit, guard_flags, request_counts, reset_caches, router,
 )
+from benchmarks.served_clients import free_port
 from engine import Engine
 from helpers import MODEL, StubWorker, ask, calibrated, raw_request, serve, wait_until_idle
 from server import create_app

@@ -13,7 +13,6 @@ import http.client
 import json
 import logging
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -25,6 +24,7 @@ from pathlib import Path
 import openai
 import pytest
 
+from benchmarks.served_clients import free_port
 from helpers import (CHAT, MODEL, SYSTEM, EmbeddingCounter, call, client, queued_together, raw_request, until,
                      wait_for_log, wait_until_idle)
 from server import create_app, serve_in_background
@@ -393,12 +393,6 @@ def test_concurrent_clients_get_the_answers_they_get_alone(engine, url):
 
 
 # --- the real thing: python server.py with the default model --------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.server
