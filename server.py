@@ -39,8 +39,8 @@ import argparse
 import logging
 
 from commands.flags import positive_float, positive_int
-from commands.model_flags import add_model_arguments, pool_arguments
-from engine.llm_engine import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, DEFAULT_TARGET_STEP_MS, Engine, EngineConfig
+from commands.model_flags import add_model_arguments, engine_from_flags, pool_arguments
+from engine.llm_engine import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, DEFAULT_TARGET_STEP_MS, EngineConfig
 from engine.model_loader import DEFAULT_MODEL
 from serving.connections import (
     MAX_HEAD_BYTES, MAX_HEADER_FIELDS, MOST_CONNECTIONS, ClassServer, connection_cap, drain, serve_in_background,
@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> None:
     console = Console(stderr=True)
     console.print(f"loading {args.model or DEFAULT_MODEL}…")  # the default's first load converts its GGUF file, and says so
     try:
-        engine = Engine(args.model, device=args.device, dtype=args.dtype, config=config)
+        engine = engine_from_flags(args, config=config)
     except (OSError, ValueError) as err:
         parser.exit(2, f"error: {err}\n")
     engine.warm_up()

@@ -11,7 +11,7 @@ import sys
 import torch
 from rich.console import Console
 
-from commands.model_flags import pool_arguments
+from commands.model_flags import engine_from_flags
 from engine.llm_engine import Engine, Generation
 from engine.one_request import generate
 from engine.request import SamplingParams
@@ -25,7 +25,7 @@ def open_console() -> Console:
 def open_engine(args) -> tuple[Console, Engine, str]:
     """(console, Engine from add_model_arguments' flags, the device's name)."""
     console = open_console()
-    engine = Engine(args.model, device=args.device, dtype=args.dtype, **pool_arguments(args))
+    engine = engine_from_flags(args)
     return console, engine, device_name(engine.device)
 
 

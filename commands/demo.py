@@ -18,10 +18,10 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from commands.model_flags import pool_arguments
+from commands.model_flags import engine_from_flags
 from commands.walkthrough import render_free_queue, render_stats
 from engine.cpu_threads import GPU_ATTENTION, ThreadChooser, cores_used_by_others, cpu_sample
-from engine.llm_engine import Engine, Generation
+from engine.llm_engine import Generation
 from engine.model_loader import DEFAULT_MODEL
 from engine.one_request import generate
 from engine.request import SamplingParams
@@ -80,10 +80,7 @@ DEMO_MAX_TOKENS = 48
 def run_demo(args: argparse.Namespace) -> list[Generation]:
     """Ask the support assistant DEMO_QUESTIONS one after another and show what the cache did."""
     console = Console()
-    engine = Engine(
-        args.model, device=args.device, dtype=args.dtype, **pool_arguments(args),
-        enable_caching=not args.no_cache,
-    )
+    engine = engine_from_flags(args, enable_caching=not args.no_cache)
     name = args.model or DEFAULT_MODEL
     console.print(f"[bold]{name}[/] on {engine.device}, {str(engine.dtype).removeprefix('torch.')}"
                   f"{' (given)' if args.dtype else ''}; {how_passes_run(engine.device)}; "

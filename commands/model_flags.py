@@ -3,6 +3,7 @@ The model and pool flags the demo, the benchmarks, the lessons and the server sh
 
     add_model_arguments   --model, --device, --dtype, --block-size, --num-blocks or --kv-memory-gb
     pool_arguments        the Engine's pool keywords from those flags
+    engine_from_flags     the Engine those flags name: the one way a command loads its model
 
 Read engine/llm_engine.py first: the flags show its defaults (the offline model, DEFAULT_KV_MEMORY_GB of
 memory for the pool) and pool_arguments hands the pool's size to it. The argparse types are
@@ -20,7 +21,7 @@ from __future__ import annotations
 import argparse
 
 from commands.flags import positive_float, positive_int
-from engine.llm_engine import DEFAULT_KV_MEMORY_GB
+from engine.llm_engine import DEFAULT_KV_MEMORY_GB, Engine
 from engine.model_files import DEFAULT_MODEL
 from engine.model_loader import DTYPES
 
@@ -44,3 +45,10 @@ def pool_arguments(args: argparse.Namespace) -> dict:
     return {"block_size": args.block_size, "num_blocks": args.num_blocks,
             "kv_memory_gb": getattr(args, "kv_memory_gb", None)}  # a hand-made Namespace may leave it out
 
+
+def engine_from_flags(args: argparse.Namespace, **options) -> Engine:
+    """The Engine add_model_arguments' flags name: the model (--model, --device, --dtype, loaded
+    on a thread of its own, engine/cpu_threads.py says why) and its pool; `options` are any other
+    EngineConfig fields (enable_caching=False, config=...). The demo, the server and the
+    benchmarks load their model through it, and the lessons for every model but --tiny's."""
+    return Engine(args.model, device=args.device, dtype=args.dtype, **pool_arguments(args), **options)

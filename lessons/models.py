@@ -14,7 +14,7 @@ The model a model stage (1, 2, 7, 8, 9, and 10's sections 6 and 8) runs, chosen 
 
 import argparse
 
-from commands.model_flags import add_model_arguments, pool_arguments
+from commands.model_flags import add_model_arguments, engine_from_flags, pool_arguments
 from engine import Engine
 from engine.cpu_threads import ThreadChooser
 from engine.model_loader import (
@@ -70,9 +70,11 @@ def make_engine(args: argparse.Namespace, max_num_batched_tokens: int | None = N
     """An Engine over the model the flags name, its pool sized by --block-size and --num-blocks
     (or --kv-memory-gb): its requests run in stage 8's engine loop, as `python server.py`'s do;
     stage 7 runs engine/one_request.py's path over its parts."""
+    if not args.tiny:
+        return engine_from_flags(args, max_num_batched_tokens=max_num_batched_tokens)
     model, tokenizer = load(args, tiny_context)
     pool = pool_arguments(args)
-    if args.tiny and pool["num_blocks"] is None and pool["kv_memory_gb"] is None:
+    if pool["num_blocks"] is None and pool["kv_memory_gb"] is None:
         pool["num_blocks"] = TINY_NUM_BLOCKS
     return Engine(model=model, tokenizer=tokenizer, max_num_batched_tokens=max_num_batched_tokens, **pool)
 

@@ -15,7 +15,10 @@ granularity, not block granularity, and needs no hash at all.
 Left out on purpose: SGLang's tree also stores each token's KV slot index on the edges,
 locks the nodes a running request uses (lock_ref, the ref count) and evicts the least
 recently used unlocked leaves, the same policy as vLLM's free queue (the older vLLM design
-doc, "Automatic Prefix Caching", section "Generalized Caching Policy").
+doc, "Automatic Prefix Caching", section "Generalized Caching Policy"). The analyzer models
+all of that (analyzer/caching_models.py, RadixTree: pages, locks, SGLang's eviction
+policies); with nothing evicted the two find the same prefix for every request
+(tests/course/test_lessons.py checks it on every workload here).
 """
 
 from __future__ import annotations

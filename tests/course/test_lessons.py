@@ -210,6 +210,31 @@ def test_the_radix_tree_splits_edges_and_matches_tokens():
     assert [tree.match_prefix(p) for p in ([1, 2, 3, 4, 5, 6], [1, 2, 7], [2], [])] == [5, 2, 0, 0]
 
 
+@pytest.mark.slow
+def test_the_lessons_radix_tree_matches_the_analyzers_model_of_sglang_where_nothing_is_evicted():
+    """Stage 10's tree is the idea alone; analyzer/caching_models.py's RadixTree models SGLang's
+    RadixCache whole (pages, locks, eviction policies). With page size 1 and room for every
+    token, both find the same prefix for every request of every workload (SGLang matches all
+    but the prompt's last token, which its prefill must compute)."""
+    from array import array
+
+    from analyzer.caching_models import SGLang
+    from lessons.radix_tree import RadixTree
+    from lessons.workloads import WORKLOADS
+
+    found = 0
+    for name, make in WORKLOADS.items():
+        prompts = [request.prompt for request in make()]
+        tree, ours = RadixTree(), []
+        for prompt in prompts:
+            ours.append(tree.match_prefix(prompt[:-1]))
+            tree.insert(prompt)
+        counts = SGLang().replay([array("I", p) for p in prompts], [None] * len(prompts), max_total_tokens=10**9)
+        assert counts.evictions == 0 and list(counts.cached) == ours, name
+        found += sum(ours)
+    assert found > 0, "workloads whose prompts share nothing would check nothing"
+
+
 def test_an_lru_burst_evicts_the_hot_system_prompt_from_its_end():
     from lessons.workloads import lru_burst
 
