@@ -113,6 +113,7 @@ def test_without_fair_share_the_queue_runs_in_arrival_order(tiny_model, tokenize
 @pytest.mark.parametrize("flags, fair", [([], True), (["--no-fair-share"], False), (["--fair-share"], True)])
 def test_the_flag_reaches_the_engine_config(flags, fair, monkeypatch):
     import server
+    from commands import model_flags
 
     made = []
 
@@ -120,7 +121,7 @@ def test_the_flag_reaches_the_engine_config(flags, fair, monkeypatch):
         made.append(config)
         raise SystemExit(0)
 
-    monkeypatch.setattr(server, "Engine", engine)
+    monkeypatch.setattr(model_flags, "Engine", engine)  # server.py loads its model through engine_from_flags
     with pytest.raises(SystemExit):
         server.main(flags)
     assert made[0].fair_share is fair
