@@ -99,7 +99,9 @@ def test_random_budgets_and_chunks_equal_generate_on_each_prompt_alone(
         tiny_float64, tokenizer, picks, max_seqs, extra, block_size, num_blocks, chunked):
     if num_blocks * block_size < 48:
         num_blocks = -(-48 // block_size)  # every prompt fits with its reply
-    engine = Engine(model=tiny_float64, tokenizer=tokenizer, block_size=block_size, num_blocks=num_blocks)
+    # The runner below brings its own budget: the engine's own (a fixed one, not calibrated) never runs.
+    engine = Engine(model=tiny_float64, tokenizer=tokenizer, block_size=block_size, num_blocks=num_blocks,
+                    max_num_batched_tokens=2048)
     prompts = [PIECES[i] + tail for i, tail in picks]
     runner = BatchRunner(engine.parts, max_num_seqs=max_seqs, max_num_batched_tokens=max_seqs + extra,
                          enable_chunked_prefill=chunked)
