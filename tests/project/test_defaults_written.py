@@ -16,7 +16,8 @@ says 400; a sentence that names the constant instead (a lesson's f-string) needs
 
 Read: README.md, docs/*.md, lessons/*.md, exercises/*.md, the notebooks' cells, and the
 string literals and comments (not the code: a number a lesson passes is its own) of the
-top-level modules and packages (analyzer/, benchmarks/), lessons/*.py and exercises/*.py.
+two modules at the top, of every package (allocator/, engine/, commands/, analyzer/,
+serving/, benchmarks/, lessons/) and of exercises/*.py.
 """
 
 import io
@@ -135,8 +136,9 @@ def prose() -> list[tuple[str, str, str]]:
     for pattern in ("README.md", "docs/*.md", "lessons/*.md", "exercises/*.md"):
         found += [(str(p.relative_to(ROOT)), "", p.read_text()) for p in sorted(ROOT.glob(pattern))]
     packages = sorted(d.name for d in ROOT.iterdir() if (d / "__init__.py").exists() and d.name != "tests")
-    for pattern in ("*.py", "lessons/*.py", "exercises/*.py", *(f"{package}/*.py" for package in packages)):
-        found += [(str(p.relative_to(ROOT)), "", python_prose(p.read_text())) for p in sorted(ROOT.glob(pattern))]
+    paths = {p for pattern in ("*.py", "exercises/*.py", *(f"{package}/*.py" for package in packages))
+             for p in ROOT.glob(pattern)}
+    found += [(str(p.relative_to(ROOT)), "", python_prose(p.read_text())) for p in sorted(paths)]
     for path in sorted(ROOT.glob("notebooks/*.ipynb")):
         for i, cell in enumerate(json.loads(path.read_text())["cells"]):
             text = "".join(cell["source"])

@@ -151,6 +151,15 @@ def test_no_import_goes_in_a_circle_anywhere_in_the_repository():
     assert len(graph) > 60
 
 
+def test_nothing_imports_the_front_door():
+    """prefix_caching.py at the top re-exports the allocator for users and runs the commands;
+    every module of the course (the packages, server.py, the benchmarks, the lessons and the
+    exercises) imports the package it needs instead, so the front door stays on top."""
+    folders = [*(ROOT / package for package in PACKAGES), ROOT / "benchmarks", ROOT / "lessons", ROOT / "exercises"]
+    for path in [ROOT / "server.py", *(p for folder in folders for p in folder.glob("*.py"))]:
+        assert "prefix_caching" not in imported_modules(path), f"{path.relative_to(ROOT)} imports prefix_caching.py"
+
+
 def test_no_reference_module_imports_the_lessons_or_the_tests():
     for name in ORDER:
         imports = imported_modules(path_of(name))
