@@ -25,7 +25,6 @@ import pytest
 
 import machine
 
-
 pytest_plugins = ["pytester"]  # grader/test_grading.py runs the exercise tests against wrong solutions
 
 COSTS = {

@@ -16,8 +16,8 @@ ROOT = Path(__file__).resolve().parents[2]
 LESSONS = ROOT / "lessons"
 
 STAGES = sorted(LESSONS.glob("[0-9][0-9]_*.py"))
-HELPERS = ["lessons.workloads", "lessons.radix_tree", "lessons.words", "lessons.models", "lessons.reading", "benchmarks.measure",
-           "lessons.batch_views"]
+HELPERS = ["lessons.workloads", "lessons.radix_tree", "lessons.words", "lessons.models", "lessons.reading",
+           "lessons.batch_views", "benchmarks.measure"]
 
 # Flags a stage needs to run fast in the test suite (e.g. a tiny model); none means none.
 FLAGS: dict[str, list[str]] = {
