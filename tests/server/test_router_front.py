@@ -220,14 +220,17 @@ def test_serve_starts_the_door_in_front_and_stops_on_ctrl_c(tiny_model_dir):
     model: the keys it prints open the door, the door passes a chat and nothing of the
     router's, the router's control plane answers the teacher on this machine, and Ctrl+C
     stops every process."""
-    from benchmarks.router import ROOT, STOP_TIMEOUT_S
+    from benchmarks.router import ROOT, default_sigint
     from benchmarks.served_clients import free_port
 
     port = free_port()
     command = [sys.executable, "prefix_caching.py", "--bench", "router", "--serve", "--replicas", "1",
                "--students", "2", "--model", str(tiny_model_dir), "--port", str(port)]
+    # preexec_fn: Ctrl+C's signal as a terminal delivers it, even where this test runs in a
+    # background job, whose children inherit SIGINT ignored (the command then never stops).
     process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               env={**os.environ, "COLUMNS": "400", "NO_COLOR": "1"}, start_new_session=True)
+                               env={**os.environ, "COLUMNS": "400", "NO_COLOR": "1"}, start_new_session=True,
+                               preexec_fn=default_sigint)
     printed = []
     try:
         for line in process.stdout:
@@ -247,8 +250,6 @@ def test_serve_starts_the_door_in_front_and_stops_on_ctrl_c(tiny_model_dir):
         assert ask(routed + "/workers", key=teacher)[0] == 200 and ask(routed + "/workers", key=student)[0] == 401
     finally:
         os.killpg(process.pid, signal.SIGINT)
-        # The door, the router and the replicas stop one after the other, each killed after
-        # STOP_TIMEOUT_S at worst: on a busy machine the three can take most of that each.
-        rest = process.communicate(timeout=3 * STOP_TIMEOUT_S + 30)[0]
+        rest = process.communicate(timeout=60)[0]
     assert process.returncode == 0, "\n".join(printed) + rest
     assert "stopping the door, the router and the replicas" in rest
