@@ -30,7 +30,6 @@ from __future__ import annotations
 import heapq
 import itertools
 from array import array
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator, Sequence
 
@@ -67,40 +66,24 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 # In a serial replay every block is free between two requests, so the allocator's state is
 # the free queue and the map of cached hashes; its checks, stats and block objects are not
 # needed. This is PrefixCachingAllocator's allocate_with_prefix then free, step for step, on
-# plain dicts: an OrderedDict as the free queue (O(1) removal from the middle, as vLLM's
-# FreeKVCacheBlockQueue), and each block hash replaced by a small int, numbered once per
-# block size for every replay of the log. tests/analyzer/test_caching_models.py checks it against the
-# allocator, request by request.
+# arrays, each block hash replaced by a small int, numbered once per block size for every
+# replay of the log (log_replay.py numbers them). tests/analyzer/test_caching_models.py checks
+# it against the allocator, request by request.
+#
+# A free block matters only by the hash it holds, so the free queue is the hashes of its
+# blocks, head first, in an array: a block taken out of the middle (a hit) is marked where it
+# stands, and the array is packed once such entries, and those passed at the head, are most
+# of it. Blocks without a hash at the head (where vLLM's order frees a partial block) are only
+# counted. A hash points to the entry of the first block cached with it: an array by number,
+# or for a pool much smaller than the log a dict of the hashes it holds. A hash cached in two
+# blocks at once (a prompt's last full block is never looked up, so the same prompt sent again
+# caches it again) keeps the others in a dict, first cached first, as the allocator's map
+# does. At most about 12 bytes a block of the pool, where an OrderedDict and a dict of dicts
+# took about 500.
 
-
-def block_hash_ids(prompts: Iterable[array], salts: Iterable[str | None], block_size: int) -> list[array]:
-    """Each prompt's full blocks as ints: two blocks get the same int when they hold the same
-    tokens after the same blocks, under the same salt. That is what a chained block hash
-    names (prefix_caching.compute_block_hashes); numbering the blocks in a dict keyed by
-    (the parent's number, the block's tokens) names them exactly, in a third of the time.
-
-    >>> block_hash_ids([array("I", range(10)), array("I", range(9))], [None, None], 4)
-    [array('I', [0, 1]), array('I', [0, 1])]
-    """
-    return list(iter_block_hash_ids(prompts, salts, block_size))
-
-
-def iter_block_hash_ids(prompts: Iterable[array], salts: Iterable[str | None], block_size: int) -> Iterator[array]:
-    """block_hash_ids one prompt at a time: a replay that reads each prompt's ids once never
-    holds the whole log's (on a big log, at 8 tokens a block, most of the command's memory)."""
-    ids: dict[tuple, int] = {}
-    for prompt, salt in zip(prompts, salts):
-        raw = (prompt if isinstance(prompt, array) and prompt.typecode == "I" else array("I", prompt)).tobytes()
-        step = block_size * 4  # bytes a block: 4 a token id
-        parent: object = ("cache_salt", salt)  # the first block's parent: the salt, as in block_extra_keys
-        row = array("I")
-        for start in range(0, len(raw) - step + 1, step):
-            key = (parent, raw[start : start + step])
-            parent = ids.get(key)
-            if parent is None:
-                parent = ids[key] = len(ids)
-            row.append(parent)
-        yield row
+TAKEN = 0xFFFFFFFF  # a free-queue entry whose block was taken out of the middle (a hit)
+HASHLESS = 0xFFFFFFFE  # a free block without a hash, in the queue (the design doc's order)
+QUEUE_SLACK = 1 << 16  # entries taken or passed the queue may hold beyond twice its free blocks before it is packed
 
 
 @dataclass(frozen=True)
@@ -111,54 +94,101 @@ class VLLM:
     free_uncached_first: bool = True
 
     def replay(self, hash_ids: Iterable[array], lengths: Sequence[int], num_blocks: int, block_size: int,
-               watch: Callable[[int, int], None] | None = None) -> Counts:
+               num_ids: int, watch: Callable[[int, int], None] | None = None) -> Counts:
         """`num_blocks` counts vLLM's num_gpu_blocks (the null block among them, if any);
-        `watch(i, num_hits)` is called for each request, once its hits are known."""
+        `hash_ids`: each prompt's blocks numbered from 0 as log_replay.block_hash_ids numbers
+        them, `num_ids` numbers in all; `watch(i, num_hits)` is called for each request, once
+        its hits are known."""
         usable = num_blocks - self.null_block
-        free = OrderedDict.fromkeys(range(usable))  # the free queue, head first
-        block_hash = [-1] * usable  # -1: no hash
-        holders: dict[int, dict[int, None]] = {}  # hash -> the blocks holding it, first cached first
+        spare = usable  # free blocks without a hash at the head of the free queue: all of them, at first
+        queue, head = array("I"), 0  # the rest of the free queue from `head` on: its blocks' hashes
+        # hash -> the queue entry of the first block cached with it, -1 if none: an array by
+        # number, or for a pool much smaller than the log a dict of the hashes it holds
+        small = 25 * usable < num_ids  # about 100 bytes a hash in a dict, 4 a number in an array
+        first = NotHeld() if small else array("i", [-1]) * num_ids
+        others: dict[int, list[int]] = {}  # hash -> the entries of the blocks cached with it after the first
         cached = array("I")
-        evictions = 0
+        evictions = numbered = 0  # numbers given before the prompt: no block holds a larger one yet
         for index, (ids, length) in enumerate(zip(hash_ids, lengths)):
-            table = []
+            num_hits = 0
             for h in ids[: (length - 1) // block_size]:  # lookup: at least one token is computed
-                held = holders.get(h)
-                if held is None:
+                at = first[h]
+                if at < 0:
                     break
-                b = next(iter(held))
-                del free[b]  # touch: out of the free queue, so taking blocks below cannot evict it
-                table.append(b)
-            num_hits = len(table)
+                queue[at] = TAKEN  # touch: out of the free queue, so taking blocks below cannot evict it
+                num_hits += 1
             if watch is not None:
                 watch(index, num_hits)
-            for _ in range(num_hits, -(-length // block_size)):  # take from the head, evicting
-                b = free.popitem(last=False)[0]
-                h = block_hash[b]
-                if h >= 0:
-                    held = holders[h]
-                    del held[b]
-                    if not held:
-                        del holders[h]
-                    block_hash[b] = -1
+            need = -(-length // block_size) - num_hits
+            taken = min(spare, need)
+            spare, need = spare - taken, need - taken
+            while need:  # take from the head, evicting
+                h = queue[head]
+                head += 1
+                if h == TAKEN:
+                    continue
+                need -= 1
+                if h != HASHLESS:
                     evictions += 1
-                table.append(b)
-            for i in range(num_hits, len(ids)):  # cache the full blocks
-                b, h = table[i], ids[i]
-                block_hash[b] = h
-                held = holders.get(h)
-                if held is None:
-                    holders[h] = {b: None}
+                    more = others.get(h)
+                    if first[h] == head - 1:
+                        if more:
+                            first[h] = more.pop(0)
+                        elif small:
+                            del first[h]
+                        else:
+                            first[h] = -1
+                    else:
+                        more.remove(head - 1)
+                    if more == []:
+                        del others[h]
+            if length % block_size:  # the partial last block, hashless, is freed first
+                if self.free_uncached_first:
+                    spare += 1  # to the head
                 else:
-                    held[b] = None
+                    queue.append(HASHLESS)
+            last = len(queue) + len(ids) - 1  # free: last block first, so block i goes to entry last - i
+            for i in range(num_hits):
+                first[ids[i]] = last - i
+            for i in range(num_hits, len(ids)):  # cache the full blocks
+                h = ids[i]
+                if h >= numbered or first[h] < 0:
+                    first[h] = last - i
+                else:
+                    others.setdefault(h, []).append(last - i)
+            queue.extend(ids[::-1])
+            numbered = max(numbered, ids[-1] + 1) if ids else numbered
             cached.append(num_hits * block_size)
-            table.reverse()  # free: last block first
-            if self.free_uncached_first and length % block_size:  # the partial last block, hashless: to the head
-                free[table[0]] = None
-                free.move_to_end(table[0], last=False)
-                del table[0]
-            free.update(dict.fromkeys(table))
+            if len(queue) > 2 * (usable - spare) + QUEUE_SLACK:  # entries taken or passed are most of it
+                pack(queue, head, first, others)
+                head = 0
         return Counts(cached, evictions)
+
+
+class NotHeld(dict):
+    """hash -> queue entry, -1 for a hash the pool does not hold."""
+
+    def __missing__(self, h: int) -> int:
+        return -1
+
+
+def pack(queue: array, head: int, first: array | NotHeld, others: dict[int, list[int]]) -> None:
+    """Drop the free queue's taken entries and those before `head`, in place, and point each
+    hash at its entries' new places."""
+    kept = 0
+    for at in range(head, len(queue)):
+        h = queue[at]
+        if h == TAKEN:
+            continue
+        if h != HASHLESS:
+            if first[h] == at:
+                first[h] = kept
+            else:
+                more = others[h]
+                more[more.index(at)] = kept
+        queue[kept] = h
+        kept += 1
+    del queue[kept:]
 
 
 ENGINE = VLLM(null_block=False, free_uncached_first=False)  # this course's Engine: the design doc's order

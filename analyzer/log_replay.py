@@ -8,7 +8,8 @@ this file:
 
     1. tokenize        the log as it streams, hundreds of prompts in one call, their token ids
                        to a temporary file that every replay reads back
-    2. replay          one request after another through PrefixCachingAllocator: the tokens
+    2. replay          the blocks numbered by what they hold (a tree of runs), then one
+                       request after another through PrefixCachingAllocator: the tokens
                        each one found cached, on a pool of a given size
     3. the curve       hit rate and prefill saved from the smallest pool to one that never
                        evicts; the working set, where the curve flattens
@@ -21,13 +22,14 @@ from __future__ import annotations
 import io
 import itertools
 import math
+import os
 import tempfile
 import time
 from array import array
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator, Sequence
 
-from analyzer.caching_models import ENGINE, VLLM, LlamaCpp, RadixTree, SGLang, block_hash_ids, iter_block_hash_ids
+from analyzer.caching_models import ENGINE, VLLM, LlamaCpp, RadixTree, SGLang, common_prefix
 from analyzer.request_logs import LoggedRequest, LogError
 from engine.prompts import tokenize_prompts
 
@@ -41,10 +43,10 @@ from engine.prompts import tokenize_prompts
 # of 500 tokens left about 130 MB more resident than 500 did).
 # The log is read as it streams: each batch of requests is tokenized and its token ids
 # written to a temporary file, 4 bytes a token, and the request itself let go. Every replay
-# reads the token ids back from the file in order. What stays in memory is a length and a
-# salt a request, and while the replays at one block size run, each request's block hashes
-# (4 bytes a block): a few hundred bytes a request, where its prompt took kilobytes, beside
-# the pool the replay keeps.
+# reads the token ids back from the file in order (and the numbering of section 2 an earlier
+# prompt by its place), and the block hashes numbered at one block size go to a file of their
+# own, 4 bytes a block. What stays in memory is a length and a salt a request, where its
+# prompt took kilobytes, beside the pool the replay keeps.
 
 TOKENIZE_BATCH = 500
 
@@ -75,12 +77,12 @@ def tokenize_log(requests: list[LoggedRequest], tokenizer) -> list[array]:
 class TokenizedLog:
     """A log's token ids in a temporary file, read back in order as often as a replay asks:
     a sequence of prompts (array('I') each) like a list of them, with `lengths` and `salts`
-    in memory. A context manager: the file goes when it closes.
+    in memory; log[i] reads one prompt back. A context manager: the file goes when it closes.
 
     >>> with TokenizedLog() as log:
     ...     log.append(array("I", [1, 2, 3]), None); log.append(array("I", [4]), "tenant-a")
-    ...     [p.tolist() for p in log], log.lengths.tolist(), log.salts
-    ([[1, 2, 3], [4]], [3, 1], [None, 'tenant-a'])
+    ...     [p.tolist() for p in log], log.lengths.tolist(), log.salts, log[0].tolist()
+    ([[1, 2, 3], [4]], [3, 1], [None, 'tenant-a'], [1, 2, 3])
     """
 
     READ_BYTES = 1 << 22  # read back at a time
@@ -89,6 +91,7 @@ class TokenizedLog:
         self.file = tempfile.TemporaryFile()
         self.lengths = array("Q")
         self.salts: list[str | None] = []
+        self.starts = array("Q", [0])  # where each prompt starts in the file, in tokens (made when first asked)
 
     def append(self, prompt: array, salt: str | None) -> None:
         self.file.seek(0, io.SEEK_END)  # a reader may have moved the position
@@ -112,6 +115,14 @@ class TokenizedLog:
                 at = 0
             yield buffered[at : at + length]
             at += length
+
+    def __getitem__(self, index: int) -> array:
+        if len(self.starts) != len(self) + 1:
+            self.starts = array("Q", itertools.accumulate(self.lengths, initial=0))
+        self.file.flush()
+        prompt = array("I")
+        prompt.frombytes(os.pread(self.file.fileno(), 4 * self.lengths[index], 4 * self.starts[index]))
+        return prompt
 
     def close(self) -> None:
         self.file.close()
@@ -137,6 +148,136 @@ def lengths_of(prompts) -> Sequence[int]:
 # agree on every request), on the prompts' block hashes numbered once per block size. With
 # watch=True the replay also records which cached blocks were hit (for the tree of section
 # 4) and every time a block many requests had hit was missed because LRU had evicted it.
+#
+# The numbers. Two blocks get the same number when they hold the same tokens after the same
+# blocks, under the same salt: what a chained block hash names (prefix_caching.
+# compute_block_hashes), exactly, where a 128-bit hash is only nearly so. Blocks are numbered
+# in the order they first appear, in a tree of runs (BlockRuns): a run is blocks that follow
+# one another in the prompt that brought them first, numbered one after another; its children
+# are the runs that go on from it differently, filed under the hash of their first block and
+# checked against its tokens, read back from that prompt. The tree keeps a few numbers a run,
+# and a log has about one run a prompt; a dict of every block keyed by (its parent's number,
+# its tokens) kept about 200 bytes a block, most of the analyzer's memory on distinct prompts.
+
+
+def as_ids(prompt) -> array:
+    """A prompt's token ids as an array('I'), which slices and compares at C speed."""
+    return prompt if isinstance(prompt, array) and prompt.typecode == "I" else array("I", prompt)
+
+
+def block_hash_ids(prompts: Sequence, salts: Iterable[str | None], block_size: int) -> list[array]:
+    """Each prompt's full blocks as ints: two blocks get the same int when they hold the same
+    tokens after the same blocks, under the same salt, numbered in the order they first appear.
+
+    >>> block_hash_ids([array("I", range(10)), array("I", range(9)), array("I", [0, 1, 2, 3, 7])], [None] * 3, 4)
+    [array('I', [0, 1]), array('I', [0, 1]), array('I', [0])]
+    """
+    return list(iter_block_hash_ids(prompts, salts, block_size))
+
+
+def iter_block_hash_ids(prompts: Sequence, salts: Iterable[str | None], block_size: int) -> Iterator[array]:
+    """block_hash_ids one prompt at a time, in order; an earlier prompt is read again by its
+    index (prompts[i]) to check a match, so a TokenizedLog serves as well as a list."""
+    runs = BlockRuns(prompts, block_size)
+    for index, (prompt, salt) in enumerate(zip(prompts, salts)):
+        yield runs.number(index, as_ids(prompt), salt)
+
+
+class BlockRuns:
+    """The tree of runs that numbers the blocks of the prompts seen so far (above)."""
+
+    def __init__(self, prompts: Sequence, block_size: int) -> None:
+        self.prompts, self.block_size = prompts, block_size
+        self.prompt = array("i")  # the prompt holding the run's tokens, by its index (-1: a root)
+        self.start = array("I")  # the run's first block in that prompt
+        self.size = array("I")  # its blocks
+        self.first = array("I")  # the number of its first block; the others follow it
+        self.parent = array("i")  # the run it goes on from (-1: a root)
+        self.same_key = array("i")  # the next run filed under the same key (a hash collision), or -1
+        self.by_key: dict[int, int] = {}  # key(parent, its first block) -> the last run filed there
+        self.roots: dict = {}  # cache_salt -> the root its prompts start from: salted prompts never share
+        self.numbered = 0  # numbers given
+
+    def new_run(self, prompt: int, start: int, size: int, first: int, parent: int) -> int:
+        for column, value in ((self.prompt, prompt), (self.start, start), (self.size, size), (self.first, first),
+                              (self.parent, parent), (self.same_key, -1)):
+            column.append(value)
+        return len(self.size) - 1
+
+    @staticmethod
+    def key(parent: int, block: array) -> int:
+        """What a run is filed under: its parent and its first block's tokens, hashed."""
+        return hash((parent, block.tobytes()))
+
+    def file(self, run: int, key: int) -> None:
+        self.same_key[run] = self.by_key.get(key, -1)
+        self.by_key[key] = run
+
+    def number(self, index: int, prompt: array, salt: str | None) -> array:
+        """The numbers of the full blocks of `prompt`, the prompts[index] of the log."""
+        size, blocks = self.block_size, len(prompt) // self.block_size
+        node = self.roots.get(salt)
+        if node is None:
+            node = self.roots[salt] = self.new_run(-1, 0, 0, 0, -1)
+        row, done = array("I"), 0
+        while done < blocks:
+            key = self.key(node, prompt[done * size : (done + 1) * size])
+            run, shared, theirs = self.find(key, node, prompt, done)
+            if run < 0:  # new from here on: one run
+                self.file(self.new_run(index, done, blocks - done, self.numbered, node), key)
+                row.extend(range(self.numbered, self.numbered + blocks - done))
+                self.numbered += blocks - done
+                break
+            row.extend(range(self.first[run], self.first[run] + shared))
+            done += shared
+            if shared < self.size[run] and done < blocks:  # the prompt leaves the run inside it
+                self.split(run, shared, key, theirs[shared * size : (shared + 1) * size])
+                node = self.parent[run]
+            else:
+                node = run
+        return row
+
+    def find(self, key: int, node: int, prompt: array, done: int) -> tuple[int, int, array | None]:
+        """The child of `node` whose first block is the prompt's block `done`, how many blocks
+        the two share from there, and the run's tokens read back; (-1, 0, None) if none."""
+        size, run = self.block_size, self.by_key.get(key, -1)
+        while run >= 0:
+            if self.parent[run] == node:
+                blocks = min(self.size[run], len(prompt) // size - done)
+                start = self.start[run] * size
+                theirs = as_ids(self.prompts[self.prompt[run]])[start : start + blocks * size]
+                shared = common_prefix(theirs, prompt[done * size : (done + blocks) * size]) // size
+                if shared:
+                    return run, shared, theirs
+            run = self.same_key[run]
+        return -1, 0, None
+
+    def split(self, run: int, at: int, key: int, rest_first_block: array) -> None:
+        """The first `at` blocks of `run` become a run of their own above it, in its place."""
+        top = self.new_run(self.prompt[run], self.start[run], at, self.first[run], self.parent[run])
+        if self.by_key[key] == run:
+            self.by_key[key] = top
+        else:
+            before = self.by_key[key]
+            while self.same_key[before] != run:
+                before = self.same_key[before]
+            self.same_key[before] = top
+        self.same_key[top] = self.same_key[run]
+        self.start[run] += at
+        self.size[run] -= at
+        self.first[run] += at
+        self.parent[run] = top
+        self.file(run, self.key(top, rest_first_block))
+
+
+def numbered_log(prompts, salts: Iterable[str | None], block_size: int) -> TokenizedLog:
+    """Every prompt's block hashes at `block_size` in a temporary file, a row of numbers a
+    prompt: the tree that numbers them is let go before a replay reads them back."""
+    hash_ids = TokenizedLog()
+    for row in iter_block_hash_ids(prompts, salts, block_size):
+        hash_ids.append(row, None)
+    return hash_ids
+
 
 HOT = 5  # a block hit by this many requests is a hot prefix: its eviction is worth a warning
 
@@ -192,11 +333,12 @@ def smallest_pool(prompts: list[array], block_size: int, model: CacheModel = LIK
 
 
 def replay(prompts: list[array], salts: list[str | None], num_blocks: int, block_size: int,
-           *, model: CacheModel = LIKE["vllm"], watch: bool = False, hash_ids: list[array] | None = None) -> Replay:
+           *, model: CacheModel = LIKE["vllm"], watch: bool = False, hash_ids: Iterable[array] | None = None) -> Replay:
     """Send the prompts one after another through a fresh cache of `num_blocks` blocks of
     `block_size` tokens: vLLM's pool, SGLang's tree of num_blocks x block_size tokens, or
     llama.cpp's slots with a prompt cache of that many tokens (caching_models.py).
-    `hash_ids`: the prompts' block hashes at this block size, when the caller has them.
+    `hash_ids`: the prompts' block hashes at this block size (a list, or numbered_log's
+    file), when the caller has them.
 
     >>> shared = list(range(40))                               # 2 full blocks of 16 and 8 over
     >>> prompts = [array("I", p) for p in (shared + [100], shared + [200], list(range(50, 90)))]
@@ -212,9 +354,12 @@ def replay(prompts: list[array], salts: list[str | None], num_blocks: int, block
     result = Replay(num_blocks, block_size, array("I"), sum(lengths), 0)
     if watch and not isinstance(model, VLLM):
         raise ValueError("the prefix tree and the hot misses are read from vLLM's block hashes: use VLLM or ENGINE")
+    if isinstance(model, VLLM) and hash_ids is None:  # numbered first, in a file the replay then reads
+        with numbered_log(prompts, salts, block_size) as hash_ids:
+            return replay(prompts, salts, num_blocks, block_size, model=model, watch=watch, hash_ids=hash_ids)
     if isinstance(model, VLLM):
-        # Each prompt's hashes made as the replay reads them, unless the caller has them all.
-        rows = iter(hash_ids) if hash_ids is not None else iter_block_hash_ids(prompts, salts, block_size)
+        num_ids = max((row[-1] + 1 for row in hash_ids if row), default=0)  # a prompt's numbers grow
+        rows = iter(hash_ids)
         if watch:  # the watcher is called once a request, in the log's order, with the row just read
             in_order, last_row = iter(prompts), []
 
@@ -227,7 +372,7 @@ def replay(prompts: list[array], salts: list[str | None], num_blocks: int, block
             watcher = lambda i, num_hits: watch_request(next(in_order), last_row[0], i, num_hits, result)  # noqa: E731
         else:
             watcher = None
-        counts = model.replay(rows, lengths, num_blocks, block_size, watch=watcher)
+        counts = model.replay(rows, lengths, num_blocks, block_size, num_ids, watch=watcher)
     elif isinstance(model, SGLang):
         counts = model.replay(prompts, salts, num_blocks * block_size)
     else:  # llama.cpp has no cache_salt: salted prompts share like any others
@@ -289,25 +434,32 @@ class Footprint:
 
 
 def footprint(prompts: list[array], salts: list[str | None], block_size: int, model: CacheModel = LIKE["vllm"],
-              hash_ids: list[array] | None = None) -> Footprint:
-    """Count the log's distinct and shared full blocks from every prompt's block hashes."""
-    hash_ids = hash_ids if hash_ids is not None else block_hash_ids(prompts, salts, block_size)
-    seen: set[int] = set()
-    shared: set[int] = set()
-    for prompt, ids in zip(prompts, hash_ids):
-        for block_hash in ids[: (len(prompt) - 1) // block_size]:
-            if block_hash not in seen:
+              hash_ids: Iterable[array] | None = None) -> Footprint:
+    """Count the log's distinct and shared full blocks from every prompt's block hashes. They
+    are numbered in the order they first appear: a block came before its prompt exactly when
+    its number is below all those given before it, so no set of the numbers seen is needed."""
+    if hash_ids is None:
+        with numbered_log(prompts, salts, block_size) as hash_ids:
+            return footprint(prompts, salts, block_size, model, hash_ids)
+    numbered = 0  # numbers given before the prompt
+    shared = bytearray()  # by number: 1 for a block some later request starts with
+    for length, ids in zip(lengths_of(prompts), hash_ids):
+        for block_hash in ids[: (length - 1) // block_size]:
+            if block_hash >= numbered:
                 break
-            shared.add(block_hash)
-        seen.update(ids)
+            shared[block_hash] = 1
+        if ids and ids[-1] >= numbered:  # a prompt's numbers grow: its last is its largest
+            shared.extend(bytes(ids[-1] + 1 - numbered))
+            numbered = ids[-1] + 1
+    distinct, num_shared = numbered, shared.count(1)
     smallest = smallest_pool(prompts, block_size, model)
     if isinstance(model, SGLang):
         tree = RadixTree(model, capacity=sum(lengths_of(prompts)))  # room for everything: it never evicts
         tree.replay(prompts, salts)
-        return Footprint(len(seen), len(shared), -(-tree.size // block_size) + smallest)
+        return Footprint(distinct, num_shared, -(-tree.size // block_size) + smallest)
     if isinstance(model, LlamaCpp):
-        return Footprint(len(seen), len(shared), -(-sum(lengths_of(prompts)) // block_size) + smallest)
-    return Footprint(len(seen), len(shared), len(seen) + smallest)
+        return Footprint(distinct, num_shared, -(-sum(lengths_of(prompts)) // block_size) + smallest)
+    return Footprint(distinct, num_shared, distinct + smallest)
 
 
 def pool_sizes(smallest: int, largest: int, points: int = CURVE_POINTS) -> list[int]:
@@ -335,20 +487,20 @@ class Curve:
 
 def hit_rate_curve(prompts, salts, block_size: int, model: CacheModel = LIKE["vllm"]) -> Curve:
     """Replay the log at every pool size of the curve; find the working set."""
-    hash_ids = block_hash_ids(prompts, salts, block_size)
-    prints = footprint(prompts, salts, block_size, model, hash_ids)
-    sizes = pool_sizes(smallest_pool(prompts, block_size, model), prints.whole_log_pool)
-    replays = []
-    for num_blocks in sizes:
-        replays.append(replay(prompts, salts, num_blocks, block_size, model=model, hash_ids=hash_ids))
-    enough = FLAT * replays[-1].cached_tokens
-    first = next(i for i, r in enumerate(replays) if r.cached_tokens >= enough)
-    low, high = (sizes[first - 1], sizes[first]) if first else (sizes[0], sizes[0])
-    for _ in range(NARROWING_STEPS):  # the answer lies in (low, high]; halve the factor between them
-        middle = round(math.sqrt(low * high))
-        if not low < middle < high:
-            break
-        replays.append(replay(prompts, salts, middle, block_size, model=model, hash_ids=hash_ids))
-        low, high = (low, middle) if replays[-1].cached_tokens >= enough else (middle, high)
+    with numbered_log(prompts, salts, block_size) as hash_ids:
+        prints = footprint(prompts, salts, block_size, model, hash_ids)
+        sizes = pool_sizes(smallest_pool(prompts, block_size, model), prints.whole_log_pool)
+        replays = []
+        for num_blocks in sizes:
+            replays.append(replay(prompts, salts, num_blocks, block_size, model=model, hash_ids=hash_ids))
+        enough = FLAT * replays[-1].cached_tokens
+        first = next(i for i, r in enumerate(replays) if r.cached_tokens >= enough)
+        low, high = (sizes[first - 1], sizes[first]) if first else (sizes[0], sizes[0])
+        for _ in range(NARROWING_STEPS):  # the answer lies in (low, high]; halve the factor between them
+            middle = round(math.sqrt(low * high))
+            if not low < middle < high:
+                break
+            replays.append(replay(prompts, salts, middle, block_size, model=model, hash_ids=hash_ids))
+            low, high = (low, middle) if replays[-1].cached_tokens >= enough else (middle, high)
     replays.sort(key=lambda r: r.num_blocks)
     return Curve(replays, high, prints)

@@ -43,11 +43,16 @@ measures it.
 from __future__ import annotations
 
 import argparse
+import hashlib
+import heapq
 import json
 import math
+import os
 import re
+import tempfile
 import time
 from array import array
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -153,6 +158,11 @@ class VariableStart:
     tokens_after: int  # tokens of the shared start after that character, computed again each time
 
 
+def digest(text: str) -> bytes:
+    """A text's 128-bit BLAKE2b digest."""
+    return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+
+
 def first_text(prompt) -> str:
     """The start of a prompt as text: the first message's content, or the text itself."""
     if isinstance(prompt, str):
@@ -161,14 +171,20 @@ def first_text(prompt) -> str:
 
 
 class StartsSeen:
-    """The starts of the prompts, gathered as the log streams by, for variable_starts. It
-    keeps each distinct start and the first text that opened with it: few on a log of shared
-    system prompts, but every prompt of a log whose prompts all start differently."""
+    """The starts of the prompts, gathered as the log streams by, for variable_starts. It keeps
+    36 bytes a prompt: 128-bit digests of its start, blanked and as written (two starts share
+    one with a chance of about 2**-128), and the number of its text in a temporary file that
+    holds the first text of each start; found(), once at the end, counts the digests and reads
+    back the texts of the groups it reports. (Each start and its text in memory took kilobytes.)"""
+
+    RECENT = 4096  # starts remembered: each blanked and its text written once while it is
 
     def __init__(self) -> None:
-        self.groups: dict[str, dict[str, str]] = {}  # blanked start -> {start as written: the whole text}
-        self.sizes: dict[str, int] = {}
-        self.blanked_of: dict[str, str] = {}  # most logs repeat a few starts: blank each one once
+        self.keys = bytearray()  # for each prompt with text: the digest of its blanked start, then of its start
+        self.text_of = array("I")  # ... and the number of its text in the file
+        self.texts = tempfile.TemporaryFile()  # utf-8
+        self.text_at = array("Q", [0])  # where each text starts in the file, and the end of the last
+        self.recent: dict[str, tuple[bytes, int]] = {}  # start -> (its keys, the number of its text)
         self.requests = 0
 
     def add(self, prompt) -> None:
@@ -176,19 +192,36 @@ class StartsSeen:
         text = first_text(prompt)
         if text:
             start = text[:HEAD_CHARS]
-            blanked = self.blanked_of.get(start)
-            if blanked is None:
-                blanked = self.blanked_of[start] = VARIABLE.sub("#", start)
-            self.groups.setdefault(blanked, {}).setdefault(start, text)
-            self.sizes[blanked] = self.sizes.get(blanked, 0) + 1
+            seen = self.recent.get(start)
+            if seen is None:
+                if len(self.recent) >= self.RECENT:
+                    self.recent.clear()
+                written = self.texts.write(text.encode("utf-8", "surrogatepass"))  # JSON allows a lone surrogate
+                self.text_at.append(self.text_at[-1] + written)
+                seen = self.recent[start] = (digest(VARIABLE.sub("#", start)) + digest(start), len(self.text_at) - 2)
+            self.keys += seen[0]
+            self.text_of.append(seen[1])
+
+    def text(self, number: int) -> str:
+        self.texts.flush()
+        at, end = self.text_at[number], self.text_at[number + 1]
+        return os.pread(self.texts.fileno(), end - at, at).decode("utf-8", "surrogatepass")
 
     def found(self, tokenizer) -> list[VariableStart]:
+        least = max(MIN_GROUP, self.requests // 100)
+        sizes = Counter(bytes(self.keys[at : at + 16]) for at in range(0, len(self.keys), 32))  # by blanked start
+        groups = {group: {} for group, size in sizes.items() if size >= least}  # -> {start: its first text}
+        for i, at in enumerate(range(0, len(self.keys), 32)):
+            spellings = groups.get(bytes(self.keys[at : at + 16]))
+            if spellings is not None:
+                spellings.setdefault(bytes(self.keys[at + 16 : at + 32]), self.text_of[i])
         found = []
-        for blanked, spellings in self.groups.items():
-            size = self.sizes[blanked]
-            if size < max(MIN_GROUP, self.requests // 100) or len(spellings) < max(2, size // 2):
+        for group, spellings in groups.items():
+            size = sizes[group]
+            if len(spellings) < max(2, size // 2):
                 continue
-            a, b = (spellings[start] for start in sorted(spellings)[:2])
+            texts = (self.text(number) for number in spellings.values())
+            a, b = (text for _, text in heapq.nsmallest(2, ((text[:HEAD_CHARS], text) for text in texts)))
             position = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
             # The text both share after the first difference, read with every number blanked out.
             blank_a, blank_b = VARIABLE.sub("#", a), VARIABLE.sub("#", b)
@@ -199,6 +232,7 @@ class StartsSeen:
             found.append(VariableStart(size, len(spellings), position,
                                        (a[max(0, position - 14):position + 24], b[max(0, position - 14):position + 24]),
                                        tokens_after))
+        self.texts.close()  # found once, at the end
         return sorted(found, key=lambda v: -v.requests * v.tokens_after)
 
 

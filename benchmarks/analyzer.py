@@ -7,6 +7,7 @@
     python prefix_caching.py --bench analyzer --sizes 10000 --like vllm llamacpp   # two caching models, one log
     git worktree add /tmp/base HEAD~3 && python prefix_caching.py --bench analyzer --baseline /tmp/base
     python prefix_caching.py --bench analyzer --log-size 1GiB --logs /tmp/logs   # peak memory on a big log
+    python prefix_caching.py --bench analyzer --log-size 256MiB --distinct   # ... on a log of new text only
 
 For each size it writes a log of chat requests (OpenAI bodies: one of 20 system prompts of
 about 300 tokens, the popular ones more often, then a question of 50 to 350 tokens: about 500
@@ -22,7 +23,10 @@ both reports' curves must be equal: a faster replay must find the same.
 With --log-size SIZE the log is the chat log of 10,000 requests written again and again up to
 SIZE bytes (plain JSONL: ordinary records, most of them seen before), and the command runs in a
 process of its own, whose peak resident memory (getrusage's ru_maxrss, from os.wait4) is
-reported beside its time; with --baseline, the baseline's too.
+reported beside its time; with --baseline, the baseline's too. With --distinct as well the log
+holds no record twice: every request a new system prompt of about 300 tokens and a new question
+of 50 to 350, its words drawn from one running seed, so nearly every block of the log is
+distinct and the replays' pools grow with the log (the case that costs the analyzer most memory).
 """
 
 from __future__ import annotations
@@ -97,6 +101,21 @@ def repeated_chat_log(path: Path, size: int) -> int:
     return count
 
 
+def distinct_chat_log(path: Path, size: int, seed: int = 0) -> int:
+    """Write chat requests up to about `size` bytes, each with its own system prompt of about
+    300 tokens and its own question of 50 to 350, from one Writer whose seed runs on: no text
+    comes back, so nearly every block is new; its requests."""
+    w = Writer(seed)
+    written = count = 0
+    with open(path, "w", encoding="utf-8") as f:
+        while written < size:
+            line = json.dumps(chat(w.words(300), w.sentence(50, 350))) + "\n"
+            f.write(line)
+            written += len(line.encode())
+            count += 1
+    return count
+
+
 def run_measured(command: list[str], cwd: Path) -> tuple[str, float, float]:
     """Run a command; its stdout, seconds, and its own peak resident memory in MiB (os.wait4's
     rusage: this process and no other child)."""
@@ -112,9 +131,11 @@ def run_measured(command: list[str], cwd: Path) -> tuple[str, float, float]:
         return out.read(), seconds, usage.ru_maxrss / 1024  # ru_maxrss is in KiB on Linux
 
 
-def measure_memory(size: int, folder: Path, baseline: Path | None) -> dict:
-    path = folder / f"chat_{size}_bytes.jsonl"
-    requests = repeated_chat_log(path, size)
+def measure_memory(size: int, folder: Path, baseline: Path | None, distinct: bool = False) -> dict:
+    """Write a log of about `size` bytes (the chat log repeated, or with `distinct` new chats
+    only) and run the command on it: its time, peak resident memory, curve and prompt tokens."""
+    path = folder / f"chat_{'distinct_' * distinct}{size}_bytes.jsonl"
+    requests = (distinct_chat_log if distinct else repeated_chat_log)(path, size)
     result = {"log_mib": round(path.stat().st_size / 2**20, 1), "requests": requests}
     checkouts = {"this": Path(__file__).resolve().parents[1]} | ({"baseline": baseline} if baseline else {})
     for name, checkout in checkouts.items():
@@ -146,17 +167,22 @@ def main(argv: list[str] | None = None) -> list[dict]:
                         help="the caching models to time, each on the same log (default: vllm)")
     parser.add_argument("--log-size", type=byte_count, default=None, metavar="SIZE",
                         help="instead: one log of about SIZE bytes (such as 1GiB), the command's peak memory and time")
+    parser.add_argument("--distinct", action="store_true",
+                        help="with --log-size: every request's text new (the default repeats 10,000 requests)")
     parser.add_argument("--json", default=None, help="also write the results to this JSON file")
     args = parser.parse_args(argv)
+    if args.distinct and args.log_size is None:
+        parser.error("--distinct is a kind of --log-size log: give --log-size SIZE too")
     if args.log_size is not None:
         load = os.getloadavg()[0]
         with tempfile.TemporaryDirectory() as folder:
             if args.logs:
                 args.logs.mkdir(parents=True, exist_ok=True)
-            r = measure_memory(args.log_size, args.logs or Path(folder), args.baseline)
+            r = measure_memory(args.log_size, args.logs or Path(folder), args.baseline, args.distinct)
+        r["load_average_before"], r["load_average_after"] = round(load, 2), round(os.getloadavg()[0], 2)
         console = Console()
         console.print(f"{platform.machine()}, {platform.python_version()}, load average before "
-                      f"{load:.1f}, after {os.getloadavg()[0]:.1f}: {r['requests']:,} requests, {r['log_mib']:,} MiB")
+                      f"{load:.1f}, after {r['load_average_after']:.1f}: {r['requests']:,} requests, {r['log_mib']:,} MiB")
         for name in ("this", "baseline"):
             if f"{name}_seconds" in r:
                 console.print(f"  {name}: {r[name + '_seconds']} s, peak RSS {r[name + '_peak_rss_mib']:,} MiB, "

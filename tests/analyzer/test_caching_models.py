@@ -3,6 +3,7 @@ vLLM's fast replay gives what the allocator gives, SGLang's tree matches token b
 page) and evicts in its policy's order, llama.cpp's slots keep one sequence each and its
 prompt cache brings back a whole one. (Against the real servers: benchmarks/caching_models.py.)"""
 
+import itertools
 import random
 from array import array
 from dataclasses import dataclass, field
@@ -11,9 +12,11 @@ from pathlib import Path
 import pytest
 
 from allocator import PrefixCachingAllocator
+from analyzer import caching_models
 from analyzer.caching_models import (ENGINE, EVICTION_POLICIES, RADIX_CACHE_ONLY_POLICIES, SERVER_EVICTION_POLICIES,
-                                     VLLM, LlamaCpp, SGLang, SlotServer, block_hash_ids, common_prefix)
-from analyzer.log_replay import LIKE, hit_rate_curve, replay, smallest_pool, tokenize_log
+                                     VLLM, LlamaCpp, SGLang, SlotServer, common_prefix)
+from analyzer.log_replay import (LIKE, BlockRuns, TokenizedLog, block_hash_ids, footprint, hit_rate_curve, replay,
+                                 smallest_pool, tokenize_log)
 from analyzer.request_logs import Log, interleave
 
 EXAMPLE_LOGS = sorted((Path(__file__).resolve().parents[2] / "lessons" / "data").glob("*.jsonl.xz"))
@@ -73,6 +76,60 @@ def test_block_hashes_are_numbered_once_for_all_replays():
     numbered = block_hash_ids([shared + ids((1, 4)), shared + ids((2, 4)), shared], [None, None, "t"], 4)
     assert numbered[0][:2] == numbered[1][:2] and numbered[0][2] != numbered[1][2]
     assert set(numbered[2]).isdisjoint(numbered[0])  # a salt changes every hash after it
+
+
+def numbered_by_a_dict(prompts, salts, block_size: int) -> list[array]:
+    """The reference: every block numbered in a dict keyed by (its parent's number, its tokens)."""
+    numbers, rows = {}, []
+    for prompt, salt in zip(prompts, salts):
+        parent, row = ("cache_salt", salt), array("I")
+        for start in range(0, len(prompt) - block_size + 1, block_size):
+            parent = numbers.setdefault((parent, tuple(prompt[start : start + block_size])), len(numbers))
+            row.append(parent)
+        rows.append(row)
+    return rows
+
+
+@pytest.mark.parametrize("collide", [False, True], ids=["hashed", "every key colliding"])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_the_tree_of_runs_numbers_blocks_as_a_dict_of_every_block_does(monkeypatch, seed, collide):
+    if collide:  # every run filed under one key: found, split and filed again through the chain alone
+        monkeypatch.setattr(BlockRuns, "key", staticmethod(lambda parent, block: 0))
+    prompts, salts = random_log(seed)
+    for block_size in (1, 4, 16):
+        assert block_hash_ids(prompts, salts, block_size) == numbered_by_a_dict(prompts, salts, block_size)
+    with TokenizedLog() as streamed:  # the earlier prompts read back from the file
+        for prompt, salt in zip(prompts, salts):
+            streamed.append(prompt, salt)
+        assert block_hash_ids(streamed, salts, 4) == numbered_by_a_dict(prompts, salts, 4)
+
+
+def test_the_footprint_counts_from_the_numbers_what_sets_of_them_count():
+    prompts, salts = random_log(5, n=300)
+    for block_size in (1, 4, 16):
+        seen, shared = set(), set()
+        for prompt, row in zip(prompts, numbered_by_a_dict(prompts, salts, block_size)):
+            for number in itertools.takewhile(seen.__contains__, row[: (len(prompt) - 1) // block_size]):
+                shared.add(number)
+            seen.update(row)
+        prints = footprint(prompts, salts, block_size)
+        assert (prints.distinct_blocks, prints.shared_blocks) == (len(seen), len(shared)) and shared
+
+
+@pytest.mark.parametrize("model", [VLLM(), ENGINE], ids=["vllm", "engine"])
+def test_the_pool_counts_the_same_packed_often_or_holding_its_hashes_in_a_dict(monkeypatch, model):
+    """A pool much smaller than the log's numbers keeps its hashes in a dict, a larger one in an
+    array by number; packed after every request, the free queue still serves the allocator's order."""
+    prompts, salts = random_log(6, n=300)
+    rows, lengths = block_hash_ids(prompts, salts, 4), [len(p) for p in prompts]
+    num_ids = max(row[-1] for row in rows if row) + 1
+    for num_blocks in (smallest_pool(prompts, 4, model), 3 * smallest_pool(prompts, 4, model), num_ids):
+        expected = allocator_replay(prompts, salts, num_blocks, 4, model)
+        for numbers in (num_ids, 1000 * num_ids):  # a dict below 1/25 of the numbers (the smallest pool), else an array
+            for slack in (1 << 16, 0):
+                monkeypatch.setattr(caching_models, "QUEUE_SLACK", slack)
+                counts = model.replay(rows, lengths, num_blocks, 4, numbers)
+                assert (counts.cached.tolist(), counts.evictions) == expected
 
 
 # -----------------------------------------------------------------------------

@@ -14,7 +14,8 @@ import pytest
 from analyzer.request_logs import LogError, Writer, interleave, read_log, write_log
 from analyzer.caching_models import LlamaCpp, SGLang
 from analyzer.log_replay import LIKE, TokenizedLog, footprint, hit_rate_curve, replay, tokenize_log
-from analyzer.workload_analyzer import prefix_tree, variable_starts
+from analyzer.workload_analyzer import (HEAD_CHARS, MIN_GROUP, VARIABLE, StartsSeen, VariableStart, first_text,
+                                        prefix_tree, variable_starts)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -96,6 +97,7 @@ def test_a_log_replayed_from_its_file_finds_what_the_prompts_in_memory_find(toke
         assert list(streamed) == in_memory and streamed.salts == salts and list(streamed.lengths) == list(
             map(len, in_memory))
         assert all(a == b for a, b in zip(streamed, streamed))  # two readers taking turns each read in order
+        assert [streamed[i] for i in reversed(range(len(streamed)))] == in_memory[::-1]  # and one prompt by its place
         for model in (LIKE["vllm"], LIKE["engine"], SGLang(), LlamaCpp(2)):
             assert replay(streamed, salts, 40, 4, model=model).cached == replay(in_memory, salts, 40, 4,
                                                                                 model=model).cached
@@ -137,6 +139,82 @@ def test_prompts_that_differ_after_a_shared_start_are_not_a_warning(tmp_path):
 
     write_log(path, rag(n=20, num_documents=2))
     assert variable_starts(read_log(path), tokenizer=None) == []
+
+
+class StartsInMemory:
+    """The reference: StartsSeen as it was, every distinct start and its first text in dicts."""
+
+    def __init__(self) -> None:
+        self.groups, self.sizes, self.requests = {}, {}, 0
+
+    def add(self, prompt) -> None:
+        self.requests += 1
+        if text := first_text(prompt):
+            start = text[:HEAD_CHARS]
+            blanked = VARIABLE.sub("#", start)
+            self.groups.setdefault(blanked, {}).setdefault(start, text)
+            self.sizes[blanked] = self.sizes.get(blanked, 0) + 1
+
+    def found(self) -> list[VariableStart]:
+        found = []
+        for blanked, spellings in self.groups.items():
+            size = self.sizes[blanked]
+            if size < max(MIN_GROUP, self.requests // 100) or len(spellings) < max(2, size // 2):
+                continue
+            a, b = (spellings[start] for start in sorted(spellings)[:2])
+            position = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+            blank_a, blank_b = VARIABLE.sub("#", a), VARIABLE.sub("#", b)
+            common = next((i for i, (x, y) in enumerate(zip(blank_a, blank_b)) if x != y),
+                          min(len(blank_a), len(blank_b)))
+            after = blank_a[len(VARIABLE.sub("#", a[:position])) : common]
+            found.append(VariableStart(size, len(spellings), position,
+                                       (a[max(0, position - 14):position + 24], b[max(0, position - 14):position + 24]),
+                                       len(after.split())))
+        return sorted(found, key=lambda v: -v.requests * v.tokens_after)
+
+
+def stamped_prompts(seed: int = 0) -> list:
+    """Two groups of prompts whose starts differ by numbers: one longer than HEAD_CHARS, whose
+    starts come back with other tails, one of chats with a lone surrogate; unique prompts between."""
+    w = Writer(seed)
+    system, short = w.words(450), w.words(40)  # over 2,000 characters, and under
+    prompts = []
+    for i in range(60):
+        prompts.append(f"Time 09:{w.rng.randrange(20):02d}:{i % 4:02d}. {system} {w.sentence(3, 8)}")
+        if i % 2:
+            prompts.append([{"role": "system", "content": f"Session {w.rng.randrange(10**6)}\ud800 {short}"},
+                            {"role": "user", "content": "Hi"}])
+        if i % 5 == 0:
+            prompts.append(w.words(20))
+    return prompts
+
+
+@pytest.mark.parametrize("recent", [StartsSeen.RECENT, 2], ids=["remembering", "forgetting"])
+def test_the_starts_kept_as_digests_and_a_file_find_what_dicts_of_every_start_find(monkeypatch, recent):
+    monkeypatch.setattr(StartsSeen, "RECENT", recent)  # a start forgotten is written again: its first text still counts
+    seen, reference = StartsSeen(), StartsInMemory()
+    for prompt in stamped_prompts():
+        seen.add(prompt)
+        reference.add(prompt)
+    found = seen.found(tokenizer=None)
+    assert found == reference.found() and [v.requests for v in found] == [60, 30]
+    assert found[0].distinct < 60 and "\ud800" in found[1].examples[0]  # starts sent again; a lone surrogate
+
+
+def test_a_start_sent_again_with_another_tail_is_shown_by_its_first_text(monkeypatch):
+    monkeypatch.setattr(StartsSeen, "RECENT", 1)  # forgotten at once: the second text is written too
+    body = "You answer questions about our shop and nothing else. " * 40  # past HEAD_CHARS
+    tails = [(0, "Red."), (0, "Blue sky today."), (1, "Blue sky today."), (2, "a"), (3, "b"), (4, "c")]
+    results = []
+    for order in (tails, [tails[1], tails[0], *tails[2:]]):
+        seen, reference = StartsSeen(), StartsInMemory()
+        for second, tail in order:
+            seen.add(f"Time 09:00:0{second}. {body}{tail}")
+            reference.add(f"Time 09:00:0{second}. {body}{tail}")
+        (found,) = seen.found(tokenizer=None)
+        assert [found] == reference.found()
+        results.append(found.tokens_after)
+    assert results[0] < results[1]  # "Blue sky today." first: the two examples share three words more
 
 
 def test_lru_evicting_a_hot_prefix_in_a_burst_is_recorded(tokenizer):
@@ -257,6 +335,31 @@ def test_the_analyzer_benchmark_measures_the_peak_memory_of_a_big_log(tmp_path):
     assert run["this_peak_rss_mib"] > 0 and run["baseline_peak_rss_mib"] > 0 and run["same_curve"]
     assert run["this_prompt_tokens"] == run["baseline_prompt_tokens"] > 50_000
     assert json.loads((tmp_path / "out.json").read_text())["requests"] == run["requests"]
+
+
+def test_the_distinct_chat_log_sends_no_text_twice_and_is_about_the_size_asked(tmp_path):
+    from benchmarks.analyzer import distinct_chat_log, main
+
+    path = tmp_path / "distinct.jsonl"
+    requests = distinct_chat_log(path, 300_000)
+    lines = path.read_text().splitlines()
+    assert len(lines) == requests and 100 < requests < 200  # chat requests of about 2 KiB
+    assert 300_000 <= path.stat().st_size < 300_000 + len(lines[-1]) + 1  # it stops at the first record past the size
+    texts = [message["content"] for line in lines for message in json.loads(line)["messages"]]
+    assert len(set(texts)) == len(texts) == 2 * requests  # every system prompt and every question new
+    with pytest.raises(SystemExit):
+        main(["--distinct"])  # a kind of --log-size log
+
+
+@pytest.mark.subprocess
+def test_the_analyzer_benchmark_measures_the_peak_memory_of_a_distinct_log(tmp_path):
+    from benchmarks import analyzer
+
+    (run,) = analyzer.main(["--log-size", "200KiB", "--distinct", "--logs", str(tmp_path)])
+    log = tmp_path / f"chat_distinct_{200 * 1024}_bytes.jsonl"
+    assert len(read_log(log)) == run["requests"] and run["log_mib"] == 0.2 and run["this_peak_rss_mib"] > 0
+    assert run["this_prompt_tokens"] > 400 * run["requests"] and len(set(log.read_text().splitlines())) == run["requests"]
+    assert run["this_curve"][-1][1] == "0.0%"  # nothing to find again: no text comes back
 
 
 @pytest.mark.subprocess
