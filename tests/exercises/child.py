@@ -210,6 +210,8 @@ def encode(value):
     if isinstance(value, bytes):
         return {"$bytes": value.hex()}
     if isinstance(value, (list, tuple)):
+        if all(type(v) is int or v is None for v in value):  # a queue's 100,000 ids or links: no call per id
+            return list(value)
         return [encode(v) for v in value]
     if isinstance(value, dict):
         return {str(k): encode(v) for k, v in value.items()}
@@ -415,8 +417,8 @@ def queue_state(queue, blocks) -> dict:
     def link(block):
         return None if block is None else block.block_id
 
-    return {"ids": queue.block_ids(), "len": len(queue),
-            "links": [[link(b.prev_free), link(b.next_free)] for b in blocks]}
+    return {"ids": queue.block_ids(), "len": len(queue), "prev_free": [link(b.prev_free) for b in blocks],
+            "next_free": [link(b.next_free) for b in blocks]}
 
 
 def block_class():

@@ -233,17 +233,17 @@ class QueueBlock:
     def __init__(self, owner, block_id: int):
         self.owner, self.block_id = owner, block_id
 
-    def _link(self, side: int):
-        other = self.owner.state["links"][self.block_id][side]
+    def _link(self, side: str):
+        other = self.owner.state[side][self.block_id]
         return None if other is None else self.owner.sentinel if other < 0 else self.owner.blocks[other]
 
     @property
     def prev_free(self):
-        return self._link(0)
+        return self._link("prev_free")
 
     @property
     def next_free(self):
-        return self._link(1)
+        return self._link("next_free")
 
 
 class RemoteQueue(Twin):

@@ -22,7 +22,10 @@ from pathlib import Path
 import pytest
 # pytester puts sys.modules back as it found them when a test began, and torch's C extension
 # cannot register its operators a second time in one process: what exercise 5's graded tests
-# import is imported here, before any test, so it stays.
+# import is imported here, before any test, so it stays. So is hypothesis, which every graded
+# test file imports: pytest rewrites its 77 modules' asserts on each import (it is a plugin), and
+# hypothesis's plugin leaves it unimported until a test needs it, so each nested run paid that again.
+import hypothesis.strategies  # noqa: F401
 import torch  # noqa: F401
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM  # noqa: F401
 
