@@ -51,14 +51,17 @@ import socketserver
 import threading
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from werkzeug.serving import ThreadedWSGIServer, WSGIRequestHandler
 
-from engine.llm_engine import Engine
 from serving.requests import (
     DEFAULT_HEAD_TIMEOUT, DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_CONNECTIONS_PER_CLIENT, DEFAULT_MAX_REQUESTS_PER_KEY,
     DEFAULT_READ_TIMEOUT, RETRY_AFTER_S, APIError, Asker, error_json, forwarded_client, is_proxy, trusted_proxies,
 )
+
+if TYPE_CHECKING:  # a type only: the door (benchmarks/router_front.py) serves with no engine, and no torch
+    from engine.llm_engine import Engine
 
 AFTER_BODY_LIMIT = 4096  # bytes a client may send after its body: more is a hang-up, and after its reply, the end
 # A request's head: a browser sends about 20 header lines and a few KiB of them (more with many

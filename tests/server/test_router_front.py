@@ -108,6 +108,16 @@ def port_of(url: str) -> int:
 # --- 1. served through the door ---------------------------------------------------------------------
 
 
+def test_the_door_loads_no_engine():
+    """The door is a process of its own beside the replicas: flask and the connection rules,
+    not torch (4 s of a core to import, and a second copy of its memory)."""
+    from benchmarks.router import ROOT
+
+    check = "import sys, benchmarks.router_front; print(sorted({'torch', 'transformers'} & set(sys.modules)))"
+    found = subprocess.run([sys.executable, "-c", check], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert found.stdout.strip() == "[]", found.stdout + found.stderr
+
+
 def test_a_students_chat_through_the_door_is_the_routers_reply(door):
     url, routed = door
     status, text, _ = ask(url + "/v1/chat/completions", "POST", chat("What is a KV cache?"), KEYS.students[0])
