@@ -289,11 +289,16 @@ def test_oversized_body_is_413_with_or_without_a_length(url):
     assert got == 413 and "over this server's limit of 2,252,800 (what --max-prompt-tokens" in reply["error"]["message"]
 
     def chunked(body: bytes) -> bytes:
-        """POST /generate with Transfer-Encoding: chunked (no length: the server must count)."""
+        """POST /generate with Transfer-Encoding: chunked (no length: the server must count);
+        the reply's head. (A body refused part-read is discarded until the request's deadline,
+        --read-timeout after it connected, so the connection's end would come 10 s later.)"""
         head = ["POST /generate HTTP/1.1", "Host: 127.0.0.1", "Content-Type: application/json",
                 "Transfer-Encoding: chunked", "Connection: close"]
         with raw_request(url, head, b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body)) as sock:
-            return b"".join(iter(lambda: sock.recv(65536), b""))
+            reply = b""
+            while b"\r\n\r\n" not in reply and (data := sock.recv(65536)):
+                reply += data
+            return reply
 
     over = json.dumps({"prompt": "x" * (3 << 20), "max_tokens": 2}).encode()
     assert chunked(over).startswith(b"HTTP/1.1 413")  # not cut at the limit and served
