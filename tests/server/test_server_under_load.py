@@ -315,7 +315,9 @@ def test_the_abuse_benchmark_times_honest_clients_alone_and_beside_each_attack(t
     from benchmarks import server_abuse
 
     out = server_abuse.main(["--model", str(tiny_model_dir), "--scenes", "attacks", "--honest", "2", "--abusive", "2",
-                             "--seconds", "2", "--max-tokens", "4", "--json", str(tmp_path / "abuse.json")])
+                             "--seconds", "1", "--max-tokens", "4", "--json", str(tmp_path / "abuse.json"),
+                             # the half-body attack waits for the server's deadline: 2 s, not 10
+                             "--server-args", "--read-timeout 2 --head-timeout 1"])
     assert out["alone"]["gaps"] > 0 and out["alone"]["success_rate"] == 1.0
     assert list(out["scenes"]) == list(server_abuse.ATTACKS)
     for attack, run in out["scenes"].items():
