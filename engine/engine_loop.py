@@ -56,11 +56,15 @@ _LOOPS: weakref.WeakSet = weakref.WeakSet()  # every EngineLoop whose thread was
 
 def thaw_startup_heap() -> None:
     """Undo freeze_startup_heap after an engine closed: what was frozen may be garbage now,
-    and a frozen object in a reference cycle is never collected. Collected, then frozen
-    again if another loop still serves (the next loop to start freezes otherwise)."""
+    and a frozen object in a reference cycle is never collected. Unfrozen, the objects are
+    the collector's again (the closed engine's pool is freed by its reference count at close,
+    not by a collection). If another loop still serves, the heap is collected and frozen
+    again at once, so nothing of the closed engine stays frozen; otherwise the next loop to
+    start collects before it freezes, and a process that makes and closes engines one after
+    another (a notebook, the tests) pays one full collection an engine, not two."""
     gc.unfreeze()
-    gc.collect()
     if any(loop._thread.is_alive() for loop in list(_LOOPS)):
+        gc.collect()
         gc.freeze()
 
 
@@ -231,6 +235,11 @@ class EngineLoop:
                 self.cancel(request)
 
     # --- the thread, and its supervision ---
+
+    @property
+    def started(self) -> bool:
+        """Whether its thread was started (at the first submit): only then was the heap frozen."""
+        return self._thread is not None
 
     def _start_thread(self) -> None:
         # Started before it is published: a caller's check_alive must never see a thread that

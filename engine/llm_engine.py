@@ -555,7 +555,10 @@ class Engine:
 
 def _close_loop(loop: EngineLoop) -> None:
     """An Engine's finalizer: stop its loop's thread. The heap frozen for the loop's steps is
-    thawed, so a collection can take the dropped engine's objects that sit in cycles."""
+    thawed, so a collection can take the dropped engine's objects that sit in cycles. A loop
+    never started (no request was submitted) froze nothing: nothing to thaw."""
+    started = loop.started
     loop.stop()
-    thaw_startup_heap()
+    if started:
+        thaw_startup_heap()
 

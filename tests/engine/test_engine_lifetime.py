@@ -80,6 +80,20 @@ def test_closing_an_engine_ends_its_requests_in_flight_with_a_clear_error(make_e
         engine.generate("Hi", max_tokens=2)
 
 
+def test_a_closed_engines_pool_goes_at_close_with_no_collection(tokenizer):
+    """The pool is freed by its reference count when the engine closes: closing the last
+    loop leaves its objects to the collector's own schedule (engine_loop.thaw_startup_heap)
+    without holding the memory that matters until then."""
+    engine = used_engine(tokenizer, num_blocks=64)
+    pool = weakref.ref(engine.kv.data)
+    gc.disable()
+    try:
+        engine.close()
+        assert pool() is None, "the closed engine's pool waits for a garbage collection"
+    finally:
+        gc.enable()
+
+
 def test_three_engines_made_and_dropped_do_not_grow_the_process(tokenizer):
     pool_bytes = 96 * 2**20  # each engine's KV pool: far more than the tiny model itself
     gc.collect()
