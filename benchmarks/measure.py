@@ -32,7 +32,6 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
-from engine.cpu_threads import ThreadChooser
 
 BUSY = 1.5  # slowest / fastest run of one measurement at or above this, ...
 NOISE_MS = 20.0  # ... and at least this many ms apart: the machine was busy
@@ -104,8 +103,12 @@ def busy_note(*runs: Runs, others: dict[str, float | None] | None = None) -> str
     disturbed = [r.spread for r in runs if r.disturbed]
     if disturbed:
         reasons.append(f"the runs of one measurement differed by up to {max(disturbed):.1f}x (slowest / fastest)")
-    loaded = [f"{cores:.1f} cores busy during {name}" for name, cores in (others or {}).items()
-              if cores is not None and cores >= ThreadChooser.OTHERS]
+    loaded = []
+    if others:  # measured by the engine's thread chooser; imported here, so that the allocator's benchmark needs no torch
+        from engine.cpu_threads import ThreadChooser
+
+        loaded = [f"{cores:.1f} cores busy during {name}" for name, cores in others.items()
+                  if cores is not None and cores >= ThreadChooser.OTHERS]
     if loaded:
         reasons.append("other programs kept " + ", ".join(loaded))
     if not reasons:
