@@ -329,6 +329,13 @@ class Connection:
         if self.admission is not None:
             self.admission.admit(self, asker)
 
+    def reply_generated(self) -> None:
+        """Its reply is whole (the last event of a stream, or a reply that was not streamed):
+        the key's share of requests is free before the client can read the end of it, so a
+        student's next request, sent on the reply's last byte, is not refused (Admission)."""
+        if self.admission is not None:
+            self.admission.free_key(self)
+
     def body_read(self) -> None:
         """The request is all in: from now on only its reply is timed (per write)."""
         self.reading = False
@@ -352,7 +359,9 @@ class Admission:
                                     head still coming in, and a request that shows no key of
                                     --api-keys and is not one of the live page's polls
         max_requests_per_key        per API key, generation requests open (waiting, running,
-                                    streaming), where keys are in use
+                                    streaming), where keys are in use: counted from its head
+                                    until its reply is whole (Connection.reply_generated),
+                                    before the client reads its last byte
 
     Why not every connection of an address: a class behind one NAT, tunnel or proxy reaches
     the server from one address, so a cap on all of them refused that class (thirty streams
@@ -439,6 +448,12 @@ class Admission:
         connection.cut(socket.SHUT_RDWR)
         return True
 
+    def free_key(self, connection: Connection) -> None:
+        """Its generation request is done: its key's share is free (once; the connection may
+        still be sending the reply's last bytes)."""
+        with self.lock:
+            self.free_request(connection)
+
     def release(self, connection: Connection) -> None:
         """The connection has ended: what it held is free."""
         with self.lock:
@@ -446,11 +461,7 @@ class Admission:
             if connection.leaving:
                 self.leaving -= 1
             self.free_address(connection)
-            if connection.key is not None:
-                self.requests[connection.key] -= 1
-                if not self.requests[connection.key]:
-                    del self.requests[connection.key]
-                connection.key = None
+            self.free_request(connection)
 
     # --- under the lock ---
 
@@ -466,6 +477,13 @@ class Admission:
     def hold_address(self, connection: Connection, address: str) -> None:
         self.unknown[address] = self.unknown.get(address, 0) + 1
         connection.unknown_at = address
+
+    def free_request(self, connection: Connection) -> None:
+        if connection.key is not None:
+            self.requests[connection.key] -= 1
+            if not self.requests[connection.key]:
+                del self.requests[connection.key]
+            connection.key = None
 
     def free_address(self, connection: Connection) -> None:
         address, connection.unknown_at = connection.unknown_at, None

@@ -164,7 +164,9 @@ def sse(data: dict | str) -> bytes:
 def stream_response(events: Iterator[StreamEvent], first: StreamEvent, request_id: str, route: Route,
                     model_name: str, include_usage: bool) -> Response:
     """Server-sent events in OpenAI's chunk shapes, ending with `data: [DONE]`, also after an
-    error (as vLLM does), so a client waiting for [DONE] never hangs."""
+    error (as vLLM does), so a client waiting for [DONE] never hangs. The key's share of
+    requests is freed before [DONE] goes out (Connection.reply_generated)."""
+    connection = connection_of(request.environ)
     head = {"id": request_id, "object": "chat.completion.chunk" if route.chat else "text_completion",
             "created": int(time.time()), "model": model_name}
 
@@ -201,6 +203,8 @@ def stream_response(events: Iterator[StreamEvent], first: StreamEvent, request_i
             yield sse(error_json(500, f"internal error: {type(err).__name__}: {err}"))
         finally:
             events.close()  # closing the engine's stream frees the request's blocks
+            if connection is not None:
+                connection.reply_generated()
         yield sse("[DONE]")
 
     return Response(body(), mimetype="text/event-stream", headers={"Cache-Control": "no-cache"})
@@ -234,6 +238,16 @@ def check_request_head():
         connection.admit(g.asker)
     if request.method == "POST" and request.routing_exception is None:  # an unknown route: 404 first
         check_content_type(request.mimetype)
+
+
+@bp.after_app_request
+def free_the_keys_share(response: Response) -> Response:
+    """A reply that is not streamed is whole once made: its key's share of requests is free
+    before the client reads it (a stream frees it before its [DONE]: stream_response)."""
+    connection = connection_of(request.environ)
+    if connection is not None and not response.is_streamed:
+        connection.reply_generated()
+    return response
 
 
 ROUTER_PROBES = ("/server_info", "/model_info")  # SGLang's router asks them with no key of the class

@@ -154,6 +154,30 @@ def test_a_key_over_its_share_of_requests_gets_a_429_before_any_work(engine, tok
     wait_until_idle(engine)
 
 
+def test_a_keys_share_is_free_once_its_reply_is_whole_before_its_connection_ends(engine, monkeypatch):
+    """A student sends the next request on the last byte of a reply: the share the reply held
+    is free already, whatever the server's thread still does with the connection (here: its
+    end held back until the test lets it go)."""
+    from serving.connections import ClassServer
+
+    let_go, real = threading.Event(), ClassServer.release
+
+    def held_back(self, sock):
+        let_go.wait(30)
+        real(self, sock)
+
+    monkeypatch.setattr(ClassServer, "release", held_back)
+    with serve(class_app(engine), max_requests_per_key=1) as url:
+        alice = bearer(STUDENTS[0])
+        try:
+            assert served_whole(stream(url, chat("A stream"), alice))
+            status, reply = call(url, "/v1/chat/completions", chat("Not streamed") | {"stream": False}, headers=alice)
+            assert status == 200, reply
+            assert served_whole(stream(url, chat("A stream after it"), alice))
+        finally:
+            let_go.set()
+
+
 # --- 3. a proxy's X-Forwarded-For --------------------------------------------------------------------
 
 
