@@ -606,7 +606,11 @@ def serve_fleet(args, keys: Keys, max_body_bytes: int, console) -> None:
             while True:
                 time.sleep(3600)
         except (KeyboardInterrupt, SystemExit):
-            console.print("stopping the door, the router and the replicas…")
+            # The stop takes seconds (running requests drain, at most STOP_TIMEOUT_S, then killed): a second
+            # Ctrl+C in the meantime would cut it short, with a traceback, and leave the processes running.
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            console.print(f"stopping the door, the router and the replicas… (at most {STOP_TIMEOUT_S:g} s; a "
+                          f"second Ctrl+C waits for it)", markup=False)
 
 
 def main(argv: list[str] | None = None) -> dict | None:
