@@ -270,12 +270,23 @@ class BlockRuns:
         self.file(run, self.key(top, rest_first_block))
 
 
-def numbered_log(prompts, salts: Iterable[str | None], block_size: int) -> TokenizedLog:
+class NumberedLog(TokenizedLog):
+    """numbered_log's file: a row of block numbers a prompt, and how many numbers were given
+    (what a replay sizes its tables by, known without reading the file again)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.numbered = 0
+
+
+def numbered_log(prompts, salts: Iterable[str | None], block_size: int) -> NumberedLog:
     """Every prompt's block hashes at `block_size` in a temporary file, a row of numbers a
     prompt: the tree that numbers them is let go before a replay reads them back."""
-    hash_ids = TokenizedLog()
+    hash_ids = NumberedLog()
     for row in iter_block_hash_ids(prompts, salts, block_size):
         hash_ids.append(row, None)
+        if row:  # a row's numbers grow: its last is its largest
+            hash_ids.numbered = max(hash_ids.numbered, row[-1] + 1)
     return hash_ids
 
 
@@ -333,12 +344,12 @@ def smallest_pool(prompts: list[array], block_size: int, model: CacheModel = LIK
 
 
 def replay(prompts: list[array], salts: list[str | None], num_blocks: int, block_size: int,
-           *, model: CacheModel = LIKE["vllm"], watch: bool = False, hash_ids: Iterable[array] | None = None) -> Replay:
+           *, model: CacheModel = LIKE["vllm"], watch: bool = False, hash_ids: NumberedLog | None = None) -> Replay:
     """Send the prompts one after another through a fresh cache of `num_blocks` blocks of
     `block_size` tokens: vLLM's pool, SGLang's tree of num_blocks x block_size tokens, or
     llama.cpp's slots with a prompt cache of that many tokens (caching_models.py).
-    `hash_ids`: the prompts' block hashes at this block size (a list, or numbered_log's
-    file), when the caller has them.
+    `hash_ids`: the prompts' block hashes at this block size (numbered_log's file), when
+    the caller has them.
 
     >>> shared = list(range(40))                               # 2 full blocks of 16 and 8 over
     >>> prompts = [array("I", p) for p in (shared + [100], shared + [200], list(range(50, 90)))]
@@ -358,8 +369,7 @@ def replay(prompts: list[array], salts: list[str | None], num_blocks: int, block
         with numbered_log(prompts, salts, block_size) as hash_ids:
             return replay(prompts, salts, num_blocks, block_size, model=model, watch=watch, hash_ids=hash_ids)
     if isinstance(model, VLLM):
-        num_ids = max((row[-1] + 1 for row in hash_ids if row), default=0)  # a prompt's numbers grow
-        rows = iter(hash_ids)
+        num_ids, rows = hash_ids.numbered, iter(hash_ids)
         if watch:  # the watcher is called once a request, in the log's order, with the row just read
             in_order, last_row = iter(prompts), []
 
@@ -434,7 +444,7 @@ class Footprint:
 
 
 def footprint(prompts: list[array], salts: list[str | None], block_size: int, model: CacheModel = LIKE["vllm"],
-              hash_ids: Iterable[array] | None = None) -> Footprint:
+              hash_ids: NumberedLog | None = None) -> Footprint:
     """Count the log's distinct and shared full blocks from every prompt's block hashes. They
     are numbered in the order they first appear: a block came before its prompt exactly when
     its number is below all those given before it, so no set of the numbers seen is needed."""
