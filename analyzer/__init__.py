@@ -19,6 +19,8 @@ those above it (tests/project/test_layers.py checks it):
                           counts them, the flags of vLLM, SGLang and llama.cpp
     fleet.py              a fleet behind SGLang's router (sglang-router 0.3.2): the replica it
                           picks for each request, from the request's text (--replicas, --router)
+    vllm_requests.py      vLLM's rewrites of a chat request before its chat template renders
+                          it, which --like vllm applies
     log_replay.py         a log tokenized as it streams and replayed through the allocator:
                           hit rate vs pool size, the working set
     workload_analyzer.py  the command: the curve and the working set reported, the prefixes

@@ -92,6 +92,7 @@ class VLLM:
 
     null_block: bool = True  # vllm/v1/core/block_pool.py keeps block 0 aside
     free_uncached_first: bool = True
+    vllm_server: bool = True  # its chats are rewritten as vLLM's OpenAI server does (vllm_requests.py)
 
     def replay(self, hash_ids: Iterable[array], lengths: Sequence[int], num_blocks: int, block_size: int,
                num_ids: int, watch: Callable[[int, int], None] | None = None) -> Counts:
@@ -191,7 +192,8 @@ def pack(queue: array, head: int, first: array | NotHeld, others: dict[int, list
     del queue[kept:]
 
 
-ENGINE = VLLM(null_block=False, free_uncached_first=False)  # this course's Engine: the design doc's order
+# this course's Engine: the design doc's order, and its chats rendered as they are sent
+ENGINE = VLLM(null_block=False, free_uncached_first=False, vllm_server=False)
 
 
 # -----------------------------------------------------------------------------

@@ -31,7 +31,7 @@ from typing import Iterable, Iterator, Sequence
 
 from analyzer.caching_models import ENGINE, VLLM, LlamaCpp, RadixTree, SGLang, common_prefix
 from analyzer.request_logs import LoggedRequest, LogError
-from engine.prompts import tokenize_prompts
+from analyzer.vllm_requests import VllmChats, token_ids
 
 # -----------------------------------------------------------------------------
 # 1. Tokenize
@@ -51,17 +51,19 @@ from engine.prompts import tokenize_prompts
 TOKENIZE_BATCH = 500
 
 
-def tokenized_batches(requests: Iterable[LoggedRequest], tokenizer) -> Iterator[tuple[LoggedRequest, array]]:
-    """(request, its token ids as Engine.tokenize makes them) for every request, in order,
+def tokenized_batches(requests: Iterable[LoggedRequest], tokenizer,
+                      chats: VllmChats | None = None) -> Iterator[tuple[LoggedRequest, array]]:
+    """(request, its token ids as Engine.tokenize makes them, or with `chats` as vLLM's server
+    rewrites its chats: vllm_requests.server_chats) for every request, in order,
     TOKENIZE_BATCH at a time; a request its chat template refuses raises LogError naming it."""
     requests = iter(requests)
     while batch := list(itertools.islice(requests, TOKENIZE_BATCH)):
         try:
-            tokenized = tokenize_prompts(tokenizer, [r.prompt for r in batch], tools=[r.tools for r in batch])
+            tokenized = token_ids(tokenizer, batch, chats)
         except ValueError:  # the model's chat template refused one: name it by its place in the log
             for r in batch:
                 try:
-                    tokenize_prompts(tokenizer, [r.prompt], tools=[r.tools])
+                    token_ids(tokenizer, [r], chats)
                 except ValueError as err:
                     raise LogError(f"{r.where}: {err}") from None
             raise
@@ -69,9 +71,9 @@ def tokenized_batches(requests: Iterable[LoggedRequest], tokenizer) -> Iterator[
             yield request, array("I", prompt_ids)
 
 
-def tokenize_log(requests: list[LoggedRequest], tokenizer) -> list[array]:
+def tokenize_log(requests: list[LoggedRequest], tokenizer, chats: VllmChats | None = None) -> list[array]:
     """The token ids of every logged prompt, kept in memory (a small log, a test)."""
-    return [ids for _, ids in tokenized_batches(requests, tokenizer)]
+    return [ids for _, ids in tokenized_batches(requests, tokenizer, chats)]
 
 
 class TokenizedLog:

@@ -66,8 +66,8 @@ MAX_TOKEN_ID = 2**32 - 1  # the analyzer keeps token ids in 4-byte arrays; every
 # are counted and left out: a multimodal model's server puts tokens of its own in their place,
 # which a log of text cannot tell.
 TEXT_PARTS = {"text": "text", "refusal": "refusal"}
-# vLLM joins a message's text parts with a newline when the chat template takes its content
-# as one string, as most do (vllm/entrypoints/chat_utils.py, _parse_chat_message_content_parts).
+# A message's text parts are joined with a newline, as vLLM joins them for a chat template that
+# takes its content as one string, as most do (--like vllm: vllm_requests.py follows vLLM's rules).
 PART_SEPARATOR = "\n"
 COMPRESSED = {b"\x1f\x8b": gzip.open, b"\xfd7zXZ\x00": lzma.open, b"BZh": bz2.open}  # known by their first bytes
 ZSTD = b"\x28\xb5\x2f\xfd"
@@ -81,7 +81,8 @@ class LoggedRequest:
     cache_salt: str | None  # the request's tenant, when the log has one
     where: str  # its place in the log, for messages: "line 12", "line 12, turn 3"
     conversation: str | None = None  # the turns of one ShareGPT conversation share it
-    tools: list[dict] | None = None  # a chat request's "tools", as vLLM hands them to the chat template
+    tools: list[dict] | None = None  # a chat request's "tools", as the chat template is handed them
+    body: dict | None = None  # a chat's "messages" (and "tools") as sent, for vLLM's rewrites (vllm_requests.py)
 
 
 class LogError(ValueError):
@@ -368,21 +369,22 @@ def requests_from_record(record, where: str, skipped_parts: Counter | None = Non
         prompts = completion_prompts(record["prompt"], where)
     elif "conversations" in record:
         turns = conversation_turns(record["conversations"], where)
-        return [LoggedRequest(messages, salt, f"{where}, turn {turn}", where) for turn, messages in turns]
+        return [LoggedRequest(messages, salt, f"{where}, turn {turn}", where, body={"messages": messages})
+                for turn, messages in turns]
     else:
         raise LogError(f"{where}: no 'messages', 'prompt' or 'conversations'; each record is an OpenAI "
                        f"request body or a ShareGPT conversation")
     for prompt in prompts:
         check(prompt, where)
-    return [LoggedRequest(prompt, salt, where, tools=tools) for prompt in prompts]
+    body = record if "messages" in record else None
+    return [LoggedRequest(prompt, salt, where, tools=tools, body=body) for prompt in prompts]
 
 
 def template_tools(tools, where: str) -> list[dict] | None:
-    """A chat request's tools as vLLM's server hands them to the chat template: each one's
-    pydantic model dumped, so a function's description and parameters are there, None when
-    the request left them out (vllm/entrypoints/openai/serving_chat.py: tool_dicts =
-    [tool.model_dump() for tool in request.tools]; ChatCompletionToolsParam and
-    FunctionDefinition in vllm/entrypoints/openai/protocol.py). No tools, or an empty list: None.
+    """A chat request's tools as the chat template is handed them: each function's name,
+    description and parameters, None when the request left them out, as vLLM's request model
+    dumps a tool but without its `strict` and `defer_loading` (which --like vllm keeps:
+    vllm_requests.vllm_tools). No tools, or an empty list: None.
 
     >>> template_tools([{"type": "function", "function": {"name": "now"}}], "line 1")
     [{'type': 'function', 'function': {'name': 'now', 'description': None, 'parameters': None}}]
@@ -399,8 +401,8 @@ def template_tools(tools, where: str) -> list[dict] | None:
 
 
 def chat_messages(messages, where: str, skipped_parts: Counter) -> list[dict]:
-    """OpenAI chat messages as vLLM's server hands them to the chat template
-    (vllm/entrypoints/chat_utils.py, _parse_chat_message_content): the content one string
+    """OpenAI chat messages as the chat template is handed them (--like vllm rewrites them
+    further, as vLLM's server does: vllm_requests.py): the content one string
     (its text parts joined, null as ""), an assistant's tool_calls with their arguments
     parsed, a tool message's tool_call_id and a message's name kept. prompts.check_prompt
     checks the roles, the same check the server makes.
@@ -455,7 +457,7 @@ def message_text(content, where: str, skipped_parts: Counter) -> str:
 
 def template_tool_calls(calls, where: str) -> list[dict]:
     """An assistant's tool_calls as chat templates take them: each function's arguments as
-    an object, where OpenAI sends a JSON string (vLLM parses it in _postprocess_messages)."""
+    an object, where OpenAI sends a JSON string (as vLLM's _postprocess_messages parses it)."""
     if not (isinstance(calls, list) and all(isinstance(c, dict) and isinstance(c.get("function"), dict)
                                             for c in calls)):
         raise LogError(f'{where}: tool_calls is a list of {{"id", "type": "function", "function": {{"name", '

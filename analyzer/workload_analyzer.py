@@ -27,17 +27,17 @@ blocks a reply fills while it decodes, so a later turn that sends the reply back
 than the replay counts; and it holds many running requests' blocks at once, which leaves less
 of a small pool for the cache. By default the pool is replayed as vLLM v1 runs one:
 num_blocks counts vLLM's num_gpu_blocks, one of which is the null block BlockPool sets aside
-at start-up (vllm/v1/core/block_pool.py), and freed blocks without a hash go to the head of the
-free queue (free_uncached_first=True). --like engine replays this course's Engine instead:
-every block usable, those blocks to the tail (the design doc's order, Engine's default);
---like sglang and --like llamacpp replay those servers' caches (caching_models.py says how,
-and where a serial replay of them is approximate).
+at start-up (vllm/v1/core/block_pool.py), freed blocks without a hash go to the head of the free
+queue (free_uncached_first=True), and chats are rewritten as vLLM's OpenAI server rewrites them
+(vllm_requests.py). --like engine replays this course's Engine instead: every block usable, those
+blocks to the tail (the design doc's order, Engine's default); --like sglang and --like llamacpp
+replay those servers' caches (caching_models.py says how, and where a serial replay is approximate).
+All three render chats as logged: what SGLang's and llama.cpp's servers change is not modelled.
 A file of ShareGPT conversations lists each one's turns back to back; --conversations-at-once
 N replays N of them taking turns, as users chatting at the same time.
 
-Reference: the long vLLM article (README, Sources) sizes a cache by its working set: the
-unique prefixes times their blocks, plus 20 % headroom for LRU churn. Here the replay
-measures it.
+Reference: the long vLLM article (README, Sources) sizes a cache by its working set: the unique
+prefixes times their blocks, plus 20 % headroom for LRU churn; here the replay measures it.
 """
 
 from __future__ import annotations
@@ -70,6 +70,7 @@ from analyzer.kv_memory import KNOWN_MODELS, UnsupportedModel, kv_shape, memory_
 from analyzer.log_replay import (CURVE_POINTS, FLAT, LIKE, NARROWING_STEPS, TOKENIZE_BATCH, CacheModel, Curve, Replay,
                                  TokenizedLog, hit_rate_curve, lengths_of, replay, smallest_pool, tokenized_batches)
 from analyzer.request_logs import Log, LoggedRequest, LogError, add_log_arguments, interleaved
+from analyzer.vllm_requests import server_chats
 from commands.flags import positive_int
 from engine.model_files import DEFAULT_MODEL, load_tokenizer, training_context
 
@@ -502,12 +503,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="your deployment's pool (vLLM logs its KV cache size in tokens at start-up: divide by the "
                         "block size); default: the working set")
     parser.add_argument("--like", choices=list(LIKE), default="vllm",
-                        help="whose prefix cache to replay (caching_models.py): vllm (block hashes, the default), "
-                        "sglang (a radix tree; --page-size, --eviction-policy), llamacpp (slots and a prompt cache "
-                        "of num_blocks x block_size tokens; --parallel, --slot-prompt-similarity), engine (this "
-                        "course's Engine: no null block, hashless freed blocks to the tail)")
-    parser.add_argument("--like-engine", dest="like", action="store_const", const="engine",
-                        help="the same as --like engine")
+                        help="whose prefix cache to replay (caching_models.py): vllm (block hashes, chats rewritten as "
+                        "its server does: vllm_requests.py; the default), sglang (a radix tree; --page-size, "
+                        "--eviction-policy), llamacpp (slots and a prompt cache of num_blocks x block_size tokens; "
+                        "--parallel, --slot-prompt-similarity), engine (this course's Engine: no null block, hashless "
+                        "freed blocks to the tail); the others render chats as logged (their servers' rewrites: not modelled)")
+    parser.add_argument("--like-engine", dest="like", action="store_const", const="engine", help="as --like engine")
     parser.add_argument("--page-size", type=positive_int, default=1, metavar="N",
                         help="sglang: tokens per page, the unit it matches and caches (default 1: token by token)")
     parser.add_argument("--eviction-policy", choices=EVICTION_POLICIES, default="lru",
@@ -705,7 +706,7 @@ def read_log_streaming(args: argparse.Namespace, tokenizer, prompts: TokenizedLo
         requests = interleaved(log.stream(args.log, args.max_log_bytes, args.skip_bad, file_read),
                               args.conversations_at_once)
         tokens = 0
-        for request, ids in tokenized_batches(requests, tokenizer):
+        for request, ids in tokenized_batches(requests, tokenizer, server_chats(LIKE[args.like], tokenizer)):
             prompts.append(ids, request.cache_salt)
             starts.add(request.prompt)
             tools.add(request)

@@ -3,7 +3,8 @@
     python prefix_caching.py --bench caching_models --llama-server PATH/llama-server   # llama.cpp's
     python prefix_caching.py --bench caching_models --llama-server PATH --gguf f32     # the model in F32
     python prefix_caching.py --bench caching_models --sglang-wheel DIR   # SGLang's trees, from its wheel
-    python prefix_caching.py --bench caching_models --vllm-wheel DIR     # vLLM's bytes per block (analyzer/kv_memory.py)
+    python prefix_caching.py --bench caching_models --vllm-wheel DIR     # vLLM's bytes per block and chat token ids
+    python prefix_caching.py --bench caching_models --vllm-wheel DIR --write-chat-ids   # and save them for the tests
 
 The logs, tokenized with the default model's tokenizer (LOGS): 99 requests of chats behind
 two system prompts, several turns each, three conversations at a time taking turns
@@ -28,6 +29,20 @@ model in analyzer/caching_models.py says.
   code doing each step, under every eviction policy at page sizes 1 and 16. (vLLM's model is
   this course's allocator, checked against vLLM's KVCacheManager before;
   tests/analyzer/test_caching_models.py checks the fast replay against the allocator.)
+- vLLM's Python files are imported from its wheel, unpacked into DIR (`unzip WHEEL 'vllm/*'`),
+  with the rest of vLLM as stand-ins (WheelFiles), twice: its bytes per block
+  (`compare_vllm_block_bytes`), and the token ids its OpenAI server makes of chat bodies
+  (CHAT_BODIES, each a shape one of vLLM's rewrites changes, analyzer/vllm_requests.py) with
+  three templates of tests/analyzer/data/ (`compare_vllm_chats`): the analyzer's ids, with the
+  rewrites and without, against vLLM's, body by body. vLLM's own code validates the body
+  (ChatCompletionRequest), dumps its tools, reads the content format, parses the messages and
+  applies the template (in 0.33.0 vllm/renderers/chat_utils/chat_message.py, and vllm/renderers/hf.py).
+  Standing in: the multimodal item tracker (TextOnlyTracker: media parts add nothing, where
+  vLLM would fetch them and ask the model for its placeholder), the package __init__ files (the
+  names the request reads are set on them), gpt-oss's message type, and the types of the
+  request's sampling and response fields (ANY_TYPED). `--write-chat-ids` saves vLLM's ids to
+  tests/analyzer/data/vllm_chat_ids.json, which tests/analyzer/test_vllm_requests.py compares
+  the analyzer's with where no vLLM is installed.
 
 No real server runs in the tests: tests/analyzer/test_caching_models.py checks each model against a
 hand replay of its rules instead (and this command's report of a server that dies).
@@ -36,6 +51,7 @@ hand replay of its rules instead (and this command's report of a server that die
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import importlib
 import importlib.abc
@@ -47,6 +63,7 @@ import sys
 import tempfile
 import time
 import types
+import typing
 import urllib.error
 import urllib.request
 from array import array
@@ -59,7 +76,8 @@ from rich.table import Table
 from analyzer.caching_models import EVICTION_POLICIES, SERVER_EVICTION_POLICIES, LlamaCpp, SGLang
 from analyzer.kv_memory import KNOWN_MODELS
 from analyzer.log_replay import tokenize_log
-from analyzer.request_logs import Writer, interleave, rag, read_log, write_log
+from analyzer.request_logs import Writer, interleave, rag, read_log, requests_from_record, write_log
+from analyzer.vllm_requests import VllmChats, token_ids
 from benchmarks import save_json
 from benchmarks.served_clients import free_port
 from engine.model_files import GGUF_FILE, cache_home, gguf_dir, load_tokenizer, training_context
@@ -520,6 +538,165 @@ def compare_vllm_block_bytes(wheel_dir: Path, console: Console) -> list[dict]:
 
 
 # -----------------------------------------------------------------------------
+# vLLM's chat rendering: the token ids vLLM's own renderer code makes of a chat body, against
+# the analyzer's (analyzer/vllm_requests.py), with chat templates from vLLM's examples/ and
+# one with a developer role, all saved in tests/analyzer/data/.
+
+CHAT_DATA = Path(__file__).resolve().parents[1] / "tests" / "analyzer" / "data"
+CHAT_IDS = CHAT_DATA / "vllm_chat_ids.json"  # the ids vLLM made, for tests/analyzer/test_vllm_requests.py
+CHAT_TEMPLATES = {  # name -> file; the first two are vLLM's examples/, the llama one with its date fixed
+    "hermes": "tool_chat_template_hermes.jinja",
+    "llama3.1_json": "tool_chat_template_llama3.1_json.jinja",
+    "chatml_developer": "chatml_developer.jinja",
+}
+VLLM_CHAT_FILES = {  # imported from the wheel; every other module of vLLM is a stand-in
+    "vllm.renderers.chat_utils.chat_message", "vllm.renderers.chat_utils.types", "vllm.renderers.hf",
+    "vllm.renderers.chat_utils.content_parser", "vllm.renderers.params", "vllm.utils.func_utils",
+    "vllm.entrypoints.generate.base.protocol", "vllm.entrypoints.openai.chat_completion.protocol",
+    "vllm.entrypoints.serve.engine.protocol", "vllm.exceptions", "vllm._version"}
+# Types of the request's sampling and response fields: pydantic needs a real type for each,
+# and none of them reaches the template.
+ANY_TYPED = {"vllm.outputs": ["WeightVersionSpan"], "vllm.logprobs": ["Logprob"],
+             "vllm.sampling_params": ["ThinkingTokenBudget", "StructuredOutputsParams", "RepetitionDetectionParams"]}
+WEATHER = {"type": "function", "function": {"name": "weather", "description": "The weather in a city.", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "description": "its name"}}, "required": ["city"]}}}
+CALL = {"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Oslo"}'}}
+HEADER = "x-anthropic-billing-header: cc_version=2.1.37.0d4; cc_entrypoint=cli; cch=8d1f3;"
+USER = {"role": "user", "content": "What is the weather in Oslo?"}
+CHAT_BODIES = [  # each a shape the rewrites change, or an edge of one
+    {"messages": [{"role": "system", "content": HEADER + "\nYou are a coding agent.\nBe brief."}, USER]},
+    {"messages": [{"role": "system", "content": [{"type": "text", "text": HEADER}, {
+        "type": "text", "text": "You are a coding agent.", "cache_control": {"type": "ephemeral"}}]}, USER]},
+    {"messages": [{"role": "system", "content": HEADER}, USER]},
+    {"messages": [{"role": "system", "content": "Not a header: " + HEADER}, USER]},
+    {"messages": [{"role": "developer", "content": "Answer in French."}, USER]},
+    {"messages": [{"role": "system", "content": "You are helpful."}, {"role": "developer", "content": "Be terse."},
+                  USER]},
+    {"messages": [USER], "tools": [{**WEATHER, "function": {**WEATHER["function"], "strict": True}}]},
+    {"messages": [USER], "tools": [{**WEATHER, "function": {**WEATHER["function"], "strict": False}}]},
+    {"messages": [USER], "tools": []},
+    *({"messages": [USER, {"role": "assistant", "content": None,
+                           "tool_calls": [{**CALL, "function": {**CALL["function"], "arguments": arguments}}]},
+                    {"role": "tool", "tool_call_id": "call_1", "name": "weather", "content": "Sunny, 21 C"}],
+       "tools": [WEATHER]} for arguments in ('{"city": "Oslo"}', "city=Oslo", "[1, 2]", "")),
+    {"messages": [USER, {"role": "assistant", "content": None,
+                         "tool_calls": [{**CALL, "function": {**CALL["function"], "arguments": {"city": "Oslo"}}}]}]},
+    {"messages": [USER, {"role": "assistant", "content": "", "tool_calls": []}, USER]},
+    {"messages": [USER, {"role": "assistant", "content": None, "tool_calls": [CALL]},
+                  {"role": "tool", "tool_call_id": "call_1", "name": "weather",
+                   "content": [{"type": "text", "text": "Sunny,"}, {"type": "text", "text": "21 C"}]}]},
+    {"messages": [{"role": "user", "content": [{"type": "text", "text": "What is in this picture?"},
+                                               {"type": "image_url", "image_url": {"url": "https://x.org/cat.png"}}]}]},
+    {"messages": [{"role": "user", "content": [{"type": "text", "text": "First part."}, {"type": "text", "text": ""},
+                                               {"type": "text", "text": "Second part."}]}]},
+    {"messages": [{"role": "user", "content": [{"type": "input_text", "text": "A Responses API part."}]}]},
+    {"messages": [{"role": "assistant", "content": [{"type": "refusal", "refusal": "I cannot."}]}, USER]},
+    {"messages": [USER, {"role": "assistant", "content": [{"type": "thinking", "thinking": "Oslo is in Norway."},
+                                                          {"type": "text", "text": "Let me look."}]}, USER]},
+    {"messages": [{"role": "user", "content": ""}]},
+]
+
+
+class TextOnlyTracker:
+    """Stands in for vLLM's multimodal item tracker, the part that fetches media and asks the
+    model for its placeholder tokens: a text-only model, whose media parts add nothing."""
+
+    def __init__(self, model_config, media_io_kwargs=None) -> None:
+        self.model_config = model_config
+
+    def create_parser(self, mm_processor_kwargs=None):
+        return types.SimpleNamespace(model_config=self.model_config, mm_placeholder_storage=dict,
+                                     parse_image=lambda *args: None)
+
+    def resolve_items(self):
+        return None, None
+
+
+def vllm_chat_renderer(wheel_dir: Path):
+    """render(body, template, tokenizer) -> token ids, as vLLM's OpenAI server makes them:
+    the request model validates the body and dumps its tools, the content format is read
+    from the template, the messages parsed and the template applied by vLLM's own functions
+    (render_chat, HfRenderer.render_messages), and the text encoded as its renderer does."""
+    import pydantic
+
+    sys.modules.setdefault("openai_harmony", types.SimpleNamespace(  # a message type for gpt-oss's format only
+        Message=type("Message", (pydantic.BaseModel,), {"__annotations__": {"harmony_only": dict}})))
+    for name in [name for name in sys.modules if name.split(".")[0] == "vllm"]:  # an earlier load's stand-ins
+        del sys.modules[name]
+    sys.meta_path[:] = [finder for finder in sys.meta_path if not isinstance(finder, WheelFiles)]
+    wheel = WheelFiles("vllm", VLLM_CHAT_FILES, wheel_dir)
+    params, chat_types = wheel.load("vllm.renderers.params"), wheel.load("vllm.renderers.chat_utils.types")
+    chat_message, hf = wheel.load("vllm.renderers.chat_utils.chat_message"), wheel.load("vllm.renderers.hf")
+    exceptions = wheel.load("vllm.exceptions")
+    for package, module, names in (  # the packages' __init__ files are stand-ins: give them what the request reads
+            ("vllm.renderers", params, ["ChatParams", "ReasoningEffort", "TokenizeParams", "map_reasoning_effort",
+                                        "merge_kwargs"]),
+            ("vllm.renderers.chat_utils", chat_types, ["ChatCompletionMessageParam", "ChatTemplateContentFormatOption"]),
+            ("vllm.renderers.chat_utils", chat_message, ["has_non_text_content"])):
+        for name in names:
+            setattr(sys.modules[package], name, getattr(module, name))
+    for module, names in ANY_TYPED.items():
+        wheel.load(module)
+        for name in names:
+            setattr(sys.modules[module], name, typing.Any)
+    protocol = wheel.load("vllm.entrypoints.openai.chat_completion.protocol")
+    chat_message.MultiModalItemTracker = TextOnlyTracker
+    model_config = types.SimpleNamespace(multimodal_config=None, enable_prompt_embeds=False, revision=None,
+                                         code_revision=None, trust_remote_code=False)
+
+    def render(body: dict, template: str, tokenizer) -> list[int] | None:
+        try:
+            request = protocol.ChatCompletionRequest.model_validate({"model": "any", **body})
+            tools = None if request.tools is None else [tool.model_dump() for tool in request.tools]
+            content_format = hf.resolve_chat_template_content_format(template, tools, "auto", tokenizer,
+                                                                     model_config=model_config)
+            conversation, _, _ = chat_message.parse_chat_messages(request.messages, model_config, content_format)
+            params = request.build_chat_params(template, "auto").with_defaults({"tools": tools, "tokenize": False})
+            text = hf.safe_apply_chat_template(model_config, tokenizer, conversation,
+                                               **params.get_apply_chat_template_kwargs())
+        except (pydantic.ValidationError, exceptions.VLLMValidationError):  # refused: a 400 from the server
+            return None
+        return tokenizer.encode(text, add_special_tokens=request.add_special_tokens)
+
+    return render, wheel.load("vllm._version").__version__
+
+
+def analyzer_chat_ids(body: dict, template: str, tokenizer, rewrite: bool = True) -> list[int] | None:
+    """The analyzer's token ids of a chat body with `template`: with vLLM's rewrites (--like
+    vllm), or without them (as before they were modelled); None if it refuses the body."""
+    tokenizer.chat_template = template
+    try:
+        [request] = requests_from_record(body, "body")
+        return token_ids(tokenizer, [request], VllmChats.of(template) if rewrite else None)[0]
+    except ValueError:
+        return None
+
+
+def compare_vllm_chats(wheel_dir: Path, console: Console, write: bool = False) -> list[dict]:
+    """Per template, the bodies whose token ids the analyzer makes equal to vLLM's, without
+    and with the rewrites; `write` saves vLLM's ids to CHAT_IDS for the tests."""
+    (render, version), tokenizer = vllm_chat_renderer(wheel_dir), copy.deepcopy(load_tokenizer(None))
+    results, saved = [], {"vllm": version, "templates": CHAT_TEMPLATES, "bodies": CHAT_BODIES, "ids": {}}
+    for name, file in CHAT_TEMPLATES.items():
+        template = (CHAT_DATA / file).read_text()
+        served = [render(body, template, tokenizer) for body in CHAT_BODIES]
+        saved["ids"][name] = served
+        rendered = [(body, ids) for body, ids in zip(CHAT_BODIES, served) if ids is not None]
+        before, after = ([analyzer_chat_ids(body, template, tokenizer, rewrite) == ids for body, ids in rendered]
+                         for rewrite in (False, True))
+        console.print(f"vLLM chat rendering, {name}: the analyzer's token ids equal vLLM's on {sum(before)} of the "
+                      f"{len(rendered)} bodies vLLM renders without the rewrites, {sum(after)} with them (bodies "
+                      f"vLLM refuses with a 400, which the analyzer replays: "
+                      f"{[i for i, ids in enumerate(served) if ids is None] or 'none'})")
+        results.append({"name": f"vLLM chat token ids, {name}", "requests": len(rendered), "equal": sum(after),
+                        "equal_before": sum(before), "model_cached": None, "server_cached": None, "mismatches": []})
+    if write:
+        CHAT_IDS.write_text(json.dumps(saved, separators=(",", ":")) + "\n")
+        console.print(f"wrote {CHAT_IDS} ({CHAT_IDS.stat().st_size:,} bytes)")
+    return results
+
+
+# -----------------------------------------------------------------------------
 
 
 def agreement(name: str, predicted: list[int | None], served: list[int | None], prompts: list[array],
@@ -552,7 +729,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
                         help="run only this configuration of llama-server (again for more; default: all)")
     parser.add_argument("--sglang-wheel", type=Path, default=None, help="a folder with SGLang's wheel unpacked")
     parser.add_argument("--vllm-wheel", type=Path, default=None,
-                        help="a folder with vLLM's wheel unpacked: bytes per block against its own")
+                        help="a folder with vLLM's wheel unpacked: bytes per block and chats' token ids against its own")
+    parser.add_argument("--write-chat-ids", action="store_true",
+                        help=f"with --vllm-wheel: save the token ids vLLM makes of the chat bodies to {CHAT_IDS.name}, "
+                        "which the tests compare the analyzer's with")
     parser.add_argument("--json", default=None, help="also write the results to this JSON file")
     args = parser.parse_args(argv)
     if not (args.llama_server or args.sglang_wheel or args.vllm_wheel):
@@ -570,11 +750,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
         results += compare_sglang(args.sglang_wheel, console)
     if args.vllm_wheel:
         results += compare_vllm_block_bytes(args.vllm_wheel, console)
+        results += compare_vllm_chats(args.vllm_wheel, console, args.write_chat_ids)
     table = Table("compared", "requests", "equal", "model's cached tokens (refused)", "server's (refused)")
     for r in results:
         refused = (lambda n: f" ({n})" if n else "")
         table.add_row(r["name"], str(r["requests"]), f"{r['equal']} ({r['equal'] / r['requests']:.0%})",
-                      f"{r['model_cached']:,}{refused(r.get('model_refused'))}",
+                      f"{r['model_cached']:,}{refused(r.get('model_refused'))}" if r["model_cached"] is not None else "",
                       f"{r['server_cached']:,}{refused(r.get('server_refused'))}" if r["server_cached"] is not None else "")
     console.print(table)
     save_json(args.json, results, console)

@@ -9,6 +9,8 @@ loading a model's framework.
                         token ids
     tokenize_prompts    the token ids of many prompts, every one checked first, in one batch
                         call each for texts and for chats
+    tokenize_chats      the token ids of chats already checked (the analyzer's rewritten
+                        ones), one batch call for each set of tools they send
     refused_by_template why the model's chat template refused a batch of chats
 
 The Engine (engine/llm_engine.py) tokenizes every request here, at its front; the analyzer tokenizes a
@@ -76,20 +78,32 @@ def tokenize_prompts(tokenizer, prompts: Sequence, vocab_size: int | None = None
     if texts:
         for i, encoded in zip(texts, tokenizer([prompts[i] for i in texts])["input_ids"]):
             ids[i] = encoded
+    chats = [i for i, kind in enumerate(kinds) if kind == "messages"]
+    for i, encoded in zip(chats, tokenize_chats(tokenizer, prompts, tools, chats)):
+        ids[i] = encoded
+    return ids
+
+
+def tokenize_chats(tokenizer, prompts: Sequence, tools: Sequence[list | None] | None = None,
+                   chats: Sequence[int] | None = None) -> list[list[int]]:
+    """Token ids of the chats among `prompts` (those at `chats`, all by default), already
+    checked, each with its tools (one list or None a prompt): the chat template with the
+    assistant's turn opened, one batch call for each set of tools the chats send."""
+    chats = range(len(prompts)) if chats is None else chats
     by_tools: dict[str, list[int]] = {}  # the chats that send the same tools (most send none) share a call
-    for i, kind in enumerate(kinds):
-        if kind == "messages":
-            by_tools.setdefault(json.dumps(tools[i] if tools else None, sort_keys=True), []).append(i)
-    for chats in by_tools.values():
-        these_tools = tools[chats[0]] if tools else None
+    for i in chats:
+        by_tools.setdefault(json.dumps(tools[i] if tools else None, sort_keys=True), []).append(i)
+    ids: dict[int, list[int]] = {}
+    for group in by_tools.values():
+        these_tools = tools[group[0]] if tools else None
         try:
-            rendered = tokenizer.apply_chat_template([list(prompts[i]) for i in chats], tools=these_tools,
+            rendered = tokenizer.apply_chat_template([list(prompts[i]) for i in group], tools=these_tools,
                                                      add_generation_prompt=True, return_dict=False)
         except TemplateError:
-            raise ValueError(refused_by_template(tokenizer, prompts, chats, these_tools)) from None
-        for i, encoded in zip(chats, rendered):
+            raise ValueError(refused_by_template(tokenizer, prompts, group, these_tools)) from None
+        for i, encoded in zip(group, rendered):
             ids[i] = list(encoded)
-    return ids
+    return [ids[i] for i in chats]
 
 
 def refused_by_template(tokenizer, prompts: Sequence, chats: list[int], tools: list | None = None) -> str:
