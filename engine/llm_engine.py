@@ -33,15 +33,18 @@ from __future__ import annotations
 
 import itertools
 import math
+import statistics
 import threading
 import time
 import weakref
 from dataclasses import dataclass, fields, replace
+from types import SimpleNamespace
 from typing import Callable, Iterator, Sequence
 
 import torch
 
 from allocator import HASH_ALGOS, PrefixCachingAllocator, check_cache_salt, check_text
+from engine.batch_attention import build_step, pool_attention
 from engine.cpu_threads import ThreadChooser, in_own_thread, one_pass, synchronize
 from engine.engine_loop import (
     ClientGoneError, EngineLoop, EngineStoppedError, LoopSnapshot, QueueFullError, thaw_startup_heap,
@@ -51,14 +54,17 @@ from engine.model_loader import load_model
 from engine.one_request import EngineParts, forward
 from engine.outputs import Generation, StreamEvent
 from engine.prompts import tokenize_prompts
-from engine.request import FINISHED, SamplingParams
-from engine.scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS, check_step_size
+from engine.request import FINISHED, Request, SamplingParams
+from engine.scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS, ScheduledRequest, StepPlan, check_step_size, keys_attended
 from engine.step_budget import CALIBRATION_TOKENS, DEFAULT_TARGET_STEP_MS, ModelShape, StepBudget
 
 # -----------------------------------------------------------------------------
 # The Engine and its configuration
 
 DEFAULT_KV_MEMORY_GB = 0.5  # the pool's size when neither num_blocks nor kv_memory_gb is given
+# The steps whose attention an engine times when made (_timed_attention): a chunk of ATTENTION_CHUNK
+# tokens after a context of ATTENTION_CONTEXT, and ATTENTION_DECODES decodes of half as long a one
+ATTENTION_CHUNK, ATTENTION_CONTEXT, ATTENTION_DECODES = 64, 2048, 8
 DEFAULT_MAX_NUM_SEQS = 64  # batching: requests in one step at most (vLLM's --max-num-seqs)
 
 
@@ -274,7 +280,8 @@ class Engine:
         # The engine's one scheduler, in a thread started by the first request.
         self.loop = EngineLoop(self.parts, **self._runner_options())
         if self.step_budget is not None:
-            self.step_budget.calibrate(self.loop.runner.thread_count(chosen=False), in_own_thread(self._timed_passes))
+            passes, attention = in_own_thread(self._timed_passes)
+            self.step_budget.calibrate(self.loop.runner.thread_count(chosen=False), passes, attention)
             self.loop.publish(step_ended=True)  # the costs calibrated: /health shows them before any step
         # Stops the loop's thread when the engine is closed or dropped; holds the loop, never the engine.
         self._finalizer = weakref.finalize(self, _close_loop, self.loop)
@@ -522,10 +529,11 @@ class Engine:
         EngineStoppedError, running ones get `grace` seconds, then finish with "abort"."""
         self.loop.drain(grace)
 
-    def _timed_passes(self) -> list[tuple[int, float]]:
+    def _timed_passes(self) -> tuple[list[tuple[int, float]], dict | None]:
         """(prompt tokens, seconds) of a plain forward pass of each of CALIBRATION_TOKENS, in
         the context every pass runs in, after one untimed pass of each size: what the step
-        budget's first fit is made of."""
+        budget's first fit is made of. And the engine's own attention timed in a few steps
+        (_timed_attention), or None where the pool is too small to time it."""
         timed = []
         with self.lock, torch.inference_mode():
             for num_tokens in [min(n, self.max_model_len or n) for n in CALIBRATION_TOKENS] * 2:
@@ -535,7 +543,53 @@ class Engine:
                                logits_to_keep=1)
                     synchronize(self.device)
                     timed.append((num_tokens, time.perf_counter() - start))
-        return timed[len(CALIBRATION_TOKENS):]  # the first of each size paid its one-time setup
+            with one_pass(self.threads, self.device, "calibration", may_probe=False):
+                attention = self._timed_attention()
+        return timed[len(CALIBRATION_TOKENS):], attention  # the first of each size paid its one-time setup
+
+    def _timed_attention(self) -> dict | None:
+        """The pool attention of one layer (batch_attention.pool_attention) timed in four steps,
+        times the layers: a chunk of ATTENTION_CHUNK tokens at the start of a context and after
+        ATTENTION_CONTEXT cached tokens, and ATTENTION_DECODES decodes of one block's context and
+        of half as long a one as that (each less where the pool is smaller).
+        Each is (query-key pairs, keys read, seconds), what AttentionCosts.timed is given: the
+        median of five runs after one untimed. Their keys are whatever the pool's blocks hold;
+        the steps write theirs there, as a step does: nothing is cached yet, and a block's
+        slots are written before any request reads them. None where the pool holds less than
+        half of those contexts."""
+        pool, block_size = self.kv, self.kv.block_size
+        long_chunk = min(ATTENTION_CONTEXT, (pool.num_blocks * block_size - ATTENTION_CHUNK) // block_size * block_size)
+        long_decode = min(ATTENTION_CONTEXT // 2, pool.num_blocks // ATTENTION_DECODES * block_size)
+        if long_chunk < ATTENTION_CONTEXT // 2 or long_decode < ATTENTION_CONTEXT // 4:
+            return None
+        config = self.model.config.get_text_config()
+        heads = config.num_attention_heads
+        layers = config.num_hidden_layers
+
+        @torch.inference_mode()
+        def timed(rows: list[tuple[int, int]]) -> tuple[int, int, float]:
+            scheduled, tables, first = [], {}, 0
+            for i, (start, end) in enumerate(rows):
+                blocks = -(-end // block_size)
+                tables[str(i)], first = list(range(first, first + blocks)), first + blocks
+                scheduled.append(ScheduledRequest(Request(str(i), [0] * end), start, end))
+            inputs = build_step(StepPlan(scheduled, []), pool, tables, self.device, cascade=False)
+            num_tokens = inputs.input_ids.shape[1]
+            query = torch.randn(1, heads, num_tokens, pool.head_dim, dtype=pool.dtype, device=self.device)
+            key, value = torch.randn(2, 1, pool.num_kv_heads, num_tokens, pool.head_dim, dtype=pool.dtype,
+                                     device=self.device)
+            layer, seconds = SimpleNamespace(layer_idx=0), []
+            for _ in range(6):
+                start = time.perf_counter()
+                pool_attention(layer, query, key, value, None, scaling=pool.head_dim ** -0.5, pool_step=inputs)
+                synchronize(self.device)
+                seconds.append(time.perf_counter() - start)
+            pairs = sum(keys_attended(start, end) for start, end in rows)
+            return pairs, sum(end for _, end in rows), layers * statistics.median(seconds[1:])
+
+        return {"chunks": (timed([(0, ATTENTION_CHUNK)]), timed([(long_chunk, long_chunk + ATTENTION_CHUNK)])),
+                "decodes": (timed([(block_size - 1, block_size)] * ATTENTION_DECODES),
+                            timed([(long_decode - 1, long_decode)] * ATTENTION_DECODES))}
 
     def warm_up(self) -> None:
         """A throwaway prefill and one decode step after it, outside the pool and in the

@@ -9,8 +9,10 @@ student's long prompt is prefilled. So here the budget comes from a time instead
 of Sarathi-Serve's stall-free batching (Agrawal et al., "Taming Throughput-Latency Tradeoff
 in LLM Inference with Sarathi-Serve", OSDI 2024: pick the chunk size from a latency target):
 
-    step_flops    what a step computes, counted from its plan: each token through the
-                  weights, and each key its token attends to
+    step_flops    what a step computes, from its plan, in flops of the weights: each token
+                  through the weights, and its attention: each key it attends to and each
+                  key its request reads from the pool (AttentionCosts: counted at first, timed
+                  on the engine's own attention when it starts)
     StepCosts     what a step costs on this machine, learned from the steps run:
                   seconds = fixed + per_flop x flops, one fit per thread count
                   (engine/cpu_threads.py runs a step with one thread while others keep the cores busy)
@@ -105,6 +107,12 @@ class ModelShape:
     head_dim: int
 
     @property
+    def attention(self) -> AttentionCosts:
+        """Attention's cost as counted: the multiply-adds of q.k and of the weighted v, at the
+        weights' speed, and nothing for reading the keys."""
+        return AttentionCosts(per_pair=4.0 * self.layers * self.heads * self.head_dim)
+
+    @property
     def key_cost(self) -> float:
         """What attending to one key costs, in tokens through the weights (chunk_flops's
         terms): the scheduler charges a tenant by it (Scheduler's key_cost)."""
@@ -119,15 +127,65 @@ class ModelShape:
         return cls(total - model.get_input_embeddings().weight.numel(), config.num_hidden_layers, heads, head_dim)
 
 
-def chunk_flops(shape: ModelShape, start: int, end: int) -> float:
+@dataclass(frozen=True)
+class AttentionCosts:
+    """What a step's attention costs, in flops of the weights (what the same seconds would
+    compute there): per query-key pair, and per key a request reads, all layers together.
+
+    Counted (ModelShape.attention), a pair is its multiply-adds and reading is free. Timed on
+    this engine's attention (AttentionCosts.timed), neither is: each request's keys are copied
+    out of the pool, its whole context every step (a 16-token chunk after 3,000 cached tokens
+    reads 3,016 keys in every layer), and a masked attention runs slower a flop than the
+    weights' matrix products. On the course's 2-core CPU, counted costs predicted a chunk
+    beside four streams at 222 ms where it took about 280 (docs/measured.md).
+    """
+
+    per_pair: float
+    per_key: float = 0.0
+
+    @classmethod
+    def timed(cls, counted: AttentionCosts, per_flop: float, chunks: tuple, decodes: tuple) -> AttentionCosts:
+        """From two pairs of timed attention steps, (query-key pairs, keys read, seconds) each,
+        all layers: a chunk at the start of a context and the same chunk after a long one, and
+        decodes of short contexts and of long ones. The two differences, each a sum of pairs and
+        of keys read, give the two costs (two equations, two unknowns); per_flop (seconds a flop
+        of the weights) turns them into flops. `counted` where the timing says nothing
+        (per_flop unknown, or the costs came out negative or nothing: noise).
+
+        >>> counted = AttentionCosts(per_pair=100.0)
+        >>> chunks = ((2_000, 64, 1e-3), (130_000, 2_112, 1e-3 + 128_000 * 2e-9 + 2_048 * 1e-8))
+        >>> decodes = ((128, 128, 1e-4), (8_192, 8_192, 1e-4 + 8_064 * (2e-9 + 1e-8)))
+        >>> AttentionCosts.timed(counted, 1e-11, chunks, decodes)   # 2 ns a pair, 10 ns a key read
+        AttentionCosts(per_pair=200.0, per_key=1000.0)
+        """
+        (p1, k1, s1), (p2, k2, s2) = chunks
+        (p3, k3, s3), (p4, k4, s4) = decodes
+        a, b, y1 = p2 - p1, k2 - k1, s2 - s1  # a x pair + b x key = y1
+        c, d, y2 = p4 - p3, k4 - k3, s4 - s3  # c x pair + d x key = y2
+        det = a * d - b * c
+        if per_flop <= 0 or not det:
+            return counted
+        pair, key = (y1 * d - b * y2) / det, (a * y2 - c * y1) / det
+        if key < 0:  # reading came out free: the pairs take all of the chunks' difference
+            pair, key = y1 / a, 0.0
+        elif pair < 0:
+            pair, key = 0.0, y2 / d
+        if pair < 0 or key < 0 or not pair + key:  # attention for nothing: noise
+            return counted
+        return cls(round(pair / per_flop, 6), round(key / per_flop, 6))
+
+
+def chunk_flops(shape: ModelShape, start: int, end: int, attention: AttentionCosts | None = None) -> float:
     """Tokens start..end-1 of one request: each through the weights (a multiply and an add per
-    parameter), and per key it attends to, q.k and the weighted v in every head of every layer."""
-    per_key = 4.0 * shape.layers * shape.heads * shape.head_dim
-    return 2.0 * shape.body_params * (end - start) + per_key * keys_attended(start, end)
+    parameter), and their attention: per key they attend to, and per key of the context the
+    request reads (attention: what those cost; None: counted, ModelShape.attention)."""
+    attention = attention or shape.attention
+    return (2.0 * shape.body_params * (end - start) + attention.per_pair * keys_attended(start, end)
+            + attention.per_key * end)
 
 
-def step_flops(shape: ModelShape, plan: StepPlan) -> float:
-    return sum(chunk_flops(shape, s.start, s.end) for s in plan.scheduled)
+def step_flops(shape: ModelShape, plan: StepPlan, attention: AttentionCosts | None = None) -> float:
+    return sum(chunk_flops(shape, s.start, s.end, attention) for s in plan.scheduled)
 
 
 # -----------------------------------------------------------------------------
@@ -295,6 +353,7 @@ class StepBudget:
         engine's calibration and then every step run."""
         self.shape, self.target_ms, self.cap = shape, target_ms, max_num_batched_tokens
         self.costs = StepCosts() if costs is None else costs
+        self.attention = shape.attention  # counted until calibrate times the engine's own
         self.last: int | None = None  # the latest budget handed out
         self.predicted: float | None = None  # the latest step's seconds, predicted before it ran (None: nothing known)
         self.took: float | None = None  # ... and as timed
@@ -320,8 +379,8 @@ class StepBudget:
         prefilling = [c for c in prompts if c.running]
         if arrivals and prefilling:
             first_s = decode_s + per_flop * sum(
-                chunk_flops(self.shape, c.num_computed_tokens, c.num_computed_tokens + c.num_remaining_tokens)
-                for c in arrivals)
+                chunk_flops(self.shape, c.num_computed_tokens, c.num_computed_tokens + c.num_remaining_tokens,
+                            self.attention) for c in arrivals)
             room = self.chunk_within(max(c.num_computed_tokens for c in prefilling),
                                      (ARRIVAL_STALL - 1) * first_s / per_flop)
             caps = share_tokens(room, {c.request.request_id: c.num_remaining_tokens for c in prefilling})
@@ -344,7 +403,8 @@ class StepBudget:
         return Budget(tokens, caps)
 
     def decode_flops(self, decodes: list[Request]) -> float:
-        return sum(chunk_flops(self.shape, r.num_computed_tokens, r.num_computed_tokens + 1) for r in decodes)
+        return sum(chunk_flops(self.shape, r.num_computed_tokens, r.num_computed_tokens + 1, self.attention)
+                   for r in decodes)
 
     def tokens(self, running: list[Request], waiting, threads, waiting_start: int = 0) -> int:
         """The budget for a step whose scheduler holds `running` and `waiting`; threads: the
@@ -373,36 +433,48 @@ class StepBudget:
 
     def chunk_within(self, start: int, flops: float) -> int:
         """The most tokens from `start` on whose chunk_flops fit in `flops` (a quadratic in n:
-        each token costs its pass through the weights plus the keys before it).
+        each token costs its pass through the weights plus the keys before it, and the chunk
+        reads the start + n keys of its context).
 
         >>> budget = StepBudget(ModelShape(body_params=100, layers=1, heads=1, head_dim=1), 400, 2048)
         >>> n = budget.chunk_within(0, 2_000.0); n, chunk_flops(budget.shape, 0, n) <= 2_000
         (9, True)
         """
-        a = 2.0 * self.shape.layers * self.shape.heads * self.shape.head_dim  # per n^2 (half of 4 L H d)
-        b = 2.0 * self.shape.body_params + a * (2 * start + 1)
-        n = int((-b + math.sqrt(b * b + 4 * a * flops)) / (2 * a)) if a else int(flops / b)
-        while n > 0 and chunk_flops(self.shape, start, start + n) > flops:  # rounding
+        pair, key = self.attention.per_pair, self.attention.per_key
+        a = pair / 2  # per n^2: n tokens after `start` attend to n x start + n (n + 1) / 2 keys
+        b = 2.0 * self.shape.body_params + pair * (start + 0.5) + key
+        room = flops - key * start  # the context already there is read whatever n is
+        if room <= 0:
+            return 0
+        n = int((-b + math.sqrt(b * b + 4 * a * room)) / (2 * a)) if a else int(room / b)
+        while n > 0 and chunk_flops(self.shape, start, start + n, self.attention) > flops:  # rounding
             n -= 1
         return n
 
     def predict(self, threads, plan: StepPlan) -> float | None:
         """Seconds the plan's step should take by what has been learned; None before any step
         ran with this thread count."""
-        return self.costs.predict(threads, step_flops(self.shape, plan)) if self.costs.known(threads) else None
+        return (self.costs.predict(threads, step_flops(self.shape, plan, self.attention))
+                if self.costs.known(threads) else None)
 
-    def calibrate(self, threads, timed: list[tuple[int, float]]) -> None:
+    def calibrate(self, threads, timed: list[tuple[int, float]], attention: dict | None = None) -> None:
         """The costs' first fit, from passes timed when the engine starts: (prompt tokens,
         seconds) of passes far enough apart in work (CALIBRATION_TOKENS) to tell a step's
         fixed cost from its cost per flop, so the first long prompt is chunked by what this
-        machine does, not by FIRST_CHUNK; the steps run then refine it as any step does."""
+        machine does, not by FIRST_CHUNK; the steps run then refine it as any step does.
+        attention: the engine's attention timed in "chunks" and "decodes" (AttentionCosts.timed),
+        or None to keep it counted."""
+        if attention and len(timed) >= 2:
+            (n1, s1), (n2, s2) = timed[0], timed[-1]
+            per_flop = (s2 - s1) / (chunk_flops(self.shape, 0, n2) - chunk_flops(self.shape, 0, n1))
+            self.attention = AttentionCosts.timed(self.shape.attention, per_flop, **attention)
         for num_tokens, seconds in timed:
-            self.costs.record(threads, chunk_flops(self.shape, 0, num_tokens), seconds)
+            self.costs.record(threads, chunk_flops(self.shape, 0, num_tokens, self.attention), seconds)
 
     def record(self, threads, plan: StepPlan, seconds: float) -> None:
         """A step ran: learn from it, after noting what the costs learned before it predicted."""
         self.predicted, self.took = self.predict(threads, plan), seconds
-        self.costs.record(threads, step_flops(self.shape, plan), seconds)
+        self.costs.record(threads, step_flops(self.shape, plan, self.attention), seconds)
 
     def describe(self) -> dict:
         """The target and what has been learned, for /health."""
@@ -413,7 +485,9 @@ class StepBudget:
             learned[name] = {"fixed_ms": round(fixed * 1e3, 1), "ms_per_gflop": float(f"{per_flop * 1e12:.3g}"),
                              "ms_per_prompt_token": float(f"{per_flop * 2 * self.shape.body_params * 1e3:.3g}"),
                              "steps": self.costs.num_steps(threads)}  # three figures: a tiny model's are tiny
-        return {"target_step_ms": self.target_ms, "last_budget": self.last, "learned": learned}
+        return {"target_step_ms": self.target_ms, "last_budget": self.last, "learned": learned,
+                "attention_flops": {"per_pair": float(f"{self.attention.per_pair:.3g}"),
+                                    "per_key_read": float(f"{self.attention.per_key:.3g}")}}
 
 
 class FixedBudget:

@@ -317,6 +317,10 @@ def step_time_budget(console: Console, engine: Engine, prompts: dict[str, list[i
     fixed, per_flop = budget.costs.fit(threads)
     runner.run(requests)
     per_token = per_flop * 2 * budget.shape.body_params
+    timed = budget.attention != budget.shape.attention  # the engine timed its attention when made (AttentionCosts)
+    attention = (f"timed when the engine started: a key attended to costs {budget.attention.per_pair * per_flop * 1e9:,.2f}"
+                 f" ns, a key read {budget.attention.per_key * per_flop * 1e6:,.1f} us" if timed else
+                 "as counted: a key attended to costs its multiply-adds, reading it nothing")
     whole = fixed + per_flop * chunk_flops(budget.shape, 0, len(erin_ids))
     # Her chunks beside the four's decodes, which the bound is about; once the four have
     # finished she steps alone, and those steps (a target's worth each) say nothing of it.
@@ -327,8 +331,8 @@ def step_time_budget(console: Console, engine: Engine, prompts: dict[str, list[i
     console.print(
         f"What a step costs here, learned from the steps run (StepCosts: the median step of each size over "
         f"minutes, so a busy minute does not move it): {fixed * 1e3:,.0f} ms whatever its size, and "
-        f"{per_token * 1e3:,.1f} ms a token through the weights (plus each key it attends to: step_flops counts "
-        f"both). With a fixed budget of {cap:,} tokens a step, erin's whole prompt would be one step of about "
+        f"{per_token * 1e3:,.1f} ms a token through the weights, plus its attention: each key it attends to, and "
+        f"each key of its context read from the pool, every step ({attention}; step_flops counts them all). With a fixed budget of {cap:,} tokens a step, erin's whole prompt would be one step of about "
         f"{whole * 1e3:,.0f} ms by the same costs, and each of the four would wait that long for its next token. With "
         f"a target of {target_ms:g} ms, a step gives her as many tokens as keep it within the target and within "
         f"{STALL:g} times the four's own step ({decoding} alone, steps {decode_numbers[0]}-{decode_numbers[-1]}), "

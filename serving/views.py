@@ -20,7 +20,7 @@ another tenant's traffic is scoped to its own requests or left out (null):
     the same for everyone         status, model, num_blocks, block_size and the
                                   scheduler's settings: what the teacher started it with
     null or left out              num_free_blocks, preemptions, steps (null);
-                                  last_step, step_costs (left out); every other block is its
+                                  last_step, step_costs, attention_costs (left out); every other block is its
                                   id alone, opaque, even an empty one (else their count would
                                   tell how many blocks the others fill)
 
@@ -168,6 +168,7 @@ class ServerState:
         else:
             if loop.step_budget is not None:  # what a step costs on this machine, learned (engine/step_budget.py)
                 pool["step_costs"] = loop.step_budget["learned"]
+                pool["attention_costs"] = loop.step_budget["attention_flops"]  # in flops of the weights
             pool["last_step"] = None if last is None else {
                 "requests": last.num_requests, "tokens": last.num_tokens, "prefill_tokens": last.num_prefill_tokens,
             }

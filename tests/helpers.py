@@ -47,18 +47,20 @@ def assert_pool_whole(engine) -> None:
 
 
 # The default step budget on a held calibration (step_budget.HeldCosts): a fast machine's
-# fixed cost a step and cost per flop, so an engine of the tiny model plans with the policy
-# users get, and the same on every machine. tests/engine/test_step_budget.py tests the learning.
+# fixed cost a step and cost per flop, and attention as counted, so an engine of the tiny model
+# plans with the policy users get, and the same on every machine. tests/engine/test_step_budget.py
+# tests the learning and the timing.
 TEST_COSTS = {"fixed_s": 1e-3, "per_flop": 1e-12}
 
 
 def calibrated(engine):
-    """`engine` with its step budget's costs held at TEST_COSTS (an engine given a fixed
-    max_num_batched_tokens has no step budget: it is returned as it is)."""
+    """`engine` with its step budget's costs held at TEST_COSTS and its attention counted (an
+    engine given a fixed max_num_batched_tokens has no step budget: it is returned as it is)."""
     from engine.step_budget import HeldCosts
 
     if engine.step_budget is not None:
         engine.step_budget.costs = HeldCosts(**TEST_COSTS)
+        engine.step_budget.attention = engine.step_budget.shape.attention
     return engine
 
 

@@ -17,8 +17,8 @@ from engine.one_request import greedy_reference
 from engine.request import SamplingParams
 from engine.scheduler import Budget, Candidate, Request, Scheduler
 from engine.step_budget import (ARRIVAL_STALL, CALIBRATION_TOKENS, DEFAULT_TARGET_STEP_MS, FAIR_SLACK, FAIR_STALL, FIRST_CHUNK,
-                                FLOOR, GAP_MAX, MIN_CHUNK, STALL, ModelShape, StepBudget, StepCosts, chunk_flops,
-                                keys_attended)
+                                FLOOR, GAP_MAX, MIN_CHUNK, STALL, AttentionCosts, ModelShape, StepBudget, StepCosts,
+                                chunk_flops, keys_attended)
 from helpers import call, serve
 from server import create_app
 
@@ -36,6 +36,66 @@ def test_a_chunk_costs_its_tokens_and_the_keys_they_attend_to():
     assert keys_attended(0, 3) + keys_attended(3, 5) == keys_attended(0, 5) == 15
     # The same 100 tokens cost more late in a long prompt: each attends to every key before it.
     assert chunk_flops(SMOL, 3_900, 4_000) > 1.9 * chunk_flops(SMOL, 0, 100)
+
+
+def test_timed_attention_prices_its_pairs_and_the_keys_each_request_reads():
+    counted = SMOL.attention
+    assert counted == AttentionCosts(per_pair=4 * 30 * 9 * 64, per_key=0.0)
+    timed = AttentionCosts(per_pair=1.5 * counted.per_pair, per_key=2e6)
+    # a chunk reads its whole context whatever its size: a 16-token chunk after 3,000 cached tokens
+    # costs the 3,016 keys it reads on top of its pairs
+    read = chunk_flops(SMOL, 3_000, 3_016, timed) - chunk_flops(SMOL, 3_000, 3_016, AttentionCosts(timed.per_pair))
+    assert read == 3_016 * 2e6
+    assert chunk_flops(SMOL, 0, 100, counted) == chunk_flops(SMOL, 0, 100)
+
+
+def test_attention_costs_from_timed_steps_solve_for_pairs_and_reads():
+    pair_s, key_s, per_flop = 3e-9, 2e-8, 1e-11
+    chunks = ((2_080, 64, 1e-3), (133_152, 2_112, 1e-3 + 131_072 * pair_s + 2_048 * key_s))
+    decodes = ((128, 128, 5e-4), (8_192, 8_192, 5e-4 + 8_064 * (pair_s + key_s)))
+    got = AttentionCosts.timed(SMOL.attention, per_flop, chunks, decodes)
+    assert got == AttentionCosts(pytest.approx(300.0), pytest.approx(2_000.0))
+    # Noise that makes reading come out negative: the pairs take the chunks' whole difference.
+    no_reads = ((128, 128, 5e-4), (8_192, 8_192, 5e-4 + 8_064 * 1e-10))
+    got = AttentionCosts.timed(SMOL.attention, per_flop, chunks, no_reads)
+    assert got.per_key == 0 and got.per_pair == pytest.approx((131_072 * pair_s + 2_048 * key_s) / 131_072 / per_flop)
+    # Nothing to tell: the counted costs stay.
+    assert AttentionCosts.timed(SMOL.attention, 0.0, chunks, decodes) == SMOL.attention
+    flat = ((2_080, 64, 1e-3), (133_152, 2_112, 1e-3))
+    assert AttentionCosts.timed(SMOL.attention, per_flop, flat, ((128, 128, 1e-3), (8_192, 8_192, 1e-3))) == SMOL.attention
+
+
+def test_a_budget_with_timed_attention_gives_a_late_chunk_fewer_tokens_and_keeps_within_the_target():
+    budget, counted = learned(0.05, 2e-11), learned(0.05, 2e-11)
+    budget.attention = AttentionCosts(per_pair=2 * SMOL.attention.per_pair, per_key=1e6)
+    late = Candidate(Request("turn", [1] * 4000), False, 3000, 3000, 1000)
+    chunk = budget.budget([late], threads=2).tokens
+    assert chunk < counted.budget([late], threads=2).tokens
+    fixed, per_flop = budget.costs.fit(2)
+    target = DEFAULT_TARGET_STEP_MS / 1e3
+    step = [chunk_flops(SMOL, 3000, 3000 + n, budget.attention) for n in (chunk, chunk + 1)]
+    assert fixed + per_flop * step[0] <= target < fixed + per_flop * step[1]
+
+
+def test_an_engine_times_its_own_attention_when_made(tiny_model, tokenizer):
+    engine = Engine(model=tiny_model, tokenizer=tokenizer, block_size=16, num_blocks=512)  # room for 2,048 + 64, and 8 x 1,024
+    try:
+        timed = engine._timed_attention()
+        (short, long), (few, many) = timed["chunks"], timed["decodes"]
+        assert (short[:2], long[:2]) == ((keys_attended(0, 64), 64), (keys_attended(2048, 2112), 2112))
+        assert (few[:2], many[:2]) == ((8 * 16, 8 * 16), (8 * 1024, 8 * 1024))
+        assert all(seconds > 0 for *_, seconds in (short, long, few, many))
+        assert engine.allocator.num_free_blocks == 512 and not engine.allocator.block_tables  # nothing held or cached
+        assert engine.allocator.num_cached_blocks == 0
+        budget = engine.step_budget
+        assert budget.attention.per_pair >= 0 and budget.attention.per_key >= 0
+        assert budget.describe()["attention_flops"] == {"per_pair": pytest.approx(budget.attention.per_pair, rel=0.01),
+                                                        "per_key_read": pytest.approx(budget.attention.per_key, rel=0.01)}
+        small = Engine(model=tiny_model, tokenizer=tokenizer, block_size=4, num_blocks=64)  # too small to time
+        assert small._timed_attention() is None and small.step_budget.attention == small.step_budget.shape.attention
+        small.close()
+    finally:
+        engine.close()
 
 
 def test_costs_are_fitted_per_thread_count():
