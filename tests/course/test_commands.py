@@ -226,6 +226,9 @@ def test_the_busy_benchmark_starts_and_stops_its_busy_programs(tiny_model_dir, t
             yield programs
 
     monkeypatch.setattr(busy, "busy_programs", watched)
+    # The programs' lives and the report are checked, not how slow they make the ways: one that
+    # spins would take a core from the other test worker for the whole run.
+    monkeypatch.setattr(busy, "SPIN", "import time; time.sleep(600)")
     results = busy.main(["--model", str(tiny_model_dir), "--num-blocks", "256", "--quick", "--fixed-threads",
                          "--json", str(tmp_path / "b.json")])
     assert len(started) == 1 and all(p.poll() is not None for p in started)  # stopped after
