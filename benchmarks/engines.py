@@ -1,12 +1,15 @@
 """What every model benchmark starts with: a console, the engine its flags ask for, the name of
-the machine the numbers are measured on (said with every figure), and stage 7's path for the
-benchmarks that time it (the demo's)."""
+the machine the numbers are measured on (said with every figure), stage 7's path for the
+benchmarks that time it (the demo's), and the steps an engine's loop runs, as its scheduler
+planned them."""
 
 from __future__ import annotations
 
 import itertools
 import platform
 import sys
+import time
+from typing import NamedTuple
 
 import torch
 from rich.console import Console
@@ -44,3 +47,44 @@ def stage_7(engine: Engine, prompt, max_tokens: int) -> Generation:
     demo and lesson 7 run it: its cached prefix gathered into past_key_values, its phases
     (lookup, gather, forward, write, sample) timed on its Generation."""
     return generate(engine.parts, f"bench-{next(REQUEST_IDS)}", engine.tokenize(prompt), SamplingParams(max_tokens))
+
+
+class StepSeen(NamedTuple):
+    """One step an engine's loop ran (watch_steps): when, and what its scheduler planned."""
+
+    start: float  # time.perf_counter() around it
+    end: float
+    prefill_tokens: int
+    threads: int | None  # the thread count it ran with (None: a GPU)
+    tokens: int  # the tokens it computed
+    samples: int  # ... and how many of them picked a next token
+
+
+def watch_steps(engine: Engine) -> list[StepSeen]:
+    """Every step with requests in it that the engine's loop runs from now on, appended to the
+    list returned once its tokens are sampled and before any of them goes out (so a caller
+    whose reply came in that step finds the step listed), until unwatch_steps. Read from the
+    scheduler's plan, not from the model: a decode step replayed as a CUDA graph
+    (engine/model_runner.py) runs no Python of the model, so a hook on the model would not see
+    it, and the padded decode step passes the model other arguments than an eager pass does."""
+    runner, steps, started = engine.loop.runner, [], [0.0]
+    step, postprocess = runner.step, runner.postprocess
+
+    def watched_step():
+        started[0] = time.perf_counter()
+        return step()
+
+    def watched_postprocess(plan, tokens):
+        threads = runner.threads.used if runner.threads else None
+        steps.append(StepSeen(started[0], time.perf_counter(), runner.last_step.num_prefill_tokens, threads,
+                              plan.num_tokens, sum(s.samples for s in plan.scheduled)))
+        return postprocess(plan, tokens)
+
+    runner.step, runner.postprocess = watched_step, watched_postprocess
+    return steps
+
+
+def unwatch_steps(engine: Engine) -> None:
+    """The loop's steps run unwatched again (watch_steps)."""
+    for name in ("step", "postprocess"):
+        vars(engine.loop.runner).pop(name, None)

@@ -32,7 +32,7 @@ import torch
 from rich.table import Table
 
 from benchmarks import save_json
-from benchmarks.engines import open_engine
+from benchmarks.engines import StepSeen, open_engine, watch_steps
 from benchmarks.openai_api import start_server
 from benchmarks.throughput import TOPICS
 from commands.demo import DEMO_SYSTEM_PROMPT
@@ -85,33 +85,15 @@ def http_stream(url: str):
 # The scene
 
 
-def watch_steps(engine: Engine) -> list[tuple]:
-    """Every step the engine's loop runs from now on: (start, end, prefill tokens, threads it
-    ran with), appended to the list returned."""
-    runner, steps = engine.loop.runner, []
-    step = runner.step
-
-    def watched():
-        start = time.perf_counter()
-        finished = step()
-        if runner.last_step is not None and runner.last_plan and runner.last_plan.scheduled:
-            threads = runner.threads.used if runner.threads else None
-            steps.append((start, time.perf_counter(), runner.last_step.num_prefill_tokens, threads))
-        return finished
-
-    runner.step = watched
-    return steps
-
-
-def while_prefilling(steps: list[tuple], arrival: float, first: float) -> dict:
+def while_prefilling(steps: list[StepSeen], arrival: float, first: float) -> dict:
     """The steps that ran while the long prompt was prefilled: how many, their prompt tokens and
     times, and the thread counts they ran with."""
-    during = [s for s in steps if s[0] >= arrival and s[1] <= first]
-    chunks = [s[2] for s in during if s[2]]
-    times = [(s[1] - s[0]) * 1e3 for s in during]
+    during = [s for s in steps if s.start >= arrival and s.end <= first]
+    chunks = [s.prefill_tokens for s in during if s.prefill_tokens]
+    times = [(s.end - s.start) * 1e3 for s in during]
     return {"steps": len(during), "chunk_min": min(chunks, default=0), "chunk_max": max(chunks, default=0),
             "step_median_ms": statistics.median(times) if times else 0.0, "step_max_ms": max(times, default=0.0),
-            "threads": sorted({s[3] for s in during if s[3] is not None})}
+            "threads": sorted({s.threads for s in during if s.threads is not None})}
 
 
 def run_scene(stream, long_messages, args, salt: str) -> dict:

@@ -35,7 +35,7 @@ from rich.table import Table
 from transformers import ContinuousBatchingConfig, GenerationConfig
 
 from benchmarks import save_json
-from benchmarks.engines import open_engine
+from benchmarks.engines import open_engine, unwatch_steps, watch_steps
 from benchmarks.measure import TokenCounter
 from commands.demo import DEMO_SYSTEM_PROMPT
 from commands.model_flags import add_model_arguments
@@ -187,15 +187,13 @@ def main(argv: list[str] | None = None) -> dict:
         shared = min(len(p) for p in prompts)
         with fresh_engine(enable_caching=False) as off, TokenCounter(model.get_input_embeddings()) as embedded:
             run_b, embedded_b = run_ours(off, prompts, args.max_tokens, batched=True), embedded
-        sizes = []  # the tokens of each of (c)'s forward passes, and how many of them sample
         with fresh_engine() as engine:
             with TokenCounter(model.get_input_embeddings()) as embedded:
                 seconds, outputs, ttfts = run_ours(engine, prompts, args.max_tokens, batched=False)
-            hook = model.register_forward_pre_hook(
-                lambda module, args, kwargs: sizes.append((kwargs["input_ids"].shape[1], len(kwargs["logits_to_keep"]))),
-                with_kwargs=True)
+            steps = watch_steps(engine)  # (c)'s passes as planned: a graph replay or a padded step counts too
             run_c = run_ours(engine, prompts, args.max_tokens, batched=True)
-            hook.remove()
+            unwatch_steps(engine)
+            sizes = [(s.tokens, s.samples) for s in steps]
             threads = engine.threads
         floor = in_own_thread(floor_seconds, model, threads, sizes)  # after the engine's loop has ended
         reference = outputs

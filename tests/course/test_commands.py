@@ -17,6 +17,7 @@ from rich.console import Console
 
 import prefix_caching as cli
 from benchmarks import attention, busy, chunked_prefill, paged, stalls, step_profile, throughput, ttft
+from benchmarks.engines import unwatch_steps, watch_steps
 from benchmarks.allocator import free_order_hit_rates
 from commands import walkthrough
 from commands.demo import run_demo
@@ -158,6 +159,23 @@ def test_the_throughput_benchmark_checks_every_way_gives_the_same_tokens(tiny_mo
     # of the four computes the system prompt, as with caching off (b).
     assert embedded["(c)"] == embedded["(a)"] < embedded["(d)"] == embedded["(b)"], embedded
     assert (tmp_path / "t.png").stat().st_size > 0
+
+
+def test_the_benchmarks_count_the_steps_the_scheduler_planned_padded_decodes_too(make_engine):
+    # The padded decode step, as a GPU runs it (there replayed as a CUDA graph, which no hook on
+    # the model sees), forced on here: every step is counted, with the tokens it computed.
+    engine = make_engine(num_blocks=64, static_decode=True)
+    prompts = [[7 + i] + list(range(20, 30 + 3 * i)) for i in range(4)]  # no two share a block
+    steps = watch_steps(engine)
+    replies = engine.generate_batch(prompts, max_tokens=5)
+    unwatch_steps(engine)
+    assert not {"step", "postprocess"} & set(vars(engine.loop.runner))  # unwatched: the runner's own again
+    assert not any(r.cached_tokens or r.num_preemptions for r in replies)
+    # each prompt token computed once, then each token but the last fed back as a decode
+    assert sum(s.tokens for s in steps) == sum(r.prompt_tokens + len(r.token_ids) - 1 for r in replies)
+    assert sum(s.samples for s in steps) == sum(len(r.token_ids) for r in replies)
+    assert any(s.tokens == s.samples == 4 and not s.prefill_tokens for s in steps)  # the four decoding together
+    assert all(s.start <= s.end for s in steps)
 
 
 def test_the_chunked_prefill_benchmark_runs_the_scene_both_ways(tiny_model_dir, tmp_path):
