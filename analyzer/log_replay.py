@@ -327,6 +327,7 @@ class Replay:
     prompt_tokens: int  # of the requests the server serves: a refused one computes nothing and finds nothing
     evictions: int
     refused: array = field(default_factory=lambda: array("I"))  # requests llama-server turns away, by index
+    unrestored: array = field(default_factory=lambda: array("I"))  # llama.cpp: a cached prompt with no room to load
     prefix_blocks: dict[int, PrefixBlock] = field(default_factory=dict)  # by block hash number; watch=True only
     hot_misses: list[HotMiss] = field(default_factory=list)  # watch=True only
 
@@ -389,7 +390,8 @@ def replay(prompts: list[array], salts: list[str | None], num_blocks: int, block
         counts = model.replay(prompts, salts, num_blocks * block_size)
     else:  # llama.cpp has no cache_salt: salted prompts share like any others
         counts = model.replay(prompts, num_blocks * block_size)
-    result.cached, result.evictions, result.refused = counts.cached, counts.evictions, counts.refused
+    result.cached, result.evictions, result.refused, result.unrestored = (counts.cached, counts.evictions,
+                                                                          counts.refused, counts.unrestored)
     result.prompt_tokens -= sum(lengths[i] for i in counts.refused)  # a TokenizedLog has lengths, no [i]
     return result
 

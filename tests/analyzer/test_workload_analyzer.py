@@ -395,6 +395,32 @@ def test_the_llamacpp_command_with_refusals_prints_what_replay_counts(tmp_path, 
 
 
 @pytest.mark.subprocess
+def test_the_llamacpp_command_names_the_cached_prompts_that_found_no_room(tmp_path, tokenizer):
+    # -c 512, one unified KV cache: A (300 tokens) and B (330, nothing shared) each
+    # come back from the prompt cache beside the other's sequence, which leaves no room for
+    # them; llama-server computes them whole. The command must say so and count what replay does.
+    w, log = Writer(5), tmp_path / "two_long.jsonl"
+    a, b = w.words(300), w.words(330)
+    write_log(log, [{"prompt": text} for text in (a, b, a + " again", b + " again")])
+    requests = read_log(log)
+    with TokenizedLog() as streamed:
+        for prompt, request in zip(tokenize_log(requests, tokenizer), requests):
+            streamed.append(prompt, request.cache_salt)
+        expected = replay(streamed, streamed.salts, 64, 16, model=LlamaCpp(n_ctx=512, n_ctx_train=8192))
+        roomy = replay(streamed, streamed.salts, 64, 16, model=LlamaCpp(n_ctx=1024, n_ctx_train=8192))
+    assert expected.unrestored.tolist() == [2, 3] and expected.cached_tokens == 0 and not expected.refused
+    assert roomy.cached_tokens > 0 and not roomy.unrestored  # the same log where both fit
+    result = subprocess.run([sys.executable, "prefix_caching.py", "--analyze", str(log), "--like", "llamacpp",
+                             "--num-blocks", "64", "--ctx-size", "512"], capture_output=True, text=True, timeout=300,
+                            cwd=ROOT, env={**os.environ, "COLUMNS": "250"})
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    out = " ".join(result.stdout.split())
+    assert "At 64 blocks (--num-blocks): hit rate 0.0%, 0 of" in out, out[-3000:]
+    assert ("2 of 4 requests found a cached prompt that did not fit in the 512 KV cells beside what the other slots "
+            "held") in out and f"requests 2 ({streamed.lengths[2]:,} tokens), 3 (" in out, out[-3000:]
+
+
+@pytest.mark.subprocess
 @pytest.mark.parametrize("like, suffix", [("vllm", ".jsonl"), ("engine", ".jsonl.xz"), ("sglang", ".jsonl.gz")])
 def test_the_command_as_typed_prints_what_replay_counts_for_each_server(tmp_path, tokenizer, like, suffix):
     # Each caching model at its defaults, on a log compressed or not, through the command a user
