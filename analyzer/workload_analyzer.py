@@ -426,8 +426,7 @@ def fleet_json(fleet: Fleet, requests: list[LoggedRequest], args: argparse.Names
         "per_replica": [{"replica": k, "requests": len(r.cached), "prompt_tokens": r.prompt_tokens,
                          "cached_tokens": r.cached_tokens, "hit_rate": r.hit_rate} for k, r in enumerate(fleet.replays)],
         "total": {"requests": len(requests), "prompt_tokens": sum(fleet.prompt_tokens),
-                  "cached_tokens": sum(fleet.cached), "hit_rate": fleet.hit_rate},
-    }
+                  "cached_tokens": sum(fleet.cached), "hit_rate": fleet.hit_rate}}
 
 
 def print_fleet(console: Console, fleet: Fleet, requests: list[LoggedRequest], one_server: Replay,
@@ -533,7 +532,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="llamacpp: the share of a prompt a slot must hold to be chosen (default 0.1; 0: LRU only)")
     parser.add_argument("--ctx-size", type=int, default=0, metavar="N",
                         help="llamacpp: -c, split across the slots unless --kv-unified; a prompt as long as a slot's "
-                        "share is refused (default 0: the model's training context, as llama-server)")
+                        "share is refused (default 0: the model's training context a slot, as llama-server's --fit)")
     parser.add_argument("--kv-unified", action=argparse.BooleanOptionalAction, default=None,
                         help="llamacpp: one KV cache for all slots, each may use all of -c (default: on with the "
                         "automatic --parallel, off with an explicit one, as llama-server)")
@@ -608,11 +607,13 @@ def cache_model(args: argparse.Namespace) -> CacheModel:
         if not 0 <= args.slot_prompt_similarity <= 1:
             raise ValueError(f"--slot-prompt-similarity must be between 0 and 1, got {args.slot_prompt_similarity}")
         if args.ctx_size < 0:
-            raise ValueError(f"--ctx-size must be 0 (the model's training context) or more, got {args.ctx_size}")
-        # llama-server: an automatic --parallel is 4 slots on one unified KV cache (tools/server/server.cpp)
+            raise ValueError(f"--ctx-size must be 0 (the model's training context a slot) or more, got {args.ctx_size}")
+        # llama-server: an automatic --parallel is 4 slots on one unified KV cache (tools/server/server.cpp); -c 0
+        # gives each KV stream the training context, one stream if unified (--fit, on by default: common/fit.cpp)
         kv_unified = args.parallel is None if args.kv_unified is None else args.kv_unified
-        return LlamaCpp(args.parallel or 4, args.slot_prompt_similarity, kv_unified=kv_unified,
-                        n_ctx=args.ctx_size or training_context(args.model), n_ctx_train=training_context(args.model))
+        trained, parallel = training_context(args.model), args.parallel or 4
+        return LlamaCpp(parallel, args.slot_prompt_similarity, kv_unified=kv_unified,
+                        n_ctx=args.ctx_size or trained * (1 if kv_unified else parallel), n_ctx_train=trained)
     return LIKE[args.like]
 
 
@@ -624,13 +625,12 @@ def print_memory_to_buy(console: Console, shape, args: argparse.Namespace, worki
     """The working set and the running requests' own KV in GiB for the --kv-model, and the flags."""
     m = memory_to_buy(shape, args.block_size, working_set, args.concurrency, context)
     per_block = shape.bytes_per_block(args.block_size)
-    console.print(
-        f"\n[bold]Memory to buy[/] for {shape.name} (KV in {shape.dtype}"
+    console.print(f"\n[bold]Memory to buy[/] for {shape.name} (KV in {shape.dtype}"
         f"{f', as vLLM serves its {shape.config_dtype} checkpoint' if shape.config_dtype else ''}: "
-        f"{shape.bytes_per_token() / 1024:,.0f} KiB a "
-        f"token, {per_block / 2**20:,.2f} MiB a block of {args.block_size}): the working set, {m.cache_blocks:,} "
-        f"blocks, is {m.gib(m.cache_blocks):,.2f} GiB; {m.concurrency:,} running request(s) of {m.context:,} tokens "
-        f"hold {m.gib(m.running_blocks):,.2f} GiB more: [bold]{m.gib():,.2f} GiB[/] of KV cache in all"
+        f"{shape.bytes_per_token() / 1024:,.0f} KiB a token, {per_block / 2**20:,.2f} MiB a block of {args.block_size}): "
+        f"the working set, {m.cache_blocks:,} blocks, is {m.gib(m.cache_blocks):,.2f} GiB; {m.concurrency:,} running "
+        f"request(s) of {m.context:,} tokens hold {m.gib(m.running_blocks):,.2f} GiB more: [bold]{m.gib():,.2f} GiB[/] "
+        f"of KV cache in all"
         + (". (Blocks of the default model's tokens: give --model, the deployed model's tokenizer, for its own.)"
            if args.model is None else "."))
     for server, flags in server_flags(m).items():

@@ -128,8 +128,8 @@ def agent_log(num_agents: int = 4, steps: int = 8, seed: int = 0) -> list[dict]:
 
 
 def refusal_log(seed: int = 0) -> list[dict]:
-    """A refusal between chats: A and B take the two slots of --parallel 2; a prompt of about
-    5,000 tokens (refused: a slot holds 4,096) takes A's slot, the least recently used; C
+    """A refusal between chats: A and B take the two slots of --parallel 2 -c 8192; a prompt of
+    about 5,000 tokens (refused: a slot holds 4,096) takes A's slot, the least recently used; C
     (nothing shared) then takes B's, and A again, with more, finds A where it was: a refused
     request still takes a slot and marks it used (analyzer/caching_models.py)."""
     w = Writer(seed)
@@ -166,23 +166,26 @@ def tokenized_log(name: str) -> list[array]:
 # -----------------------------------------------------------------------------
 # llama.cpp: llama-server itself
 
-TRAINED = training_context()  # -c 0, llama-server's default: the GGUF's training context
+TRAINED = training_context()  # -c 0, llama-server's default: the GGUF's training context for each KV stream
 LLAMA_CONFIGS = {  # name -> (the log, llama-server flags, the model of them)
     "defaults": ("two systems, 3 users at a time", [], LlamaCpp(n_ctx=TRAINED)),
     "--parallel 2": ("two systems, 3 users at a time", ["--parallel", "2"],
-                     LlamaCpp(parallel=2, kv_unified=False, n_ctx=TRAINED)),
+                     LlamaCpp(parallel=2, kv_unified=False, n_ctx=2 * TRAINED)),
     "--parallel 4 -sps 0.5": ("two systems, 3 users at a time", ["--parallel", "4", "-sps", "0.5"],
-                              LlamaCpp(parallel=4, slot_prompt_similarity=0.5, kv_unified=False, n_ctx=TRAINED)),
+                              LlamaCpp(parallel=4, slot_prompt_similarity=0.5, kv_unified=False, n_ctx=4 * TRAINED)),
     "--cache-ram 0": ("two systems, 3 users at a time", ["--cache-ram", "0"], LlamaCpp(n_ctx=TRAINED)),
     "--parallel 4 -c 16384": ("many users, 8 at a time", ["--parallel", "4", "-c", "16384"],
                               LlamaCpp(parallel=4, kv_unified=False, n_ctx=16384)),
     "defaults, agents": ("agents with tools, 4 at a time", [], LlamaCpp(n_ctx=TRAINED)),
     "--parallel 4, RAG": ("RAG over long documents", ["--parallel", "4"],
-                          LlamaCpp(parallel=4, kv_unified=False, n_ctx=TRAINED)),
+                          LlamaCpp(parallel=4, kv_unified=False, n_ctx=4 * TRAINED)),
+    "--parallel 4 -c 8192, RAG": ("RAG over long documents", ["--parallel", "4", "-c", "8192"],
+                                  LlamaCpp(parallel=4, kv_unified=False, n_ctx=8192)),
     "--parallel 4 --kv-unified, RAG": ("RAG over long documents", ["--parallel", "4", "--kv-unified"],
                                        LlamaCpp(parallel=4, n_ctx=TRAINED)),
-    "--parallel 2 --cache-ram 0, a refusal": ("a refusal between chats", ["--parallel", "2", "--cache-ram", "0"],
-                                              LlamaCpp(parallel=2, kv_unified=False, n_ctx=TRAINED)),
+    "--parallel 2 --cache-ram 0, a refusal": ("a refusal between chats",
+                                              ["--parallel", "2", "--cache-ram", "0", "-c", "8192"],
+                                              LlamaCpp(parallel=2, kv_unified=False, n_ctx=8192)),
     # a unified KV cache's cells: a cached prompt comes back only where it fits beside the
     # other slots' sequences; without a prompt cache, idle slots are cleared to make room
     "-c 4096, agents": ("agents with tools, 6 at a time", ["-c", "4096"], LlamaCpp(n_ctx=4096)),

@@ -285,7 +285,7 @@ def test_llamacpp_refuses_prompts_longer_than_a_slots_context():
 
 
 def test_a_refused_request_finds_nothing_and_leaves_the_hit_rate():
-    # -c 8192 (the default model's training context, -c 0) over --parallel 4: 2,048 tokens a
+    # -c 8192 (the default model's training context) over --parallel 4: 2,048 tokens a
     # slot. [1]*100, then [1]*3000 (refused: it takes a slot, computes nothing, and that slot
     # keeps its sequence), then [1]*101 finds 100 in the slot of [1]*100. The hit rate counts
     # the 201 tokens the server computed or found: 100 / 201.
@@ -451,7 +451,8 @@ def test_the_command_names_each_model_and_keeps_the_old_flag():
     args = parser.parse_args(["log.jsonl", "--like", "sglang", "--page-size", "16", "--eviction-policy", "lfu"])
     assert cache_model(args) == SGLang(16, "lfu")
     args = parser.parse_args(["log.jsonl", "--like", "llamacpp", "--parallel", "2"])
-    assert cache_model(args) == LlamaCpp(parallel=2, kv_unified=False, n_ctx=8192, n_ctx_train=8192)  # no unified KV
+    # an explicit --parallel: no unified KV, and -c 0 gives each slot's stream the training context (--fit)
+    assert cache_model(args) == LlamaCpp(parallel=2, kv_unified=False, n_ctx=16384, n_ctx_train=8192)
     assert cache_model(parser.parse_args(["log.jsonl", "--like", "llamacpp"])) == LlamaCpp(n_ctx=8192, n_ctx_train=8192)
     args = parser.parse_args(["log.jsonl", "--like", "llamacpp", "--parallel", "4", "--kv-unified", "--ctx-size", "1000"])
     assert cache_model(args) == LlamaCpp(parallel=4, kv_unified=True, n_ctx=1000, n_ctx_train=8192)
