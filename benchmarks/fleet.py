@@ -4,6 +4,7 @@ server, one request after another, under each policy.
 
     python prefix_caching.py --bench fleet                       # two logs, 3 replicas, four policies
     python prefix_caching.py --bench fleet --replicas 2 --num-blocks 300 --json out.json
+    python prefix_caching.py --bench fleet --in-flight 3 --runs 2   # with requests in flight, twice
 
 The two logs have different shapes: the multi-turn chats of lessons/data (40 users, 8 chatting
 at a time, their histories sent back each turn) and request_logs.agent (six agents' sessions,
@@ -17,23 +18,34 @@ as its CLI starts it (benchmarks/router.py), a fresh one for each policy, the re
 caches reset, its tree's eviction out of reach (--max-tree-size 2**26 characters, the
 default, far above these logs).
 
-For each request: the replica the router chose against the predicted one (compared up to a
-renaming, each numbered by its first request: the router's order of its workers is a hash
-map's), and the cached tokens that replica reported against the prediction. random and
+For each request: the replica the router chose against the predicted one (compared up to
+the renaming that agrees most, `renamed`: the router's order of its workers is a hash map's),
+and the cached tokens that replica reported against the prediction. random and
 power_of_two draw their replicas, so for them the prediction of which replica is chance; the
 replicas' cached tokens are also checked given the router's own picks (the same replay, with
 the replicas the router chose). One more column replays the prediction as if the router passed
 a chat's cache_salt on to the replica: on the agents' log, whose sessions are tenants with the
 same system prompt, that is the rule that decides whether a replica finds it cached.
+
+With --in-flight N the log is sent N requests at a time (replay_in_flight), as a busy fleet
+gets it: the router sees loads and a replica may miss a prefix its sibling request is still
+computing, which the prediction, one request after another, does not see. --runs R sends each
+log R times under each policy: how often the real router agrees with itself is the bar any
+prediction of it can be held to.
 """
 
 from __future__ import annotations
 
 import argparse
+import io
+import itertools
+import json
 import logging
 import os
 import platform
 import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from analyzer.fleet import RouterFlags, Routing, route_log
@@ -41,7 +53,8 @@ from analyzer.log_replay import LIKE, tokenize_log
 from analyzer.request_logs import Log, agent, interleave, write_log
 from analyzer.workload_analyzer import replay_fleet
 from benchmarks import save_json
-from benchmarks.router import POLICIES, ROUTER_VERSION, Fleet, replay_through_router, reset_caches, router
+from benchmarks.router import (POLICIES, ROUTER_VERSION, Fleet, FleetError, Routed, clients, replay_through_router,
+                               reset_caches, router, send)
 from commands.flags import positive_int
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,19 +62,29 @@ MULTI_TURN = ROOT / "lessons" / "data" / "multi_turn.jsonl.xz"
 POSITIONS = 8192  # the replicas' model: room for the agents' longest history
 
 
-def canonical(replicas: list[int]) -> list[int]:
-    """Replicas renamed by their first request: the same split of a log reads the same.
+def renamed(predicted: list[int], real: list[int]) -> list[int]:
+    """`real`'s replicas renamed the way that agrees with `predicted` on the most requests: the
+    router's order of its workers is a hash map's, so only the split of a log can be compared,
+    not the names (and with requests in flight, the first requests may reach it in any order).
+    Past 6 replicas (720 renamings), each real replica takes the name predicted for its first request.
 
-    >>> canonical([2, 2, 0, 1, 0])
-    [0, 0, 1, 2, 1]
+    >>> renamed([0, 0, 1, 2, 1], [2, 2, 0, 1, 1])
+    [0, 0, 1, 2, 2]
     """
-    names: dict[int, int] = {}
-    return [names.setdefault(r, len(names)) for r in replicas]
+    k = max([*predicted, *real], default=-1) + 1
+    if k > 6:
+        first: dict[int, int] = {}
+        for a, b in zip(predicted, real):
+            first.setdefault(b, a)
+        return [first[b] for b in real]
+    best = max(itertools.permutations(range(k)), key=lambda names: sum(a == names[b] for a, b in zip(predicted, real)))
+    return [best[b] for b in real]
 
 
 def compare(predicted_replicas: list[int], predicted_cached, real) -> dict:
     """Per request: the same replica (up to a renaming), the same cached tokens, both."""
-    same_replica = [a == b for a, b in zip(canonical(predicted_replicas), canonical([r.replica for r in real]))]
+    real_replicas = renamed(predicted_replicas, [r.replica for r in real])
+    same_replica = [a == b for a, b in zip(predicted_replicas, real_replicas)]
     same_cached = [int(a) == r.cached_tokens for a, r in zip(predicted_cached, real)]
     return {"requests": len(real), "same_replica": sum(same_replica), "same_cached": sum(same_cached),
             "both": sum(a and b for a, b in zip(same_replica, same_cached))}
@@ -75,8 +98,31 @@ def logs(folder: Path, conversations_at_once: int) -> dict[str, list]:
             "agent": Log.read(agent_log).requests}
 
 
+def noting(app, served: dict[int, list[int]], index: int):
+    """Replica `index`'s WSGI app, wrapped: the `seed` of each request it is sent noted as served
+    there. A greedy request's seed changes no reply, and the router passes it on (it rebuilds a
+    chat's body from its own type, which drops `user`). It reads the body and hands the app an
+    unread copy."""
+
+    def wrapped(environ, start_response):
+        length = int(environ.get("CONTENT_LENGTH") or 0)
+        if length:
+            body = environ["wsgi.input"].read(length)
+            environ["wsgi.input"] = io.BytesIO(body)
+            try:
+                seed = json.loads(body).get("seed")
+            except (ValueError, AttributeError):
+                seed = None
+            if isinstance(seed, int):
+                served.setdefault(seed, []).append(index)
+        return app(environ, start_response)
+
+    return wrapped
+
+
 def start_replicas(n: int, num_blocks: int, block_size: int, stack):
-    """n servers of this course in this process, each with its own engine and pool; their URLs."""
+    """n servers of this course in this process, each with its own engine and pool: the
+    tokenizer, their URLs, and the replicas each request's seed was sent to (noting)."""
     from engine.llm_engine import Engine
     from engine.model_files import load_tokenizer
     from engine.model_loader import random_model, tiny_llama
@@ -91,15 +137,42 @@ def start_replicas(n: int, num_blocks: int, block_size: int, stack):
     config = tiny_llama(tokenizer).config
     config.max_position_embeddings = POSITIONS
     model = random_model(config, device="cpu")
-    urls = []
-    for _ in range(n):
+    urls, served = [], {}
+    for index in range(n):
         engine = Engine(model=model, tokenizer=tokenizer, block_size=block_size, num_blocks=num_blocks,
                         free_uncached_first=True)
-        url, server = serve_in_background(create_app(engine, model_name="tiny-8k"))
+        app = create_app(engine, model_name="tiny-8k")
+        app.wsgi_app = noting(app.wsgi_app, served, index)
+        url, server = serve_in_background(app)
         stack.callback(engine.close)
         stack.callback(server.shutdown)
         urls.append(url)
-    return tokenizer, urls
+    return tokenizer, urls, served
+
+
+def replay_in_flight(f: Fleet, requests: list, in_flight: int, served: dict[int, list[int]],
+                     max_tokens: int = 1) -> list[Routed]:
+    """The log sent `in_flight` requests at a time, in its order: each of `in_flight` clients
+    sends the next request not yet sent as soon as its last one is answered (so a conversation's
+    next turn may leave before its last is answered, where the log holds fewer users at a time
+    than requests in flight). Who served each request is the replicas' own note of its `seed`
+    (noting): the replicas' request counts cannot tell apart requests in flight together."""
+    senders = clients(f, requests)
+    run = time.monotonic_ns() * 1000  # seeds no earlier run sent
+
+    def one(i: int) -> Routed:
+        seed = run + i
+        reply = send(senders[i], requests[i], max_tokens, seed=seed)
+        replicas = served.pop(seed, [])
+        if len(replicas) != 1:
+            raise FleetError(f"request {i} ({requests[i].where}) reached replicas {replicas}; exactly one should "
+                             f"have seen it (did the router retry it, or drop its seed?)")
+        if reply.prompt_tokens is None or reply.cached_tokens is None:
+            raise FleetError(f"request {i} ({requests[i].where}): the reply carried no usage with cached tokens")
+        return Routed(replicas[0], reply.prompt_tokens, reply.cached_tokens, reply.ttft_ms)
+
+    with ThreadPoolExecutor(in_flight) as pool:
+        return list(pool.map(one, range(len(requests))))
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -118,25 +191,38 @@ def main(argv: list[str] | None = None) -> list[dict]:
                         help="the multi-turn log's users chatting at a time (default 8)")
     parser.add_argument("--requests", type=positive_int, default=None, metavar="N",
                         help="send only the first N requests of each log")
+    parser.add_argument("--in-flight", type=positive_int, default=1, metavar="N",
+                        help="requests in flight at once, sent in the log's order (default 1: one after another, "
+                        "what the prediction assumes)")
+    parser.add_argument("--runs", type=positive_int, default=1,
+                        help="runs of each log and policy, a fresh router and empty caches each: how often the "
+                        "router agrees with itself (default 1)")
     parser.add_argument("--json", metavar="PATH", help="also write the results, every request's prediction and reply")
     args = parser.parse_args(argv)
     console = Console(width=max(Console().width, 130))
     results = []
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="fleet-") as folder, contextlib.ExitStack() as stack:
-        tokenizer, urls = start_replicas(args.replicas, args.num_blocks, args.block_size, stack)
+        tokenizer, urls, served = start_replicas(args.replicas, args.num_blocks, args.block_size, stack)
         for name, requests in logs(Path(folder), args.conversations_at_once).items():
             requests = requests[: args.requests]
             prompts = tokenize_log(requests, tokenizer)
             salts = [r.cache_salt for r in requests]
-            for policy in args.policies:
+            for policy, run in itertools.product(args.policies, range(args.runs)):
                 reset_caches(urls)
                 with router(urls, policy) as url:
-                    real = replay_through_router(Fleet(url, tuple(urls), policy), requests)
+                    fleet = Fleet(url, tuple(urls), policy)
+                    if args.in_flight == 1:
+                        real = replay_through_router(fleet, requests)
+                    else:
+                        real = replay_in_flight(fleet, requests, args.in_flight, served)
+                if run == 0:
+                    first = real
                 routing = route_log(requests, args.replicas, RouterFlags(policy))
                 # --like vllm: the replicas free hashless blocks first; the analyzer counts vLLM's null block too
                 predicted = replay_fleet(prompts, salts, routing, args.num_blocks + 1, args.block_size, LIKE["vllm"])
-                result = {"log": name, "policy": policy} | compare(routing.replica, predicted.cached, real)
+                result = {"log": name, "policy": policy, "run": run + 1} | compare(routing.replica, predicted.cached, real)
+                result["like_run_1"] = compare([r.replica for r in first], [r.cached_tokens for r in first], real)
                 given = Routing(args.replicas, policy, [r.replica for r in real], routing.match_rate,
                                 routing.keeps_salt, predictable=True)
                 on_its_picks = replay_fleet(prompts, salts, given, args.num_blocks + 1, args.block_size, LIKE["vllm"])
@@ -152,28 +238,31 @@ def main(argv: list[str] | None = None) -> list[dict]:
                                           "cached": r.cached_tokens, "prompt_tokens": r.prompt_tokens}
                                          for p, c, r in zip(routing.replica, predicted.cached, real)]
                 results.append(result)
-                console.print(f"  {name}, {policy}: {result['both']} of {result['requests']} requests alike")
+                console.print(f"  {name}, {policy}, run {run + 1}: {result['both']} of {result['requests']} requests "
+                              f"alike, {result['like_run_1']['both']} as in run 1")
     load_after = os.getloadavg()
 
+    sent = "one after another" if args.in_flight == 1 else f"{args.in_flight} in flight at a time"
     table = Table(title=f"the fleet prediction against sglang-router {ROUTER_VERSION}: {args.replicas} replicas of "
-                        f"{args.num_blocks} blocks of {args.block_size}, requests one after another",
+                        f"{args.num_blocks} blocks of {args.block_size}, requests {sent}",
                   caption="same replica: up to a renaming of the replicas; its picks: the replicas' caches replayed "
                           "with the replicas the router chose; salt kept: the prediction had the router passed a chat's "
-                          "cache_salt on")
-    for column in ("log", "policy", "requests", "same replica", "same cached", "both", "cached, its picks",
-                   "both, salt kept", "hit rate: predicted", "real"):
+                          "cache_salt on; as run 1: the same replica and cached tokens as the first run of that log "
+                          "and policy")
+    for column in ("log", "policy", "run", "requests", "same replica", "same cached", "both", "cached, its picks",
+                   "both, salt kept", "hit rate: predicted", "real", "both as run 1"):
         table.add_column(column, justify="right", no_wrap=column == "log")
     for r in results:
         n = r["requests"]
-        table.add_row(r["log"], r["policy"], str(n), f"{r['same_replica'] / n:.0%}", f"{r['same_cached'] / n:.0%}",
-                      f"{r['both'] / n:.0%}", f"{r['same_cached_on_its_picks'] / n:.0%}",
+        table.add_row(r["log"], r["policy"], str(r["run"]), str(n), f"{r['same_replica'] / n:.0%}",
+                      f"{r['same_cached'] / n:.0%}", f"{r['both'] / n:.0%}", f"{r['same_cached_on_its_picks'] / n:.0%}",
                       f"{r['same_cached_had_the_salt_arrived'] / n:.0%}", f"{r['hit_rate']['predicted']:.1%}",
-                      f"{r['hit_rate']['real']:.1%}")
+                      f"{r['hit_rate']['real']:.1%}", "" if r["run"] == 1 else f"{r['like_run_1']['both'] / n:.0%}")
     console.print(table)
     console.print(f"load average (1 min) before {load_before[0]:.2f}, after {load_after[0]:.2f}; "
                   f"{platform.machine()}, {os.cpu_count()} cores")
     save_json(args.json, {"router": ROUTER_VERSION, "replicas": args.replicas, "num_blocks": args.num_blocks,
-                          "block_size": args.block_size, "runs": results}, console)
+                          "block_size": args.block_size, "in_flight": args.in_flight, "runs": results}, console)
     return results
 
 

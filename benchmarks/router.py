@@ -459,13 +459,13 @@ def clients(f: Fleet, requests: Sequence[LoggedRequest]) -> list[OpenAIServer]:
     return [students[keys[r.cache_salt]] for r in requests]
 
 
-def send(server: OpenAIServer, request: LoggedRequest, max_tokens: int):
+def send(server: OpenAIServer, request: LoggedRequest, max_tokens: int, **fields):
     """One logged request as the OpenAI API takes it: a chat, or a completion of a text or token
     ids; its cache_salt in the body unless a key stands for it (a keyed replica refuses a salt)."""
     salt = {} if request.cache_salt is None or server.api_key else {"cache_salt": request.cache_salt}
     if isinstance(request.prompt, list) and request.prompt and isinstance(request.prompt[0], dict):
-        return server.chat(request.prompt, max_tokens, **salt)
-    return server.complete(request.prompt, max_tokens, **salt)
+        return server.chat(request.prompt, max_tokens, **salt, **fields)
+    return server.complete(request.prompt, max_tokens, **salt, **fields)
 
 
 def replay_through_router(f: Fleet, requests: Sequence[LoggedRequest], max_tokens: int = 1) -> list[Routed]:

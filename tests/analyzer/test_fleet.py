@@ -291,6 +291,42 @@ def test_the_fleet_benchmark_finds_the_prediction_equal_to_the_real_router_where
     assert json.loads(out.read_text())["runs"][0]["per_request"][0]["cached"] == 0
 
 
+@pytest.mark.router
+def test_the_fleet_benchmark_sends_requests_in_flight_and_compares_runs_with_each_other(tmp_path):
+    # Three at a time through the real router, twice: every request is seen by exactly one
+    # replica (replay_in_flight raises otherwise) with its whole prompt counted, and each run
+    # after the first is compared with the first.
+    from benchmarks.fleet import main as bench
+
+    out = tmp_path / "fleet.json"
+    runs = bench(["--replicas", "2", "--policies", "cache_aware", "--requests", "9", "--num-blocks", "200",
+                  "--in-flight", "3", "--runs", "2", "--json", str(out)])
+    assert [(r["log"].split()[0], r["run"]) for r in runs] == [("multi_turn", 1), ("multi_turn", 2), ("agent", 1),
+                                                               ("agent", 2)]
+    for run in runs:
+        assert run["same_prompt_tokens"] == 9 and 0 <= run["like_run_1"]["both"] <= 9
+        assert run["run"] == 2 or run["like_run_1"]["both"] == 9  # the first run is its own reference
+    assert json.loads(out.read_text())["in_flight"] == 3
+
+
+def test_a_replica_notes_the_seed_of_each_request_and_hands_its_app_the_body_unread():
+    import io
+
+    from benchmarks.fleet import noting
+
+    bodies = []
+
+    def app(environ, start_response):
+        bodies.append(environ["wsgi.input"].read(int(environ.get("CONTENT_LENGTH") or 0)))
+        return [b""]
+
+    served: dict[int, list[int]] = {}
+    wrapped = noting(app, served, 2)
+    for body in (b'{"prompt": "Hi", "seed": 7}', b"not json", b'["a list"]', b""):
+        wrapped({"CONTENT_LENGTH": str(len(body)), "wsgi.input": io.BytesIO(body)}, None)
+    assert bodies == [b'{"prompt": "Hi", "seed": 7}', b"not json", b'["a list"]', b""] and served == {7: [2]}
+
+
 def test_the_agent_log_grows_each_sessions_history_and_gives_each_session_its_own_salt():
     from analyzer.request_logs import agent
 
