@@ -120,12 +120,13 @@ def noting(app, served: dict[int, list[int]], index: int):
     return wrapped
 
 
-def start_replicas(n: int, num_blocks: int, block_size: int, stack):
-    """n servers of this course in this process, each with its own engine and pool: the
-    tokenizer, their URLs, and the replicas each request's seed was sent to (noting)."""
+def start_replicas(n: int, num_blocks: int, block_size: int, stack, model_name: str | None = None):
+    """n servers of this course in this process, each with its own engine and pool (over the
+    2-layer random model, or `model_name`'s real one, shared): the tokenizer, their URLs, and
+    the replicas each request's seed was sent to (noting)."""
     from engine.llm_engine import Engine
     from engine.model_files import load_tokenizer
-    from engine.model_loader import random_model, tiny_llama
+    from engine.model_loader import load_model, random_model, tiny_llama
     from server import create_app
     from serving.connections import serve_in_background
 
@@ -133,15 +134,18 @@ def start_replicas(n: int, num_blocks: int, block_size: int, stack):
     # and SGLang's routes this server has not (404); a request that fails raises in the replay.
     logging.getLogger("werkzeug").setLevel(logging.CRITICAL)
     logging.getLogger("server").setLevel(logging.ERROR)
-    tokenizer = load_tokenizer()
-    config = tiny_llama(tokenizer).config
-    config.max_position_embeddings = POSITIONS
-    model = random_model(config, device="cpu")
+    if model_name is None:
+        tokenizer = load_tokenizer()
+        config = tiny_llama(tokenizer).config
+        config.max_position_embeddings = POSITIONS
+        model = random_model(config, device="cpu")
+    else:
+        model, tokenizer = load_model(None if model_name == "default" else model_name)
     urls, served = [], {}
     for index in range(n):
         engine = Engine(model=model, tokenizer=tokenizer, block_size=block_size, num_blocks=num_blocks,
                         free_uncached_first=True)
-        app = create_app(engine, model_name="tiny-8k")
+        app = create_app(engine, model_name="tiny-8k" if model_name is None else model_name)
         app.wsgi_app = noting(app.wsgi_app, served, index)
         url, server = serve_in_background(app)
         stack.callback(engine.close)
@@ -194,6 +198,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--in-flight", type=positive_int, default=1, metavar="N",
                         help="requests in flight at once, sent in the log's order (default 1: one after another, "
                         "what the prediction assumes)")
+    parser.add_argument("--model", default=None, metavar="NAME",
+                        help="replicas of a real model ('default': this course's, SmolLM2-135M) whose prefills take "
+                        "seconds on a CPU, not the 2-layer random one's milliseconds")
     parser.add_argument("--runs", type=positive_int, default=1,
                         help="runs of each log and policy, a fresh router and empty caches each: how often the "
                         "router agrees with itself (default 1)")
@@ -203,7 +210,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     results = []
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="fleet-") as folder, contextlib.ExitStack() as stack:
-        tokenizer, urls, served = start_replicas(args.replicas, args.num_blocks, args.block_size, stack)
+        tokenizer, urls, served = start_replicas(args.replicas, args.num_blocks, args.block_size, stack, args.model)
         for name, requests in logs(Path(folder), args.conversations_at_once).items():
             requests = requests[: args.requests]
             prompts = tokenize_log(requests, tokenizer)
@@ -243,8 +250,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     load_after = os.getloadavg()
 
     sent = "one after another" if args.in_flight == 1 else f"{args.in_flight} in flight at a time"
-    table = Table(title=f"the fleet prediction against sglang-router {ROUTER_VERSION}: {args.replicas} replicas of "
-                        f"{args.num_blocks} blocks of {args.block_size}, requests {sent}",
+    served_model = "a 2-layer random model" if args.model is None else args.model
+    table = Table(title=f"the fleet prediction against sglang-router {ROUTER_VERSION}: {args.replicas} replicas "
+                        f"({served_model}) of {args.num_blocks} blocks of {args.block_size}, requests {sent}",
                   caption="same replica: up to a renaming of the replicas; its picks: the replicas' caches replayed "
                           "with the replicas the router chose; salt kept: the prediction had the router passed a chat's "
                           "cache_salt on; as run 1: the same replica and cached tokens as the first run of that log "
@@ -261,7 +269,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     console.print(table)
     console.print(f"load average (1 min) before {load_before[0]:.2f}, after {load_after[0]:.2f}; "
                   f"{platform.machine()}, {os.cpu_count()} cores")
-    save_json(args.json, {"router": ROUTER_VERSION, "replicas": args.replicas, "num_blocks": args.num_blocks,
+    save_json(args.json, {"router": ROUTER_VERSION, "model": served_model, "replicas": args.replicas,
+                          "num_blocks": args.num_blocks,
                           "block_size": args.block_size, "in_flight": args.in_flight, "runs": results}, console)
     return results
 
