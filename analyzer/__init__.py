@@ -13,8 +13,9 @@ those above it (tests/project/test_layers.py checks it):
     request_logs.py       a request log read into prompts (OpenAI request bodies, ShareGPT
                           conversations), and example logs shaped like the article's workloads
     caching_models.py     three servers' prefix caches replayed request after request: vLLM's
-                          block pool (the allocator's steps, fast), SGLang's radix tree,
-                          llama.cpp's slots and prompt cache
+                          block pool (the allocator's steps, fast), SGLang's radix tree
+    llama_slots.py        the third, llama.cpp's: its slots, the KV cells they share, and its
+                          prompt cache
     kv_memory.py          the memory to buy: a model's KV shape, bytes per block as vLLM
                           counts them, the flags of vLLM, SGLang and llama.cpp
     fleet.py              a fleet behind SGLang's router (sglang-router 0.3.2): the replica it

@@ -27,6 +27,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from analyzer.llama_slots import StateBytes
+
 # -----------------------------------------------------------------------------
 # 1. The model's KV shape
 
@@ -190,15 +192,15 @@ def memory_to_buy(shape: KVShape, block_size: int, working_set: int, concurrency
 # prefixes it keeps between requests live in host memory, the prompt cache of --cache-ram MiB,
 # which counts what llama.cpp copies of a sequence: its K/V and 12 bytes a token of cell
 # (position, sequence count and id), and a header of 32 bytes and 24 a layer an entry, here
-# left to the rounding up to whole MiB (caching_models.StateBytes).
-LLAMA_CELL_BYTES = 12
+# left to the rounding up to whole MiB (llama_slots.StateBytes).
 
 
 def server_flags(m: MemoryToBuy) -> dict[str, str]:
     """One line of flags per server (with tensor parallelism, each GPU holds its share)."""
     running_tokens = m.concurrency * m.context
     cache_tokens = m.cache_blocks * m.block_size
-    cache_mib = -(-cache_tokens * (m.shape.bytes_per_token() + LLAMA_CELL_BYTES) // 2**20)
+    per_token = StateBytes.llama_cpp(m.shape.num_layers, m.shape.bytes_per_token()).per_token
+    cache_mib = -(-cache_tokens * per_token // 2**20)
     return {
         "vLLM": f"--block-size {m.block_size} --num-gpu-blocks-override {m.blocks} "
                 f"(or --kv-cache-memory-bytes {m.bytes})",

@@ -29,7 +29,8 @@ from array import array
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator, Sequence
 
-from analyzer.caching_models import ENGINE, VLLM, LlamaCpp, RadixTree, SGLang, common_prefix
+from analyzer.caching_models import ENGINE, VLLM, RadixTree, SGLang, common_prefix
+from analyzer.llama_slots import LlamaCpp
 from analyzer.request_logs import LoggedRequest, LogError
 from analyzer.vllm_requests import VllmChats, token_ids
 
@@ -350,7 +351,7 @@ def replay(prompts: list[array], salts: list[str | None], num_blocks: int, block
            *, model: CacheModel = LIKE["vllm"], watch: bool = False, hash_ids: NumberedLog | None = None) -> Replay:
     """Send the prompts one after another through a fresh cache of `num_blocks` blocks of
     `block_size` tokens: vLLM's pool, SGLang's tree of num_blocks x block_size tokens, or
-    llama.cpp's slots with a prompt cache of that many tokens (caching_models.py).
+    llama.cpp's slots with a prompt cache of that many tokens (llama_slots.py).
     `hash_ids`: the prompts' block hashes at this block size (numbered_log's file), when
     the caller has them.
 

@@ -63,9 +63,9 @@ from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, T
 from rich.table import Table
 from rich.tree import Tree
 
-from analyzer.caching_models import (EVICTION_POLICIES, RADIX_CACHE_ONLY_POLICIES, SERVER_EVICTION_POLICIES, VLLM,
-                                     LlamaCpp, SGLang)
+from analyzer.caching_models import EVICTION_POLICIES, RADIX_CACHE_ONLY_POLICIES, SERVER_EVICTION_POLICIES, VLLM, SGLang
 from analyzer.fleet import POLICIES, ROUTER_VERSION, NotRoutable, RouterFlags, Routing, route_log
+from analyzer.llama_slots import LlamaCpp
 from analyzer.kv_memory import KNOWN_MODELS, UnsupportedModel, kv_shape, memory_to_buy, server_flags
 from analyzer.log_replay import (CURVE_POINTS, FLAT, LIKE, NARROWING_STEPS, TOKENIZE_BATCH, CacheModel, Curve, Replay,
                                  TokenizedLog, hit_rate_curve, lengths_of, replay, smallest_pool, tokenized_batches)

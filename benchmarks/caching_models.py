@@ -15,7 +15,7 @@ is split over 4 slots. Three more where a unified KV cache runs short of cells: 
 on four slots, RAG coming back to six documents of about 2,500 tokens, and to six of about
 5,000 (at the defaults, two of those pass the 8,192 cells). Every request goes to the real
 thing as those token ids, max_tokens 1, one after another, and its cached tokens, or its
-refusal, are compared with what the model in analyzer/caching_models.py says. With
+refusal, are compared with what the model (analyzer/llama_slots.py) says. With
 --cache-ram N the model counts the prompt cache in bytes, as llama-server does (LLAMA_STATE).
 
 - llama-server is started here, once per configuration (LLAMA_CONFIGS: its log, its flags
@@ -76,8 +76,9 @@ from unittest import mock
 from rich.console import Console
 from rich.table import Table
 
-from analyzer.caching_models import EVICTION_POLICIES, SERVER_EVICTION_POLICIES, LlamaCpp, SGLang, StateBytes
+from analyzer.caching_models import EVICTION_POLICIES, SERVER_EVICTION_POLICIES, SGLang
 from analyzer.kv_memory import KNOWN_MODELS, kv_shape
+from analyzer.llama_slots import LlamaCpp, StateBytes
 from analyzer.log_replay import tokenize_log
 from analyzer.request_logs import Writer, interleave, rag, read_log, requests_from_record, write_log
 from analyzer.vllm_requests import VllmChats, token_ids
@@ -131,7 +132,7 @@ def refusal_log(seed: int = 0) -> list[dict]:
     """A refusal between chats: A and B take the two slots of --parallel 2 -c 8192; a prompt of
     about 5,000 tokens (refused: a slot holds 4,096) takes A's slot, the least recently used; C
     (nothing shared) then takes B's, and A again, with more, finds A where it was: a refused
-    request still takes a slot and marks it used (analyzer/caching_models.py)."""
+    request still takes a slot and marks it used (analyzer/llama_slots.py)."""
     w = Writer(seed)
     a, b, long, c = w.words(300), w.words(200), w.words(5000), w.words(100)
     return [{"model": "any", "prompt": text} for text in (a, b, long, c, a + "\nAnd then? " + w.words(10))]

@@ -1,4 +1,4 @@
-"""The three caching models of analyzer/caching_models.py, each against a hand replay of its rules:
+"""The three caching models of analyzer/caching_models.py and llama_slots.py, each against a hand replay of its rules:
 vLLM's fast replay gives what the allocator gives, SGLang's tree matches token by token (or by
 page) and evicts in its policy's order, llama.cpp's slots keep one sequence each and its
 prompt cache brings back a whole one. (Against the real servers: benchmarks/caching_models.py.)"""
@@ -14,7 +14,8 @@ import pytest
 from allocator import PrefixCachingAllocator
 from analyzer import caching_models
 from analyzer.caching_models import (ENGINE, EVICTION_POLICIES, RADIX_CACHE_ONLY_POLICIES, SERVER_EVICTION_POLICIES,
-                                     VLLM, LlamaCpp, SGLang, SlotServer, common_prefix)
+                                     VLLM, SGLang, common_prefix)
+from analyzer.llama_slots import LlamaCpp, SlotServer, StateBytes
 from analyzer.log_replay import (LIKE, BlockRuns, TokenizedLog, block_hash_ids, footprint, hit_rate_curve, replay,
                                  smallest_pool, tokenize_log)
 from analyzer.request_logs import Log, interleave
@@ -352,7 +353,7 @@ def test_the_prompt_cache_counts_what_llamacpp_copies_when_given_bytes():
     # llama.cpp's --cache-ram counts the bytes of each entry's state: 752 of headers and 23,052
     # a token for the default model (f16 K and V, 12 bytes of cell). Room for 10 tokens and one
     # header holds A of 10 alone; a second entry pushes it out. In tokens the same room holds both.
-    state = caching_models.StateBytes.llama_cpp(30, 23_040)
+    state = StateBytes.llama_cpp(30, 23_040)
     assert (state.per_token, state.per_entry) == (23_052, 752)
     room = state.of(10)
     prompts = [ids((1, 10)), ids((2, 5)), ids((1, 10))]

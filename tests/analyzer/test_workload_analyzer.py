@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from analyzer.request_logs import LogError, Writer, interleave, read_log, write_log
-from analyzer.caching_models import LlamaCpp, SGLang
+from analyzer.caching_models import SGLang
+from analyzer.llama_slots import LlamaCpp
 from analyzer.log_replay import LIKE, TokenizedLog, footprint, hit_rate_curve, replay, tokenize_log
 from analyzer.workload_analyzer import (HEAD_CHARS, MIN_GROUP, VARIABLE, StartsSeen, VariableStart, first_text,
                                         prefix_tree, variable_starts)

@@ -98,7 +98,7 @@ ALLOWED = [
     ("engine/step_budget.py", "head_dim=64), 400, 2048)", DOCTEST),
     ("engine/step_budget.py", "head_dim=1), 400, 2048)", DOCTEST),
     ("analyzer/kv_memory.py", "(2048, 1.95, 5.95)", DOCTEST + ": running blocks"),
-    ("analyzer/caching_models.py", "(2048, 1024)", DOCTEST + ": a llama-server slot's context"),
+    ("analyzer/llama_slots.py", "(2048, 1024)", DOCTEST + ": a llama-server slot's context"),
     ("docs/analyzer.md", "(slots of 2,048 tokens, prompts", SLOT),
     ("docs/analyzer.md", "where slots of 2,048 tokens", SLOT),
 ]
