@@ -121,3 +121,7 @@ def test_stage_10s_worked_example(tokenizer):
     assert (round(m.gib(m.cache_blocks), 2), round(m.gib(), 2)) == (0.77, 8.77)
     assert server_flags(m)["vLLM"] == "--block-size 16 --num-gpu-blocks-override 4490 (or --kv-cache-memory-bytes " \
                                       "9416212480)"
+    # llama.cpp's prompt cache counts 12 bytes of cell a token beside the K/V: 788.07 MiB, rounded up
+    assert "--cache-ram 789 " in server_flags(m)["llama.cpp"]
+    own = memory_to_buy(KNOWN_MODELS["Llama-3.1-8B"], 16, working_sets["llamacpp"], concurrency=16, context=4096)
+    assert "--cache-ram 933 " in server_flags(own)["llama.cpp"]  # stage 10's row for llama.cpp, its own 466 blocks
