@@ -49,11 +49,13 @@ LLAMA_CELL_BYTES = 12
 # prompt that does not fit beside the other slots while it is computed makes llama_decode
 # clear idle slots, in order, unsaved, until it does (try_clear_idle_slots).
 #
-# A slot's context. -c (0 by default: the model's training context, from its GGUF) is
-# rounded up to a multiple of 256; with a unified KV cache every slot may use all of it,
-# without one each gets an equal part, rounded up to a multiple of 256 again
+# A slot's context. -c is rounded up to a multiple of 256; with a unified KV cache every slot
+# may use all of it, without one each gets an equal part, rounded up to a multiple of 256 again
 # (src/llama-context.cpp, the llama_context constructor; the server reads it back as
 # llama_n_ctx_seq and caps it at the training context, n_ctx_slot in server-context.cpp).
+# -c 0, the default, is the training context (from the GGUF) times the KV streams, one when
+# unified: llama-server's --fit, on by default, sets it so (common/fit.cpp), and shrinks it
+# where the device's memory cannot hold it, which a replay cannot know.
 # A prompt of that many tokens or more is refused:
 # HTTP 400, "request (N tokens) exceeds the available context size (M tokens), try
 # increasing it" (server-context.cpp; context shift is off by default). The check runs in
@@ -80,7 +82,7 @@ class LlamaCpp:
     slot_prompt_similarity: float = 0.1  # -sps
     kv_unified: bool = True
     cache_idle_slots: bool = True
-    n_ctx: int | None = None  # -c; for its default, 0, the caller gives the training context; None: no limit
+    n_ctx: int | None = None  # -c; for its default, 0, the caller gives what --fit sets (above); None: no limit
     n_ctx_train: int | None = None  # the model's training context, which caps a slot's; None: no cap
 
     def kv_cells(self) -> int | None:
@@ -111,13 +113,14 @@ class LlamaCpp:
         named = ", ".join(f"{i} ({lengths[i]:,} tokens)" for i in refused[:10])
         more = f" and {len(refused) - 10:,} more" if len(refused) > 10 else ""
         share = "all of -c, the KV cache unified" if self.kv_unified else f"-c {self.n_ctx:,} over {self.parallel} slots"
+        remedy = "a larger --ctx-size, fewer --parallel slots or --kv-unified lets them in"
         if self.n_ctx_slot() < self.kv_cells():
             share = f"the model's training context, below {share}"
+            remedy = "only a model trained on a longer context lets them in"
         return (f"{len(refused):,} of {len(lengths):,} requests refused: a slot holds {self.n_ctx_slot():,} tokens "
                 f"({share}), and llama-server answers a prompt that long or longer with HTTP 400, \"request exceeds "
                 f"the available context size\". Requests {named}{more} (their place in the log, from 0). They are "
-                f"left out of the hit rate, as the server computes none of their tokens; a larger --ctx-size, fewer "
-                f"--parallel slots or --kv-unified lets them in.")
+                f"left out of the hit rate, as the server computes none of their tokens; {remedy}.")
 
     def unrestored(self, lengths: Sequence[int], unrestored: Sequence[int]) -> str:
         """What the analyzer says of the cached prompts that had no room to come back."""
@@ -240,7 +243,7 @@ class SlotServer:
                 number, tokens = found
                 room = self.room_beside(chosen)  # the restore first frees the slot's own cells (seq_rm)
                 if room is None or len(tokens) <= room:
-                    self.prompt_cache.take(number)
+                    self.prompt_cache.remove(number)
                     chosen.tokens = tokens
                 else:  # "failed to find N available cells in kv cache": the entry stays, the slot is cleared
                     chosen.tokens = array("I")
@@ -255,7 +258,8 @@ class SlotServer:
 #   load(prompt)   walk the entries in order and keep the one that beats the best so far on
 #                  both counts: more of itself kept (shared / its length, at least a quarter)
 #                  and more of the prompt covered (shared / the prompt's length); that one
-#                  leaves the cache and replaces the slot's sequence
+#                  leaves the cache and replaces the slot's sequence, if the cells hold it
+#                  (`find`, then `remove`)
 #
 # No entry starts with another (save sees to that), so every entry ends at a leaf of the
 # tree, and every node keeps the entries below it, oldest first (a dict keeps its order).
@@ -318,7 +322,7 @@ class PromptCache:
 
     def find(self, tokens: array, prompt: array) -> tuple[int, array] | None:
         """server_prompt_cache::load for a slot holding `tokens`: the entry that would replace
-        them (its number and tokens), or None. `take` takes it out once it is restored."""
+        them (its number and tokens), or None; `remove` takes it out once it is restored."""
         shared = common_prefix(tokens, prompt)
         keep_best = shared / len(tokens) if tokens else -1.0
         depths = []  # [depth, the entries that leave the path there (oldest first), the first not yet passed]
@@ -344,9 +348,6 @@ class PromptCache:
             shared, (last, best) = winner
             keep_best = shared / len(best)
         return None if best is None else (last, best)
-
-    def take(self, number: int) -> None:
-        self.remove(number)
 
     def path(self, prompt: array) -> Iterator[tuple[int, CacheNode, CacheNode | None]]:
         """(d, node, path child): the entries below `node`, but not below its child on the

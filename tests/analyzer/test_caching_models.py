@@ -346,7 +346,10 @@ def test_a_slots_context_is_at_most_the_models_training_context():
     model = LlamaCpp(n_ctx=16384, n_ctx_train=8192)
     counts = model.replay([ids((1, 8191)), ids((2, 8192))], 10**6)
     assert counts.refused.tolist() == [1] and model.kv_cells() == 16384
-    assert "a slot holds 8,192 tokens (the model's training context, below all of -c" in model.refusals([8191, 8192], [1])
+    said = model.refusals([8191, 8192], [1])
+    assert "a slot holds 8,192 tokens (the model's training context, below all of -c" in said
+    assert said.endswith("only a model trained on a longer context lets them in.")  # not a larger --ctx-size
+    assert LlamaCpp(n_ctx=4096, n_ctx_train=8192).refusals([5000], [0]).endswith("or --kv-unified lets them in.")
 
 
 def test_the_prompt_cache_counts_what_llamacpp_copies_when_given_bytes():
@@ -396,7 +399,7 @@ class EntryByEntry:
                 best, keep_best, similarity_best = i, keep, similarity
         return None if best is None else (best, self.entries[best])
 
-    def take(self, i):
+    def remove(self, i):
         del self.entries[i]
 
 
