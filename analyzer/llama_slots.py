@@ -82,8 +82,24 @@ class LlamaCpp:
     slot_prompt_similarity: float = 0.1  # -sps
     kv_unified: bool = True
     cache_idle_slots: bool = True
-    n_ctx: int | None = None  # -c; for its default, 0, the caller gives what --fit sets (above); None: no limit
+    n_ctx: int | None = None  # -c; 0, its default, is what --fit sets (above); None: no limit
     n_ctx_train: int | None = None  # the model's training context, which caps a slot's; None: no cap
+
+    def __post_init__(self) -> None:
+        if self.n_ctx == 0 and self.n_ctx_train is None:
+            raise ValueError("-c 0 is the model's training context for each KV stream: give n_ctx_train")
+
+    def ctx_size(self) -> int | None:
+        """-c as llama-server runs it: as given, or for -c 0 the training context times the KV
+        streams, one when unified (--fit).
+
+        >>> split = LlamaCpp(parallel=4, kv_unified=False, n_ctx=0, n_ctx_train=8192)
+        >>> split.ctx_size(), split.kv_cells(), LlamaCpp(n_ctx=0, n_ctx_train=8192).ctx_size()
+        (32768, 8192, 8192)
+        """
+        if self.n_ctx == 0:
+            return self.n_ctx_train * (1 if self.kv_unified else self.parallel)
+        return self.n_ctx
 
     def kv_cells(self) -> int | None:
         """The cells of one KV stream, as the llama_context constructor sizes them: all of -c
@@ -92,9 +108,9 @@ class LlamaCpp:
         >>> LlamaCpp(parallel=4, kv_unified=False, n_ctx=8192).kv_cells(), LlamaCpp(n_ctx=1000).kv_cells()
         (2048, 1024)
         """
-        if self.n_ctx is None:
+        if self.ctx_size() is None:
             return None
-        n_ctx = -(-self.n_ctx // 256) * 256
+        n_ctx = -(-self.ctx_size() // 256) * 256
         return n_ctx if self.kv_unified else -(-(n_ctx // self.parallel) // 256) * 256
 
     def n_ctx_slot(self) -> int | None:
@@ -112,7 +128,7 @@ class LlamaCpp:
         prompt's length (a TokenizedLog's `lengths`: the prompts themselves are in a file)."""
         named = ", ".join(f"{i} ({lengths[i]:,} tokens)" for i in refused[:10])
         more = f" and {len(refused) - 10:,} more" if len(refused) > 10 else ""
-        share = "all of -c, the KV cache unified" if self.kv_unified else f"-c {self.n_ctx:,} over {self.parallel} slots"
+        share = "all of -c, the KV cache unified" if self.kv_unified else f"-c {self.ctx_size():,} over {self.parallel} slots"
         remedy = "a larger --ctx-size, fewer --parallel slots or --kv-unified lets them in"
         if self.n_ctx_slot() < self.kv_cells():
             share = f"the model's training context, below {share}"

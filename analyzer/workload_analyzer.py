@@ -608,12 +608,10 @@ def cache_model(args: argparse.Namespace) -> CacheModel:
             raise ValueError(f"--slot-prompt-similarity must be between 0 and 1, got {args.slot_prompt_similarity}")
         if args.ctx_size < 0:
             raise ValueError(f"--ctx-size must be 0 (the model's training context a slot) or more, got {args.ctx_size}")
-        # llama-server: an automatic --parallel is 4 slots on one unified KV cache (tools/server/server.cpp); -c 0
-        # gives each KV stream the training context, one stream if unified (--fit, on by default: common/fit.cpp)
+        # llama-server: an automatic --parallel is 4 slots on one unified KV cache (tools/server/server.cpp)
         kv_unified = args.parallel is None if args.kv_unified is None else args.kv_unified
-        trained, parallel = training_context(args.model), args.parallel or 4
-        return LlamaCpp(parallel, args.slot_prompt_similarity, kv_unified=kv_unified,
-                        n_ctx=args.ctx_size or trained * (1 if kv_unified else parallel), n_ctx_train=trained)
+        return LlamaCpp(args.parallel or 4, args.slot_prompt_similarity, kv_unified=kv_unified, n_ctx=args.ctx_size,
+                        n_ctx_train=training_context(args.model))
     return LIKE[args.like]
 
 

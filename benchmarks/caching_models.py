@@ -56,6 +56,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import functools
 import importlib
 import importlib.abc
 import importlib.machinery
@@ -167,37 +168,37 @@ def tokenized_log(name: str) -> list[array]:
 # -----------------------------------------------------------------------------
 # llama.cpp: llama-server itself
 
-TRAINED = training_context()  # -c 0, llama-server's default: the GGUF's training context for each KV stream
+TRAINED = training_context()  # the GGUF's: -c 0, llama-server's default, is it for each KV stream
+llama = functools.partial(LlamaCpp, n_ctx_train=TRAINED)  # llama-server on the default model's GGUF
 LLAMA_CONFIGS = {  # name -> (the log, llama-server flags, the model of them)
-    "defaults": ("two systems, 3 users at a time", [], LlamaCpp(n_ctx=TRAINED)),
+    "defaults": ("two systems, 3 users at a time", [], llama(n_ctx=0)),
     "--parallel 2": ("two systems, 3 users at a time", ["--parallel", "2"],
-                     LlamaCpp(parallel=2, kv_unified=False, n_ctx=2 * TRAINED)),
+                     llama(parallel=2, kv_unified=False, n_ctx=0)),
     "--parallel 4 -sps 0.5": ("two systems, 3 users at a time", ["--parallel", "4", "-sps", "0.5"],
-                              LlamaCpp(parallel=4, slot_prompt_similarity=0.5, kv_unified=False, n_ctx=4 * TRAINED)),
-    "--cache-ram 0": ("two systems, 3 users at a time", ["--cache-ram", "0"], LlamaCpp(n_ctx=TRAINED)),
+                              llama(parallel=4, slot_prompt_similarity=0.5, kv_unified=False, n_ctx=0)),
+    "--cache-ram 0": ("two systems, 3 users at a time", ["--cache-ram", "0"], llama(n_ctx=0)),
     "--parallel 4 -c 16384": ("many users, 8 at a time", ["--parallel", "4", "-c", "16384"],
-                              LlamaCpp(parallel=4, kv_unified=False, n_ctx=16384)),
-    "defaults, agents": ("agents with tools, 4 at a time", [], LlamaCpp(n_ctx=TRAINED)),
+                              llama(parallel=4, kv_unified=False, n_ctx=16384)),
+    "defaults, agents": ("agents with tools, 4 at a time", [], llama(n_ctx=0)),
     "--parallel 4, RAG": ("RAG over long documents", ["--parallel", "4"],
-                          LlamaCpp(parallel=4, kv_unified=False, n_ctx=4 * TRAINED)),
+                          llama(parallel=4, kv_unified=False, n_ctx=0)),
     "--parallel 4 -c 8192, RAG": ("RAG over long documents", ["--parallel", "4", "-c", "8192"],
-                                  LlamaCpp(parallel=4, kv_unified=False, n_ctx=8192)),
+                                  llama(parallel=4, kv_unified=False, n_ctx=8192)),
     "--parallel 4 --kv-unified, RAG": ("RAG over long documents", ["--parallel", "4", "--kv-unified"],
-                                       LlamaCpp(parallel=4, n_ctx=TRAINED)),
-    "--parallel 2 --cache-ram 0, a refusal": ("a refusal between chats",
-                                              ["--parallel", "2", "--cache-ram", "0", "-c", "8192"],
-                                              LlamaCpp(parallel=2, kv_unified=False, n_ctx=8192)),
+                                       llama(parallel=4, n_ctx=0)),
+    "--parallel 2 --cache-ram 0, a refusal": ("a refusal between chats", ["--parallel", "2", "--cache-ram", "0", "-c",
+                                              "8192"], llama(parallel=2, kv_unified=False, n_ctx=8192)),
     # a unified KV cache's cells: a cached prompt comes back only where it fits beside the
     # other slots' sequences; without a prompt cache, idle slots are cleared to make room
-    "-c 4096, agents": ("agents with tools, 6 at a time", ["-c", "4096"], LlamaCpp(n_ctx=4096)),
-    "-c 6144, agents": ("agents with tools, 6 at a time", ["-c", "6144"], LlamaCpp(n_ctx=6144)),
-    "-c 3000, RAG": ("RAG over 6 documents", ["-c", "3000"], LlamaCpp(n_ctx=3000)),
-    "-c 3000 --cache-ram 0, RAG": ("RAG over 6 documents", ["-c", "3000", "--cache-ram", "0"], LlamaCpp(n_ctx=3000)),
-    "defaults, long RAG": ("RAG over 6 documents of about 5K tokens", [], LlamaCpp(n_ctx=TRAINED)),
+    "-c 4096, agents": ("agents with tools, 6 at a time", ["-c", "4096"], llama(n_ctx=4096)),
+    "-c 6144, agents": ("agents with tools, 6 at a time", ["-c", "6144"], llama(n_ctx=6144)),
+    "-c 3000, RAG": ("RAG over 6 documents", ["-c", "3000"], llama(n_ctx=3000)),
+    "-c 3000 --cache-ram 0, RAG": ("RAG over 6 documents", ["-c", "3000", "--cache-ram", "0"], llama(n_ctx=3000)),
+    "defaults, long RAG": ("RAG over 6 documents of about 5K tokens", [], llama(n_ctx=0)),
     # the prompt cache counted in bytes, as llama.cpp counts it (StateBytes)
-    "--cache-ram 100, agents": ("agents with tools, 6 at a time", ["--cache-ram", "100"], LlamaCpp(n_ctx=TRAINED)),
+    "--cache-ram 100, agents": ("agents with tools, 6 at a time", ["--cache-ram", "100"], llama(n_ctx=0)),
     "--cache-ram 150 -c 4096, RAG": ("RAG over 6 documents", ["--cache-ram", "150", "-c", "4096"],
-                                     LlamaCpp(n_ctx=4096)),
+                                     llama(n_ctx=4096)),
 }
 # a prompt-cache entry of the default model in llama-server: f16 K and V (its default
 # --cache-type-k and -v) in 30 layers, and the cell and header bytes beside them
@@ -334,7 +335,6 @@ def compare_llama_cpp(binary: Path, console: Console, gguf: Path | None = None,
     logs: dict[str, list[array]] = {}
     for name in names or LLAMA_CONFIGS:
         log_name, flags, model = LLAMA_CONFIGS[name]
-        model = dataclasses.replace(model, n_ctx_train=TRAINED)  # llama-server caps a slot at it
         if log_name not in logs:
             logs[log_name] = tokenized_log(log_name)
         prompts = logs[log_name]

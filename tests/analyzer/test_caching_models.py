@@ -456,8 +456,12 @@ def test_the_command_names_each_model_and_keeps_the_old_flag():
     assert cache_model(args) == SGLang(16, "lfu")
     args = parser.parse_args(["log.jsonl", "--like", "llamacpp", "--parallel", "2"])
     # an explicit --parallel: no unified KV, and -c 0 gives each slot's stream the training context (--fit)
-    assert cache_model(args) == LlamaCpp(parallel=2, kv_unified=False, n_ctx=16384, n_ctx_train=8192)
-    assert cache_model(parser.parse_args(["log.jsonl", "--like", "llamacpp"])) == LlamaCpp(n_ctx=8192, n_ctx_train=8192)
+    assert cache_model(args) == LlamaCpp(parallel=2, kv_unified=False, n_ctx=0, n_ctx_train=8192)
+    assert cache_model(args).kv_cells() == cache_model(args).n_ctx_slot() == 8192
+    defaults = cache_model(parser.parse_args(["log.jsonl", "--like", "llamacpp"]))
+    assert defaults == LlamaCpp(n_ctx=0, n_ctx_train=8192) and defaults.kv_cells() == 8192  # one stream, unified
+    with pytest.raises(ValueError, match="-c 0 is the model's training context for each KV stream"):
+        LlamaCpp(n_ctx=0)
     args = parser.parse_args(["log.jsonl", "--like", "llamacpp", "--parallel", "4", "--kv-unified", "--ctx-size", "1000"])
     assert cache_model(args) == LlamaCpp(parallel=4, kv_unified=True, n_ctx=1000, n_ctx_train=8192)
     with pytest.raises(ValueError, match="--slot-prompt-similarity must be between 0 and 1"):
