@@ -44,7 +44,6 @@ import logging
 import os
 import platform
 import tempfile
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -60,6 +59,7 @@ from commands.flags import positive_int
 ROOT = Path(__file__).resolve().parents[1]
 MULTI_TURN = ROOT / "lessons" / "data" / "multi_turn.jsonl.xz"
 POSITIONS = 8192  # the replicas' model: room for the agents' longest history
+SEEDS = itertools.count(1)  # each request's seed, by which its replica notes it (noting)
 
 
 def renamed(predicted: list[int], real: list[int]) -> list[int]:
@@ -162,10 +162,10 @@ def replay_in_flight(f: Fleet, requests: list, in_flight: int, served: dict[int,
     than requests in flight). Who served each request is the replicas' own note of its `seed`
     (noting): the replicas' request counts cannot tell apart requests in flight together."""
     senders = clients(f, requests)
-    run = time.monotonic_ns() * 1000  # seeds no earlier run sent
+    seeds = list(itertools.islice(SEEDS, len(requests)))  # none sent before in this process
 
     def one(i: int) -> Routed:
-        seed = run + i
+        seed = seeds[i]
         reply = send(senders[i], requests[i], max_tokens, seed=seed)
         replicas = served.pop(seed, [])
         if len(replicas) != 1:
