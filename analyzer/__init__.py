@@ -24,9 +24,13 @@ those above it (tests/project/test_layers.py checks it):
                           it, which --like vllm applies
     log_replay.py         a log tokenized as it streams and replayed through the allocator:
                           hit rate vs pool size, the working set
+    fleet_replay.py       a fleet's replicas replayed side by side, one request at a time or
+                          with requests in flight on one clock (--in-flight)
     workload_analyzer.py  the command: the curve and the working set reported, the prefixes
-                          behind the hits, warnings; a fleet's replicas replayed side by side
+                          behind the hits, warnings, a fleet's prediction
 
-Nothing here imports torch or the engine (tests/project/test_layers.py checks that too): a log needs
-a tokenizer (engine/model_files.py), never the weights, so the analyzer never waits for torch to load.
+Nothing here imports torch (tests/project/test_layers.py checks that too): a log needs a tokenizer
+(engine/model_files.py), never the weights, so the analyzer never waits for torch to load. Of the
+engine it reads the tokenizer's files, and fleet_replay.py runs its scheduler (engine/scheduler.py,
+pure Python over the allocator, like the allocator itself), never a model.
 """

@@ -22,7 +22,8 @@ reads its end: src/routers/http/router.rs, send_typed_request; a client that sen
 request that very moment may still find it counted). So every load is 0 here: cache_aware's
 balancing (max - min load > balance_abs_threshold and max > min x balance_rel_threshold)
 never fires, and where it picks the least loaded replica it takes the first of equals.
-Under concurrency loads differ and that changes the picks. The tree holds characters, not
+Under concurrency loads differ and that changes the picks: fleet_replay.py's
+replay_in_time keeps the loads, and the policies read them. The tree holds characters, not
 tokens: a text match the router counts is not the blocks a replica finds (a replica hashes
 tokens after the chat template, whole blocks, under a salt). The tree's eviction runs on a
 clock (--eviction-interval-secs, 60 s, trims each replica's characters to --max-tree-size,
@@ -266,16 +267,26 @@ class PowerOfTwo:
     the first on a tie. The loads are the replicas' tokens from their /get_load (polled by
     src/core/worker_manager.rs, LoadMonitor; -1 for a replica without that route, such as this
     course's server) or, where either is missing, requests in flight: equal (-1 and -1, or 0
-    and 0) one request at a time, so the first draw wins, and this is Random again."""
+    and 0) one request at a time, so the first draw wins, and this is Random again. With
+    requests in flight (fleet_replay.py keeps `loads`) the less loaded of the two wins.
+
+    >>> p = PowerOfTwo(3, random.Random(0), loads=[0, 5, 0])
+    >>> [p.route("").replica for _ in range(6)]   # never 1, the busy one
+    [2, 0, 2, 2, 2, 2]
+    """
 
     replicas: int
     rng: random.Random = field(default_factory=lambda: random.Random(0))
+    loads: list[int] = field(default_factory=list)  # requests in flight: all 0 one at a time
 
     def route(self, text: str) -> Choice:
         if self.replicas == 1:
             return Choice(0)
         first = self.rng.randrange(self.replicas)
-        self.rng.randrange(self.replicas - 1)  # the second draw, which an equal load never picks
+        second = self.rng.randrange(self.replicas - 1)  # among the others
+        second += second >= first
+        if self.loads and self.loads[second] < self.loads[first]:
+            return Choice(second)
         return Choice(first)
 
 

@@ -5,19 +5,18 @@ replays it through this course's allocator, offline, on a CPU.
 
     python allocator/prefix_caching.py --analyze LOG [--model M] [--chat-template FILE] [--block-size 16] [--num-blocks N]
         [--plot FILE.png] [--like vllm|sglang|llamacpp|engine] [--kv-model NAME|CONFIG --concurrency N --context TOKENS]
-        [--replicas N --router cache_aware|round_robin|random|power_of_two] [--json FILE]
+        [--replicas N --router cache_aware|round_robin|random|power_of_two [--in-flight N]] [--json FILE]
 
 Read request_logs.py (what a log holds), allocator/prefix_caching.py (the allocator it replays
 through) and caching_models.py (its steps in a fast form, and two other servers' caches)
-first; kv_memory.py turns the working set into GiB, fleet.py routes a log among replicas.
+first; kv_memory.py turns the working set into GiB, fleet.py routes a log among replicas and
+fleet_replay.py replays their pools, one request at a time or with requests in flight.
 log_replay.py measures (1. the log tokenized as it streams, 2. its replay through
 PrefixCachingAllocator, 3. the curve and the working set); this file reports:
 
     4. what to act on  the prefixes behind the hits (a tree), the block size, warnings (a
                        chat template that leaves the requests' tools out among them)
-    5. a fleet         --replicas N: the router's pick for each request (fleet.py), then each
-                       replica's pool replayed with the requests it got
-    6. the command     the report; with --kv-model, the memory to buy (kv_memory.py)
+    5. the command     the report; with --kv-model, the memory to buy (kv_memory.py)
 
 What the replay is, and is not. It sends the log's requests one after another, each freed
 before the next, and decodes nothing: the engine of this course, given the same requests in
@@ -64,7 +63,8 @@ from rich.table import Table
 from rich.tree import Tree
 
 from analyzer.caching_models import EVICTION_POLICIES, RADIX_CACHE_ONLY_POLICIES, SERVER_EVICTION_POLICIES, VLLM, SGLang
-from analyzer.fleet import POLICIES, ROUTER_VERSION, NotRoutable, RouterFlags, Routing, route_log
+from analyzer.fleet import POLICIES, ROUTER_VERSION, NotRoutable, RouterFlags, route_log
+from analyzer.fleet_replay import Service, fleet_json, print_fleet, replay_fleet, replay_in_time
 from analyzer.llama_slots import LlamaCpp
 from analyzer.kv_memory import KNOWN_MODELS, UnsupportedModel, kv_shape, memory_to_buy, server_flags
 from analyzer.log_replay import (CURVE_POINTS, FLAT, LIKE, NARROWING_STEPS, TOKENIZE_BATCH, CacheModel, Curve, Replay,
@@ -363,105 +363,7 @@ def sends_replies(prompt) -> bool:
 
 
 # -----------------------------------------------------------------------------
-# 5. A fleet
-#
-# The router picks a replica for every request from its text alone (fleet.py), so the picks
-# come first; then each replica's pool is replayed, as one server's, with the requests it
-# got in log order, each under the salt the replica receives (none for a chat request
-# through this router). The replicas share nothing, so the fleet's cached tokens are
-# theirs side by side.
-
-
-@dataclass
-class Fleet:
-    routing: Routing
-    replays: list[Replay]  # each replica's, over the requests it got (an empty one: 0 of 0)
-    cached: array  # the cached tokens of each request, in log order
-    prompt_tokens: array  # of each request
-
-    @property
-    def hit_rate(self) -> float:
-        total = sum(self.prompt_tokens)
-        return sum(self.cached) / total if total else 0.0
-
-
-def replay_fleet(prompts: list[array], salts: list[str | None], routing: Routing, num_blocks: int, block_size: int,
-                 model: CacheModel = LIKE["vllm"]) -> Fleet:
-    """Each replica's pool of `num_blocks` replayed with the requests routed to it.
-
-    >>> from analyzer.fleet import RouterFlags, route_log
-    >>> from analyzer.request_logs import LoggedRequest
-    >>> log = [LoggedRequest(f"line {i}", None, f"line {i}") for i in range(3)]
-    >>> prompts = [array("I", list(range(32)) + [i]) for i in range(3)]   # two shared blocks of 16, then 1 token
-    >>> routing = route_log(log, 2, RouterFlags("round_robin"))
-    >>> replay_fleet(prompts, [None] * 3, routing, num_blocks=8, block_size=16).cached.tolist()
-    [0, 0, 32]
-    """
-    cached = array("I", [0] * len(prompts))
-    replays = []
-    for replica in range(routing.replicas):
-        mine = routing.indices_of(replica)
-        if not mine:
-            replays.append(Replay(num_blocks, block_size, array("I"), 0, 0))
-            continue
-        its_salts = [salts[i] if routing.keeps_salt[i] else None for i in mine]
-        replays.append(replay([prompts[i] for i in mine], its_salts, num_blocks, block_size, model=model))
-        for i, n in zip(mine, replays[-1].cached):
-            cached[i] = n
-    return Fleet(routing, replays, cached, array("I", map(len, prompts)))
-
-
-def fleet_json(fleet: Fleet, requests: list[LoggedRequest], args: argparse.Namespace, flags: RouterFlags) -> dict:
-    """The prediction for each request and the totals, as --json writes them."""
-    return {
-        "log": str(args.log), "replicas": fleet.routing.replicas, "router": flags.policy,
-        "router_flags": {"cache_threshold": flags.cache_threshold, "balance_abs_threshold": flags.balance_abs_threshold,
-                         "balance_rel_threshold": flags.balance_rel_threshold, "max_tree_size": flags.max_tree_size},
-        "replicas_are_predicted": fleet.routing.predictable, "like": args.like,
-        "num_blocks_per_replica": fleet.replays[0].num_blocks, "block_size": fleet.replays[0].block_size,
-        "requests": [{"index": i, "where": r.where, "replica": fleet.routing.replica[i],
-                      "prompt_tokens": fleet.prompt_tokens[i], "cached_tokens": fleet.cached[i],
-                      "match_rate": fleet.routing.match_rate[i], "salt_reaches_replica": fleet.routing.keeps_salt[i]}
-                     for i, r in enumerate(requests)],
-        "per_replica": [{"replica": k, "requests": len(r.cached), "prompt_tokens": r.prompt_tokens,
-                         "cached_tokens": r.cached_tokens, "hit_rate": r.hit_rate} for k, r in enumerate(fleet.replays)],
-        "total": {"requests": len(requests), "prompt_tokens": sum(fleet.prompt_tokens),
-                  "cached_tokens": sum(fleet.cached), "hit_rate": fleet.hit_rate}}
-
-
-def print_fleet(console: Console, fleet: Fleet, requests: list[LoggedRequest], one_server: Replay,
-                flags: RouterFlags, like: str) -> None:
-    """Each replica's requests and hit rate, the fleet's, and what the prediction cannot see."""
-    routing = fleet.routing
-    table = Table("replica", "requests", "prompt tokens", "cached tokens", "hit rate",
-                  title=f"{routing.replicas} replicas ({MODEL_NAMES[like]}, {fleet.replays[0].num_blocks:,} blocks each) "
-                  f"behind sglang-router's {flags.policy}")
-    for k, r in enumerate(fleet.replays):
-        table.add_row(str(k), f"{len(r.cached):,}", f"{r.prompt_tokens:,}", f"{r.cached_tokens:,}", f"{r.hit_rate:.1%}")
-    table.add_row("[bold]fleet[/]", f"{len(requests):,}", f"{sum(fleet.prompt_tokens):,}", f"{sum(fleet.cached):,}",
-                  f"[bold]{fleet.hit_rate:.1%}[/]")
-    console.print(table)
-    console.print(f"One server with one such pool: {one_server.hit_rate:.1%}. Replicas are numbered in the router's "
-                  f"order of its workers, which a real router draws at start: compare them up to a renaming.")
-    if flags.policy == "cache_aware":
-        console.print("[yellow]note:[/] one request at a time no replica is busy, so cache_aware sends every request "
-                      "that matches little to the first replica, and the rest follow their text there (fleet.py); "
-                      "under concurrency such requests go to idle replicas instead, which this replay cannot see.")
-    if not routing.predictable:
-        console.print(f"[yellow]note:[/] {flags.policy} draws its replicas at random (fleet.py): how many requests each "
-                      f"gets is predicted, not which; the hit rates are one draw's (--router-seed).")
-    dropped = sum(1 for r, keeps in zip(requests, routing.keeps_salt) if r.cache_salt is not None and not keeps)
-    if dropped:
-        console.print(f"[yellow]warning:[/] {dropped:,} chat requests carry a cache_salt that sglang-router {ROUTER_VERSION} drops "
-                      f"(its chat request type has no such field): their replicas share those prefixes across tenants.")
-    if routing.over_tree_size is not None:
-        console.print(f"[yellow]warning:[/] after request {routing.over_tree_size:,} a replica's text in the router's tree "
-                      f"passes --max-tree-size {flags.max_tree_size:,} characters: the router evicts on a clock, which "
-                      f"a replay has not, so its picks from there on are approximate.")
-
-
-# -----------------------------------------------------------------------------
-# 6. The command
+# 5. The command
 
 
 def plot_curve(curve: Curve, path: Path, title: str) -> None:
@@ -573,6 +475,21 @@ def build_parser() -> argparse.ArgumentParser:
                        help="random, power_of_two: the seed of the draws (the router's own cannot be known)")
     fleet.add_argument("--json", type=Path, default=None, metavar="FILE",
                        help="with --replicas: write each request's replica and cached tokens, and the totals, to FILE")
+    service = Service()
+    fleet.add_argument("--in-flight", type=positive_int, default=1, metavar="N",
+                       help="with --replicas: N clients, each sending the next request when its last is answered, the "
+                       "replicas stepping in time (fleet_replay.py; --like vllm or engine). Default 1: one at a time")
+    fleet.add_argument("--max-num-batched-tokens", type=positive_int, default=service.max_num_batched_tokens,
+                       metavar="N", help=f"with --in-flight: a replica's tokens a step (default "
+                       f"{service.max_num_batched_tokens}, vllm serve's below 70 GiB of GPU; its requests a step at most "
+                       f"{service.max_num_seqs}, or N if fewer)")
+    fleet.add_argument("--step-ms", type=float, default=service.step_ms, metavar="MS",
+                       help=f"with --in-flight: a step's fixed cost (default {service.step_ms:g} ms)")
+    fleet.add_argument("--token-ms", type=float, default=service.token_ms, metavar="MS",
+                       help=f"with --in-flight: a step's cost a token it computes (default {service.token_ms:g} ms)")
+    fleet.add_argument("--gap-ms", type=float, default=service.gap_ms, metavar="MS",
+                       help=f"with --in-flight: from a reply to the client's next request at a replica (default "
+                       f"{service.gap_ms:g} ms)")
     return parser
 
 
@@ -643,10 +560,15 @@ def main(argv: list[str] | None = None, console: Console | None = None) -> Summa
         shape = kv_shape(args.kv_model, args.kv_dtype) if args.kv_model else None
         flags = RouterFlags(args.router, args.cache_threshold, args.balance_abs_threshold, args.balance_rel_threshold,
                             args.max_tree_size, args.router_seed)
+        args.service = Service(args.max_num_batched_tokens, min(Service.max_num_seqs, args.max_num_batched_tokens),
+                               args.step_ms, args.token_ms, args.gap_ms)
     except (ValueError, OSError, UnsupportedModel) as err:
         parser.error(str(err))
     if args.json is not None and args.replicas is None:
         parser.error("--json writes a fleet's prediction: give --replicas N too")
+    if args.in_flight > 1 and (args.replicas is None or args.like not in ("vllm", "engine")):
+        parser.error("--in-flight N replays a fleet in time: give --replicas N, with --like vllm or engine (the other "
+                     "servers' schedulers are not modelled)")
     console = console or Console()
     start = time.perf_counter()
     try:
@@ -779,10 +701,16 @@ def analyse(args, parser, model: CacheModel, shape, flags: RouterFlags, tokenize
             routing = route_log(read.requests, args.replicas, flags)
         except NotRoutable as err:
             parser.error(str(err))
-        fleet = replay_fleet(list(prompts), salts, routing, studied_size, args.block_size, model)
-        print_fleet(console, fleet, read.requests, studied, flags, args.like)
+        timeline = None
+        if args.in_flight == 1:
+            fleet = replay_fleet(list(prompts), salts, routing, studied_size, args.block_size, model)
+        else:
+            fleet, timeline = replay_in_time(read.requests, prompts, salts, args.replicas, flags, studied_size,
+                                             args.block_size, args.in_flight, args.service, model)
+        print_fleet(console, fleet, read.requests, studied, flags, MODEL_NAMES[args.like])
         if args.json is not None:
-            args.json.write_text(json.dumps(fleet_json(fleet, read.requests, args, flags), indent=1))
+            written = fleet_json(fleet, read.requests, args, flags, timeline, args.service)
+            args.json.write_text(json.dumps(written, indent=1))
             console.print(f"wrote {args.json}")
 
     notes = read.log.notes() + read.tools.notes(len(prompts)) + warnings(read.starts, tokenizer, curve, studied,

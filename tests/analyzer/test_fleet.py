@@ -18,7 +18,8 @@ from analyzer.fleet import (
 )
 from analyzer.request_logs import LoggedRequest, write_log
 from analyzer.log_replay import LIKE
-from analyzer.workload_analyzer import main, replay_fleet
+from analyzer.fleet_replay import replay_fleet
+from analyzer.workload_analyzer import main
 from helpers import StubWorker
 
 

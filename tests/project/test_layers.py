@@ -29,7 +29,7 @@ ORDER = [
     "engine.batch_engine", "engine.engine_loop", "engine.llm_engine",
     "commands.flags", "commands.walkthrough", "commands.model_flags", "commands.demo",
     "analyzer.request_logs", "analyzer.caching_models", "analyzer.llama_slots", "analyzer.kv_memory", "analyzer.fleet", "analyzer.vllm_requests",
-    "analyzer.log_replay", "analyzer.workload_analyzer",
+    "analyzer.log_replay", "analyzer.fleet_replay", "analyzer.workload_analyzer",
     "serving.requests", "serving.views", "serving.connections", "serving.routes",
     "server", "prefix_caching",
 ]
