@@ -3,7 +3,7 @@ The workload analyzer: how much would prefix caching save on your own traffic, a
 must the pool be? A request log read, tokenized and replayed through the allocator, offline,
 on a CPU, without torch:
 
-    python allocator/prefix_caching.py --analyze LOG        (allocator/prefix_caching.py calls workload_analyzer.main)
+    python prefix_caching.py --analyze LOG        prefix_caching.py calls workload_analyzer.main
     python -m analyzer.request_logs --out DIR     the example logs of lessons/data/
 
 Read allocator/prefix_caching.py (the allocator it replays through) and engine/prompts.py (what a prompt may

@@ -3,7 +3,7 @@ The workload analyzer: how much would prefix caching save on your own traffic, a
 must the pool be? It reads a request log, tokenizes it with the model's tokenizer and
 replays it through this course's allocator, offline, on a CPU.
 
-    python allocator/prefix_caching.py --analyze LOG [--model M] [--chat-template FILE] [--block-size 16] [--num-blocks N]
+    python prefix_caching.py --analyze LOG [--model M] [--chat-template FILE] [--block-size 16] [--num-blocks N]
         [--plot FILE.png] [--like vllm|sglang|llamacpp|engine] [--kv-model NAME|CONFIG --concurrency N --context TOKENS]
         [--replicas N --router cache_aware|round_robin|random|power_of_two [--in-flight N]] [--json FILE]
 
@@ -391,7 +391,7 @@ def plot_curve(curve: Curve, path: Path, title: str) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="allocator/prefix_caching.py --analyze", description="Replay a request log through the allocator: hit rate and "
+        prog="prefix_caching.py --analyze", description="Replay a request log through the allocator: hit rate and "
         "prefill saved vs pool size, the working set, the prefixes behind the hits, warnings.")
     add_log_arguments(parser)
     parser.add_argument("--model", default=None,
