@@ -28,29 +28,39 @@ a chat's cache_salt on to the replica: on the agents' log, whose sessions are te
 same system prompt, that is the rule that decides whether a replica finds it cached.
 
 With --in-flight N the log is sent N requests at a time (replay_in_flight), as a busy fleet
-gets it: the router sees loads and a replica may miss a prefix its sibling request is still
-computing, which the prediction, one request after another, does not see. --runs R sends each
-log R times under each policy: how often the real router agrees with itself is the bar any
-prediction of it can be held to.
+gets it: the router sees loads and a replica's steps interleave its requests' chunks, which
+the prediction one request after another does not see, and the prediction in time
+(analyzer/fleet_replay.py, replay_in_time) does: N clients, the router's loads, each replica's
+scheduler with a fixed budget of --max-num-batched-tokens a step (the replicas get the same
+budget, not the time-based one a server of this course starts with, so the chunks are the
+prediction's to know), its steps timed by a cost model measured before the runs on one
+replica's engine (a step of 16 and of 512 tokens: its fixed cost and its cost a token) and
+the gap of a request through the router (measured_service). --runs R sends each log R times
+under each policy: how often the real router agrees with itself is the bar any prediction
+of it can be held to.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import io
 import itertools
 import json
 import logging
 import os
 import platform
+import random
+import statistics
 import tempfile
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from analyzer.fleet import RouterFlags, Routing, route_log
 from analyzer.log_replay import LIKE, tokenize_log
 from analyzer.request_logs import Log, agent, interleave, write_log
-from analyzer.workload_analyzer import replay_fleet
+from analyzer.fleet_replay import VLLM_SERVE_BUDGET, Service, replay_fleet, replay_in_time
 from benchmarks import save_json
 from benchmarks.router import (POLICIES, ROUTER_VERSION, Fleet, FleetError, Routed, clients, replay_through_router,
                                reset_caches, router, send)
@@ -120,10 +130,12 @@ def noting(app, served: dict[int, list[int]], index: int):
     return wrapped
 
 
-def start_replicas(n: int, num_blocks: int, block_size: int, stack, model_name: str | None = None):
+def start_replicas(n: int, num_blocks: int, block_size: int, stack, model_name: str | None = None,
+                   max_num_batched_tokens: int = VLLM_SERVE_BUDGET):
     """n servers of this course in this process, each with its own engine and pool (over the
-    2-layer random model, or `model_name`'s real one, shared): the tokenizer, their URLs, and
-    the replicas each request's seed was sent to (noting)."""
+    2-layer random model, or `model_name`'s real one, shared) and a fixed budget of
+    `max_num_batched_tokens` a step: the tokenizer, their URLs, the replicas each request's
+    seed was sent to (noting), and the engines."""
     from engine.llm_engine import Engine
     from engine.model_files import load_tokenizer
     from engine.model_loader import load_model, random_model, tiny_llama
@@ -141,17 +153,51 @@ def start_replicas(n: int, num_blocks: int, block_size: int, stack, model_name: 
         model = random_model(config, device="cpu")
     else:
         model, tokenizer = load_model(None if model_name == "default" else model_name)
-    urls, served = [], {}
+    urls, served, engines = [], {}, []
     for index in range(n):
         engine = Engine(model=model, tokenizer=tokenizer, block_size=block_size, num_blocks=num_blocks,
-                        free_uncached_first=True)
+                        free_uncached_first=True, max_num_batched_tokens=max_num_batched_tokens)
+        engines.append(engine)
         app = create_app(engine, model_name="tiny-8k" if model_name is None else model_name)
         app.wsgi_app = noting(app.wsgi_app, served, index)
         url, server = serve_in_background(app)
         stack.callback(engine.close)
         stack.callback(server.shutdown)
         urls.append(url)
-    return tokenizer, urls, served
+    return tokenizer, urls, served, engines
+
+
+def measured_service(engine, urls: list[str], max_num_batched_tokens: int, reps: int = 3) -> Service:
+    """The prediction's cost model, measured on this fleet before its runs: one replica's
+    engine timed on prompts of 16 and 512 new random tokens, one step each (the fastest of
+    `reps`), gives a step's fixed cost and its cost a token; a 16-token request through a
+    router of its own (a short text of random words), at the client, less that step, gives the gap. The caches are reset
+    after."""
+    rng = random.Random(0)
+
+    def step_ms(n: int) -> float:
+        times = []
+        for _ in range(reps):
+            prompt = [rng.randrange(1000, 30_000) for _ in range(n)]
+            start = time.perf_counter()
+            engine.generate(prompt, max_tokens=1)
+            times.append((time.perf_counter() - start) * 1e3)
+        return min(times)
+
+    short, long = step_ms(16), step_ms(512)
+    token_ms = max(0.0, (long - short) / (512 - 16))
+    fixed_ms = max(0.001, short - 16 * token_ms)
+    with router(urls, "round_robin") as url:
+        client = clients(Fleet(url, tuple(urls), "round_robin"), [None])[0]
+        trips = []
+        for _ in range(2 * reps + 1):
+            prompt = " ".join(f"w{rng.randrange(10**6)}" for _ in range(4))  # text: the router takes no token ids
+            start = time.perf_counter()
+            client.complete(prompt, 1)
+            trips.append((time.perf_counter() - start) * 1e3)
+    reset_caches(urls)
+    return Service(max_num_batched_tokens, engine.config.max_num_seqs, fixed_ms, token_ms,
+                   max(0.0, statistics.median(trips) - short))
 
 
 def replay_in_flight(f: Fleet, requests: list, in_flight: int, served: dict[int, list[int]],
@@ -201,6 +247,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--model", default=None, metavar="NAME",
                         help="replicas of a real model ('default': this course's, SmolLM2-135M) whose prefills take "
                         "seconds on a CPU, not the 2-layer random one's milliseconds")
+    parser.add_argument("--max-num-batched-tokens", type=positive_int, default=VLLM_SERVE_BUDGET, metavar="N",
+                        help=f"each replica's fixed budget a step, and the prediction's in time (default "
+                        f"{VLLM_SERVE_BUDGET}, vllm serve's below 70 GiB of GPU)")
     parser.add_argument("--runs", type=positive_int, default=1,
                         help="runs of each log and policy, a fresh router and empty caches each: how often the "
                         "router agrees with itself (default 1)")
@@ -210,7 +259,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     results = []
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="fleet-") as folder, contextlib.ExitStack() as stack:
-        tokenizer, urls, served = start_replicas(args.replicas, args.num_blocks, args.block_size, stack, args.model)
+        tokenizer, urls, served, engines = start_replicas(args.replicas, args.num_blocks, args.block_size, stack,
+                                                          args.model, args.max_num_batched_tokens)
+        service = measured_service(engines[0], urls, args.max_num_batched_tokens) if args.in_flight > 1 else None
+        if service is not None:
+            console.print(f"the prediction in time: a step {service.step_ms:.1f} ms + {service.token_ms:.3f} ms a token, "
+                          f"a gap of {service.gap_ms:.1f} ms through the router (measured_service)")
         for name, requests in logs(Path(folder), args.conversations_at_once).items():
             requests = requests[: args.requests]
             prompts = tokenize_log(requests, tokenizer)
@@ -230,6 +284,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 predicted = replay_fleet(prompts, salts, routing, args.num_blocks + 1, args.block_size, LIKE["vllm"])
                 result = {"log": name, "policy": policy, "run": run + 1} | compare(routing.replica, predicted.cached, real)
                 result["like_run_1"] = compare([r.replica for r in first], [r.cached_tokens for r in first], real)
+                if service is not None:
+                    if run == 0:  # the same on every run: one clock, no draw but the seeded ones
+                        in_time, _ = replay_in_time(requests, prompts, salts, args.replicas, RouterFlags(policy),
+                                                    args.num_blocks + 1, args.block_size, args.in_flight, service)
+                    result["in_time"] = compare(in_time.routing.replica, in_time.cached, real)
+                    result["hit_rate_in_time"] = round(in_time.hit_rate, 4)
                 given = Routing(args.replicas, policy, [r.replica for r in real], routing.match_rate,
                                 routing.keeps_salt, predictable=True)
                 on_its_picks = replay_fleet(prompts, salts, given, args.num_blocks + 1, args.block_size, LIKE["vllm"])
@@ -246,7 +306,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                                          for p, c, r in zip(routing.replica, predicted.cached, real)]
                 results.append(result)
                 console.print(f"  {name}, {policy}, run {run + 1}: {result['both']} of {result['requests']} requests "
-                              f"alike, {result['like_run_1']['both']} as in run 1")
+                              f"alike" + (f" ({result['in_time']['both']} in time)" if service else "")
+                              + f", {result['like_run_1']['both']} as in run 1")
     load_after = os.getloadavg()
 
     sent = "one after another" if args.in_flight == 1 else f"{args.in_flight} in flight at a time"
@@ -256,22 +317,31 @@ def main(argv: list[str] | None = None) -> list[dict]:
                   caption="same replica: up to a renaming of the replicas; its picks: the replicas' caches replayed "
                           "with the replicas the router chose; salt kept: the prediction had the router passed a chat's "
                           "cache_salt on; as run 1: the same replica and cached tokens as the first run of that log "
-                          "and policy")
-    for column in ("log", "policy", "run", "requests", "same replica", "same cached", "both", "cached, its picks",
-                   "both, salt kept", "hit rate: predicted", "real", "both as run 1"):
+                          "and policy" + ("; in time: analyzer/fleet_replay.py's replay_in_time, its step costs and gap "
+                                          "measured before the runs" if service else ""))
+    columns = ["log", "policy", "run", "requests", "same replica", "same cached", "both", "cached, its picks",
+               "both, salt kept", "hit rate: predicted", "real", "both as run 1"]
+    if service is not None:
+        columns[9:9] = ["both, in time", "hit rate: in time"]
+    for column in columns:
         table.add_column(column, justify="right", no_wrap=column == "log")
     for r in results:
         n = r["requests"]
-        table.add_row(r["log"], r["policy"], str(r["run"]), str(n), f"{r['same_replica'] / n:.0%}",
-                      f"{r['same_cached'] / n:.0%}", f"{r['both'] / n:.0%}", f"{r['same_cached_on_its_picks'] / n:.0%}",
-                      f"{r['same_cached_had_the_salt_arrived'] / n:.0%}", f"{r['hit_rate']['predicted']:.1%}",
-                      f"{r['hit_rate']['real']:.1%}", "" if r["run"] == 1 else f"{r['like_run_1']['both'] / n:.0%}")
+        row = [r["log"], r["policy"], str(r["run"]), str(n), f"{r['same_replica'] / n:.0%}",
+               f"{r['same_cached'] / n:.0%}", f"{r['both'] / n:.0%}", f"{r['same_cached_on_its_picks'] / n:.0%}",
+               f"{r['same_cached_had_the_salt_arrived'] / n:.0%}", f"{r['hit_rate']['predicted']:.1%}",
+               f"{r['hit_rate']['real']:.1%}", "" if r["run"] == 1 else f"{r['like_run_1']['both'] / n:.0%}"]
+        if service is not None:
+            row[9:9] = [f"{r['in_time']['both'] / n:.0%}", f"{r['hit_rate_in_time']:.1%}"]
+        table.add_row(*row)
     console.print(table)
     console.print(f"load average (1 min) before {load_before[0]:.2f}, after {load_after[0]:.2f}; "
                   f"{platform.machine()}, {os.cpu_count()} cores")
     save_json(args.json, {"router": ROUTER_VERSION, "model": served_model, "replicas": args.replicas,
                           "num_blocks": args.num_blocks,
-                          "block_size": args.block_size, "in_flight": args.in_flight, "runs": results}, console)
+                          "block_size": args.block_size, "in_flight": args.in_flight,
+                          "max_num_batched_tokens": args.max_num_batched_tokens,
+                          "service": None if service is None else dataclasses.asdict(service), "runs": results}, console)
     return results
 
 

@@ -307,7 +307,11 @@ def test_the_fleet_benchmark_sends_requests_in_flight_and_compares_runs_with_eac
     for run in runs:
         assert run["same_prompt_tokens"] == 9 and 0 <= run["like_run_1"]["both"] <= 9
         assert run["run"] == 2 or run["like_run_1"]["both"] == 9  # the first run is its own reference
-    assert json.loads(out.read_text())["in_flight"] == 3
+        assert 0 <= run["in_time"]["both"] <= 9 and 0 <= run["hit_rate_in_time"] <= 1  # the prediction in time
+    written = json.loads(out.read_text())
+    assert written["in_flight"] == 3
+    service = written["service"]  # measured before the runs, on this fleet
+    assert service["max_num_batched_tokens"] == 2048 and service["step_ms"] > 0 and service["gap_ms"] >= 0
 
 
 def test_a_replica_notes_the_seed_of_each_request_and_hands_its_app_the_body_unread():

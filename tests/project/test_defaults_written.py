@@ -73,11 +73,17 @@ VLLM = "vLLM's own default (get_batch_defaults in vllm/engine/arg_utils.py), tru
 MEASURED = "a measured figure (docs/measured.md), not the default"
 LESSON_FIXED = "the fixed budget stage 8's main() passes, so its counts are the same on every machine"
 DOCTEST = "a doctest's own numbers"
+FLEET_RUN = "the fixed budget of a measured --bench fleet run (the analyzer's --in-flight default, vLLM's)"
 SLOT = "llama-server's context per slot (-c 8192 over 4 slots), not our budget"
 
 # (file, a piece of one line that holds the number, why it is not the default)
 ALLOWED = [
     ("analyzer/fleet_replay.py", "budget is 2,048 tokens a step", VLLM),
+    ("docs/analyzer.md", "(2,048 by default, what `vllm serve` takes", VLLM),
+    ("docs/analyzer.md", "`--max-num-batched-tokens`,\n2,048 by default", VLLM),
+    ("docs/analyzer.md", "and of 2,048, one run", FLEET_RUN),
+    ("docs/analyzer.md", "| 2,048 | ", FLEET_RUN),
+    ("docs/analyzer.md", "At 2,048 tokens a step", FLEET_RUN),
     ("docs/measured.md", "| 2,048 | 4,529 ms |", "a prompt length in the time-to-first-token table"),
     ("docs/measured.md", "takes 2,048, or 8,192", VLLM),
     ("docs/measured.md", "on a GPU 2,048 tokens", VLLM),
