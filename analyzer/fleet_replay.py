@@ -162,11 +162,17 @@ class Timeline:
 
 def replay_in_time(requests: list[LoggedRequest], prompts, salts: list[str | None], replicas: int, flags: RouterFlags,
                    num_blocks: int, block_size: int, in_flight: int, service: Service = Service(),
-                   model: VLLM = LIKE["vllm"], max_tokens: int = 1) -> tuple[Fleet, Timeline]:
+                   model: VLLM = LIKE["vllm"], max_tokens: int = 1, keyed: bool = False,
+                   key_cost: float = 0.0) -> tuple[Fleet, Timeline]:
     """The log sent by `in_flight` clients, each sending its next request (the log's next one
     not yet sent) when its last is answered, through the router to `replicas` replicas, each
     a scheduler over a pool of `num_blocks` (vLLM's num_gpu_blocks, its null block among them
     where the model has one) stepping in time as `service` says.
+
+    keyed: a class's fleet of this course's servers (--api-keys, --salt-by-api-key), each
+    request's cache_salt standing for its client's key: the replica salts the request by the
+    key whatever the router drops, and serves each key its fair share (the Scheduler's
+    fair_share, charging `key_cost` a key attended to, as the engine's).
 
     >>> log = [LoggedRequest(f"line {i}", None, f"line {i}") for i in range(3)]
     >>> prompts = [array("I", list(range(32)) + [i]) for i in range(3)]
@@ -198,7 +204,8 @@ def replay_in_time(requests: list[LoggedRequest], prompts, salts: list[str | Non
     if isinstance(policy, (CacheAware, PowerOfTwo)):
         policy.loads = loads  # the router's count of each replica's requests in flight, kept below
     schedulers = [Scheduler(PrefixCachingAllocator(usable, block_size, free_uncached_first=model.free_uncached_first),
-                            max_num_seqs=service.max_num_seqs, max_num_batched_tokens=service.max_num_batched_tokens)
+                            max_num_seqs=service.max_num_seqs, max_num_batched_tokens=service.max_num_batched_tokens,
+                            fair_share=keyed, key_cost=key_cost)
                   for _ in range(replicas)]
     running_plan = [None] * replicas  # the plan of each replica's step in progress
     timeline = Timeline([0.0] * n, [0.0] * n, [()] * n, [0] * replicas, [0] * replicas)
@@ -217,11 +224,11 @@ def replay_in_time(requests: list[LoggedRequest], prompts, salts: list[str | Non
         choice = policy.route(routed[j].text)
         replica = choice.replica
         for i in routed[j].requests:
-            routing.replica[i], routing.match_rate[i], routing.keeps_salt[i] = (
-                choice.replica, choice.match_rate, routed[j].keeps_salt)
+            routing.replica[i], routing.match_rate[i] = choice.replica, choice.match_rate
             timeline.sent[i], timeline.loads_seen[i] = now, tuple(loads)
-            salt = salts[i] if routed[j].keeps_salt else None
-            schedulers[replica].add(Request(str(i), list(prompts[i]), salt))
+            salt = salts[i] if routed[j].keeps_salt or keyed else None
+            routing.keeps_salt[i] = routed[j].keeps_salt or keyed
+            schedulers[replica].add(Request(str(i), list(prompts[i]), salt, tenant=salts[i] if keyed else None))
         loads[replica] += 1
         left[j] = len(routed[j].requests)
         if (isinstance(policy, CacheAware) and routing.over_tree_size is None
@@ -283,10 +290,16 @@ def replay_in_time(requests: list[LoggedRequest], prompts, salts: list[str | Non
 
 # -----------------------------------------------------------------------------
 # 3. The report
+#
+# random and power_of_two draw their replicas, so a prediction is one draw's; the report adds
+# the hit rates of DRAWS draws (--router-seed 0, 1, ...): how far the draws alone move it.
+
+DRAWS = 16
 
 
 def fleet_json(fleet: Fleet, requests: list[LoggedRequest], args: argparse.Namespace, flags: RouterFlags,
-               timeline: Timeline | None = None, service: Service | None = None) -> dict:
+               timeline: Timeline | None = None, service: Service | None = None,
+               draws: list[float] | None = None) -> dict:
     """The prediction for each request and the totals, as --json writes them."""
     out = {
         "log": str(args.log), "replicas": fleet.routing.replicas, "router": flags.policy,
@@ -302,6 +315,9 @@ def fleet_json(fleet: Fleet, requests: list[LoggedRequest], args: argparse.Names
                          "cached_tokens": r.cached_tokens, "hit_rate": r.hit_rate} for k, r in enumerate(fleet.replays)],
         "total": {"requests": len(requests), "prompt_tokens": sum(fleet.prompt_tokens),
                   "cached_tokens": sum(fleet.cached), "hit_rate": fleet.hit_rate}}
+    if draws is not None:
+        out["hit_rate_over_draws"] = {"draws": len(draws), "mean": sum(draws) / len(draws), "min": min(draws),
+                                      "max": max(draws)}
     if timeline is not None:
         out["service"] = {"max_num_batched_tokens": service.max_num_batched_tokens,
                           "max_num_seqs": service.max_num_seqs, "step_ms": service.step_ms,
@@ -313,7 +329,7 @@ def fleet_json(fleet: Fleet, requests: list[LoggedRequest], args: argparse.Names
 
 
 def print_fleet(console: Console, fleet: Fleet, requests: list[LoggedRequest], one_server: Replay,
-                flags: RouterFlags, server: str) -> None:
+                flags: RouterFlags, server: str, draws: list[float] | None = None) -> None:
     """Each replica's requests and hit rate, the fleet's, and what the prediction cannot see."""
     routing = fleet.routing
     sent = "one request at a time" if fleet.in_flight == 1 else f"{fleet.in_flight} requests in flight"
@@ -340,6 +356,10 @@ def print_fleet(console: Console, fleet: Fleet, requests: list[LoggedRequest], o
     if not routing.predictable:
         console.print(f"[yellow]note:[/] {flags.policy} draws its replicas at random (fleet.py): how many requests each "
                       f"gets is predicted, not which; the hit rates are one draw's (--router-seed).")
+    if draws:
+        console.print(f"Over {len(draws)} draws (--router-seed 0 to {len(draws) - 1}) the fleet's hit rate is "
+                      f"{sum(draws) / len(draws):.1%} on average, from {min(draws):.1%} to {max(draws):.1%}, as the real "
+                      f"router's own draws move it.")
     dropped = sum(1 for r, keeps in zip(requests, routing.keeps_salt) if r.cache_salt is not None and not keeps)
     if dropped:
         console.print(f"[yellow]warning:[/] {dropped:,} chat requests carry a cache_salt that sglang-router {ROUTER_VERSION} drops "

@@ -42,6 +42,7 @@ prefixes times their blocks, plus 20 % headroom for LRU churn; here the replay m
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import heapq
 import json
@@ -64,7 +65,7 @@ from rich.tree import Tree
 
 from analyzer.caching_models import EVICTION_POLICIES, RADIX_CACHE_ONLY_POLICIES, SERVER_EVICTION_POLICIES, VLLM, SGLang
 from analyzer.fleet import POLICIES, ROUTER_VERSION, NotRoutable, RouterFlags, route_log
-from analyzer.fleet_replay import Service, fleet_json, print_fleet, replay_fleet, replay_in_time
+from analyzer.fleet_replay import DRAWS, Fleet, Service, Timeline, fleet_json, print_fleet, replay_fleet, replay_in_time
 from analyzer.llama_slots import LlamaCpp
 from analyzer.kv_memory import KNOWN_MODELS, UnsupportedModel, kv_shape, memory_to_buy, server_flags
 from analyzer.log_replay import (CURVE_POINTS, FLAT, LIKE, NARROWING_STEPS, TOKENIZE_BATCH, CacheModel, Curve, Replay,
@@ -701,15 +702,21 @@ def analyse(args, parser, model: CacheModel, shape, flags: RouterFlags, tokenize
             routing = route_log(read.requests, args.replicas, flags)
         except NotRoutable as err:
             parser.error(str(err))
-        timeline = None
-        if args.in_flight == 1:
-            fleet = replay_fleet(list(prompts), salts, routing, studied_size, args.block_size, model)
-        else:
-            fleet, timeline = replay_in_time(read.requests, prompts, salts, args.replicas, flags, studied_size,
-                                             args.block_size, args.in_flight, args.service, model)
-        print_fleet(console, fleet, read.requests, studied, flags, MODEL_NAMES[args.like])
+        held = list(prompts) if args.in_flight == 1 else prompts
+
+        def predict(flags: RouterFlags) -> tuple[Fleet, Timeline | None]:
+            if args.in_flight == 1:
+                return replay_fleet(held, salts, route_log(read.requests, args.replicas, flags), studied_size,
+                                    args.block_size, model), None
+            return replay_in_time(read.requests, prompts, salts, args.replicas, flags, studied_size, args.block_size,
+                                  args.in_flight, args.service, model)
+
+        fleet, timeline = predict(flags)
+        draws = None if routing.predictable else [
+            predict(dataclasses.replace(flags, seed=seed))[0].hit_rate for seed in range(DRAWS)]
+        print_fleet(console, fleet, read.requests, studied, flags, MODEL_NAMES[args.like], draws)
         if args.json is not None:
-            written = fleet_json(fleet, read.requests, args, flags, timeline, args.service)
+            written = fleet_json(fleet, read.requests, args, flags, timeline, args.service, draws)
             args.json.write_text(json.dumps(written, indent=1))
             console.print(f"wrote {args.json}")
 

@@ -38,6 +38,14 @@ replica's engine (a step of 16 and of 512 tokens: its fixed cost and its cost a 
 the gap of a request through the router (measured_service). --runs R sends each log R times
 under each policy: how often the real router agrees with itself is the bar any prediction
 of it can be held to.
+
+With --keys the fleet is a class's, as benchmarks/router.py serves one: each replica takes the
+students' keys (api_keys, salt_by_api_key) and the teacher's as its admin key, the router's
+control plane the teacher's, and the class's door (benchmarks/router_front.py) stands in front;
+each tenant of a log (its cache_salt, and the requests without one) sends with a student's key.
+A replica then salts every request by its key, whatever the router drops of a chat's body,
+and shares its steps fairly among the keys: both predictions replay that (every salt reaching
+its replica; in time, fair share by key).
 """
 
 from __future__ import annotations
@@ -59,11 +67,11 @@ from pathlib import Path
 
 from analyzer.fleet import RouterFlags, Routing, route_log
 from analyzer.log_replay import LIKE, tokenize_log
-from analyzer.request_logs import Log, agent, interleave, write_log
-from analyzer.fleet_replay import VLLM_SERVE_BUDGET, Service, replay_fleet, replay_in_time
+from analyzer.request_logs import Log, LoggedRequest, agent, interleave, write_log
+from analyzer.fleet_replay import DRAWS, VLLM_SERVE_BUDGET, Service, replay_fleet, replay_in_time
 from benchmarks import save_json
-from benchmarks.router import (POLICIES, ROUTER_VERSION, Fleet, FleetError, Routed, clients, replay_through_router,
-                               reset_caches, router, send)
+from benchmarks.router import (POLICIES, ROUTER_VERSION, Fleet, FleetError, Keys, Routed, clients, front,
+                               replay_through_router, reset_caches, router, send)
 from commands.flags import positive_int
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -131,14 +139,16 @@ def noting(app, served: dict[int, list[int]], index: int):
 
 
 def start_replicas(n: int, num_blocks: int, block_size: int, stack, model_name: str | None = None,
-                   max_num_batched_tokens: int = VLLM_SERVE_BUDGET):
+                   max_num_batched_tokens: int = VLLM_SERVE_BUDGET, keys: Keys | None = None):
     """n servers of this course in this process, each with its own engine and pool (over the
     2-layer random model, or `model_name`'s real one, shared) and a fixed budget of
-    `max_num_batched_tokens` a step: the tokenizer, their URLs, the replicas each request's
-    seed was sent to (noting), and the engines."""
+    `max_num_batched_tokens` a step, a class's servers under `keys`: the tokenizer, their URLs,
+    the replicas each request's seed was sent to (noting), the engines, and what fair share
+    charges a key attended to (the model's ModelShape.key_cost)."""
     from engine.llm_engine import Engine
     from engine.model_files import load_tokenizer
     from engine.model_loader import load_model, random_model, tiny_llama
+    from engine.step_budget import ModelShape
     from server import create_app
     from serving.connections import serve_in_background
 
@@ -158,16 +168,19 @@ def start_replicas(n: int, num_blocks: int, block_size: int, stack, model_name: 
         engine = Engine(model=model, tokenizer=tokenizer, block_size=block_size, num_blocks=num_blocks,
                         free_uncached_first=True, max_num_batched_tokens=max_num_batched_tokens)
         engines.append(engine)
-        app = create_app(engine, model_name="tiny-8k" if model_name is None else model_name)
+        class_server = {} if keys is None else {"salt_by_api_key": True, "api_keys": frozenset(keys.students),
+                                                "admin_key": keys.teacher}
+        app = create_app(engine, model_name="tiny-8k" if model_name is None else model_name, **class_server)
         app.wsgi_app = noting(app.wsgi_app, served, index)
         url, server = serve_in_background(app)
         stack.callback(engine.close)
         stack.callback(server.shutdown)
         urls.append(url)
-    return tokenizer, urls, served, engines
+    return tokenizer, urls, served, engines, ModelShape.of(model).key_cost
 
 
-def measured_service(engine, urls: list[str], max_num_batched_tokens: int, reps: int = 3) -> Service:
+def measured_service(engine, urls: list[str], max_num_batched_tokens: int, keys: Keys | None = None,
+                     reps: int = 3) -> Service:
     """The prediction's cost model, measured on this fleet before its runs: one replica's
     engine timed on prompts of 16 and 512 new random tokens, one step each (the fastest of
     `reps`), gives a step's fixed cost and its cost a token; a 16-token request through a
@@ -187,15 +200,15 @@ def measured_service(engine, urls: list[str], max_num_batched_tokens: int, reps:
     short, long = step_ms(16), step_ms(512)
     token_ms = max(0.0, (long - short) / (512 - 16))
     fixed_ms = max(0.001, short - 16 * token_ms)
-    with router(urls, "round_robin") as url:
-        client = clients(Fleet(url, tuple(urls), "round_robin"), [None])[0]
+    with router(urls, "round_robin", control_key=keys and keys.teacher) as url:
+        client = clients(Fleet(url, tuple(urls), "round_robin", keys), [LoggedRequest("", None, "")])[0]
         trips = []
         for _ in range(2 * reps + 1):
             prompt = " ".join(f"w{rng.randrange(10**6)}" for _ in range(4))  # text: the router takes no token ids
             start = time.perf_counter()
             client.complete(prompt, 1)
             trips.append((time.perf_counter() - start) * 1e3)
-    reset_caches(urls)
+    reset_caches(urls, keys and keys.teacher)
     return Service(max_num_batched_tokens, engine.config.max_num_seqs, fixed_ms, token_ms,
                    max(0.0, statistics.median(trips) - short))
 
@@ -250,6 +263,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--max-num-batched-tokens", type=positive_int, default=VLLM_SERVE_BUDGET, metavar="N",
                         help=f"each replica's fixed budget a step, and the prediction's in time (default "
                         f"{VLLM_SERVE_BUDGET}, vllm serve's below 70 GiB of GPU)")
+    parser.add_argument("--keys", action="store_true",
+                        help="a class's fleet: replicas with the students' keys and --salt-by-api-key, the door in front")
     parser.add_argument("--runs", type=positive_int, default=1,
                         help="runs of each log and policy, a fresh router and empty caches each: how often the "
                         "router agrees with itself (default 1)")
@@ -259,9 +274,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     results = []
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="fleet-") as folder, contextlib.ExitStack() as stack:
-        tokenizer, urls, served, engines = start_replicas(args.replicas, args.num_blocks, args.block_size, stack,
-                                                          args.model, args.max_num_batched_tokens)
-        service = measured_service(engines[0], urls, args.max_num_batched_tokens) if args.in_flight > 1 else None
+        keys = Keys.generate(8) if args.keys else None
+        tokenizer, urls, served, engines, key_cost = start_replicas(
+            args.replicas, args.num_blocks, args.block_size, stack, args.model, args.max_num_batched_tokens, keys)
+        service = measured_service(engines[0], urls, args.max_num_batched_tokens, keys) if args.in_flight > 1 else None
         if service is not None:
             console.print(f"the prediction in time: a step {service.step_ms:.1f} ms + {service.token_ms:.3f} ms a token, "
                           f"a gap of {service.gap_ms:.1f} ms through the router (measured_service)")
@@ -270,9 +286,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
             prompts = tokenize_log(requests, tokenizer)
             salts = [r.cache_salt for r in requests]
             for policy, run in itertools.product(args.policies, range(args.runs)):
-                reset_caches(urls)
-                with router(urls, policy) as url:
-                    fleet = Fleet(url, tuple(urls), policy)
+                reset_caches(urls, keys and keys.teacher)
+                with contextlib.ExitStack() as fronted:
+                    url = fronted.enter_context(router(urls, policy, control_key=keys and keys.teacher))
+                    door = url if keys is None else fronted.enter_context(front(url, keys))
+                    fleet = Fleet(door, tuple(urls), policy, keys, url)
                     if args.in_flight == 1:
                         real = replay_through_router(fleet, requests)
                     else:
@@ -280,16 +298,26 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 if run == 0:
                     first = real
                 routing = route_log(requests, args.replicas, RouterFlags(policy))
+                if keys is not None:  # every request salted by its key at its replica
+                    routing.keeps_salt = [True] * len(requests)
                 # --like vllm: the replicas free hashless blocks first; the analyzer counts vLLM's null block too
                 predicted = replay_fleet(prompts, salts, routing, args.num_blocks + 1, args.block_size, LIKE["vllm"])
                 result = {"log": name, "policy": policy, "run": run + 1} | compare(routing.replica, predicted.cached, real)
                 result["like_run_1"] = compare([r.replica for r in first], [r.cached_tokens for r in first], real)
                 if service is not None:
                     if run == 0:  # the same on every run: one clock, no draw but the seeded ones
-                        in_time, _ = replay_in_time(requests, prompts, salts, args.replicas, RouterFlags(policy),
-                                                    args.num_blocks + 1, args.block_size, args.in_flight, service)
+                        def in_time_with(seed: int):
+                            return replay_in_time(requests, prompts, salts, args.replicas, RouterFlags(policy, seed=seed),
+                                                  args.num_blocks + 1, args.block_size, args.in_flight, service,
+                                                  keyed=keys is not None, key_cost=key_cost)[0]
+
+                        in_time = in_time_with(0)
+                        # a router that draws: the mean of DRAWS draws, as the analyzer reports it beside one
+                        rates = [in_time.hit_rate] if routing.predictable else [
+                            in_time_with(seed).hit_rate for seed in range(DRAWS)]
                     result["in_time"] = compare(in_time.routing.replica, in_time.cached, real)
-                    result["hit_rate_in_time"] = round(in_time.hit_rate, 4)
+                    result["hit_rate_in_time"] = round(sum(rates) / len(rates), 4)
+                    result["hit_rate_in_time_range"] = [round(min(rates), 4), round(max(rates), 4)]
                 given = Routing(args.replicas, policy, [r.replica for r in real], routing.match_rate,
                                 routing.keeps_salt, predictable=True)
                 on_its_picks = replay_fleet(prompts, salts, given, args.num_blocks + 1, args.block_size, LIKE["vllm"])
@@ -311,14 +339,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
     load_after = os.getloadavg()
 
     sent = "one after another" if args.in_flight == 1 else f"{args.in_flight} in flight at a time"
-    served_model = "a 2-layer random model" if args.model is None else args.model
+    served_model = ("a 2-layer random model" if args.model is None else args.model) + (", keyed" if args.keys else "")
     table = Table(title=f"the fleet prediction against sglang-router {ROUTER_VERSION}: {args.replicas} replicas "
                         f"({served_model}) of {args.num_blocks} blocks of {args.block_size}, requests {sent}",
                   caption="same replica: up to a renaming of the replicas; its picks: the replicas' caches replayed "
                           "with the replicas the router chose; salt kept: the prediction had the router passed a chat's "
                           "cache_salt on; as run 1: the same replica and cached tokens as the first run of that log "
                           "and policy" + ("; in time: analyzer/fleet_replay.py's replay_in_time, its step costs and gap "
-                                          "measured before the runs" if service else ""))
+                                          f"measured before the runs, its hit rate for random and power_of_two the mean "
+                                          f"of {DRAWS} draws" if service else ""))
     columns = ["log", "policy", "run", "requests", "same replica", "same cached", "both", "cached, its picks",
                "both, salt kept", "hit rate: predicted", "real", "both as run 1"]
     if service is not None:
@@ -340,7 +369,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     save_json(args.json, {"router": ROUTER_VERSION, "model": served_model, "replicas": args.replicas,
                           "num_blocks": args.num_blocks,
                           "block_size": args.block_size, "in_flight": args.in_flight,
-                          "max_num_batched_tokens": args.max_num_batched_tokens,
+                          "max_num_batched_tokens": args.max_num_batched_tokens, "keys": args.keys,
                           "service": None if service is None else dataclasses.asdict(service), "runs": results}, console)
     return results
 

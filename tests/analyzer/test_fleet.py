@@ -314,6 +314,21 @@ def test_the_fleet_benchmark_sends_requests_in_flight_and_compares_runs_with_eac
     assert service["max_num_batched_tokens"] == 2048 and service["step_ms"] > 0 and service["gap_ms"] >= 0
 
 
+@pytest.mark.router
+def test_the_fleet_benchmark_runs_a_class_fleet_with_keys(tmp_path):
+    # Keyed replicas behind the router and the class's door: each tenant sends with a student's
+    # key, the in-flight replay traces every request, and the predictions salt every request.
+    from benchmarks.fleet import main as bench
+
+    out = tmp_path / "fleet.json"
+    runs = bench(["--replicas", "2", "--policies", "cache_aware", "--requests", "6", "--num-blocks", "200",
+                  "--in-flight", "2", "--keys", "--json", str(out)])
+    assert len(runs) == 2 and all(run["same_prompt_tokens"] == 6 and 0 <= run["in_time"]["both"] <= 6 for run in runs)
+    agent = runs[1]  # six agents, each its own tenant: none shares a cached block with another's
+    assert agent["log"] == "agent" and all(r["cached"] == 0 for r in agent["per_request"][:2])
+    assert json.loads(out.read_text())["keys"] is True
+
+
 def test_a_replica_notes_the_seed_of_each_request_and_hands_its_app_the_body_unread():
     import io
 

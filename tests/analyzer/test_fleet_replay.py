@@ -78,6 +78,19 @@ def test_requests_in_flight_share_a_replicas_steps_and_leave_its_pool_whole():
     assert fleet.hit_rate > 0
 
 
+def test_on_a_keyed_fleet_every_salt_reaches_its_replica_which_the_router_drops_from_a_chat():
+    """Two tenants' chats with one system prompt on one replica: through the router a chat's
+    cache_salt is dropped, so the second hits the first's blocks; on a class's fleet each is
+    salted by its key at the replica, and nothing is shared."""
+    log = [LoggedRequest([{"role": "user", "content": "same"}], tenant, f"line {i + 1}")
+           for i, tenant in enumerate(["student-a", "student-b"])]
+    prompts = [array("I", list(range(32)) + [i]) for i in range(2)]
+    open_fleet, _ = replay_in_time(log, prompts, ["student-a", "student-b"], 1, RouterFlags(), 16, 16, 1)
+    keyed, _ = replay_in_time(log, prompts, ["student-a", "student-b"], 1, RouterFlags(), 16, 16, 1, keyed=True)
+    assert open_fleet.cached.tolist() == [0, 32] and open_fleet.routing.keeps_salt == [False, False]
+    assert keyed.cached.tolist() == [0, 0] and keyed.routing.keeps_salt == [True, True]
+
+
 def test_bad_arguments_are_refused_before_anything_runs():
     log, prompts = [LoggedRequest("a b", None, "line 1")], [array("I", range(40))]
     with pytest.raises(ValueError, match="usable blocks"):
@@ -122,3 +135,19 @@ def test_the_command_refuses_a_fleet_in_time_it_cannot_replay(tmp_path, capsys, 
     with pytest.raises(SystemExit):
         main([str(log), *argv])
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("in_flight", ["1", "3"])
+def test_a_router_that_draws_gets_the_hit_rates_of_many_draws_beside_one(tmp_path, capsys, in_flight):
+    log = tmp_path / "chats.jsonl"
+    write_log(log, [{"messages": [{"role": "system", "content": f"You are tutor {i % 3}. " * 20},
+                                  {"role": "user", "content": f"Question number {i}?"}]} for i in range(12)])
+    out = tmp_path / "fleet.json"
+    main([str(log), "--replicas", "3", "--router", "random", "--num-blocks", "64", "--in-flight", in_flight,
+          "--json", str(out)])
+    assert "Over 16 draws (--router-seed 0 to 15)" in capsys.readouterr().out
+    over = json.loads(out.read_text())["hit_rate_over_draws"]
+    assert over["draws"] == 16 and over["min"] <= over["mean"] <= over["max"] and over["min"] < over["max"]
+    main([str(log), "--replicas", "3", "--router", "round_robin", "--num-blocks", "64", "--in-flight", in_flight,
+          "--json", str(out)])
+    assert "Over 16 draws" not in capsys.readouterr().out and "hit_rate_over_draws" not in json.loads(out.read_text())
