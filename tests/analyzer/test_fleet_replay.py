@@ -10,7 +10,7 @@ from array import array
 import pytest
 
 from analyzer.fleet import POLICIES, RouterFlags, route_log
-from analyzer.fleet_replay import Service, replay_fleet, replay_in_time
+from analyzer.fleet_replay import TRUST, Service, replay_fleet, replay_in_time
 from analyzer.log_replay import LIKE
 from analyzer.request_logs import LoggedRequest, write_log
 from analyzer.workload_analyzer import main
@@ -122,6 +122,8 @@ def test_the_command_replays_a_fleet_in_time_and_writes_what_it_assumed(tmp_path
     assert [r["loads_seen"] for r in written["requests"][:2]] == [[0, 0], [1, 0]]
     assert [r["replica"] for r in written["requests"]] == [0, 1] * 3  # the second found replica 0 busy
     assert written["total"]["cached_tokens"] == sum(r["cached_tokens"] for r in written["requests"]) > 0
+    assert written["trust"]["measured"] == TRUST["cache_aware", True]
+    assert TRUST["cache_aware", True] in " ".join(printed.split())
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -151,3 +153,13 @@ def test_a_router_that_draws_gets_the_hit_rates_of_many_draws_beside_one(tmp_pat
     main([str(log), "--replicas", "3", "--router", "round_robin", "--num-blocks", "64", "--in-flight", in_flight,
           "--json", str(out)])
     assert "Over 16 draws" not in capsys.readouterr().out and "hit_rate_over_draws" not in json.loads(out.read_text())
+
+
+def test_what_the_command_says_of_its_trust_is_what_the_docs_measured():
+    """Each policy's trust line, in the command and its --json, is a row of docs/analyzer.md's
+    "How far to trust it", whose figures come from the tables above it."""
+    from pathlib import Path
+
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "analyzer.md").read_text()
+    for policy in POLICIES:
+        assert f"| {policy} | {TRUST[policy, False]} | {TRUST[policy, True]} |" in docs, policy
