@@ -252,6 +252,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--block-size", type=positive_int, default=16)
     parser.add_argument("--conversations-at-once", type=positive_int, default=8, metavar="N",
                         help="the multi-turn log's users chatting at a time (default 8)")
+    parser.add_argument("--logs", nargs="+", choices=("multi_turn", "agent"), default=["multi_turn", "agent"],
+                        help="the logs to send (default both)")
     parser.add_argument("--requests", type=positive_int, default=None, metavar="N",
                         help="send only the first N requests of each log")
     parser.add_argument("--in-flight", type=positive_int, default=1, metavar="N",
@@ -282,6 +284,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
             console.print(f"the prediction in time: a step {service.step_ms:.1f} ms + {service.token_ms:.3f} ms a token, "
                           f"a gap of {service.gap_ms:.1f} ms through the router (measured_service)")
         for name, requests in logs(Path(folder), args.conversations_at_once).items():
+            if name.split()[0] not in args.logs:
+                continue
             requests = requests[: args.requests]
             prompts = tokenize_log(requests, tokenizer)
             salts = [r.cache_salt for r in requests]

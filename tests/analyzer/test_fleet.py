@@ -294,39 +294,27 @@ def test_the_fleet_benchmark_finds_the_prediction_equal_to_the_real_router_where
 
 @pytest.mark.router
 def test_the_fleet_benchmark_sends_requests_in_flight_and_compares_runs_with_each_other(tmp_path):
-    # Three at a time through the real router, twice: every request is seen by exactly one
-    # replica (replay_in_flight raises otherwise) with its whole prompt counted, and each run
-    # after the first is compared with the first.
+    # Three at a time through the real router, twice, on a class's fleet (keyed replicas behind
+    # the router and the door, each tenant sending with a student's key): every request is seen
+    # by exactly one replica (replay_in_flight raises otherwise) with its whole prompt counted,
+    # each run after the first is compared with the first, and both predictions salt every
+    # request by its key.
     from benchmarks.fleet import main as bench
 
     out = tmp_path / "fleet.json"
     runs = bench(["--replicas", "2", "--policies", "cache_aware", "--requests", "9", "--num-blocks", "200",
-                  "--in-flight", "3", "--runs", "2", "--json", str(out)])
-    assert [(r["log"].split()[0], r["run"]) for r in runs] == [("multi_turn", 1), ("multi_turn", 2), ("agent", 1),
-                                                               ("agent", 2)]
+                  "--in-flight", "3", "--runs", "2", "--keys", "--logs", "agent", "--json", str(out)])
+    assert [(r["log"], r["run"]) for r in runs] == [("agent", 1), ("agent", 2)]
     for run in runs:
         assert run["same_prompt_tokens"] == 9 and 0 <= run["like_run_1"]["both"] <= 9
         assert run["run"] == 2 or run["like_run_1"]["both"] == 9  # the first run is its own reference
         assert 0 <= run["in_time"]["both"] <= 9 and 0 <= run["hit_rate_in_time"] <= 1  # the prediction in time
+    # six agents, each its own tenant, the first three in flight together: none shares a cached block
+    assert all(r["cached"] == 0 for r in runs[0]["per_request"][:3])
     written = json.loads(out.read_text())
-    assert written["in_flight"] == 3
+    assert written["in_flight"] == 3 and written["keys"] is True
     service = written["service"]  # measured before the runs, on this fleet
     assert service["max_num_batched_tokens"] == 2048 and service["step_ms"] > 0 and service["gap_ms"] >= 0
-
-
-@pytest.mark.router
-def test_the_fleet_benchmark_runs_a_class_fleet_with_keys(tmp_path):
-    # Keyed replicas behind the router and the class's door: each tenant sends with a student's
-    # key, the in-flight replay traces every request, and the predictions salt every request.
-    from benchmarks.fleet import main as bench
-
-    out = tmp_path / "fleet.json"
-    runs = bench(["--replicas", "2", "--policies", "cache_aware", "--requests", "6", "--num-blocks", "200",
-                  "--in-flight", "2", "--keys", "--json", str(out)])
-    assert len(runs) == 2 and all(run["same_prompt_tokens"] == 6 and 0 <= run["in_time"]["both"] <= 6 for run in runs)
-    agent = runs[1]  # six agents, each its own tenant: none shares a cached block with another's
-    assert agent["log"] == "agent" and all(r["cached"] == 0 for r in agent["per_request"][:2])
-    assert json.loads(out.read_text())["keys"] is True
 
 
 def test_a_replica_notes_the_seed_of_each_request_and_hands_its_app_the_body_unread():

@@ -4,8 +4,12 @@ sees loads, a replica's requests share its steps, and the command says what it m
 benchmarks/fleet.py checks it against the real router with requests in flight."""
 
 import json
+import os
 import random
+import subprocess
+import sys
 from array import array
+from pathlib import Path
 
 import pytest
 
@@ -158,8 +162,22 @@ def test_a_router_that_draws_gets_the_hit_rates_of_many_draws_beside_one(tmp_pat
 def test_what_the_command_says_of_its_trust_is_what_the_docs_measured():
     """Each policy's trust line, in the command and its --json, is a row of docs/analyzer.md's
     "How far to trust it", whose figures come from the tables above it."""
-    from pathlib import Path
-
     docs = (Path(__file__).resolve().parents[2] / "docs" / "analyzer.md").read_text()
     for policy in POLICIES:
         assert f"| {policy} | {TRUST[policy, False]} | {TRUST[policy, True]} |" in docs, policy
+
+
+@pytest.mark.subprocess
+def test_the_command_docs_analyzer_gives_for_a_fleet_in_flight_prints_what_it_says():
+    """docs/analyzer.md's command, as typed: the split and the hit rates its sentence gives."""
+    root = Path(__file__).resolve().parents[2]
+    command = ("prefix_caching.py --analyze lessons/data/multi_turn.jsonl.xz --conversations-at-once 8 --replicas 3 "
+               "--router cache_aware --in-flight 3 --num-blocks 301").split()
+    assert " ".join(command[1:]) in " ".join((root / "docs" / "analyzer.md").read_text().replace("\\\n", "").split())
+    result = subprocess.run([sys.executable, *command], capture_output=True, text=True, timeout=300, cwd=root,
+                            env={**os.environ, "COLUMNS": "200", "HF_HUB_OFFLINE": "1"})
+    assert result.returncode == 0, result.stderr
+    rows = [line.split("│")[1:6] for line in result.stdout.splitlines() if line.startswith("│")]
+    fleet = {r[0].strip(): [c.strip() for c in r[1:]] for r in rows if r[0].strip() in ("0", "1", "2", "fleet")}
+    assert [fleet[k][0] for k in ("0", "1", "2")] == ["149", "5", "0"] and fleet["fleet"][3] == "55.1%"
+    assert "3 requests in flight" in result.stdout and "one request at a time: 54.3%" in result.stdout
