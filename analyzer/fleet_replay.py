@@ -23,8 +23,8 @@ show:
     admitted between two chunks of another looks its prefix up then and takes its hits out
     of the free queue, before the other's next chunk takes blocks from it. One after
     another, the whole prompt takes its blocks first and may evict those hits. On a pool
-    that holds about three prompts, three in flight found 52.8 % of the prompt tokens cached
-    where one at a time found 43.5 %.
+    that holds about three prompts of SmolLM2, sharing 256 tokens a step, three in flight found
+    48.5 % to 52.6 % of the prompt tokens cached (four runs) where one at a time found 43.5 %.
 
 So a replica here is this course's scheduler (engine/scheduler.py, vLLM v1's order: decodes,
 prompts still prefilling, then waiting requests in arrival order; its prompts share a step's
@@ -36,14 +36,19 @@ concurrency, --in-flight N: each of N clients sends the log's next request when 
 answered (logs carry no arrival times). What the router's picks and the pools' hits depend
 on is the order of events, not their scale: a cost model that is right in its proportions
 (how a step's cost grows with its tokens, against the gap) gives the same order as the real
-one. Replies are not known, so a request decoding more than one token appends tokens that
-no later prompt can hit.
+one. What no cost model gives is the order of events of the same moment: two clients answered
+in one step send again together, and which request a real replica admits first is a race of
+its threads; replay_in_time's `ties` draws that order, and the report gives the hit rate over
+several draws beside the prediction. Replies are not known, so a request decoding more than one
+token appends tokens that no later prompt can hit.
 """
 
 from __future__ import annotations
 
 import argparse
 import heapq
+import itertools
+import random
 from array import array
 from dataclasses import dataclass, field
 
@@ -163,7 +168,7 @@ class Timeline:
 def replay_in_time(requests: list[LoggedRequest], prompts, salts: list[str | None], replicas: int, flags: RouterFlags,
                    num_blocks: int, block_size: int, in_flight: int, service: Service = Service(),
                    model: VLLM = LIKE["vllm"], max_tokens: int = 1, keyed: bool = False,
-                   key_cost: float = 0.0) -> tuple[Fleet, Timeline]:
+                   key_cost: float = 0.0, ties: int | None = None) -> tuple[Fleet, Timeline]:
     """The log sent by `in_flight` clients, each sending its next request (the log's next one
     not yet sent) when its last is answered, through the router to `replicas` replicas, each
     a scheduler over a pool of `num_blocks` (vLLM's num_gpu_blocks, its null block among them
@@ -173,6 +178,13 @@ def replay_in_time(requests: list[LoggedRequest], prompts, salts: list[str | Non
     request's cache_salt standing for its client's key: the replica salts the request by the
     key whatever the router drops, and serves each key its fair share (the Scheduler's
     fair_share, charging `key_cost` a key attended to, as the engine's).
+
+    ties: None runs events of the same moment in the order they were made (the first client
+    first); a seed shuffles them. Two replies of one step send their clients' next requests at
+    the same moment, and which reaches the replica first is a race of a real fleet's threads
+    that decides which of them the next step admits first and what it evicts: on a replica of
+    SmolLM2 sharing 256 tokens a step, 49.6 % cached in order, 53.3 % in reverse order, and
+    48.5 % to 52.6 % in four real runs. report_in_time replays several seeds.
 
     >>> log = [LoggedRequest(f"line {i}", None, f"line {i}") for i in range(3)]
     >>> prompts = [array("I", list(range(32)) + [i]) for i in range(3)]
@@ -213,12 +225,11 @@ def replay_in_time(requests: list[LoggedRequest], prompts, salts: list[str | Non
     routed = routed_requests(requests)
     left = {}  # a routed request's index -> its log requests not yet answered
     events: list = []  # (time, order, what, which)
-    order = 0
+    order = itertools.count()
+    shuffle = None if ties is None else random.Random(ties)
 
     def at(when: float, what: str, which: int) -> None:
-        nonlocal order
-        heapq.heappush(events, (when, order, what, which))
-        order += 1
+        heapq.heappush(events, (when, next(order) if shuffle is None else shuffle.random(), what, which))
 
     def send(j: int, now: float) -> None:
         choice = policy.route(routed[j].text)
@@ -292,9 +303,31 @@ def replay_in_time(requests: list[LoggedRequest], prompts, salts: list[str | Non
 # 3. The report
 #
 # random and power_of_two draw their replicas, so a prediction is one draw's; the report adds
-# the hit rates of DRAWS draws (--router-seed 0, 1, ...): how far the draws alone move it.
+# the hit rates of DRAWS draws (--router-seed 0, 1, ...): how far the draws alone move it. In
+# flight, requests that reach a replica at the same moment race (replay_in_time's ties), and
+# the report adds the hit rates of DRAWS orders of them.
 
 DRAWS = 16
+
+
+@dataclass
+class Spread:
+    """The fleet's hit rate over several replays: of the router's draws, or of the orders of
+    requests that arrive together."""
+
+    of: str  # "draws" or "orders"
+    hit_rates: list[float]
+
+    def as_dict(self) -> dict:
+        rates = self.hit_rates
+        return {self.of: len(rates), "mean": sum(rates) / len(rates), "min": min(rates), "max": max(rates)}
+
+    def sentence(self) -> str:
+        rates, n = self.hit_rates, len(self.hit_rates)
+        what = (f"{n} draws (--router-seed 0 to {n - 1})" if self.of == "draws" else
+                f"{n} orders of the requests that reach a replica at the same moment (a race of a real fleet)")
+        return (f"Over {what} the fleet's hit rate is {sum(rates) / n:.1%} on average, from {min(rates):.1%} to "
+                f"{max(rates):.1%}.")
 
 # How far each prediction held against the real router, by policy, one request at a time and
 # with 3 in flight: the checks of docs/analyzer.md ("How far to trust it" sums them up), on the
@@ -324,7 +357,7 @@ def trust(policy: str, in_flight: int) -> str:
 
 def fleet_json(fleet: Fleet, requests: list[LoggedRequest], args: argparse.Namespace, flags: RouterFlags,
                timeline: Timeline | None = None, service: Service | None = None,
-               draws: list[float] | None = None) -> dict:
+               spread: Spread | None = None) -> dict:
     """The prediction for each request and the totals, as --json writes them."""
     out = {
         "log": str(args.log), "replicas": fleet.routing.replicas, "router": flags.policy,
@@ -341,9 +374,8 @@ def fleet_json(fleet: Fleet, requests: list[LoggedRequest], args: argparse.Names
                          "cached_tokens": r.cached_tokens, "hit_rate": r.hit_rate} for k, r in enumerate(fleet.replays)],
         "total": {"requests": len(requests), "prompt_tokens": sum(fleet.prompt_tokens),
                   "cached_tokens": sum(fleet.cached), "hit_rate": fleet.hit_rate}}
-    if draws is not None:
-        out["hit_rate_over_draws"] = {"draws": len(draws), "mean": sum(draws) / len(draws), "min": min(draws),
-                                      "max": max(draws)}
+    if spread is not None:
+        out[f"hit_rate_over_{spread.of}"] = spread.as_dict()
     if timeline is not None:
         out["service"] = {"max_num_batched_tokens": service.max_num_batched_tokens,
                           "max_num_seqs": service.max_num_seqs, "step_ms": service.step_ms,
@@ -355,7 +387,7 @@ def fleet_json(fleet: Fleet, requests: list[LoggedRequest], args: argparse.Names
 
 
 def print_fleet(console: Console, fleet: Fleet, requests: list[LoggedRequest], one_server: Replay,
-                flags: RouterFlags, server: str, draws: list[float] | None = None) -> None:
+                flags: RouterFlags, server: str, spread: Spread | None = None) -> None:
     """Each replica's requests and hit rate, the fleet's, and what the prediction cannot see."""
     routing = fleet.routing
     sent = "one request at a time" if fleet.in_flight == 1 else f"{fleet.in_flight} requests in flight"
@@ -383,10 +415,8 @@ def print_fleet(console: Console, fleet: Fleet, requests: list[LoggedRequest], o
     if not routing.predictable:
         console.print(f"[yellow]note:[/] {flags.policy} draws its replicas at random (fleet.py): how many requests each "
                       f"gets is predicted, not which; the hit rates are one draw's (--router-seed).")
-    if draws:
-        console.print(f"Over {len(draws)} draws (--router-seed 0 to {len(draws) - 1}) the fleet's hit rate is "
-                      f"{sum(draws) / len(draws):.1%} on average, from {min(draws):.1%} to {max(draws):.1%}, as the real "
-                      f"router's own draws move it.")
+    if spread is not None:
+        console.print(spread.sentence())
     dropped = sum(1 for r, keeps in zip(requests, routing.keeps_salt) if r.cache_salt is not None and not keeps)
     if dropped:
         console.print(f"[yellow]warning:[/] {dropped:,} chat requests carry a cache_salt that sglang-router {ROUTER_VERSION} drops "

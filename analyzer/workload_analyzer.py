@@ -65,7 +65,8 @@ from rich.tree import Tree
 
 from analyzer.caching_models import EVICTION_POLICIES, RADIX_CACHE_ONLY_POLICIES, SERVER_EVICTION_POLICIES, VLLM, SGLang
 from analyzer.fleet import POLICIES, ROUTER_VERSION, NotRoutable, RouterFlags, route_log
-from analyzer.fleet_replay import DRAWS, Fleet, Service, Timeline, fleet_json, print_fleet, replay_fleet, replay_in_time
+from analyzer.fleet_replay import (DRAWS, Fleet, Service, Spread, Timeline, fleet_json, print_fleet, replay_fleet,
+                                   replay_in_time)
 from analyzer.llama_slots import LlamaCpp
 from analyzer.kv_memory import KNOWN_MODELS, UnsupportedModel, kv_shape, memory_to_buy, server_flags
 from analyzer.log_replay import (CURVE_POINTS, FLAT, LIKE, NARROWING_STEPS, TOKENIZE_BATCH, CacheModel, Curve, Replay,
@@ -704,19 +705,23 @@ def analyse(args, parser, model: CacheModel, shape, flags: RouterFlags, tokenize
             parser.error(str(err))
         held = list(prompts) if args.in_flight == 1 else prompts
 
-        def predict(flags: RouterFlags) -> tuple[Fleet, Timeline | None]:
+        def predict(flags: RouterFlags, ties: int | None = None) -> tuple[Fleet, Timeline | None]:
             if args.in_flight == 1:
                 return replay_fleet(held, salts, route_log(read.requests, args.replicas, flags), studied_size,
                                     args.block_size, model), None
             return replay_in_time(read.requests, prompts, salts, args.replicas, flags, studied_size, args.block_size,
-                                  args.in_flight, args.service, model)
+                                  args.in_flight, args.service, model, ties=ties)
 
         fleet, timeline = predict(flags)
-        draws = None if routing.predictable else [
-            predict(dataclasses.replace(flags, seed=seed))[0].hit_rate for seed in range(DRAWS)]
-        print_fleet(console, fleet, read.requests, studied, flags, MODEL_NAMES[args.like], draws)
+        if not routing.predictable:  # the router's draws
+            spread = Spread("draws", [predict(dataclasses.replace(flags, seed=s))[0].hit_rate for s in range(DRAWS)])
+        elif args.in_flight > 1:  # the races of requests that arrive together
+            spread = Spread("orders", [predict(flags, ties=s)[0].hit_rate for s in range(DRAWS)])
+        else:
+            spread = None
+        print_fleet(console, fleet, read.requests, studied, flags, MODEL_NAMES[args.like], spread)
         if args.json is not None:
-            written = fleet_json(fleet, read.requests, args, flags, timeline, args.service, draws)
+            written = fleet_json(fleet, read.requests, args, flags, timeline, args.service, spread)
             args.json.write_text(json.dumps(written, indent=1))
             console.print(f"wrote {args.json}")
 
