@@ -50,6 +50,17 @@ def test_a_completions_request_with_a_list_of_prompts_is_routed_once_and_only_a_
 # --- 2. the text tree ---------------------------------------------------------------------------
 
 
+def test_shared_chars_counts_what_a_loop_over_the_characters_counts():
+    from analyzer.fleet import shared_chars
+
+    rng = random.Random(0)
+    for _ in range(2000):
+        a = "".join(rng.choice("ab") for _ in range(rng.randrange(0, 40)))
+        b = a[: rng.randrange(0, len(a) + 1)] + "".join(rng.choice("ab") for _ in range(rng.randrange(0, 10)))
+        naive = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        assert shared_chars(a, b) == shared_chars(b, a) == naive, (a, b)
+
+
 def test_the_tree_splits_where_texts_part_and_names_the_replica_that_created_the_text_matched():
     tree = TextTree()
     tree.insert("abcd", 0)
