@@ -43,8 +43,9 @@ class Counts:
     unrestored: array = field(default_factory=lambda: array("I"))  # llama.cpp: a cached prompt found, no room to load it
 
 
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """How many tokens `a` and `b` share from the start, comparing slices (C speed) by halves.
+def common_prefix(a: Sequence, b: Sequence) -> int:
+    """How many tokens (or characters: fleet.py's text tree) `a` and `b` share from the start,
+    comparing slices (C speed) by halves.
 
     >>> common_prefix(array("I", [1, 2, 3, 4]), array("I", [1, 2, 9]))
     2

@@ -56,6 +56,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+from analyzer.caching_models import common_prefix
 from analyzer.request_logs import LoggedRequest
 
 POLICIES = ("round_robin", "cache_aware", "random", "power_of_two")  # launch_router's --policy, but manual
@@ -152,6 +153,8 @@ def routed_requests(requests: list[LoggedRequest]) -> list[RoutedRequest]:
 # creation, copied on a split, never changed by a later insert), so the replica that first
 # sent the text matched, not the one that sent it last. Each replica's characters are counted
 # (tenant_char_count) for the eviction that trims them to max_tree_size.
+# The characters two texts share (shared_prefix_count) are counted by caching_models'
+# common_prefix, which compares slices by halves: a chat's history is thousands of characters.
 
 
 class TextNode:
@@ -162,27 +165,6 @@ class TextNode:
         self.children: dict[str, TextNode] = {}  # by first character
         self.replicas = replicas  # the replicas whose inserts passed through it
         self.creator = creator  # last_tenant: the replica that created it (None: the root)
-
-
-def shared_chars(a: str, b: str) -> int:
-    """How many characters `a` and `b` share from the start (tree.rs, shared_prefix_count). By
-    halving: slices compared in C, not a loop over characters in Python (a chat's history is
-    thousands of characters, matched at every request).
-
-    >>> shared_chars("hello", "help"), shared_chars("abc", "abc"), shared_chars("", "x")
-    (3, 3, 0)
-    """
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:
-        return n
-    same, differs = 0, n  # a[:same] == b[:same]; a[:differs] != b[:differs]
-    while differs - same > 1:
-        mid = (same + differs) // 2
-        if a[same:mid] == b[same:mid]:
-            same = mid
-        else:
-            differs = mid
-    return same
 
 
 @dataclass
@@ -198,7 +180,7 @@ class TextTree:
             child = node.children.get(text[matched])
             if child is None:
                 break
-            shared = shared_chars(text[matched:], child.text)
+            shared = common_prefix(text[matched:], child.text)
             matched += shared
             node = child
             if shared < len(child.text):
@@ -215,7 +197,7 @@ class TextTree:
                 node.children[text[done]] = TextNode(text[done:], replica, {replica})
                 self.chars[replica] += len(text) - done
                 return
-            shared = shared_chars(text[done:], child.text)
+            shared = common_prefix(text[done:], child.text)
             if shared < len(child.text):  # split: the shared part becomes a node above the child
                 top = TextNode(child.text[:shared], child.creator, set(child.replicas))
                 child.text = child.text[shared:]

@@ -50,15 +50,16 @@ def test_a_completions_request_with_a_list_of_prompts_is_routed_once_and_only_a_
 # --- 2. the text tree ---------------------------------------------------------------------------
 
 
-def test_shared_chars_counts_what_a_loop_over_the_characters_counts():
-    from analyzer.fleet import shared_chars
+def test_the_tree_counts_shared_characters_as_a_loop_over_them_would():
+    # tree.rs's shared_prefix_count, which the tree reads through caching_models.common_prefix
+    from analyzer.caching_models import common_prefix
 
     rng = random.Random(0)
     for _ in range(2000):
         a = "".join(rng.choice("ab") for _ in range(rng.randrange(0, 40)))
         b = a[: rng.randrange(0, len(a) + 1)] + "".join(rng.choice("ab") for _ in range(rng.randrange(0, 10)))
         naive = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-        assert shared_chars(a, b) == shared_chars(b, a) == naive, (a, b)
+        assert common_prefix(a, b) == common_prefix(b, a) == naive, (a, b)
 
 
 def test_the_tree_splits_where_texts_part_and_names_the_replica_that_created_the_text_matched():
@@ -328,6 +329,7 @@ def test_the_fleet_benchmark_sends_requests_in_flight_and_compares_runs_with_eac
     assert service["max_num_batched_tokens"] == 2048 and service["step_ms"] > 0 and service["gap_ms"] >= 0
 
 
+@pytest.mark.model  # importing benchmarks.fleet loads the server, torch and transformers (seconds, when first)
 def test_a_replica_notes_the_seed_of_each_request_and_hands_its_app_the_body_unread():
     import io
 
