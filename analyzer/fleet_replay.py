@@ -58,7 +58,7 @@ from rich.table import Table
 from allocator import PrefixCachingAllocator
 from analyzer.caching_models import VLLM
 from analyzer.fleet import ROUTER_VERSION, CacheAware, PowerOfTwo, RouterFlags, Routing, routed_requests
-from analyzer.log_replay import LIKE, CacheModel, Replay, replay
+from analyzer.log_replay import LIKE, CacheModel, Replay, lengths_of, replay
 from analyzer.request_logs import LoggedRequest
 from engine.scheduler import Request, Scheduler, check_step_size
 
@@ -203,9 +203,10 @@ def replay_in_time(requests: list[LoggedRequest], prompts, salts: list[str | Non
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
         raise ValueError(f"max_tokens is 1 or more, got {max_tokens!r}")
     usable = num_blocks - model.null_block
-    for i, prompt in enumerate(prompts):  # each must fit alone, or its replica would wait for ever
-        if -(-(len(prompt) + max_tokens - 1) // block_size) > usable:
-            raise ValueError(f"request {i} ({requests[i].where}): {len(prompt):,} tokens and {max_tokens} to decode "
+    lengths = lengths_of(prompts)  # a TokenizedLog's, without reading its file
+    for i, length in enumerate(lengths):  # each must fit alone, or its replica would wait for ever
+        if -(-(length + max_tokens - 1) // block_size) > usable:
+            raise ValueError(f"request {i} ({requests[i].where}): {length:,} tokens and {max_tokens} to decode "
                              f"need more than the {usable:,} usable blocks of {block_size} of a replica's pool")
     if replicas < 1:
         raise ValueError(f"--replicas is 1 or more, got {replicas}")
@@ -295,8 +296,8 @@ def replay_in_time(requests: list[LoggedRequest], prompts, salts: list[str | Non
     for replica in range(replicas):
         mine = routing.indices_of(replica)
         replays.append(Replay(num_blocks, block_size, array("I", (cached[i] for i in mine)),
-                              sum(len(prompts[i]) for i in mine), schedulers[replica].allocator.stats.evictions))
-    return Fleet(routing, replays, cached, array("I", map(len, prompts)), in_flight), timeline
+                              sum(lengths[i] for i in mine), schedulers[replica].allocator.stats.evictions))
+    return Fleet(routing, replays, cached, array("I", lengths), in_flight), timeline
 
 
 # -----------------------------------------------------------------------------

@@ -699,10 +699,6 @@ def analyse(args, parser, model: CacheModel, shape, flags: RouterFlags, tokenize
                       f"see caching_models.py.")
 
     if args.replicas is not None:
-        try:
-            routing = route_log(read.requests, args.replicas, flags)
-        except NotRoutable as err:
-            parser.error(str(err))
         held = list(prompts) if args.in_flight == 1 else prompts
 
         def predict(flags: RouterFlags, ties: int | None = None) -> tuple[Fleet, Timeline | None]:
@@ -712,8 +708,11 @@ def analyse(args, parser, model: CacheModel, shape, flags: RouterFlags, tokenize
             return replay_in_time(read.requests, prompts, salts, args.replicas, flags, studied_size, args.block_size,
                                   args.in_flight, args.service, model, ties=ties)
 
-        fleet, timeline = predict(flags)
-        if not routing.predictable:  # the router's draws
+        try:
+            fleet, timeline = predict(flags)
+        except NotRoutable as err:
+            parser.error(str(err))
+        if not fleet.routing.predictable:  # the router's draws
             spread = Spread("draws", [predict(dataclasses.replace(flags, seed=s))[0].hit_rate for s in range(DRAWS)])
         elif args.in_flight > 1:  # the races of requests that arrive together
             spread = Spread("orders", [predict(flags, ties=s)[0].hit_rate for s in range(DRAWS)])

@@ -151,14 +151,16 @@ def test_the_command_replays_a_fleet_in_time_and_writes_what_it_assumed(tmp_path
 
 @pytest.mark.parametrize("argv, message", [
     (["--in-flight", "2"], "give --replicas N"),
+    (["--in-flight", "2", "--replicas", "2", "--ids"], "a prompt of token ids is refused there"),
+    (["--replicas", "2", "--ids"], "a prompt of token ids is refused there"),
     (["--in-flight", "2", "--replicas", "2", "--like", "sglang"], "--like vllm or engine"),
     (["--replicas", "2", "--in-flight", "2", "--step-ms", "-3"], "step_ms is a number of milliseconds"),
 ])
 def test_the_command_refuses_a_fleet_in_time_it_cannot_replay(tmp_path, capsys, argv, message):
     log = tmp_path / "one.jsonl"
-    write_log(log, [{"prompt": "hello there"}])
+    write_log(log, [{"prompt": [1, 2, 3] if "--ids" in argv else "hello there"}])
     with pytest.raises(SystemExit):
-        main([str(log), *argv])
+        main([str(log), *[a for a in argv if a != "--ids"]])
     assert message in capsys.readouterr().err
 
 
