@@ -13,8 +13,11 @@ started:
                target step time and a calibration the engine timed when it started
                (engine/step_budget.py), so the first prompt is chunked by what this machine does.
     arrivals   a second such prompt; 1 s later a streamed 8-token completion and an 8-token
-               POST /generate: their time to first token against the same two sent alone
-               after it (the streams' TTFT at the client, /generate's as the server reports it)
+               POST /generate: their time to first token against two such requests sent alone
+               after it (the streams' TTFT at the client, /generate's as the server reports it).
+               Each of the four is SHORT_TOKENS random token ids of its own, so none finds
+               another's blocks cached: alone and beside the long prompt, they compute the same
+               tokens.
 
 The medians of the runs are printed side by side; the ratios are default over fixed
 (alone) and beside the long prompt over alone (arrivals).
@@ -35,6 +38,7 @@ from benchmarks.served_clients import Server, serving
 from commands.flags import positive_int
 from engine.llm_engine import DEFAULT_MAX_NUM_BATCHED_TOKENS
 
+SHORT_TOKENS = 32  # a student's question in the chat template: "What is a block?" is 35 tokens
 WAYS = {"default": [], "fixed": ["--max-num-batched-tokens", str(DEFAULT_MAX_NUM_BATCHED_TOKENS)]}
 
 
@@ -58,14 +62,18 @@ def post(server: Server, path: str, body: dict, stream: bool = False) -> tuple[d
         conn.close()
 
 
-def ttfts(server: Server, model: str) -> tuple[float, float]:
+def random_ids(rng: random.Random, num_tokens: int) -> list[int]:
+    return [rng.randrange(1000, 30_000) for _ in range(num_tokens)]
+
+
+def ttfts(server: Server, model: str, rng: random.Random) -> tuple[float, float]:
     """(a streamed completion's TTFT at the client, an 8-token /generate's TTFT as reported), sent together."""
     got = {}
     stream = threading.Thread(target=lambda: got.update(stream=post(
-        server, "/v1/completions", {"model": model, "prompt": "Tell me about caches.", "max_tokens": 8,
+        server, "/v1/completions", {"model": model, "prompt": random_ids(rng, SHORT_TOKENS), "max_tokens": 8,
                                     "stream": True}, stream=True)[1]))
     stream.start()
-    reply = post(server, "/generate", {"prompt": "What is a block?", "max_tokens": 8})[0]
+    reply = post(server, "/generate", {"prompt": random_ids(rng, SHORT_TOKENS), "max_tokens": 8})[0]
     stream.join()
     return got["stream"], reply["ttft_ms"] / 1e3
 
@@ -78,7 +86,7 @@ def one_run(server_args: list[str], long_tokens: int, rng: random.Random) -> dic
         conn.close()
 
         def long_prompt() -> list[int]:
-            return [rng.randrange(1000, 30_000) for _ in range(long_tokens)]
+            return random_ids(rng, long_tokens)
 
         alone = post(server, "/generate", {"prompt": long_prompt(), "max_tokens": 1})[2]
         beside = {}
@@ -86,9 +94,9 @@ def one_run(server_args: list[str], long_tokens: int, rng: random.Random) -> dic
             server, "/generate", {"prompt": long_prompt(), "max_tokens": 1})[2]))
         long.start()
         time.sleep(1.0)
-        stream, generate = ttfts(server, model)
+        stream, generate = ttfts(server, model, rng)
         long.join()
-        stream_alone, generate_alone = ttfts(server, model)
+        stream_alone, generate_alone = ttfts(server, model, rng)
     return {"alone_s": alone, "long_beside_arrivals_s": beside["long"], "stream_ttft_s": stream,
             "stream_alone_s": stream_alone, "generate_ttft_s": generate, "generate_alone_s": generate_alone}
 

@@ -20,7 +20,10 @@ in LLM Inference with Sarathi-Serve", OSDI 2024: pick the chunk size from a late
                   before each step: the decodes' predicted time, then as many prompt tokens
                   as keep the step within the target and within STALL times the decodes'
                   step (what a stream waits for its next token), never fewer than fit in as
-                  long as the decodes take (so the prompt still gets half of each step)
+                  long as the decodes take (so the prompt still gets half of each step). The
+                  target: (FLOOR + 1) times a step's fixed cost unless one is given, the
+                  shortest step that keeps a prompt alone within its bound (BOUNDS), since a
+                  request that arrives waits for the step running then
     FixedBudget   max_num_batched_tokens every step
 
 Both are budget policies, the objects a BatchRunner is handed (engine/batch_engine.py): before each
@@ -42,7 +45,6 @@ from dataclasses import dataclass
 
 from engine.scheduler import Budget, Candidate, Request, StepPlan, keys_attended, share_tokens
 
-DEFAULT_TARGET_STEP_MS = 400.0  # a step never longer than this (the chunks it gives: docs/measured.md)
 STALL = 2.2  # a step carrying a prompt's chunk: at most this many times the streams' own step
 FIRST_CHUNK = 16  # prompt tokens in a step before any step with its thread count has been timed
 CALIBRATION_TOKENS = (16, 256)  # the passes an engine times when it starts (StepBudget.calibrate): 16x apart in work
@@ -50,7 +52,6 @@ MIN_CHUNK = 16  # prompt tokens a step gives a prompt at least: it always moves 
 FLOOR = 3.0  # a step's prompt tokens cost at least this many times its fixed cost: no crumbs
 GAP_MAX = 2.5  # ... unless that makes a stream wait more than this many times its own step (predicted)
 FAIR_STALL = 1.1  # a step of a tenant far ahead's prompts beside others' decodes: at most this times theirs
-ARRIVAL_STALL = 1.3  # a new request's first step, beside prompts already prefilling: at most this times its own
 FAIR_SLACK = 1024  # "far ahead": served this many tokens more than the least-served tenant with work
 
 
@@ -81,9 +82,9 @@ BOUNDS = (
     Bound("a long prompt beside streams", f"chunks that cost at least the streams' own step (half of each "
           f"step), and FLOOR times the fixed cost while the gap stays within GAP_MAX: past that the gap wins",
           "stage 8 scene 2d; --bench stalls"),
-    Bound("an arrival behind a long prompt", f"its first step at most ARRIVAL_STALL ({ARRIVAL_STALL:g}) times "
-          f"its time without the prompts prefilling, after the step that runs when it arrives",
-          "stage 8 scene 2e; --bench first_prompt"),
+    Bound("an arrival behind a long prompt", f"the step running when it arrives (a prompt alone's: FLOOR + 1 "
+          f"= {FLOOR + 1:g} fixed costs by default), then its first step without the prompts prefilling (they yield "
+          f"it, at most FLOOR fixed costs of steps in a row)", "stage 8 scene 2e; --bench first_prompt"),
     Bound("a student's share", f"a tenant more than FAIR_SLACK ({FAIR_SLACK:,}) tokens ahead of the least "
           f"served (tokens and the keys they attend to) gets what keeps a step within FAIR_STALL "
           f"({FAIR_STALL:g}) times the others' decodes, MIN_CHUNK ({MIN_CHUNK}) tokens at least",
@@ -308,7 +309,9 @@ class HeldCosts:
 
 
 class StepBudget:
-    """Before each step, the token budget that keeps it near target_ms.
+    """Before each step, the token budget that keeps it near the target step time: target_ms
+    if given, else (FLOOR + 1) times the fixed cost learned, so a prompt alone gets FLOOR
+    fixed costs of tokens a step, the fewest that keep its bound (below).
 
     The running requests that decode take a token each; a step of theirs alone would take
     `decode_s` (predicted): the gap a stream sees between two tokens. The prompts (the
@@ -329,9 +332,10 @@ class StepBudget:
     Never more than max_num_batched_tokens, never fewer than MIN_CHUNK prompt tokens.
 
     A request that has just arrived waits for the step running now, then for its own first
-    step: that one is kept within ARRIVAL_STALL times what it would take without the prompts
-    already prefilling (they share what is left of that: their caps in the Budget), so a
-    question sent behind a long prompt gets its first token within a few of its own steps.
+    step, which the prompts already prefilling yield to it (their caps in the Budget are 0):
+    a question sent behind a long prompt gets its first token one step of its own after the
+    step it found running. The prompts yield at most FLOOR fixed costs of steps in a row, so
+    a flood of arrivals leaves them every other step at least.
 
     A fair share (Scheduler(fair_share=True) counts what each tenant was served): while a
     tenant within FAIR_SLACK tokens of the least served is decoding, the prompts of a tenant
@@ -347,14 +351,17 @@ class StepBudget:
     93
     """
 
-    def __init__(self, shape: ModelShape, target_ms: float, max_num_batched_tokens: int,
+    def __init__(self, shape: ModelShape, target_ms: float | None, max_num_batched_tokens: int,
                  costs: StepCosts | HeldCosts | None = None) -> None:
-        """costs: what a step costs on this machine; None: learned (StepCosts), from the
+        """target_ms: the target step time; None: (FLOOR + 1) times the fixed cost learned.
+        costs: what a step costs on this machine; None: learned (StepCosts), from the
         engine's calibration and then every step run."""
         self.shape, self.target_ms, self.cap = shape, target_ms, max_num_batched_tokens
         self.costs = StepCosts() if costs is None else costs
         self.attention = shape.attention  # counted until calibrate times the engine's own
         self.last: int | None = None  # the latest budget handed out
+        self.yielded = False  # the latest step's prefilling prompts yielded it to arrivals
+        self.yielded_s = 0.0  # ... and the seconds of such steps in a row
         self.predicted: float | None = None  # the latest step's seconds, predicted before it ran (None: nothing known)
         self.took: float | None = None  # ... and as timed
 
@@ -373,17 +380,15 @@ class StepBudget:
         prompts = [c for c in candidates if not c.running or c.request.num_prefill_left]
         caps: dict[str, int] = {}
 
-        # A request not yet admitted: the running prompts share what keeps its first step within
-        # ARRIVAL_STALL times what it would take without them (its time to first token).
+        # A request not yet admitted: its first step runs without the prompts already prefilling
+        # (they yield it to the newcomers), so its time to first token is its own step after the
+        # one running when it came. The prompts yield at most FLOOR fixed costs of steps in a
+        # row, about one step of their own: a flood of arrivals still leaves them half the time.
         arrivals = [c for c in waiting if not c.request.admitted]
         prefilling = [c for c in prompts if c.running]
-        if arrivals and prefilling:
-            first_s = decode_s + per_flop * sum(
-                chunk_flops(self.shape, c.num_computed_tokens, c.num_computed_tokens + c.num_remaining_tokens,
-                            self.attention) for c in arrivals)
-            room = self.chunk_within(max(c.num_computed_tokens for c in prefilling),
-                                     (ARRIVAL_STALL - 1) * first_s / per_flop)
-            caps = share_tokens(room, {c.request.request_id: c.num_remaining_tokens for c in prefilling})
+        self.yielded = bool(arrivals and prefilling) and self.yielded_s < FLOOR * fixed
+        if self.yielded:
+            caps = {c.request.request_id: 0 for c in prefilling}
 
         # A tenant far ahead, beside the decodes of one that is not: its prompts share what
         # keeps the step within FAIR_STALL times the decodes' own.
@@ -401,6 +406,10 @@ class StepBudget:
             if len(ahead) == len(prompts):
                 tokens = min(tokens, len(decodes) + room)  # every prompt is ahead: the step is no longer than theirs
         return Budget(tokens, caps)
+
+    def target_s(self, fixed: float) -> float:
+        """The target step time in seconds, for a step whose fixed cost is `fixed`."""
+        return self.target_ms / 1e3 if self.target_ms is not None else (FLOOR + 1) * fixed
 
     def decode_flops(self, decodes: list[Request]) -> float:
         return sum(chunk_flops(self.shape, r.num_computed_tokens, r.num_computed_tokens + 1, self.attention)
@@ -420,7 +429,7 @@ class StepBudget:
             chunk = FIRST_CHUNK
         else:
             fixed, per_flop = self.costs.fit(threads)
-            target = self.target_ms / 1e3
+            target = self.target_s(fixed)
             if decodes:
                 decode_s = fixed + per_flop * self.decode_flops(decodes)
                 allowance = max(decode_s, min(target - decode_s, (STALL - 1) * decode_s),
@@ -474,6 +483,7 @@ class StepBudget:
     def record(self, threads, plan: StepPlan, seconds: float) -> None:
         """A step ran: learn from it, after noting what the costs learned before it predicted."""
         self.predicted, self.took = self.predict(threads, plan), seconds
+        self.yielded_s = self.yielded_s + seconds if self.yielded else 0.0
         self.costs.record(threads, step_flops(self.shape, plan, self.attention), seconds)
 
     def describe(self) -> dict:
@@ -484,7 +494,9 @@ class StepBudget:
             name = "gpu" if threads is None else f"{threads} thread{'s' if threads > 1 else ''}"
             learned[name] = {"fixed_ms": round(fixed * 1e3, 1), "ms_per_gflop": float(f"{per_flop * 1e12:.3g}"),
                              "ms_per_prompt_token": float(f"{per_flop * 2 * self.shape.body_params * 1e3:.3g}"),
-                             "steps": self.costs.num_steps(threads)}  # three figures: a tiny model's are tiny
+                             "steps": self.costs.num_steps(threads),  # three figures: a tiny model's are tiny
+                             "target_step_ms": round(self.target_s(fixed) * 1e3, 1)}
+        # target_step_ms: the one given, or None: FLOOR + 1 fixed costs, each thread count's in `learned`
         return {"target_step_ms": self.target_ms, "last_budget": self.last, "learned": learned,
                 "attention_flops": {"per_pair": float(f"{self.attention.per_pair:.3g}"),
                                     "per_key_read": float(f"{self.attention.per_key:.3g}")}}

@@ -15,14 +15,15 @@ from engine import DEFAULT_MAX_NUM_BATCHED_TOKENS, Engine
 from engine.batch_engine import BatchRunner
 from engine.one_request import greedy_reference
 from engine.request import SamplingParams
-from engine.scheduler import Budget, Candidate, Request, Scheduler
-from engine.step_budget import (ARRIVAL_STALL, CALIBRATION_TOKENS, DEFAULT_TARGET_STEP_MS, FAIR_SLACK, FAIR_STALL, FIRST_CHUNK,
+from engine.scheduler import Budget, Candidate, Request, ScheduledRequest, Scheduler, StepPlan
+from engine.step_budget import (CALIBRATION_TOKENS, FAIR_SLACK, FAIR_STALL, FIRST_CHUNK,
                                 FLOOR, GAP_MAX, MIN_CHUNK, STALL, AttentionCosts, ModelShape, StepBudget, StepCosts,
                                 chunk_flops, keys_attended)
 from helpers import call, serve
 from server import create_app
 
 SMOL = ModelShape(body_params=106_000_000, layers=30, heads=9, head_dim=64)  # SmolLM2-135M's sizes
+TARGET_MS = 400.0  # a target step time given (--target-step-ms), for the tests of the rules around it
 
 
 def test_the_model_shape_is_read_from_the_model(tiny_model):
@@ -72,7 +73,7 @@ def test_a_budget_with_timed_attention_gives_a_late_chunk_fewer_tokens_and_keeps
     chunk = budget.budget([late], threads=2).tokens
     assert chunk < counted.budget([late], threads=2).tokens
     fixed, per_flop = budget.costs.fit(2)
-    target = DEFAULT_TARGET_STEP_MS / 1e3
+    target = TARGET_MS / 1e3
     step = [chunk_flops(SMOL, 3000, 3000 + n, budget.attention) for n in (chunk, chunk + 1)]
     assert fixed + per_flop * step[0] <= target < fixed + per_flop * step[1]
 
@@ -172,7 +173,7 @@ def decoding(request_id: str, context: int) -> Request:
 
 
 def learned(fixed_s: float, per_flop: float, threads=2) -> StepBudget:
-    budget = StepBudget(SMOL, DEFAULT_TARGET_STEP_MS, DEFAULT_MAX_NUM_BATCHED_TOKENS)
+    budget = StepBudget(SMOL, TARGET_MS, DEFAULT_MAX_NUM_BATCHED_TOKENS)
     for flops in (1e9, 1e10, 1e11):
         budget.costs.record(threads, flops, fixed_s + per_flop * flops)
     return budget
@@ -196,8 +197,21 @@ def test_with_nothing_to_prefill_the_budget_is_the_cap():
 def test_alone_a_prompt_fills_the_target():
     budget = learned(0.05, 2e-11)
     chunk = budget.tokens([], [Request("long", [1] * 4000)], threads=2)
-    target = DEFAULT_TARGET_STEP_MS / 1e3
+    target = TARGET_MS / 1e3
     assert predicted(budget, [], 0, chunk) <= target < predicted(budget, [], 0, chunk + 1)
+
+
+def test_by_default_a_prompt_alone_steps_floor_plus_one_fixed_costs():
+    """No target given (Engine()'s default): the target is FLOOR + 1 fixed costs, the shortest
+    step whose prompt tokens cost FLOOR times its fixed cost, whatever the machine."""
+    for fixed_s, per_flop in ((0.005, 2e-13), (0.05, 2e-12), (0.5, 2e-11)):  # machines 10x apart
+        budget = StepBudget(SMOL, None, DEFAULT_MAX_NUM_BATCHED_TOKENS)
+        for flops in (1e9, 1e10, 1e11):
+            budget.costs.record(2, flops, fixed_s + per_flop * flops)
+        fixed, _ = budget.costs.fit(2)
+        chunk = budget.tokens([], [Request("long", [1] * 40_000)], threads=2)
+        assert predicted(budget, [], 0, chunk) <= (FLOOR + 1) * fixed < predicted(budget, [], 0, chunk + 1)
+        assert budget.describe()["learned"]["2 threads"]["target_step_ms"] == pytest.approx((FLOOR + 1) * fixed * 1e3)
 
 
 def test_beside_decodes_a_step_takes_at_most_stall_times_theirs():
@@ -206,7 +220,7 @@ def test_beside_decodes_a_step_takes_at_most_stall_times_theirs():
     decode_s = predicted(budget, decodes, 0, 0)  # about 38 ms: the streams' gap between tokens
     chunk = budget.tokens(decodes, [Request("long", [1] * 4000)], threads=2) - len(decodes)
     assert predicted(budget, decodes, 0, chunk) <= STALL * decode_s < predicted(budget, decodes, 0, chunk + 1)
-    assert STALL * decode_s < DEFAULT_TARGET_STEP_MS / 1e3  # here the streams' bound is the tighter one
+    assert STALL * decode_s < TARGET_MS / 1e3  # here the streams' bound is the tighter one
 
 
 def test_a_chunk_is_never_crumbs_but_the_floor_stretches_a_gap_at_most_gap_max_times():
@@ -271,9 +285,9 @@ def test_beside_decodes_a_step_stays_within_the_target_when_that_is_tighter():
     budget = learned(0.05, 2e-11)
     decodes = [decoding(f"s{i}", 300) for i in range(30)]  # about 190 ms
     decode_s = predicted(budget, decodes, 0, 0)
-    assert decode_s < DEFAULT_TARGET_STEP_MS / 1e3 / 2 and STALL * decode_s > DEFAULT_TARGET_STEP_MS / 1e3
+    assert decode_s < TARGET_MS / 1e3 / 2 and STALL * decode_s > TARGET_MS / 1e3
     chunk = budget.tokens(decodes, [Request("long", [1] * 4000)], threads=2) - len(decodes)
-    target = DEFAULT_TARGET_STEP_MS / 1e3
+    target = TARGET_MS / 1e3
     assert predicted(budget, decodes, 0, chunk) <= target < predicted(budget, decodes, 0, chunk + 1)
 
 
@@ -289,7 +303,7 @@ def test_when_the_decodes_take_most_of_the_target_the_prompt_still_gets_as_long(
     budget = learned(0.05, 2e-11)  # 20 ms a GFLOP: about a 2-core laptop's
     decodes = [decoding(f"s{i}", 1000) for i in range(64)]
     decode_s = predicted(budget, decodes, 0, 0)
-    assert decode_s > DEFAULT_TARGET_STEP_MS / 1e3 / 2
+    assert decode_s > TARGET_MS / 1e3 / 2
     chunk = budget.tokens(decodes, [Request("long", [1] * 4000)], threads=2) - len(decodes)
     prompt_s = predicted(budget, decodes, 0, chunk) - decode_s
     assert prompt_s <= decode_s < predicted(budget, decodes, 0, chunk + 1) - decode_s
@@ -377,7 +391,7 @@ def test_replies_are_exact_whatever_budget_each_step_gets(tiny_model, tokenizer,
 
 
 def test_the_engine_is_calibrated_when_made_then_learns_and_keeps_within_the_cap(make_engine):
-    engine = make_engine(num_blocks=256, target_step_ms=DEFAULT_TARGET_STEP_MS)  # its costs learned, as Engine()'s
+    engine = make_engine(num_blocks=256, target_step_ms=None)  # its costs learned, as Engine()'s
     assert engine.scheduler_options["max_num_batched_tokens"] == 2048
     costs = engine.step_budget.costs
 
@@ -395,7 +409,7 @@ def test_the_engine_is_calibrated_when_made_then_learns_and_keeps_within_the_cap
 def test_a_fixed_budget_or_a_target_not_both(make_engine):
     assert make_engine(max_num_batched_tokens=64).step_budget is None
     assert make_engine(target_step_ms=100).step_budget.target_ms == 100
-    assert make_engine(max_num_batched_tokens=None).step_budget.target_ms == DEFAULT_TARGET_STEP_MS
+    assert make_engine(max_num_batched_tokens=None).step_budget.target_ms is None  # FLOOR + 1 fixed costs
     with pytest.raises(ValueError, match="not both"):
         make_engine(max_num_batched_tokens=64, target_step_ms=100)
     for bad in (-1, 0, float("nan"), float("inf"), True, "400"):
@@ -410,10 +424,11 @@ def test_health_shows_the_target_and_what_a_step_costs(tiny_model, tokenizer):
         assert status == 200
         health = call(url, "/health")[1]
     engine.loop.stop()
-    assert health["target_step_ms"] == DEFAULT_TARGET_STEP_MS and health["max_num_batched_tokens"] == 2048
+    assert health["target_step_ms"] is None and health["max_num_batched_tokens"] == 2048  # none given
     assert set(health["step_costs"]) <= {"1 thread", "2 threads", f"{torch.get_num_threads()} threads"}
     for costs in health["step_costs"].values():  # one fit per thread count a step ran with
         assert costs["steps"] >= 1 and costs["ms_per_prompt_token"] > 0
+        assert costs["target_step_ms"] == pytest.approx((FLOOR + 1) * costs["fixed_ms"], abs=0.2)
     assert health["last_step"]["budget"] >= 1
 
 
@@ -440,15 +455,31 @@ def test_a_step_is_learned_from_under_the_lock_snapshot_reads_it_under(make_engi
     assert held and all(held)
 
 
-def test_a_new_requests_first_step_stays_near_its_own_beside_a_long_prompt():
+def test_a_new_requests_first_step_runs_without_the_prompts_already_prefilling():
     budget = learned(0.005, 5e-12)
     long = Request("long", [1] * 4000)
     long.num_computed_tokens, long.admitted = 500, True  # running, part-way through its prompt
     question = Request("question", [2] * 30)
     alone = budget.budget([Candidate(long, True, 0, 500, 3500)], threads=2)
+    assert not alone.chunks and not budget.yielded
     beside = budget.budget([Candidate(long, True, 0, 500, 3500), Candidate(question, False, 0, 0, 30)], threads=2)
-    assert not alone.chunks
-    fixed, per_flop = budget.costs.fit(2)
-    own_s = fixed + per_flop * chunk_flops(SMOL, 0, 30)  # the question's first step with nothing beside it
-    with_long = own_s + per_flop * chunk_flops(SMOL, 500, 500 + beside.chunks["long"])
-    assert with_long <= ARRIVAL_STALL * own_s < with_long + per_flop * chunk_flops(SMOL, 500, 502)
+    assert beside.chunks == {"long": 0} and beside.tokens >= 30  # the long prompt yields the question's first step
+    budget.record(2, StepPlan([ScheduledRequest(question, 0, 30)], []), 0.010)
+    assert budget.yielded_s == 0.010
+    follower = Candidate(Request("next", [3] * 30), False, 0, 0, 30)
+    again = budget.budget([Candidate(long, True, 0, 500, 3500), follower], threads=2)
+    assert again.chunks == {"long": 0}  # 10 ms yielded in a row so far: under FLOOR fixed costs (15 ms)
+
+
+def test_a_flood_of_arrivals_leaves_the_prompts_every_other_step_at_least():
+    budget = learned(0.005, 5e-12)
+    fixed, _ = budget.costs.fit(2)
+    long = Request("long", [1] * 4000)
+    long.num_computed_tokens, long.admitted = 500, True
+    moved = []
+    for step in range(12):  # a newcomer before every step
+        newcomer = Request(f"q{step}", [2] * 30)
+        given = budget.budget([Candidate(long, True, 0, 500, 3500), Candidate(newcomer, False, 0, 0, 30)], threads=2)
+        moved.append(given.chunks.get("long") != 0)
+        budget.record(2, StepPlan([ScheduledRequest(newcomer, 0, 30)], []), FLOOR * fixed)  # a yielded step: a floor's worth
+    assert moved == [False, True] * 6  # FLOOR fixed costs yielded in a row, then the prompt moves
