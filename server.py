@@ -40,7 +40,7 @@ import logging
 
 from commands.flags import positive_float, positive_int
 from commands.model_flags import add_model_arguments, engine_from_flags, pool_arguments
-from engine.llm_engine import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, EngineConfig
+from engine.llm_engine import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, DEFAULT_TARGET_STEP_MS, EngineConfig
 from engine.model_loader import DEFAULT_MODEL
 from serving.connections import (
     MAX_HEAD_BYTES, MAX_HEADER_FIELDS, MOST_CONNECTIONS, ClassServer, connection_cap, drain, serve_in_background,
@@ -76,8 +76,7 @@ def main(argv: list[str] | None = None) -> None:
     budget.add_argument("--target-step-ms", type=positive_float, default=None,
                         help=f"each step computes as many tokens as fit in this many milliseconds, learned from the "
                              f"steps run, up to {DEFAULT_MAX_NUM_BATCHED_TOKENS}: a long prompt is prefilled in chunks "
-                             f"that keep every stream moving (default: FLOOR + 1 times a step's fixed cost, the "
-                             f"shortest step that keeps a long prompt within its bound; engine/step_budget.py)")
+                             f"that keep every stream moving (default: {DEFAULT_TARGET_STEP_MS:g}; engine/step_budget.py)")
     budget.add_argument("--max-num-batched-tokens", type=positive_int, default=None,
                         help="tokens every step computes at most, at least --max-num-seqs, instead of a target step "
                              "time (vLLM's flag: the same budget, hence the same plans, on every machine, where a "
@@ -194,13 +193,8 @@ def main(argv: list[str] | None = None) -> None:
     console.print(f"{engine.kv}")
     options = engine.scheduler_options
     chunks = "a longer prompt in chunks" if options["enable_chunked_prefill"] else "a longer prompt alone"
-    if engine.step_budget is None:
-        budget = f"{options['max_num_batched_tokens']} tokens"
-    else:
-        learned = [c["target_step_ms"] for c in engine.step_budget.describe()["learned"].values()]
-        target = (f"{engine.target_step_ms:g} ms" if engine.target_step_ms else "FLOOR + 1 fixed costs"
-                  + (f" ({learned[0]:g} ms as calibrated)" if learned else ""))
-        budget = f"as many tokens as fit in {target}, at most {options['max_num_batched_tokens']},"
+    budget = (f"as many tokens as fit in {engine.target_step_ms:g} ms (at most {options['max_num_batched_tokens']})"
+              if engine.target_step_ms else f"{options['max_num_batched_tokens']} tokens")
     console.print(f"batching: up to {options['max_num_seqs']} requests and {budget} a step, {chunks}; "
                   f"a full pool makes requests wait")
     console.print(f"[bold green]serving {app.extensions['server'].settings.model_name} on {url}[/]   (Ctrl+C stops)")

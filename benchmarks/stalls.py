@@ -38,7 +38,7 @@ from benchmarks.throughput import TOPICS
 from commands.demo import DEMO_SYSTEM_PROMPT
 from commands.flags import positive_int
 from commands.model_flags import add_model_arguments
-from engine.llm_engine import DEFAULT_MAX_NUM_BATCHED_TOKENS, Engine
+from engine.llm_engine import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_TARGET_STEP_MS, Engine
 from engine.model_loader import DEFAULT_MODEL
 
 SYSTEM = {"role": "system", "content": DEMO_SYSTEM_PROMPT}
@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> dict:
     long_messages = long_chat(engine.tokenize, args.long_tokens)
     num_tokens = len(engine.tokenize(long_messages))
     ways = {"target": {}, "fixed": {"max_num_batched_tokens": DEFAULT_MAX_NUM_BATCHED_TOKENS}}
-    names = {"target": "default: a target step of FLOOR + 1 fixed costs",
+    names = {"target": f"default: {DEFAULT_TARGET_STEP_MS:g} ms target step",
              "fixed": f"fixed {DEFAULT_MAX_NUM_BATCHED_TOKENS} tokens a step (vLLM's default)"}
     console.print(f"[bold]Stalls[/]: {args.model or DEFAULT_MODEL} on {engine.device} ({device}, "
                   f"{torch.get_num_threads()} threads), {'over HTTP' if args.http else 'in process'}; {args.clients} "

@@ -19,7 +19,7 @@ EXPORTS = {
     "Engine": "engine.llm_engine", "EngineConfig": "engine.llm_engine", "EngineClosedError": "engine.llm_engine",
     "DEFAULT_KV_MEMORY_GB": "engine.llm_engine", "DEFAULT_MAX_NUM_SEQS": "engine.llm_engine",
     "SamplingParams": "engine.request", "Generation": "engine.outputs", "StreamEvent": "engine.outputs",
-    "DEFAULT_MAX_NUM_BATCHED_TOKENS": "engine.scheduler",
+    "DEFAULT_MAX_NUM_BATCHED_TOKENS": "engine.scheduler", "DEFAULT_TARGET_STEP_MS": "engine.step_budget",
 }
 __all__ = list(EXPORTS)
 

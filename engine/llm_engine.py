@@ -56,7 +56,7 @@ from engine.outputs import Generation, StreamEvent
 from engine.prompts import tokenize_prompts
 from engine.request import FINISHED, Request, SamplingParams
 from engine.scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS, ScheduledRequest, StepPlan, check_step_size, keys_attended
-from engine.step_budget import CALIBRATION_TOKENS, ModelShape, StepBudget
+from engine.step_budget import CALIBRATION_TOKENS, DEFAULT_TARGET_STEP_MS, ModelShape, StepBudget
 
 # -----------------------------------------------------------------------------
 # The Engine and its configuration
@@ -76,8 +76,8 @@ class EngineConfig:
     neither is given); enable_caching, hash_algo, free_uncached_first (the allocator's).
     Every caller's requests run in one engine loop (engine/engine_loop.py). A step: max_num_seqs
     requests at most, and a token budget that is max_num_batched_tokens every step when it
-    is given (vLLM's meaning), or else as many tokens as fit in target_step_ms (engine/step_budget.py;
-    unless given, FLOOR + 1 times a step's fixed cost as learned), at most DEFAULT_MAX_NUM_BATCHED_TOKENS.
+    is given (vLLM's meaning), or else as many tokens as fit in target_step_ms (engine/step_budget.py,
+    DEFAULT_TARGET_STEP_MS unless given), at most DEFAULT_MAX_NUM_BATCHED_TOKENS.
     enable_chunked_prefill, cascade_attention (decodes sharing a long prefix read it once,
     where it pays), choose_threads (False keeps torch's thread count on a CPU), fair_share
     (the waiting queue read least-served tenant first, and a tenant far ahead held to a
@@ -134,9 +134,11 @@ class EngineConfig:
         return DEFAULT_MAX_NUM_BATCHED_TOKENS if self.max_num_batched_tokens is None else self.max_num_batched_tokens
 
     @property
-    def fixed_budget(self) -> bool:
-        """max_num_batched_tokens every step, rather than a budget from a target step time."""
-        return self.max_num_batched_tokens is not None
+    def step_target_ms(self) -> float | None:
+        """The target step time the budget comes from; None: the budget is fixed."""
+        if self.max_num_batched_tokens is not None:
+            return None
+        return DEFAULT_TARGET_STEP_MS if self.target_step_ms is None else self.target_step_ms
 
     @property
     def scheduler_options(self) -> dict:
@@ -262,8 +264,9 @@ class Engine:
         self.max_model_len = getattr(model.config.get_text_config(), "max_position_embeddings", None)
         self.vocab_size = model.get_input_embeddings().num_embeddings
         self._request_counter = itertools.count()
+        target = config.step_target_ms  # None: the budget is max_num_batched_tokens every step
         shape = ModelShape.of(model)
-        self.step_budget = None if config.fixed_budget else StepBudget(shape, config.target_step_ms, config.token_cap)
+        self.step_budget = None if target is None else StepBudget(shape, target, config.token_cap)
         self._key_cost = shape.key_cost  # fair share charges a tenant each key its tokens attend to
         # Every forward pass on a CPU picks its thread count by measuring (cpu_threads.ThreadChooser):
         # one request's, and each batched step's. choose_threads=False keeps torch's.
@@ -299,10 +302,8 @@ class Engine:
 
     @property
     def target_step_ms(self) -> float | None:
-        """The step time given for a batched step's budget; None: FLOOR + 1 times a step's fixed
-        cost as learned (step_budget.describe() shows it), or max_num_batched_tokens every step
-        (step_budget is None)."""
-        return None if self.config.fixed_budget else self.config.target_step_ms
+        """The step time a batched step's budget comes from; None: max_num_batched_tokens every step."""
+        return self.config.step_target_ms
 
     @property
     def cascade_attention(self) -> bool:
@@ -429,7 +430,7 @@ class Engine:
                                                  ("max_num_batched_tokens", max_num_batched_tokens)]
                  if value is not None}
         for name, value in given.items():
-            fixed = name != "max_num_batched_tokens" or self.config.fixed_budget
+            fixed = name != "max_num_batched_tokens" or self.target_step_ms is None
             if value != self.scheduler_options[name] or not fixed:
                 raise ValueError(
                     f"{name}={value!r:.40}: this engine batches every caller's requests in one loop, with "

@@ -20,10 +20,7 @@ in LLM Inference with Sarathi-Serve", OSDI 2024: pick the chunk size from a late
                   before each step: the decodes' predicted time, then as many prompt tokens
                   as keep the step within the target and within STALL times the decodes'
                   step (what a stream waits for its next token), never fewer than fit in as
-                  long as the decodes take (so the prompt still gets half of each step). The
-                  target: (FLOOR + 1) times a step's fixed cost unless one is given, the
-                  shortest step that keeps a prompt alone within its bound (BOUNDS), since a
-                  request that arrives waits for the step running then
+                  long as the decodes take (so the prompt still gets half of each step)
     FixedBudget   max_num_batched_tokens every step
 
 Both are budget policies, the objects a BatchRunner is handed (engine/batch_engine.py): before each
@@ -45,6 +42,7 @@ from dataclasses import dataclass
 
 from engine.scheduler import Budget, Candidate, Request, StepPlan, keys_attended, share_tokens
 
+DEFAULT_TARGET_STEP_MS = 400.0  # a step never longer than this (the chunks it gives: docs/measured.md)
 STALL = 2.2  # a step carrying a prompt's chunk: at most this many times the streams' own step
 FIRST_CHUNK = 16  # prompt tokens in a step before any step with its thread count has been timed
 CALIBRATION_TOKENS = (16, 256)  # the passes an engine times when it starts (StepBudget.calibrate): 16x apart in work
@@ -82,9 +80,9 @@ BOUNDS = (
     Bound("a long prompt beside streams", f"chunks that cost at least the streams' own step (half of each "
           f"step), and FLOOR times the fixed cost while the gap stays within GAP_MAX: past that the gap wins",
           "stage 8 scene 2d; --bench stalls"),
-    Bound("an arrival behind a long prompt", f"the step running when it arrives (a prompt alone's: FLOOR + 1 "
-          f"= {FLOOR + 1:g} fixed costs by default), then its first step without the prompts prefilling (they yield "
-          f"it, at most FLOOR fixed costs of steps in a row)", "stage 8 scene 2e; --bench first_prompt"),
+    Bound("an arrival behind a long prompt", "the step running when it arrives, then its first step without the "
+          "prompts prefilling: they yield it, at most FLOOR fixed costs of steps in a row",
+          "stage 8 scene 2e; --bench first_prompt"),
     Bound("a student's share", f"a tenant more than FAIR_SLACK ({FAIR_SLACK:,}) tokens ahead of the least "
           f"served (tokens and the keys they attend to) gets what keeps a step within FAIR_STALL "
           f"({FAIR_STALL:g}) times the others' decodes, MIN_CHUNK ({MIN_CHUNK}) tokens at least",
@@ -309,9 +307,7 @@ class HeldCosts:
 
 
 class StepBudget:
-    """Before each step, the token budget that keeps it near the target step time: target_ms
-    if given, else (FLOOR + 1) times the fixed cost learned, so a prompt alone gets FLOOR
-    fixed costs of tokens a step, the fewest that keep its bound (below).
+    """Before each step, the token budget that keeps it near target_ms.
 
     The running requests that decode take a token each; a step of theirs alone would take
     `decode_s` (predicted): the gap a stream sees between two tokens. The prompts (the
@@ -351,10 +347,9 @@ class StepBudget:
     93
     """
 
-    def __init__(self, shape: ModelShape, target_ms: float | None, max_num_batched_tokens: int,
+    def __init__(self, shape: ModelShape, target_ms: float, max_num_batched_tokens: int,
                  costs: StepCosts | HeldCosts | None = None) -> None:
-        """target_ms: the target step time; None: (FLOOR + 1) times the fixed cost learned.
-        costs: what a step costs on this machine; None: learned (StepCosts), from the
+        """costs: what a step costs on this machine; None: learned (StepCosts), from the
         engine's calibration and then every step run."""
         self.shape, self.target_ms, self.cap = shape, target_ms, max_num_batched_tokens
         self.costs = StepCosts() if costs is None else costs
@@ -407,10 +402,6 @@ class StepBudget:
                 tokens = min(tokens, len(decodes) + room)  # every prompt is ahead: the step is no longer than theirs
         return Budget(tokens, caps)
 
-    def target_s(self, fixed: float) -> float:
-        """The target step time in seconds, for a step whose fixed cost is `fixed`."""
-        return self.target_ms / 1e3 if self.target_ms is not None else (FLOOR + 1) * fixed
-
     def decode_flops(self, decodes: list[Request]) -> float:
         return sum(chunk_flops(self.shape, r.num_computed_tokens, r.num_computed_tokens + 1, self.attention)
                    for r in decodes)
@@ -429,7 +420,7 @@ class StepBudget:
             chunk = FIRST_CHUNK
         else:
             fixed, per_flop = self.costs.fit(threads)
-            target = self.target_s(fixed)
+            target = self.target_ms / 1e3
             if decodes:
                 decode_s = fixed + per_flop * self.decode_flops(decodes)
                 allowance = max(decode_s, min(target - decode_s, (STALL - 1) * decode_s),
@@ -494,9 +485,7 @@ class StepBudget:
             name = "gpu" if threads is None else f"{threads} thread{'s' if threads > 1 else ''}"
             learned[name] = {"fixed_ms": round(fixed * 1e3, 1), "ms_per_gflop": float(f"{per_flop * 1e12:.3g}"),
                              "ms_per_prompt_token": float(f"{per_flop * 2 * self.shape.body_params * 1e3:.3g}"),
-                             "steps": self.costs.num_steps(threads),  # three figures: a tiny model's are tiny
-                             "target_step_ms": round(self.target_s(fixed) * 1e3, 1)}
-        # target_step_ms: the one given, or None: FLOOR + 1 fixed costs, each thread count's in `learned`
+                             "steps": self.costs.num_steps(threads)}  # three figures: a tiny model's are tiny
         return {"target_step_ms": self.target_ms, "last_budget": self.last, "learned": learned,
                 "attention_flops": {"per_pair": float(f"{self.attention.per_pair:.3g}"),
                                     "per_key_read": float(f"{self.attention.per_key:.3g}")}}

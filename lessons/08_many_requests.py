@@ -69,7 +69,7 @@ from engine.model_runner import ModelRunner
 from engine.one_request import greedy_reference
 from engine.request import SamplingParams
 from engine.scheduler import Scheduler
-from engine.step_budget import (BOUNDS, FLOOR, GAP_MAX, MIN_CHUNK, STALL, ModelShape, StepBudget,
+from engine.step_budget import (BOUNDS, DEFAULT_TARGET_STEP_MS, FLOOR, GAP_MAX, MIN_CHUNK, STALL, ModelShape, StepBudget,
                                 chunk_flops)
 from lessons import models
 from lessons.batch_views import add_step_row, render_step, run_step, step_history
@@ -282,8 +282,8 @@ def step_time_budget(console: Console, engine: Engine, prompts: dict[str, list[i
     """Scene 2d: scene 2 again, each step's budget picked from a target step time instead of a
     fixed BUDGET (engine/step_budget.py, what Engine() and python server.py run)."""
     assert engine.allocator.reset_prefix_cache()
-    cap = DEFAULT_MAX_NUM_BATCHED_TOKENS  # the engine's default
-    budget = StepBudget(ModelShape.of(engine.model), None, cap)  # NEW: a time (FLOOR + 1 fixed costs), and a hard cap
+    target_ms, cap = DEFAULT_TARGET_STEP_MS, DEFAULT_MAX_NUM_BATCHED_TOKENS  # the engine's defaults
+    budget = StepBudget(ModelShape.of(engine.model), target_ms, cap)  # NEW: a time, and a hard cap
     runner = BatchRunner(engine.parts, step_budget=budget, max_num_batched_tokens=cap)  # NEW
     requests = [runner.add(user, ids, SamplingParams(max_tokens=MAX_TOKENS), None) for user, ids in prompts.items()]
     # The four prompts (in as many steps as their budgets take: the first step, with nothing
@@ -295,12 +295,10 @@ def step_time_budget(console: Console, engine: Engine, prompts: dict[str, list[i
         run_step(runner, number)
     decode_numbers = range(number + 1, number + 5)
     decoding = Runs([run_step(runner, n).ms for n in decode_numbers])
-    # The target: FLOOR + 1 times a step's fixed cost, as learned so far (target_step_ms None)
-    target_ms = budget.target_s(budget.costs.fit(runner.thread_count(chosen=True))[0]) * 1e3
     erin_ids = engine.tokenize(ERIN)
     requests.append(runner.add("erin", erin_ids, SamplingParams(max_tokens=MAX_TOKENS), None))
     table = Table("step", "budget", "decodes", "erin's chunk", "predicted", "took", title_justify="left",
-                  title=f"erin's {len(erin_ids):,} tokens beside the four decodes, a target of {target_ms:,.0f} ms a step")
+                  title=f"erin's {len(erin_ids):,} tokens beside the four decodes, a target of {target_ms:g} ms a step")
     number, chunks, sizes = decode_numbers[-1] + 1, [], []
     while any(r.request_id == "erin" for r in runner.scheduler.waiting) or any(
             r.request_id == "erin" and r.num_prefill_left for r in runner.scheduler.running):
@@ -336,9 +334,7 @@ def step_time_budget(console: Console, engine: Engine, prompts: dict[str, list[i
         f"{per_token * 1e3:,.1f} ms a token through the weights, plus its attention: each key it attends to, and "
         f"each key of its context read from the pool, every step ({attention}; step_flops counts them all). With a fixed budget of {cap:,} tokens a step, erin's whole prompt would be one step of about "
         f"{whole * 1e3:,.0f} ms by the same costs, and each of the four would wait that long for its next token. With "
-        f"a target of {target_ms:,.0f} ms (FLOOR + 1 = {FLOOR + 1:g} times the fixed cost learned before her first "
-        f"chunk, the shortest step that keeps a prompt alone within {(FLOOR + 1) / FLOOR:.2f}x its time in one step: "
-        f"whoever arrives waits for the step running), a step gives her as many tokens as keep it within the target and within "
+        f"a target of {target_ms:g} ms, a step gives her as many tokens as keep it within the target and within "
         f"{STALL:g} times the four's own step ({decoding} alone, steps {decode_numbers[0]}-{decode_numbers[-1]}), "
         f"never fewer than fit in as long as theirs, and never so few that the step's fixed cost is more than "
         f"1/{FLOOR + 1:g} of it (FLOOR; up to a gap of {GAP_MAX:g} times theirs): so a step beside them should take "
@@ -349,7 +345,7 @@ def step_time_budget(console: Console, engine: Engine, prompts: dict[str, list[i
         f"(Agrawal et al., OSDI 2024): the chunk is sized from a latency target. vLLM's budget is a fixed "
         f"number of tokens instead, 2,048 for `vllm serve` (8,192 on a GPU with 70 GiB or more: get_batch_defaults "
         f"in vllm/engine/arg_utils.py), sized for a GPU, where 2,048 tokens take milliseconds. "
-        f"Engine() and python server.py use a target (FLOOR + 1 fixed costs unless "
+        f"Engine() and python server.py use a target ({DEFAULT_TARGET_STEP_MS:g} ms unless "
         f"--target-step-ms is given); --max-num-batched-tokens N makes the budget N every step, as in vLLM, and the "
         f"scenes above pass one so their plans are the same on every machine. {busy_note(decoding, beside)}".strip()
     )

@@ -155,8 +155,7 @@ class ServerState:
             "preemptions": loop.num_preemptions,
             "steps": loop.num_steps,
             **engine.scheduler_options,  # max_num_seqs, max_num_batched_tokens, enable_chunked_prefill
-            # None: FLOOR + 1 fixed costs (step_costs gives it), or max_num_batched_tokens every step
-            "target_step_ms": engine.target_step_ms,
+            "target_step_ms": engine.target_step_ms,  # None: max_num_batched_tokens every step
             "fair_share": engine.config.fair_share,
         }
         if viewer.keyed:  # each of these moves with the other tenants' requests

@@ -16,14 +16,13 @@ from engine.batch_engine import BatchRunner
 from engine.one_request import greedy_reference
 from engine.request import SamplingParams
 from engine.scheduler import Budget, Candidate, Request, ScheduledRequest, Scheduler, StepPlan
-from engine.step_budget import (CALIBRATION_TOKENS, FAIR_SLACK, FAIR_STALL, FIRST_CHUNK,
+from engine.step_budget import (CALIBRATION_TOKENS, DEFAULT_TARGET_STEP_MS, FAIR_SLACK, FAIR_STALL, FIRST_CHUNK,
                                 FLOOR, GAP_MAX, MIN_CHUNK, STALL, AttentionCosts, ModelShape, StepBudget, StepCosts,
                                 chunk_flops, keys_attended)
 from helpers import call, serve
 from server import create_app
 
 SMOL = ModelShape(body_params=106_000_000, layers=30, heads=9, head_dim=64)  # SmolLM2-135M's sizes
-TARGET_MS = 400.0  # a target step time given (--target-step-ms), for the tests of the rules around it
 
 
 def test_the_model_shape_is_read_from_the_model(tiny_model):
@@ -73,7 +72,7 @@ def test_a_budget_with_timed_attention_gives_a_late_chunk_fewer_tokens_and_keeps
     chunk = budget.budget([late], threads=2).tokens
     assert chunk < counted.budget([late], threads=2).tokens
     fixed, per_flop = budget.costs.fit(2)
-    target = TARGET_MS / 1e3
+    target = DEFAULT_TARGET_STEP_MS / 1e3
     step = [chunk_flops(SMOL, 3000, 3000 + n, budget.attention) for n in (chunk, chunk + 1)]
     assert fixed + per_flop * step[0] <= target < fixed + per_flop * step[1]
 
@@ -173,7 +172,7 @@ def decoding(request_id: str, context: int) -> Request:
 
 
 def learned(fixed_s: float, per_flop: float, threads=2) -> StepBudget:
-    budget = StepBudget(SMOL, TARGET_MS, DEFAULT_MAX_NUM_BATCHED_TOKENS)
+    budget = StepBudget(SMOL, DEFAULT_TARGET_STEP_MS, DEFAULT_MAX_NUM_BATCHED_TOKENS)
     for flops in (1e9, 1e10, 1e11):
         budget.costs.record(threads, flops, fixed_s + per_flop * flops)
     return budget
@@ -197,21 +196,8 @@ def test_with_nothing_to_prefill_the_budget_is_the_cap():
 def test_alone_a_prompt_fills_the_target():
     budget = learned(0.05, 2e-11)
     chunk = budget.tokens([], [Request("long", [1] * 4000)], threads=2)
-    target = TARGET_MS / 1e3
+    target = DEFAULT_TARGET_STEP_MS / 1e3
     assert predicted(budget, [], 0, chunk) <= target < predicted(budget, [], 0, chunk + 1)
-
-
-def test_by_default_a_prompt_alone_steps_floor_plus_one_fixed_costs():
-    """No target given (Engine()'s default): the target is FLOOR + 1 fixed costs, the shortest
-    step whose prompt tokens cost FLOOR times its fixed cost, whatever the machine."""
-    for fixed_s, per_flop in ((0.005, 2e-13), (0.05, 2e-12), (0.5, 2e-11)):  # machines 10x apart
-        budget = StepBudget(SMOL, None, DEFAULT_MAX_NUM_BATCHED_TOKENS)
-        for flops in (1e9, 1e10, 1e11):
-            budget.costs.record(2, flops, fixed_s + per_flop * flops)
-        fixed, _ = budget.costs.fit(2)
-        chunk = budget.tokens([], [Request("long", [1] * 40_000)], threads=2)
-        assert predicted(budget, [], 0, chunk) <= (FLOOR + 1) * fixed < predicted(budget, [], 0, chunk + 1)
-        assert budget.describe()["learned"]["2 threads"]["target_step_ms"] == pytest.approx((FLOOR + 1) * fixed * 1e3)
 
 
 def test_beside_decodes_a_step_takes_at_most_stall_times_theirs():
@@ -220,7 +206,7 @@ def test_beside_decodes_a_step_takes_at_most_stall_times_theirs():
     decode_s = predicted(budget, decodes, 0, 0)  # about 38 ms: the streams' gap between tokens
     chunk = budget.tokens(decodes, [Request("long", [1] * 4000)], threads=2) - len(decodes)
     assert predicted(budget, decodes, 0, chunk) <= STALL * decode_s < predicted(budget, decodes, 0, chunk + 1)
-    assert STALL * decode_s < TARGET_MS / 1e3  # here the streams' bound is the tighter one
+    assert STALL * decode_s < DEFAULT_TARGET_STEP_MS / 1e3  # here the streams' bound is the tighter one
 
 
 def test_a_chunk_is_never_crumbs_but_the_floor_stretches_a_gap_at_most_gap_max_times():
@@ -285,9 +271,9 @@ def test_beside_decodes_a_step_stays_within_the_target_when_that_is_tighter():
     budget = learned(0.05, 2e-11)
     decodes = [decoding(f"s{i}", 300) for i in range(30)]  # about 190 ms
     decode_s = predicted(budget, decodes, 0, 0)
-    assert decode_s < TARGET_MS / 1e3 / 2 and STALL * decode_s > TARGET_MS / 1e3
+    assert decode_s < DEFAULT_TARGET_STEP_MS / 1e3 / 2 and STALL * decode_s > DEFAULT_TARGET_STEP_MS / 1e3
     chunk = budget.tokens(decodes, [Request("long", [1] * 4000)], threads=2) - len(decodes)
-    target = TARGET_MS / 1e3
+    target = DEFAULT_TARGET_STEP_MS / 1e3
     assert predicted(budget, decodes, 0, chunk) <= target < predicted(budget, decodes, 0, chunk + 1)
 
 
@@ -303,7 +289,7 @@ def test_when_the_decodes_take_most_of_the_target_the_prompt_still_gets_as_long(
     budget = learned(0.05, 2e-11)  # 20 ms a GFLOP: about a 2-core laptop's
     decodes = [decoding(f"s{i}", 1000) for i in range(64)]
     decode_s = predicted(budget, decodes, 0, 0)
-    assert decode_s > TARGET_MS / 1e3 / 2
+    assert decode_s > DEFAULT_TARGET_STEP_MS / 1e3 / 2
     chunk = budget.tokens(decodes, [Request("long", [1] * 4000)], threads=2) - len(decodes)
     prompt_s = predicted(budget, decodes, 0, chunk) - decode_s
     assert prompt_s <= decode_s < predicted(budget, decodes, 0, chunk + 1) - decode_s
@@ -391,7 +377,7 @@ def test_replies_are_exact_whatever_budget_each_step_gets(tiny_model, tokenizer,
 
 
 def test_the_engine_is_calibrated_when_made_then_learns_and_keeps_within_the_cap(make_engine):
-    engine = make_engine(num_blocks=256, target_step_ms=None)  # its costs learned, as Engine()'s
+    engine = make_engine(num_blocks=256, target_step_ms=DEFAULT_TARGET_STEP_MS)  # its costs learned, as Engine()'s
     assert engine.scheduler_options["max_num_batched_tokens"] == 2048
     costs = engine.step_budget.costs
 
@@ -409,7 +395,7 @@ def test_the_engine_is_calibrated_when_made_then_learns_and_keeps_within_the_cap
 def test_a_fixed_budget_or_a_target_not_both(make_engine):
     assert make_engine(max_num_batched_tokens=64).step_budget is None
     assert make_engine(target_step_ms=100).step_budget.target_ms == 100
-    assert make_engine(max_num_batched_tokens=None).step_budget.target_ms is None  # FLOOR + 1 fixed costs
+    assert make_engine(max_num_batched_tokens=None).step_budget.target_ms == DEFAULT_TARGET_STEP_MS
     with pytest.raises(ValueError, match="not both"):
         make_engine(max_num_batched_tokens=64, target_step_ms=100)
     for bad in (-1, 0, float("nan"), float("inf"), True, "400"):
@@ -424,11 +410,10 @@ def test_health_shows_the_target_and_what_a_step_costs(tiny_model, tokenizer):
         assert status == 200
         health = call(url, "/health")[1]
     engine.loop.stop()
-    assert health["target_step_ms"] is None and health["max_num_batched_tokens"] == 2048  # none given
+    assert health["target_step_ms"] == DEFAULT_TARGET_STEP_MS and health["max_num_batched_tokens"] == 2048
     assert set(health["step_costs"]) <= {"1 thread", "2 threads", f"{torch.get_num_threads()} threads"}
     for costs in health["step_costs"].values():  # one fit per thread count a step ran with
         assert costs["steps"] >= 1 and costs["ms_per_prompt_token"] > 0
-        assert costs["target_step_ms"] == pytest.approx((FLOOR + 1) * costs["fixed_ms"], abs=0.2)
     assert health["last_step"]["budget"] >= 1
 
 

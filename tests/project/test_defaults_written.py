@@ -1,18 +1,18 @@
 """The defaults the prose writes out, each checked against the one constant it copies.
 
-STYLE.md, "One home for each figure and default": the bound on a stream's stall and the
-token cap of a step are constants, and the README, the docs, the lessons, the notebooks and
-the docstrings also state them in words. For each default:
+STYLE.md, "One home for each figure and default": the target step time, the bound on a
+stream's stall and the token cap of a step are constants, and the README, the docs, the
+lessons, the notebooks and the docstrings also state them in words. For each default:
 
-    phrases   the ways the prose states it ("within 2.2 times the", "at most 2,048"): every
-              number such a phrase holds must be the constant's value now;
-    mentions  how its current value is written ("2.2x"): each one must sit inside a phrase
+    phrases   the ways the prose states it ("within 400 ms and within", "`--target-step-ms`
+              (400"): every number such a phrase holds must be the constant's value now;
+    mentions  how its current value is written ("400 ms"): each one must sit inside a phrase
               or in ALLOWED, so a new sentence that writes the number is checked or excused.
 
 ALLOWED lists the places those numbers are something else (a measured figure, vLLM's own
-default, a fixed budget a lesson passes), each with the reason. Change STALL to 2.5 and
-test_the_prose_states_each_default_as_it_is fails, naming every copy that still says 2.2; a
-sentence that names the constant instead (a lesson's f-string) needs nothing here.
+default, a fixed budget a lesson passes), each with the reason. Change DEFAULT_TARGET_STEP_MS
+to 300 and test_the_prose_states_each_default_as_it_is fails, naming every copy that still
+says 400; a sentence that names the constant instead (a lesson's f-string) needs nothing here.
 
 Read: README.md, docs/*.md, lessons/*.md, exercises/*.md, the notebooks' cells, and the
 string literals and comments (not the code: a number a lesson passes is its own) of the
@@ -47,6 +47,11 @@ class Default:
 def defaults(**values) -> list[Default]:
     """The defaults the prose states, at their values now (or at `values`, to test this test)."""
     return [
+        Default("step_budget.DEFAULT_TARGET_STEP_MS", values.get("target", step_budget.DEFAULT_TARGET_STEP_MS),
+                phrases=(rf"{NUM} ms target step time", rf"within {NUM} ms and within", rf"--target-step-ms`? \({NUM}",
+                         rf'"target_step_ms": {NUM}', rf"as many tokens as fit in {NUM} ms",
+                         rf"{NUM} ms (?:by default|unless given)"),
+                mentions=(r"\b{v} ms\b", r'"target_step_ms": {v}\b', r"--target-step-ms`? \({v}\b")),
         Default("step_budget.STALL", values.get("stall", step_budget.STALL),
                 phrases=(rf"within {NUM} times the", rf"{NUM} times the step the streams"),
                 mentions=(r"\b{v}(?:x|\s+times)\b",)),
@@ -221,10 +226,11 @@ def test_every_allowed_place_is_still_there():
 @pytest.mark.slow
 def test_a_changed_default_names_every_copy():
     """This test's own check: given other values, it reports the copies of today's."""
-    found, _ = problems(defaults(stall=2.5, cap=3000))
+    found, _ = problems(defaults(target=300.0, stall=2.5, cap=3000))
     text = "\n".join(found)
     for file in ("docs/measured.md", "docs/serving.md", "docs/server.md", "lessons/README.md"):
         assert f"\n{file}:" in f"\n{text}", f"no copy of a default found in {file}"
+    assert "says 400 where step_budget.DEFAULT_TARGET_STEP_MS is 300" in text
     assert "says 2.2 where step_budget.STALL is 2.5" in text
     assert "says 2,048 where engine.DEFAULT_MAX_NUM_BATCHED_TOKENS is 3000" in text
 
