@@ -368,6 +368,7 @@ class StepBudget:
         start = max((c.num_computed_tokens for c in waiting), default=0)
         tokens = self.tokens(running, [c.request for c in waiting], threads, start)
         if not self.costs.known(threads):
+            self.yielded = False  # nothing learned to bound a yield by
             return Budget(tokens)
         fixed, per_flop = self.costs.fit(threads)
         decodes = [r for r in running if not r.num_prefill_left]

@@ -17,8 +17,8 @@ from engine.one_request import greedy_reference
 from engine.request import SamplingParams
 from engine.scheduler import Budget, Candidate, Request, ScheduledRequest, Scheduler, StepPlan
 from engine.step_budget import (CALIBRATION_TOKENS, DEFAULT_TARGET_STEP_MS, FAIR_SLACK, FAIR_STALL, FIRST_CHUNK,
-                                FLOOR, GAP_MAX, MIN_CHUNK, STALL, AttentionCosts, ModelShape, StepBudget, StepCosts,
-                                chunk_flops, keys_attended)
+                                FLOOR, GAP_MAX, MIN_CHUNK, STALL, AttentionCosts, HeldCosts, ModelShape, StepBudget,
+                                StepCosts, chunk_flops, keys_attended)
 from helpers import call, serve
 from server import create_app
 
@@ -468,3 +468,28 @@ def test_a_flood_of_arrivals_leaves_the_prompts_every_other_step_at_least():
         moved.append(given.chunks.get("long") != 0)
         budget.record(2, StepPlan([ScheduledRequest(newcomer, 0, 30)], []), FLOOR * fixed)  # a yielded step: a floor's worth
     assert moved == [False, True] * 6  # FLOOR fixed costs yielded in a row, then the prompt moves
+
+
+def test_an_engines_long_prompt_yields_a_newcomers_first_step_and_every_reply_is_exact(tiny_model, tokenizer):
+    """The default policy on a held calibration, through the runner the engine loop steps: a
+    long prompt is part-way in when a question arrives; the next step is the question's alone,
+    then the long prompt goes on beside its decode."""
+    engine = Engine(model=tiny_model, tokenizer=tokenizer, block_size=4, num_blocks=128)
+    budget = engine.step_budget
+    budget.costs = HeldCosts(fixed_s=0.001, per_flop=0.02 / (2 * budget.shape.body_params))  # 20 ms a token
+    budget.attention = budget.shape.attention
+    runner = BatchRunner(engine.parts, choose_threads=False, step_budget=budget, max_num_seqs=4,
+                         max_num_batched_tokens=DEFAULT_MAX_NUM_BATCHED_TOKENS)
+    long_ids, question_ids = list(range(1, 201)), [7, 8, 9, 10, 11, 12]
+    long = runner.add("long", long_ids, SamplingParams(max_tokens=3), None)
+    runner.step()
+    first = {s.request.request_id: (s.start, s.end) for s in runner.last_plan.scheduled}
+    assert list(first) == ["long"] and first["long"][1] < len(long_ids)  # part-way in
+    question = runner.add("question", question_ids, SamplingParams(max_tokens=3), None)
+    runner.step()
+    assert [(s.request.request_id, s.start, s.end) for s in runner.last_plan.scheduled] == [("question", 0, 6)]
+    runner.step()
+    assert {s.request.request_id for s in runner.last_plan.scheduled} == {"long", "question"}
+    replies = runner.run([long, question])
+    assert [r.token_ids for r in replies] == [greedy_reference(tiny_model, ids, 3) for ids in (long_ids, question_ids)]
+    assert not engine.allocator.block_tables
