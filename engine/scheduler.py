@@ -130,6 +130,7 @@ class Candidate:
     num_computed_tokens: int
     num_remaining_tokens: int
     lead: int = 0
+    hit_coming: bool = False  # waiting for its next block, which a prompt prefilling now will write
 
     @property
     def tenant(self) -> str | None:
@@ -277,10 +278,12 @@ class Scheduler:
             remaining = len(request.token_ids) - request.num_computed_tokens
             found.append(Candidate(request, True, request.num_cached_tokens, request.num_computed_tokens, remaining,
                                    self.lead(request.tenant) if self.fair_share else 0))
+        coming = self._blocks_coming()
         for request in self.waiting_order()[: self.max_num_seqs - len(self.running)]:
             num_cached = self._lookup(request)
             found.append(Candidate(request, False, num_cached, num_cached, len(request.token_ids) - num_cached,
-                                   self.lead(request.tenant) if self.fair_share else 0))
+                                   self.lead(request.tenant) if self.fair_share else 0,
+                                   self._hit_coming(request, coming, num_cached)))
         return found
 
     def _lookup(self, request: Request) -> int:
@@ -357,6 +360,10 @@ class Scheduler:
             scheduled.append(ScheduledRequest(request, num_cached, num_cached + num_new))
             self._count(request, num_cached, num_cached + num_new)
             left -= num_new
+        if not scheduled and not preempted and 0 in budget.chunks.values():
+            # Prompts held to 0 (yielding to newcomers) while none of those could be admitted
+            # (no room in the pool): a step with work never runs empty, so they take theirs.
+            return self.schedule(Budget(budget.tokens, {k: v for k, v in budget.chunks.items() if v}))
         return StepPlan(scheduled, preempted)
 
     def _count(self, request: Request, start: int, end: int) -> None:

@@ -380,7 +380,7 @@ class StepBudget:
         # (they yield it to the newcomers), so its time to first token is its own step after the
         # one running when it came. The prompts yield at most FLOOR fixed costs of steps in a
         # row, about one step of their own: a flood of arrivals still leaves them half the time.
-        arrivals = [c for c in waiting if not c.request.admitted]
+        arrivals = [c for c in waiting if not c.request.admitted and not c.hit_coming]  # hit coming: it waits anyway
         prefilling = [c for c in prompts if c.running]
         self.yielded = bool(arrivals and prefilling) and self.yielded_s < FLOOR * fixed
         if self.yielded:

@@ -42,6 +42,18 @@ def test_running_requests_decode_before_new_ones_are_admitted():
     assert run_step(s) == [("a", 3, 4), ("b", 0, 2)]
 
 
+def test_prompts_held_to_0_still_move_when_no_newcomer_can_be_admitted():
+    """A budget policy may hold the prompts prefilling to 0 for newcomers (step_budget's yield);
+    where none of those fits the pool, the step does not run empty: the prompts take their share."""
+    s = Scheduler(PrefixCachingAllocator(num_blocks=4, block_size=4))
+    s.add(Request("long", list(range(16))))
+    assert run_step(s, budget=Budget(8)) == [("long", 0, 8)]  # 2 of the 4 blocks held
+    s.add(Request("newcomer", list(range(100, 112))))  # its 12 tokens need 3 blocks
+    plan = run_step(s, budget=Budget(12, {"long": 0}))
+    assert [rid for rid, _, _ in plan] == ["long"] and plan[0][2] > 8
+    assert [r.request_id for r in s.waiting] == ["newcomer"]
+
+
 def test_admission_stops_at_the_first_request_that_does_not_fit():
     s = Scheduler(PrefixCachingAllocator(num_blocks=4, block_size=4))
     s.add(Request("big", list(range(12))))  # 3 blocks

@@ -14,7 +14,7 @@ from engine import model_runner
 from engine import DEFAULT_MAX_NUM_BATCHED_TOKENS, Engine
 from engine.batch_engine import BatchRunner
 from engine.one_request import greedy_reference
-from engine.request import SamplingParams
+from engine.request import FINISHED, SamplingParams
 from engine.scheduler import Budget, Candidate, Request, ScheduledRequest, Scheduler, StepPlan
 from engine.step_budget import (CALIBRATION_TOKENS, DEFAULT_TARGET_STEP_MS, FAIR_SLACK, FAIR_STALL, FIRST_CHUNK,
                                 FLOOR, GAP_MAX, MIN_CHUNK, STALL, AttentionCosts, HeldCosts, ModelShape, StepBudget,
@@ -470,16 +470,22 @@ def test_a_flood_of_arrivals_leaves_the_prompts_every_other_step_at_least():
     assert moved == [False, True] * 6  # FLOOR fixed costs yielded in a row, then the prompt moves
 
 
+def slow_runner(engine: Engine, num_blocks: int | None = None) -> BatchRunner:
+    """A runner of the engine's default policy on a held calibration of 20 ms a token: the tiny
+    model's prompts come in chunks of about 20 tokens, as a long one does on a laptop."""
+    budget = engine.step_budget
+    budget.costs = HeldCosts(fixed_s=0.001, per_flop=0.02 / (2 * budget.shape.body_params))
+    budget.attention = budget.shape.attention
+    return BatchRunner(engine.parts, choose_threads=False, step_budget=budget, max_num_seqs=4,
+                       max_num_batched_tokens=DEFAULT_MAX_NUM_BATCHED_TOKENS)
+
+
 def test_an_engines_long_prompt_yields_a_newcomers_first_step_and_every_reply_is_exact(tiny_model, tokenizer):
     """The default policy on a held calibration, through the runner the engine loop steps: a
     long prompt is part-way in when a question arrives; the next step is the question's alone,
     then the long prompt goes on beside its decode."""
     engine = Engine(model=tiny_model, tokenizer=tokenizer, block_size=4, num_blocks=128)
-    budget = engine.step_budget
-    budget.costs = HeldCosts(fixed_s=0.001, per_flop=0.02 / (2 * budget.shape.body_params))  # 20 ms a token
-    budget.attention = budget.shape.attention
-    runner = BatchRunner(engine.parts, choose_threads=False, step_budget=budget, max_num_seqs=4,
-                         max_num_batched_tokens=DEFAULT_MAX_NUM_BATCHED_TOKENS)
+    runner = slow_runner(engine)
     long_ids, question_ids = list(range(1, 201)), [7, 8, 9, 10, 11, 12]
     long = runner.add("long", long_ids, SamplingParams(max_tokens=3), None)
     runner.step()
@@ -493,3 +499,24 @@ def test_an_engines_long_prompt_yields_a_newcomers_first_step_and_every_reply_is
     replies = runner.run([long, question])
     assert [r.token_ids for r in replies] == [greedy_reference(tiny_model, ids, 3) for ids in (long_ids, question_ids)]
     assert not engine.allocator.block_tables
+
+
+def test_no_yield_to_newcomers_that_wait_for_the_prompts_blocks_and_no_step_runs_empty(tiny_model, tokenizer):
+    """Newcomers whose next block the long prompt is about to write wait for it (Scheduler's
+    _hit_coming): yielding to them would run steps that compute nothing, forever
+    (tests/engine/test_scheduler.py has the step that cannot admit a newcomer for want of room)."""
+    engine = Engine(model=tiny_model, tokenizer=tokenizer, block_size=4, num_blocks=128)
+    runner = slow_runner(engine)
+    prefix = list(range(1, 101))
+    prompts = [prefix + [200 + i] * 3 for i in range(3)]
+    requests = [runner.add("r0", prompts[0], SamplingParams(max_tokens=3), None)]
+    runner.step()
+    requests += [runner.add(f"r{i}", prompts[i], SamplingParams(max_tokens=3), None) for i in (1, 2)]
+    runner.step()
+    assert [s.request.request_id for s in runner.last_plan.scheduled] == ["r0"]  # no yield: they wait for its blocks
+    for _ in range(200):
+        if all(r.status == FINISHED for r in requests):
+            break
+        runner.step()
+        assert runner.last_plan.scheduled
+    assert [r.output_ids for r in requests] == [greedy_reference(tiny_model, p, 3) for p in prompts]
