@@ -330,8 +330,8 @@ class StepBudget:
     A request that has just arrived waits for the step running now, then for its own first
     step, which the prompts already prefilling yield to it (their caps in the Budget are 0):
     a question sent behind a long prompt gets its first token one step of its own after the
-    step it found running. The prompts yield at most FLOOR fixed costs of steps in a row, so
-    a flood of arrivals leaves them every other step at least.
+    step it found running. The prompts yield at most FLOOR fixed costs of steps in a row, then
+    take a step of at least that much work: a flood of arrivals leaves them half the time.
 
     A fair share (Scheduler(fair_share=True) counts what each tenant was served): while a
     tenant within FAIR_SLACK tokens of the least served is decoding, the prompts of a tenant
@@ -379,7 +379,7 @@ class StepBudget:
         # A request not yet admitted: its first step runs without the prompts already prefilling
         # (they yield it to the newcomers), so its time to first token is its own step after the
         # one running when it came. The prompts yield at most FLOOR fixed costs of steps in a
-        # row, about one step of their own: a flood of arrivals still leaves them half the time.
+        # row, then move: a flood of arrivals still leaves them half the time.
         arrivals = [c for c in waiting if not c.request.admitted and not c.hit_coming]  # hit coming: it waits anyway
         prefilling = [c for c in prompts if c.running]
         self.yielded = bool(arrivals and prefilling) and self.yielded_s < FLOOR * fixed

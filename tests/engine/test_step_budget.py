@@ -456,7 +456,7 @@ def test_a_new_requests_first_step_runs_without_the_prompts_already_prefilling()
     assert again.chunks == {"long": 0}  # 10 ms yielded in a row so far: under FLOOR fixed costs (15 ms)
 
 
-def test_a_flood_of_arrivals_leaves_the_prompts_every_other_step_at_least():
+def test_a_flood_of_arrivals_leaves_the_prompts_half_the_time():
     budget = learned(0.005, 5e-12)
     fixed, _ = budget.costs.fit(2)
     long = Request("long", [1] * 4000)
