@@ -39,7 +39,7 @@ Run:
     python prefix_caching.py --analyze LOG      # your own traffic replayed: hit rate vs pool size
     python prefix_caching.py --bench NAME       # a measurement (--bench NAME --help: what it times)"""
 
-BENCHMARKS = ("allocator", "ttft", "throughput", "chunked_prefill", "stalls", "attention", "paged", "step_profile",
+BENCHMARKS = ("allocator", "ttft", "throughput", "chunked_prefill", "stalls", "attention", "paged", "padded_decode", "step_profile",
               "busy", "server_load", "server_abuse", "first_prompt", "cache_probe", "analyzer", "caching_models", "router",
               "fleet", "gpu")
 

@@ -9,7 +9,7 @@ back, as nano-vllm's LLMEngine hands its ModelRunner the scheduled sequences
 inputs, run_model returns the logits; its run also samples, which here stays with the step).
 
     StepFigures   how big one step was: requests, tokens, slots attended over and copied
-    DecodeGraphs  CUDA graphs of the padded decode step, one per (size, width) of its ladders
+    DecodeGraphs  CUDA graphs of the padded decode step, one per (size, reads) of its ladders
     ModelRunner   run: one forward pass, eager (build_step's packed step) or, for a step that
                   only decodes, the padded step of engine/static_decode.py, replayed as a graph on a
                   GPU; on a CPU with the thread count engine/cpu_threads.py picks
@@ -30,6 +30,7 @@ and _dummy_run in vllm/v1/worker/gpu_model_runner.py).
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -38,7 +39,7 @@ from engine.batch_attention import StepInputs, build_step, use_pool_attention
 from engine.cpu_threads import ThreadChooser, one_pass
 from engine.one_request import EngineParts
 from engine.scheduler import StepPlan
-from engine.static_decode import DecodeBuffers, block_widths, decode_sizes, forward, rung
+from engine.static_decode import DecodeBuffers, block_counts, decode_sizes, forward, rung
 
 log = logging.getLogger("engine")
 
@@ -64,46 +65,60 @@ class StepFigures:
                    inputs.slots_copied)
 
     @classmethod
-    def padded(cls, plan: StepPlan, size: int, width: int, block_size: int) -> StepFigures:
-        """A padded decode step's: every one of its `size` rows reads `width` whole blocks."""
-        read = size * width * block_size
+    def padded(cls, plan: StepPlan, size: int, reads: int, block_size: int) -> StepFigures:
+        """A padded decode step's: its `size` rows read `reads` whole blocks in all."""
+        read = reads * block_size
         prefill = sum(s.end - s.start for s in plan.scheduled if s.is_prefill)
         return cls(len(plan.scheduled), plan.num_tokens, prefill, sum(s.end for s in plan.scheduled), read, read)
 
 
 class DecodeGraphs:
-    """The padded decode step (static_decode.forward) as CUDA graphs, one per (size, width),
+    """The padded decode step (static_decode.forward) as CUDA graphs, one per (size, reads),
     each captured the first time a step of its shape runs: a warm-up pass, then the capture
     (torch.cuda.graph records on a side stream of its own), as nano-vllm's capture_cudagraph
     does. nano-vllm captures every batch size when the model loads, since its attention
-    kernel reads each row's context wherever it ends; here the block-table width is a shape
-    too, and most (size, width) pairs never come. Every graph allocates from the first one's
-    memory pool: they replay one at a time, and each keeps its logits tensor alive."""
+    kernel reads each row's context wherever it ends; here the count of blocks read is a
+    shape too, and most (size, reads) pairs never come. Every graph allocates from the first
+    one's memory pool and writes its logits into one buffer they share: they replay one at a
+    time, so what one graph leaves there is read before the next replays.
+
+    captures: each capture's (size, reads, seconds), in order; failed: the shapes whose capture
+    failed, which run eagerly from then on (the others keep their graphs).
+    """
 
     def __init__(self, model, buffers: DecodeBuffers):
         self.model, self.buffers = model, buffers
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.memory_pool = None
+        self.logits: torch.Tensor | None = None  # (max size, vocab), allocated by the first capture
+        self.captures: list[tuple[int, int, float]] = []
+        self.failed: set[tuple[int, int]] = set()
 
-    def has(self, size: int, width: int) -> bool:
-        return (size, width) in self.graphs
+    def has(self, size: int, reads: int) -> bool:
+        return (size, reads) in self.graphs
 
-    def replay(self, size: int, width: int) -> torch.Tensor:
-        """Run the graph of (size, width) over what the buffers hold now: logits (size, vocab)."""
-        graph, logits = self.graphs[size, width]
-        graph.replay()
-        return logits
+    def replay(self, size: int, reads: int) -> torch.Tensor:
+        """Run the graph of (size, reads) over what the buffers hold now: logits (size, vocab),
+        a view of the shared buffer that the next replay writes over."""
+        self.graphs[size, reads].replay()
+        return self.logits[:size]
 
-    def capture(self, size: int, width: int) -> None:
-        """Record the padded step of (size, width) over the buffers (which hold a real step:
+    def capture(self, size: int, reads: int) -> None:
+        """Record the padded step of (size, reads) over the buffers (which hold a real step:
         the warm-up writes its K/V, and so will the replay, the same values)."""
-        forward(self.model, self.buffers, size, width)  # warm-up: what runs once (lazy setup) runs outside the graph
+        start = time.perf_counter()
+        logits = forward(self.model, self.buffers, size, reads)  # warm-up: lazy setup runs outside the graph
+        if self.logits is None:
+            self.logits = logits.new_empty(self.buffers.input_ids.numel(), logits.shape[-1])
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.memory_pool):
-            logits = forward(self.model, self.buffers, size, width)
+            self.logits[:size].copy_(forward(self.model, self.buffers, size, reads))
         self.memory_pool = graph.pool()
-        self.graphs[size, width] = graph, logits
+        self.graphs[size, reads] = graph
+        self.captures.append((size, reads, time.perf_counter() - start))
+        log.info("captured the decode step of %d rows reading %d blocks as a CUDA graph in %.0f ms",
+                 size, reads, 1000 * self.captures[-1][2])
 
 
 class ModelRunner:
@@ -115,8 +130,9 @@ class ModelRunner:
     for torch's own count (and on a GPU, where the CPU only launches kernels); max_num_seqs:
     the most requests a step holds, the top of the batch-size ladder. static_decode: a step
     whose every request computes one token runs padded (engine/static_decode.py), as a CUDA graph on
-    a GPU and eagerly on a CPU; None: on a GPU only. If a capture fails, the runner says why
-    once (the "engine" logger) and runs every later step eagerly, unpadded.
+    a GPU and eagerly on a CPU; None: on a GPU only. If a shape's capture fails, the runner says
+    why once (the "engine" logger) and runs later steps of that shape eagerly, unpadded; every
+    other shape keeps its graph.
     """
 
     def __init__(self, parts: EngineParts, cascade_attention: bool = True, threads: ThreadChooser | None = None, *,
@@ -128,9 +144,19 @@ class ModelRunner:
         self.buffers: DecodeBuffers | None = None  # the padded decode step's inputs; None: every step eager
         self.graphs: DecodeGraphs | None = None  # its graphs, on a GPU
         if static_decode or (static_decode is None and cuda):
-            self.sizes, self.widths = decode_sizes(max_num_seqs), block_widths(parts.kv.num_blocks)
-            self.buffers = DecodeBuffers(parts.kv, self.sizes[-1], self.widths[-1])
+            self.sizes, self.counts = decode_sizes(max_num_seqs), block_counts(self.most_reads(max_num_seqs, parts))
+            self.buffers = DecodeBuffers(parts.kv, self.sizes[-1], self.counts[-1])
             self.graphs = DecodeGraphs(parts.model, self.buffers) if cuda else None
+
+    @staticmethod
+    def most_reads(max_num_seqs: int, parts: EngineParts) -> int:
+        """The most blocks a decode step's rows can read: every row the whole pool."""
+        return max_num_seqs * parts.kv.num_blocks
+
+    @property
+    def captures(self) -> int:
+        """How many CUDA graphs this runner has captured (0 on a CPU)."""
+        return len(self.graphs.captures) if self.graphs is not None else 0
 
     def run(self, plan: StepPlan, block_tables: dict[str, list[int]]) -> torch.Tensor:
         """One forward pass for the plan: logits (requests that sample, vocab)."""
@@ -143,11 +169,12 @@ class ModelRunner:
             return self.run_padded(plan, block_tables, *padded)
 
     def padded_rung(self, plan: StepPlan) -> tuple[int, int] | None:
-        """The (size, width) the step runs padded to; None: it runs eagerly (no padded path,
-        a step with a prompt's chunk, or one above the ladders)."""
+        """The (size, reads) the step runs padded to; None: it runs eagerly (no padded path,
+        a step with a prompt's chunk, one above the ladders, or a shape whose capture failed)."""
         if self.buffers is None or plan.num_tokens != len(plan.scheduled):
             return None
-        return rung(plan, self.sizes, self.widths, self.parts.kv.block_size)
+        shape = rung(plan, self.sizes, self.counts, self.parts.kv.block_size)
+        return None if self.graphs is not None and shape in self.graphs.failed else shape
 
     def run_eager(self, plan: StepPlan, block_tables: dict[str, list[int]]) -> torch.Tensor:
         """The step packed and grouped anew (batch_attention.build_step), shapes its own."""
@@ -158,25 +185,25 @@ class ModelRunner:
             logits_to_keep=inputs.last_token, pool_step=inputs,
         ).logits[0]
 
-    def run_padded(self, plan: StepPlan, block_tables: dict[str, list[int]], size: int, width: int) -> torch.Tensor:
+    def run_padded(self, plan: StepPlan, block_tables: dict[str, list[int]], size: int, reads: int) -> torch.Tensor:
         """The step copied into the buffers and run padded: its graph replayed on a GPU
         (captured first if its shape is new), eagerly on a CPU."""
-        self.buffers.fill(plan, block_tables, size, width)
+        self.buffers.fill(plan, block_tables, size, reads)
         if self.graphs is None:
-            logits = forward(self.parts.model, self.buffers, size, width)
+            logits = forward(self.parts.model, self.buffers, size, reads)
         else:
-            if not self.graphs.has(size, width):
+            if not self.graphs.has(size, reads):
                 try:
-                    self.graphs.capture(size, width)
-                except Exception as err:  # an operation a graph cannot hold: every step eager from now on
-                    log.warning("CUDA graphs off: capturing the decode step of %d rows x %d blocks failed (%s: %s); "
-                                "every step runs eagerly", size, width, type(err).__name__, err)
-                    self.buffers = self.graphs = None
+                    self.graphs.capture(size, reads)
+                except Exception as err:  # an operation a graph cannot hold, or no memory for this shape
+                    log.warning("CUDA graph of the decode step of %d rows reading %d blocks failed (%s: %s); "
+                                "steps of that shape run eagerly", size, reads, type(err).__name__, err)
+                    self.graphs.failed.add((size, reads))
                     return self.run_eager(plan, block_tables)
-            logits = self.graphs.replay(size, width)
-        self.last_step = StepFigures.padded(plan, size, width, self.parts.kv.block_size)
+            logits = self.graphs.replay(size, reads)
+        self.last_step = StepFigures.padded(plan, size, reads, self.parts.kv.block_size)
         sampling = [i for i, s in enumerate(plan.scheduled) if s.samples]
-        return logits[sampling]  # a copy: the next replay writes over the graph's logits
+        return logits[sampling]  # a copy: the next replay writes over the graphs' logits
 
     def thread_count(self, chosen: bool):
         """What step costs are learned under: None on a GPU; on a CPU the thread count the

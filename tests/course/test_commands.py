@@ -16,7 +16,7 @@ import pytest
 from rich.console import Console
 
 import prefix_caching as cli
-from benchmarks import attention, busy, chunked_prefill, paged, stalls, step_profile, throughput, ttft
+from benchmarks import attention, busy, chunked_prefill, padded_decode, paged, stalls, step_profile, throughput, ttft
 from benchmarks.engines import unwatch_steps, watch_steps
 from benchmarks.allocator import free_order_hit_rates
 from commands import walkthrough
@@ -212,6 +212,22 @@ def test_the_paged_benchmark_runs_both_caches_over_the_same_numbers(tiny_model_d
         assert row["slots_needed"] == n * (40 + 3)  # the last timed step: each prompt and 3 tokens after it
         assert row["slots_copied"] == n * 48  # whole blocks of 16: three a request
         assert row["paged_ms"] > 0 and row["contiguous_ms"] > 0
+
+
+def test_the_padded_decode_benchmark_times_the_same_step_both_ways(tiny_model_dir, tmp_path):
+    results = padded_decode.main(["--model", str(tiny_model_dir), "--num-blocks", "256", "--quick", "--repeats", "3",
+                                  "--json", str(tmp_path / "d.json")])
+    equal, long = results["rows"]
+    # prefilled one a step (20 tokens each), the first ones decoding meanwhile
+    assert equal["context_tokens"] == [25, 23, 22, 21] and equal["padded_slots_copied"] == 8 * 16
+    assert all(row["max_logit_difference"] < 1e-4 and row["captures_in_timed_region"] == 0 for row in results["rows"])
+    assert not equal["graphed"] and equal["padded_ms"] > 0 and equal["packed_ms"] > 0  # a CPU pads eagerly
+    # One context of 122 among three of 7, blocks of 16: the padded step reads the long one's own
+    # 8 blocks and one each for the others, 11 padded to 16; every row reading the longest row's
+    # blocks would be 4 x 8.
+    assert long["context_tokens"] == [122, 7, 7, 7]
+    assert long["padded_slots_copied"] == 16 * 16 < 4 * 8 * 16
+    assert json.loads((tmp_path / "d.json").read_text())["rows"][1]["scene"] == "one long"
 
 
 @pytest.mark.parametrize("http", [False, True], ids=["in-process", "http"])

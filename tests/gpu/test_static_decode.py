@@ -2,7 +2,7 @@
 as the packed step of engine/batch_attention.py for every mix of decodes, whatever the padding holds;
 the ladders pick the smallest rung that fits; a step that does not fit runs as before; and
 the graphs that only a GPU captures, their calls faked here: each shape captured once after a
-warm-up and replayed after, and a capture that fails turning every later step eager."""
+warm-up and replayed after, and a capture that fails turning that shape alone eager."""
 
 import logging
 import random
@@ -16,7 +16,7 @@ from engine.batch_engine import BatchRunner
 from engine.model_runner import ModelRunner
 from engine.one_request import greedy_reference
 from engine.request import SamplingParams
-from engine.static_decode import block_widths, decode_sizes, forward, padded_to
+from engine.static_decode import block_counts, decode_sizes, forward, padded_to, rung
 
 pytestmark = [pytest.mark.gpu, pytest.mark.model]
 
@@ -92,7 +92,7 @@ def compare_steps(engine, prompts, max_tokens, eager, padded, max_num_seqs=16) -
 def test_the_ladders_pick_the_smallest_rung_that_holds_the_step():
     assert decode_sizes(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
     assert decode_sizes(12) == [1, 2, 4, 8, 12] and decode_sizes(1) == [1]
-    assert block_widths(64) == [1, 2, 4, 8, 16, 32, 64] and block_widths(1) == [1]
+    assert block_counts(64) == [1, 2, 4, 8, 16, 32, 64] and block_counts(1) == [1]
     sizes = decode_sizes(64)
     assert [padded_to(sizes, n) for n in (1, 2, 3, 5, 8, 9, 17, 64, 65)] == [1, 2, 4, 8, 8, 16, 24, 64, None]
 
@@ -108,11 +108,11 @@ def test_a_decode_step_runs_padded_to_its_rung_and_a_bigger_one_as_before(make_e
         assert torch.equal(padded.run(plan, tables), eager.run(plan, tables))
     assert padded.last_step == eager.last_step  # the packed step's figures: no padding
     three = plan.__class__(plan.scheduled[:3], [])
-    longest = max(s.end for s in three.scheduled)  # 12 tokens: 3 blocks of 4, padded to 4
-    assert longest == 12 and padded.padded_rung(three) == (4, 4)
+    assert [s.end for s in three.scheduled] == [4, 6, 12]  # 1 + 2 + 3 blocks of 4, one for the padding row
+    assert padded.padded_rung(three) == (4, 8)
     with torch.inference_mode():
         padded.run(three, tables)
-    assert padded.last_step.num_slots_read == 4 * 4 * 4  # 4 rows x 4 blocks x 4 slots
+    assert padded.last_step.num_slots_read == 8 * 4  # 8 blocks of 4 slots, padding included
     steps.close()
 
 
@@ -168,15 +168,16 @@ def test_padding_is_never_read_and_changes_no_request(make_engine):
     with torch.inference_mode():
         want = eager.run(plan, tables)
         written = pool.data.clone()
-        size, width = padded.padded_rung(plan)
+        size, reads = padded.padded_rung(plan)
         assert size == 4
-        padded.buffers.fill(plan, tables, size, width)
+        padded.buffers.fill(plan, tables, size, reads)
         for layer in range(pool.num_layers):
             pool.blocks(layer)[:, pool.scratch_block] = float("nan")
         padded.buffers.input_ids[3:] = 1234
         padded.buffers.positions[3:] = 77
-        padded.buffers.context_lens[3:] = 2  # the padding rows even read a NaN slot: only their own rows see it
-        logits = forward(engine.model, padded.buffers, size, width)
+        real = sum(-(-s.end // pool.block_size) for s in plan.scheduled)
+        padded.buffers.read_lens[real:] = 2  # the padding reads even take a NaN slot: only their own rows see it
+        logits = forward(engine.model, padded.buffers, size, reads)
     assert torch.allclose(logits[:3], want, **CLOSE)
     assert logits[3].isnan().any()  # the poison was there to read
     assert torch.allclose(pool.data, written, **CLOSE)
@@ -201,7 +202,9 @@ def test_a_generation_with_the_padded_step_equals_one_without(make_engine, monke
     padded = make_engine(static_decode=True)
     padded.generate(SHARED + [99], max_tokens=1)
     replies = padded.generate_batch(prompts, params=params)
-    assert (8, 16) in calls  # 6 decodes padded to 8, their longest context (up to 40 tokens) to 16 blocks
+    # The first decode step: 6 rows padded to 8, reading 8 + 6 + 1 + 6 + 3 + 1 blocks of 4 and
+    # one for each padding row, 27 padded to 32 (each row reading the longest row's 8: 64).
+    assert calls[0] == (8, 32)
     assert [r.token_ids for r in replies] == [r.token_ids for r in without]
     assert [r.cached_tokens for r in replies] == [r.cached_tokens for r in without] and replies[0].cached_tokens == 28
     for prompt, reply in zip(prompts, replies):
@@ -244,39 +247,6 @@ def test_a_cpu_runs_the_packed_step_unless_asked_and_never_captures(make_engine)
     assert forced.buffers is not None and forced.graphs is None  # padded, eagerly: nothing to capture
 
 
-class FailingGraphs:
-    """Stands in for DecodeGraphs on a CPU: a capture that fails, as one does on an operation
-    a graph cannot hold."""
-
-    def __init__(self):
-        self.captures = 0
-
-    def has(self, size, width):
-        return False
-
-    def capture(self, size, width):
-        self.captures += 1
-        raise RuntimeError("operation not permitted when stream is capturing")
-
-
-def test_a_failed_capture_says_why_once_and_every_step_runs_eagerly(make_engine, caplog):
-    engine = make_engine()
-    eager, padded = runners(engine)
-    padded.graphs = failing = FailingGraphs()
-    steps = decode_plans(engine, [SHARED[:9], [7, 8, 9]], max_tokens=5)
-    plan, tables = next(steps)
-    with caplog.at_level(logging.WARNING, logger="engine"), torch.inference_mode():
-        for _ in range(3):
-            want = eager.run(plan, tables)
-            assert torch.allclose(padded.run(plan, tables), want, **CLOSE)
-            plan, tables = steps.send(want.argmax(-1).tolist())
-    messages = [r.getMessage() for r in caplog.records if r.name == "engine"]
-    assert failing.captures == 1 and len(messages) == 1
-    assert "CUDA graphs off" in messages[0] and "operation not permitted" in messages[0]
-    assert padded.buffers is None and padded.graphs is None
-    steps.close()
-
-
 class FakeGraph:
     """Stands in for torch.cuda.CUDAGraph on a CPU: counts replays, hands out a pool id."""
 
@@ -306,28 +276,89 @@ class fake_capture:
         return False
 
 
-def test_each_shape_is_captured_once_after_a_warm_up_then_replayed(make_engine, monkeypatch):
-    """DecodeGraphs' bookkeeping, with torch's graph calls faked (this machine has no GPU): a
-    new (size, width) runs a warm-up pass and a captured one, later steps of it only replay,
-    and every graph after the first allocates from the first one's memory pool."""
+def fake_graphs(monkeypatch):
+    """torch's graph calls faked (this machine has no GPU): a capture runs its code eagerly."""
     FakeGraph.made = []
     monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
     monkeypatch.setattr(torch.cuda, "graph", fake_capture)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+
+
+def test_each_shape_is_captured_once_after_a_warm_up_then_replayed(make_engine, monkeypatch):
+    """DecodeGraphs' bookkeeping, with torch's graph calls faked: a new (size, reads) runs a
+    warm-up pass and a captured one, later steps of it only replay, every graph after the first
+    allocates from the first one's memory pool, all of them write their logits into one buffer,
+    and the runner counts its captures."""
+    fake_graphs(monkeypatch)
     passes = []
     monkeypatch.setattr(model_runner, "forward", lambda *args: passes.append(args[2:]) or forward(*args))
     engine = make_engine()
     eager, padded = runners(engine)
     padded.graphs = model_runner.DecodeGraphs(engine.model, padded.buffers)
     steps = decode_plans(engine, [SHARED[:9], [7, 8, 9], SHARED[:5]], max_tokens=[3, 6, 6])
-    shapes = []
+    shapes, outputs = [], set()
     with torch.inference_mode():
         for plan, tables in iter_steps(steps, lambda plan, tables: eager.run(plan, tables).argmax(-1).tolist()):
             shapes.append(padded.padded_rung(plan))
             padded.run(plan, tables)
+            outputs.add(padded.graphs.replay(*shapes[-1]).untyped_storage().data_ptr())
     new = list(dict.fromkeys(shapes))  # each shape once, in the order they came
-    assert shapes[:2] == [(4, 4), (4, 4)] and (2, 4) in new and len(new) < len(shapes)
+    # 3 rows reading 3 + 1 + 2 blocks and one for the padding row; later 2 rows of 2 blocks each
+    assert shapes[:2] == [(4, 8), (4, 8)] and (2, 4) in new and len(new) < len(shapes)
     assert passes == [shape for shape in new for _ in ("warm-up", "capture")]  # no pass of its own for a replay
-    assert len(FakeGraph.made) == len(new) and sum(graph.replays for graph in FakeGraph.made) == len(shapes)
+    assert len(FakeGraph.made) == len(new) and sum(graph.replays for graph in FakeGraph.made) == 2 * len(shapes)
     first, *later = FakeGraph.made
     assert first.captured_in is None and all(graph.captured_in == ("pool of", first) for graph in later)
+    assert len(outputs) == 1  # one logits buffer for every graph
+    assert padded.captures == len(new) and [c[:2] for c in padded.graphs.captures] == new
+
+
+def test_a_failed_capture_says_why_once_and_only_its_shape_runs_eagerly(make_engine, monkeypatch, caplog):
+    """A capture that fails (an operation a graph cannot hold, or no memory for a wide shape)
+    turns off that shape alone: one warning naming it, its later steps packed as the eager
+    runner's (no second try), every other shape captured and replayed, every step's logits
+    those of the packed step."""
+    fake_graphs(monkeypatch)
+    engine = make_engine()
+    eager, padded = runners(engine)
+    padded.graphs = graphs = model_runner.DecodeGraphs(engine.model, padded.buffers)
+    capture, tries = graphs.capture, []
+
+    def failing(size, reads):
+        tries.append((size, reads))
+        if (size, reads) == (4, 8):
+            raise RuntimeError("operation not permitted when stream is capturing")
+        capture(size, reads)
+
+    graphs.capture = failing
+    steps = decode_plans(engine, [SHARED[:9], [7, 8, 9], SHARED[:5]], max_tokens=[3, 6, 6])
+    shapes = []
+    with caplog.at_level(logging.WARNING, logger="engine"), torch.inference_mode():
+        for plan, tables in iter_steps(steps, lambda plan, tables: eager.run(plan, tables).argmax(-1).tolist()):
+            shapes.append(rung(plan, padded.sizes, padded.counts, engine.kv.block_size))
+            got = padded.run(plan, tables)
+            if not graphs.has(*shapes[-1]):  # a replay gives what the capture left (the fake records no pass)
+                assert torch.allclose(got, eager.run(plan, tables), **CLOSE)
+                assert padded.last_step == eager.last_step  # the packed step, not the padded one
+    messages = [r.getMessage() for r in caplog.records if r.name == "engine"]
+    assert shapes[:2] == [(4, 8), (4, 8)] and tries.count((4, 8)) == 1 and len(messages) == 1
+    assert "4 rows reading 8 blocks" in messages[0] and "operation not permitted" in messages[0]
+    assert graphs.failed == {(4, 8)} and set(graphs.graphs) == set(shapes) - {(4, 8)} != set()
+    assert padded.buffers is not None and padded.captures == len(graphs.graphs)
+
+
+def test_a_long_row_among_short_ones_reads_only_its_own_blocks(make_engine):
+    """One 120-token context among seven of a few tokens: the padded step reads each row's own
+    blocks (30 + 7 x 1, padded to 64), not the longest row's 30 for every row (240), and gives
+    the packed step's logits."""
+    engine = make_engine(num_blocks=96)
+    eager, padded = runners(engine)
+    prompts = [list(range(600, 719))] + [[10 + i, 20 + i] for i in range(7)]
+    steps = decode_plans(engine, prompts, max_tokens=2)
+    plan, tables = next(steps)
+    assert [s.end for s in plan.scheduled] == [120] + [3] * 7
+    assert padded.padded_rung(plan) == (8, 64)
+    with torch.inference_mode():
+        assert torch.allclose(padded.run(plan, tables), eager.run(plan, tables), **CLOSE)
+    assert padded.last_step.num_slots_read == 64 * 4
+    steps.close()
