@@ -105,6 +105,7 @@ class LoopSnapshot:
     blocks_in_use: int
     running_requests: int  # requests that hold blocks (the allocator's block tables)
     cache_stats: dict  # the allocator's hit counters (CacheStats.as_dict)
+    cuda_graphs: dict | None  # the decode step's graphs (ModelRunner.graph_figures); None: none run (a CPU)
 
 
 # -----------------------------------------------------------------------------
@@ -442,6 +443,7 @@ class EngineLoop:
                 blocks_in_use=alloc.num_blocks_in_use,
                 running_requests=len(alloc.block_tables),
                 cache_stats=alloc.stats.as_dict(),
+                cuda_graphs=self.runner.model_runner.graph_figures(),
             )
 
     def snapshot(self) -> LoopSnapshot:

@@ -158,6 +158,14 @@ class ModelRunner:
         """How many CUDA graphs this runner has captured (0 on a CPU)."""
         return len(self.graphs.captures) if self.graphs is not None else 0
 
+    def graph_figures(self) -> dict | None:
+        """The decode step's CUDA graphs so far: shapes captured, the seconds their captures
+        took in all, and shapes whose capture failed; None where no graph runs (a CPU)."""
+        if self.graphs is None:
+            return None
+        return {"captured": len(self.graphs.captures), "capture_s": round(sum(c[2] for c in self.graphs.captures), 3),
+                "failed": len(self.graphs.failed)}
+
     def run(self, plan: StepPlan, block_tables: dict[str, list[int]]) -> torch.Tensor:
         """One forward pass for the plan: logits (requests that sample, vocab)."""
         prefill = any(s.is_prefill for s in plan.scheduled)

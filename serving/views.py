@@ -169,6 +169,7 @@ class ServerState:
             if loop.step_budget is not None:  # what a step costs on this machine, learned (engine/step_budget.py)
                 pool["step_costs"] = loop.step_budget["learned"]
                 pool["attention_costs"] = loop.step_budget["attention_flops"]  # in flops of the weights
+            pool["cuda_graphs"] = loop.cuda_graphs  # null on a CPU, which runs no graph
             pool["last_step"] = None if last is None else {
                 "requests": last.num_requests, "tokens": last.num_tokens, "prefill_tokens": last.num_prefill_tokens,
             }

@@ -362,3 +362,17 @@ def test_a_long_row_among_short_ones_reads_only_its_own_blocks(make_engine):
         assert torch.allclose(padded.run(plan, tables), eager.run(plan, tables), **CLOSE)
     assert padded.last_step.num_slots_read == 64 * 4
     steps.close()
+
+
+def test_the_engine_publishes_its_graphs_for_health(make_engine, monkeypatch):
+    """What /health shows of the graphs, from the loop's snapshot: null on a CPU; with graphs
+    (torch's calls faked), the shapes captured, the time they took and the shapes that failed."""
+    assert make_engine().snapshot().cuda_graphs is None
+    fake_graphs(monkeypatch)
+    engine = make_engine(static_decode=True)
+    runner = engine.loop.runner.model_runner
+    runner.graphs = model_runner.DecodeGraphs(engine.model, runner.buffers)
+    engine.generate_batch([SHARED[:9], [7, 8, 9]], max_tokens=4)
+    figures = engine.snapshot().cuda_graphs
+    assert figures["captured"] == len(runner.graphs.captures) > 0 and figures["failed"] == 0
+    assert figures["capture_s"] == round(sum(c[2] for c in runner.graphs.captures), 3)

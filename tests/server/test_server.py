@@ -82,6 +82,7 @@ def test_health_reports_the_cache_figures(engine, url):
         2, stats.queried_tokens, stats.hit_tokens)
     assert health["hit_rate"] == round(stats.hit_rate, 4) > 0
     assert health["evictions"] == 0
+    assert health["cuda_graphs"] is None  # a CPU runs no graph
 
 
 def test_cache_shows_a_running_request_and_reset_waits_for_it(engine, url):
