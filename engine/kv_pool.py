@@ -61,7 +61,8 @@ class PagedKVPool:
     its padding rows at it, so they write and read there and touch no request's K/V. vLLM's
     BlockPool holds back block 0 the same way, its null_block: a placeholder no request owns
     (vllm/v1/core/block_pool.py).
-    `data` is the allocator's blocks only; slots and read_blocks see the scratch block too.
+    `data` is the allocator's blocks only; gather, write, slots and read_blocks see the scratch
+    block too (Engine.warm_up runs stage 7's path through it).
 
     >>> kv = PagedKVPool(num_layers=2, num_kv_heads=1, head_dim=8, num_blocks=4, block_size=4)
     >>> tuple(kv.data.shape), kv.scratch_block
@@ -136,7 +137,7 @@ class PagedKVPool:
         (2, 2, 1, 1, 8, 8)
         """
         index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        kv = self.data.index_select(2, index).flatten(2, 3)  # (layers, 2, tokens, heads, dim)
+        kv = self._memory.index_select(2, index).flatten(2, 3)  # (layers, 2, tokens, heads, dim)
         return kv.transpose(2, 3).unsqueeze(2)  # (layers, 2, 1, heads, tokens, dim)
 
     def slots(self, layer: int):
@@ -174,7 +175,7 @@ class PagedKVPool:
     def write(self, cache, block_table: list[int], start: int, end: int) -> None:
         """Copy tokens start..end-1 of a request's DynamicCache into its slots."""
         slots = slot_ids(block_table, self.block_size, start, end, self.device)
-        flat = self.data.view(self.num_layers, 2, self.num_blocks * self.block_size, self.num_kv_heads, self.head_dim)
+        flat = self._memory.view(self.num_layers, 2, -1, self.num_kv_heads, self.head_dim)
         for layer, (keys, values, *_) in enumerate(cache):
             flat[layer, 0, slots] = keys[0, :, start:end].transpose(0, 1)  # (tokens, heads, dim)
             flat[layer, 1, slots] = values[0, :, start:end].transpose(0, 1)

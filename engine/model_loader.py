@@ -10,6 +10,7 @@ calls load_model; nothing here knows about prefix caching.
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -34,6 +35,13 @@ from engine.model_files import (
 # every later load reads that in well under a second.
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+# CUDA loads a kernel the first time it runs, unless told to load every kernel of a library
+# when the library loads: on an H200 the demo's first pool write took ~20 ms and its first
+# gather ~15 ms that way, 1.8 and 2.5 ms with every kernel loaded at once (docs/measured.md,
+# On a GPU). Read when this process first uses the GPU, which the engine does after this
+# module is imported; torch sets LAZY itself where nothing was set. Any value already set wins.
+os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
 
 
 @contextlib.contextmanager

@@ -13,6 +13,7 @@ import threading
 import weakref
 
 import pytest
+import torch
 
 from engine import llm_engine as engine_module
 from engine import Engine, EngineClosedError
@@ -236,3 +237,36 @@ def test_an_engine_runs_no_tensor_work_on_its_callers_thread(tokenizer, monkeypa
     assert len(pools) == 1 and pools[0] is not caller and not pools[0].is_alive()
     assert all(t is not caller and not t.is_alive() for t in before)
     assert passes[len(before):] and all(t is loop_thread for t in passes[len(before):])
+
+
+@pytest.mark.parametrize("static_decode", [False, True], ids=["packed", "padded"])
+def test_warm_up_runs_every_kind_of_pass_and_leaves_the_pool_as_it_was(make_engine, tiny_model, static_decode):
+    """Stage 7's passes (a prefill from nothing, a suffix over a gathered block, a decode) and
+    the batched ones (a prompt's chunk, a decode, padded where the engine pads), all through
+    the scratch block: afterwards the allocator's blocks hold what they held, nothing is cached,
+    the loop's runner has run nothing, and the first request computes every token."""
+    engine = make_engine(static_decode=static_decode)
+    pool, seen = engine.kv, []
+
+    def watch(module, args, kwargs):
+        cache, step = kwargs.get("past_key_values"), kwargs.get("pool_step")
+        kind = type(step).__name__ if step is not None else "one request"
+        seen.append((kind, kwargs["input_ids"].shape[1], cache.get_seq_length() if cache is not None else None))
+
+    before = pool.data.clone()
+    hook = tiny_model.register_forward_pre_hook(watch, with_kwargs=True)
+    try:
+        engine.warm_up()
+    finally:
+        hook.remove()
+    # block size 4: a block's prefill, a suffix of 2 after it, a decode after those 6 tokens
+    decode = "StaticStep" if static_decode else "StepInputs"
+    assert seen == [("one request", 4, 0), ("one request", 2, 4), ("one request", 1, 6),
+                    ("StepInputs", 2, None), (decode, 1, None)]
+    assert torch.equal(pool.data, before) and not pool._memory[:, :, pool.scratch_block].eq(0).all()
+    assert engine.allocator.num_free_blocks == engine.allocator.num_blocks and engine.allocator.num_cached_blocks == 0
+    runner = engine.loop.runner
+    assert runner.num_steps == 0 and runner.last_step is None and runner.model_runner.graph_figures() is None
+    reply = engine.generate(PROMPTS[0], max_tokens=3)
+    assert reply.cached_tokens == 0 and reply.token_ids == greedy_reference(tiny_model, engine.tokenize(PROMPTS[0]), 3)
+    assert_pool_whole(engine)
