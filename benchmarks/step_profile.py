@@ -17,6 +17,15 @@ counted in one part:
 
 The parts are printed as a share of the step, from one run. The profiler's own bookkeeping
 slows each operator a little, so the shares matter more than the milliseconds.
+
+A second table times the engine's Python around the forward pass, without the profiler, on
+the runner every request of the engine runs on (its loop's: the step budget at the defaults,
+the snapshot /health reads published after each step), decode steps of N requests, medians:
+
+    schedule     the step budget's budget, the scheduler's plan, the block tables it runs on
+    sample       the next token of every request (sample_batch), after the pass has ended
+    record       the step's cost, learned by the budget
+    postprocess  the tokens into replies and events, finished requests freed, the snapshot
 """
 
 from __future__ import annotations
@@ -34,7 +43,7 @@ from benchmarks.engines import open_engine
 from benchmarks.throughput import questions
 from commands.flags import positive_int
 from commands.model_flags import add_model_arguments
-from engine import batch_attention
+from engine import batch_attention, batch_engine
 from engine.batch_engine import BatchRunner
 from engine.cpu_threads import synchronize
 from engine.model_loader import DEFAULT_MODEL
@@ -98,6 +107,60 @@ def profiled_steps(engine, n: int, steps: int) -> dict:
             "shares": {name: ms / total for name, ms in parts.items()}}
 
 
+def engine_python(engine, n: int, steps: int) -> dict:
+    """Milliseconds of each part of the engine's Python (the docstring's second table) in
+    `steps` decode steps of n requests (less those whose reply stopped) on the engine loop's
+    runner, and of the forward pass
+    (ended on the device: a GPU's work is not left for the sampling to wait for). The parts are
+    timed around the runner's own calls, which run as they always do."""
+    runner = engine.loop.runner
+    generator = torch.Generator().manual_seed(n)
+    vocab = engine.model.config.get_text_config().vocab_size
+    # 32 random tokens each, and room to decode long after the last one's prefill
+    requests = [runner.add(f"engine-python-{n}-{i}", torch.randint(vocab, (32,), generator=generator).tolist(),
+                           SamplingParams(max_tokens=steps + 64), None) for i in range(n)]
+    times = {name: [] for name in ("schedule", "forward", "sample", "record", "postprocess")}
+    sizes = []
+
+    def timed(name, call, wait=False):
+        def run(*args, **kwargs):
+            start = time.perf_counter()
+            result = call(*args, **kwargs)
+            if wait:
+                synchronize(engine.device)
+            times[name].append((time.perf_counter() - start) * 1e3)
+            return result
+        return run
+
+    model_runner, budget = runner.model_runner, runner.budget
+    real = {"schedule": runner.schedule, "postprocess": runner.postprocess, "run": model_runner.run,
+            "record": budget.record, "sample": batch_engine.sample_batch}
+    runner.schedule, runner.postprocess = timed("schedule", real["schedule"]), timed("postprocess", real["postprocess"])
+    model_runner.run, budget.record = timed("forward", real["run"], wait=True), timed("record", real["record"])
+    batch_engine.sample_batch = timed("sample", real["sample"])
+    try:
+        while len(times["forward"]) < steps + 1 and (runner.scheduler.running or runner.scheduler.waiting):
+            runner.step()
+            plan = runner.last_plan
+            if plan is None or plan.num_tokens != len(plan.scheduled) or runner.scheduler.waiting:
+                for kept in times.values():
+                    kept.clear()  # only decode steps after the last prompt's are counted
+                sizes.clear()
+            else:
+                sizes.append(len(plan.scheduled))  # a random prompt's reply may stop early
+    finally:
+        del runner.schedule, runner.postprocess, model_runner.run, budget.record
+        batch_engine.sample_batch = real["sample"]
+        for request in requests:
+            if request.status != "finished":
+                runner.scheduler.finish(request)
+    if len(times["forward"]) < 2:
+        raise RuntimeError(f"the {n} requests never decoded together: the pool holds too few blocks for them")
+    medians = {name: statistics.median(kept[1:]) for name, kept in times.items()}  # the first: a new shape
+    return {"requests": n, "decodes": statistics.median(sizes[1:]), "steps": len(sizes) - 1, "ms": medians,
+            "schedule_sample_record_ms": medians["schedule"] + medians["sample"] + medians["record"]}
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(prog="prefix_caching.py --bench step_profile",
                                      description=__doc__.split("\n\n")[0])
@@ -119,7 +182,15 @@ def main(argv: list[str] | None = None) -> dict:
                       *(f"{shares[name]:.1%}" for name in ("linear", "attention", "model", "engine")))
     console.print(table)
     console.print(f"One run on {device}; the profiler slows each operator a little, so read the shares.")
-    results = {"machine": device, "rows": rows}
+    python = [engine_python(engine, n, args.steps) for n in args.requests]
+    table = Table("decodes", "forward pass", "schedule", "sample", "record", "schedule + sample + record",
+                  "postprocess", title="the engine's Python around a decode step, its loop's runner, medians")
+    for row in python:
+        ms = row["ms"]
+        table.add_row(f"{row['decodes']:g}", *(f"{ms[name]:.2f} ms" for name in ("forward", "schedule", "sample", "record")),
+                      f"{row['schedule_sample_record_ms']:.2f} ms", f"{ms['postprocess']:.2f} ms")
+    console.print(table)
+    results = {"machine": device, "rows": rows, "engine_python": python}
     save_json(args.json, results, console)
     return results
 

@@ -246,6 +246,11 @@ def test_the_step_profile_splits_a_step_into_parts(tiny_model_dir, tmp_path):
     assert set(row["shares"]) == {"linear", "attention", "model", "engine"}
     assert all(share >= 0 for share in row["shares"].values()) and 0.9 < sum(row["shares"].values()) < 1.1
     assert row["shares"]["linear"] > 0 and row["shares"]["attention"] > 0
+    (python,) = results["engine_python"]  # the loop's runner, decode steps after the last prompt's
+    assert python["requests"] == 4 and 1 <= python["decodes"] <= 4 and python["steps"] >= 2
+    assert set(python["ms"]) == {"schedule", "forward", "sample", "record", "postprocess"}
+    assert all(ms > 0 for ms in python["ms"].values())
+    assert python["schedule_sample_record_ms"] == sum(python["ms"][k] for k in ("schedule", "sample", "record"))
 
 
 def test_the_busy_benchmark_starts_and_stops_its_busy_programs(tiny_model_dir, tmp_path, monkeypatch):
