@@ -156,8 +156,9 @@ def main(argv: list[str] | None = None) -> dict:
                 ended[busy_now] = ended.get(busy_now) or engine.threads.threads  # the chosen count, not " fixed"
             with fresh(**options) as engine:  # stage 7's path: this engine's loop never starts
                 seconds, one_tokens = in_own_thread(run_one, engine, prompts[0], args.one_tokens)
-            ways["c" + suffix], ways["one" + suffix] = summary("(c)", *c, None), {"seconds": round(seconds, 3)}
-            tokens = tokens or [c[1], None, one_tokens]
+            ways["c" + suffix] = summary("(c)", c.seconds, c.outputs, c.ttfts_ms, None)
+            ways["one" + suffix] = {"seconds": round(seconds, 3)}
+            tokens = tokens or [c.outputs, None, one_tokens]
         d = in_own_thread(run_transformers, hf_model, prompts, args.max_tokens, eos, args.block_size, num_blocks, budget)
         ways["d"], tokens[1] = summary("(d)", *d, None), d[1]
         ways["demo"] = demo_runs(args, args.demo_runs)

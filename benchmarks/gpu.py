@@ -22,9 +22,13 @@ It runs, one after another, then prints one table (--json writes the numbers):
    shape of the batch.
 3. TTFT cold vs warm (benchmarks/ttft.py's cold_vs_warm), prefixes up to the model's context.
 4. Throughput (benchmarks/throughput.py's run_ours): (a) sequential, (b) batched with caching
-   off, (c) batched with caching on. On CUDA on a Llama-3.2-1B shape in bf16 (random weights,
-   the same tokenizer), where a batch has real work to share. throughput.py's (d),
-   transformers' own batching, is left out: it loads the model again from its files.
+   off, (c) batched with caching on, both engines warmed first, each way's steps counted from
+   its runner's plans (a replayed graph included) with the graphs captured while it was timed,
+   and (c) against its floor. On CUDA on a Llama-3.2-1B shape in bf16 (random weights, the same
+   tokenizer), where a batch has real work to share. throughput.py's (d), transformers' own
+   batching, is left out: it loads the model again from its files.
+5. Decode: ms a token on stage 7's path (the demo's) and through the engine loop, one stream
+   and DECODE_STREAMS together (ms a step), on the model of parts 1-3.
 
 Sizes (ON_GPU) are chosen to fit in 6 minutes on an H100, within one call of a lent machine:
 24 exactness prompts of 24 new tokens (three paths, fp32 and bf16), TTFT at 1,024, 4,096 and
@@ -40,6 +44,7 @@ from __future__ import annotations
 import argparse
 import copy
 import random
+import statistics
 import time
 from dataclasses import dataclass
 from datetime import date
@@ -51,12 +56,12 @@ from rich.table import Table
 from transformers import AutoConfig
 
 from benchmarks import save_json
-from benchmarks.engines import device_name, open_console, stage_7
-from benchmarks.throughput import questions, run_ours, summary
+from benchmarks.engines import device_name, open_console, stage_7, unwatch_steps, watch_steps
+from benchmarks.throughput import counted, floor_seconds, questions, run_ours, summary
 from benchmarks.ttft import SUFFIX_LEN, cold_vs_warm, random_tokens
 from commands.demo import DEMO_MAX_TOKENS, DEMO_QUESTIONS, DEMO_SYSTEM_PROMPT
 from commands.model_flags import add_model_arguments, pool_arguments
-from engine.cpu_threads import synchronize
+from engine.cpu_threads import in_own_thread, synchronize
 from engine.llm_engine import Engine
 from engine.model_files import DEFAULT_MODEL, converted_default, load_tokenizer
 from engine.model_loader import load_model, random_model, resolve_device, resolve_dtype, tiny_llama
@@ -81,6 +86,7 @@ ON_GPU = Sizes(shared_prompts=16, long_prompts=(600, 1000, 1400, 1800), exact_to
                prefixes=(1024, 4096, 8128), repeats=3, requests=(16, 64), new_tokens=32)
 SMALL = Sizes(shared_prompts=4, long_prompts=(100, 200), exact_tokens=8,
               prefixes=(64, 128), repeats=1, requests=(4, 8), new_tokens=4)
+DECODE_STREAMS = 16  # part 5: streams decoding together
 SHORT_PROMPTS = ["Hello", "What is two plus two?", "Name a colour.", "Tell me a story about a cat."]
 # Every path a request can take, and the Engine options of each: stage 7's (None: engine/one_request.py
 # over the engine's parts) and the engine loop's.
@@ -175,21 +181,55 @@ def exactness(model, tokenizer, prompts: list[list[int]], max_tokens: int, pool:
     return {name: sum(r.token_ids == ref for r, ref in zip(got, reference)) for name, got in replies.items()}
 
 
-def throughput(engine: Engine, sizes: Sizes) -> list[dict]:
-    """throughput.py's ways (a), (b), (c) at each number of requests."""
-    off = Engine(model=engine.model, tokenizer=engine.tokenizer, block_size=engine.allocator.block_size,
-                 num_blocks=engine.allocator.num_blocks, enable_caching=False)
+def warmed(engine: Engine) -> Engine:
+    """The engine after every kind of pass ran once (Engine.warm_up) and a batched step of two."""
     engine.warm_up()
-    engine.generate_batch(["warm up"] * 2, max_tokens=2)  # the batched path's first pass, untimed
+    engine.generate_batch(["warm up"] * 2, max_tokens=2)
+    return engine
+
+
+def throughput(engine: Engine, sizes: Sizes) -> list[dict]:
+    """throughput.py's ways (a), (b), (c) at each number of requests, both engines warmed first,
+    each way's steps and tokens counted by its runner's plans (throughput.counted), and (c)
+    against its floor."""
+    off = warmed(Engine(model=engine.model, tokenizer=engine.tokenizer, block_size=engine.allocator.block_size,
+                        num_blocks=engine.allocator.num_blocks, enable_caching=False))
+    warmed(engine)
     runs = []
     for n in sizes.requests:
         prompts = [engine.tokenize(q) for q in questions(n)]
-        seconds, reference, ttfts = run_ours(engine, prompts, sizes.new_tokens, batched=False)
-        rows = [summary("(a) sequential", seconds, reference, ttfts, reference),
-                summary("(b) batched, caching off", *run_ours(off, prompts, sizes.new_tokens, batched=True), reference),
-                summary("(c) batched, caching on", *run_ours(engine, prompts, sizes.new_tokens, batched=True), reference)]
-        runs.append({"requests": n, "rows": rows})
+        a = run_ours(engine, prompts, sizes.new_tokens, batched=False)
+        b = run_ours(off, prompts, sizes.new_tokens, batched=True)
+        c = run_ours(engine, prompts, sizes.new_tokens, batched=True)
+        floor = in_own_thread(floor_seconds, engine.model, engine.threads, [(s.tokens, s.samples) for s in c.steps])
+        rows = [summary(name, run.seconds, run.outputs, run.ttfts_ms, a.outputs) | counted(run)
+                for name, run in [("(a) sequential", a), ("(b) batched, caching off", b), ("(c) batched, caching on", c)]]
+        runs.append({"requests": n, "rows": rows, "floor_seconds": round(floor, 4),
+                     "c_over_floor": round(c.seconds / floor, 2)})
+    off.close()
     return runs
+
+
+def decode_ms(engine: Engine, tokens: int, streams: int) -> dict:
+    """Milliseconds a decoded token takes on each path, after a short prompt: stage 7's one
+    request (the demo's), one stream through the engine loop, and `streams` streams decoding
+    together (a step of them). From each reply's own clock: (total - TTFT) / (tokens - 1)."""
+    warmed(engine)
+    engine.allocator.reset_prefix_cache()
+    prompts = [engine.tokenize(q) for q in questions(streams)]
+    one = stage_7(engine, prompts[0], tokens)
+    loop = engine.generate(prompts[1 % streams], max_tokens=tokens)
+    steps = watch_steps(engine)
+    try:
+        engine.generate_batch(prompts, max_tokens=tokens)
+    finally:
+        unwatch_steps(engine)
+    # Steps where every stream still running decodes (a random model's reply may stop early)
+    decodes = [s for s in steps if s.tokens == s.samples and not s.prefill_tokens]
+    per_token = [(r.total_ms - r.ttft_ms) / (len(r.token_ids) - 1) if len(r.token_ids) > 1 else None for r in (one, loop)]
+    return {"tokens": tokens, "one_request_ms": per_token[0], "engine_one_stream_ms": per_token[1], "streams": streams,
+            "engine_step_ms": 1000 * statistics.median(s.end - s.start for s in decodes) if decodes else None,
+            "engine_step_streams": statistics.median(s.tokens for s in decodes) if decodes else None}
 
 
 # -----------------------------------------------------------------------------
@@ -224,8 +264,18 @@ def results_table(results: dict) -> Table:
     for run in results["throughput"]["runs"]:
         for row in run["rows"]:
             table.add_row(f"throughput, {run['requests']} requests" if row is run["rows"][0] else "",
-                          f"{row['name']}: requests/s (same tokens as (a))",
-                          f"{row['requests_per_s']:,.2f} ({row['same_tokens_as_a']} of {run['requests']})")
+                          f"{row['name']}: requests/s (same as (a)), steps, captures while timed",
+                          f"{row['requests_per_s']:,.2f} ({row['same_tokens_as_a']} of {run['requests']}); "
+                          f"{row['steps_run']}, {row['captures_while_timed']}")
+        table.add_row("", "(c) against its floor (the same passes, nothing in a pool)", f"{run['c_over_floor']:.2f}x")
+    table.add_section()
+    decode = results["decode"]
+    for i, (what, ms) in enumerate([("one request (stage 7, the demo's): ms a token", decode["one_request_ms"]),
+                                    ("the engine loop, one stream: ms a token", decode["engine_one_stream_ms"]),
+                                    (f"the engine loop, {decode['streams']} streams (median "
+                                     f"{decode['engine_step_streams'] or 0:g} decoding): ms a step",
+                                     decode["engine_step_ms"])]):
+        table.add_row("decode" if i == 0 else "", what, "-" if ms is None else f"{ms:,.2f}")
     return table
 
 
@@ -282,6 +332,10 @@ def main(argv: list[str] | None = None) -> dict:
     throughput_engine = engine if big is None else Engine(model=big, tokenizer=loaded.tokenizer, **pool)
     results["throughput"] = {"model": throughput_on, "new_tokens": sizes.new_tokens,
                              "runs": throughput(throughput_engine, sizes)}
+    console.print(f"[bold]5. Decode[/]: ms a token on each path, {DECODE_STREAMS} streams together")
+    results["decode"] = decode_ms(engine, sizes.new_tokens * 2, DECODE_STREAMS)
+    results["cuda_graphs"] = {"engine": engine.loop.runner.model_runner.graph_figures(),
+                              "throughput": throughput_engine.loop.runner.model_runner.graph_figures()}
     results["seconds"] = time.perf_counter() - started
 
     console.print(results_table(results))

@@ -17,8 +17,10 @@ another's would slow both.
 
 For each: requests/s, output tokens/s, TTFT p50/p95 (every request arrives at time 0, so a
 TTFT includes the wait for admission), the tokens the model embedded (every token a forward
-pass computed, prompts and decodes, counted by a hook: the same on every machine), and
-whether its tokens equal (a)'s. Then (c)'s floor:
+pass computed, prompts and decodes: the same on every machine; for ours counted from the steps
+the engine's loop ran, as its scheduler planned them, since a decode step replayed as a CUDA
+graph calls no hook on the model; for transformers' by a hook on its embedding), and whether
+its tokens equal (a)'s. Then (c)'s floor:
 the same forward passes, of the same numbers of tokens, each with the logits of as many tokens
 as sampled in it, run plainly with nothing in a pool to attend to: the time no attention or
 bookkeeping could beat, and (c)'s time over it.
@@ -29,13 +31,14 @@ from __future__ import annotations
 import argparse
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from rich.table import Table
 from transformers import ContinuousBatchingConfig, GenerationConfig
 
 from benchmarks import save_json
-from benchmarks.engines import open_engine, unwatch_steps, watch_steps
+from benchmarks.engines import StepSeen, open_engine, unwatch_steps, watch_steps
 from benchmarks.measure import TokenCounter
 from commands.demo import DEMO_SYSTEM_PROMPT
 from commands.model_flags import add_model_arguments
@@ -79,19 +82,49 @@ def summary(name: str, seconds: float, outputs: list[list[int]], ttfts_ms: list[
             "ttft_p95_ms": round(percentile(ttfts_ms, 95), 1), "same_tokens_as_a": same, "requests": len(outputs)}
 
 
-def run_ours(engine: Engine, prompts: list[list[int]], max_tokens: int, batched: bool) -> tuple[float, list, list]:
+class Run(NamedTuple):
+    """One way of ours, timed: its time, each reply's tokens and TTFT, and what its engine's
+    loop ran, counted by the runner's plans (benchmarks/engines.watch_steps), not by a hook on
+    the model, which a replayed CUDA graph never calls."""
+
+    seconds: float
+    outputs: list[list[int]]
+    ttfts_ms: list[float]
+    steps: list[StepSeen]  # each step the loop ran with requests in it
+    steps_run: int  # the runner's own count of them (BatchRunner.num_steps)
+    captures: int  # CUDA graphs captured inside the timed run (0 on a CPU)
+    computed: int  # the tokens the replies say were computed: uncached prompt tokens, and each reply's but the last
+
+
+def run_ours(engine: Engine, prompts: list[list[int]], max_tokens: int, batched: bool) -> Run:
     engine.allocator.reset_prefix_cache()  # every way starts from a cold pool
-    synchronize(engine.device)
-    start = time.perf_counter()
-    if batched:
-        replies = engine.generate_batch(prompts, max_tokens=max_tokens)
-        ttfts = [r.ttft_ms for r in replies]
-    else:
-        replies, ttfts = [], []
-        for prompt in prompts:  # all arrive at time 0: the k-th waits for the k-1 before it
-            replies.append(engine.generate(prompt, max_tokens=max_tokens))
-            ttfts.append((time.perf_counter() - start) * 1e3 - replies[-1].total_ms + replies[-1].ttft_ms)
-    return time.perf_counter() - start, [r.token_ids for r in replies], ttfts
+    runner = engine.loop.runner
+    num_steps, captures = runner.num_steps, runner.model_runner.captures
+    steps = watch_steps(engine)
+    try:
+        synchronize(engine.device)
+        start = time.perf_counter()
+        if batched:
+            replies = engine.generate_batch(prompts, max_tokens=max_tokens)
+            ttfts = [r.ttft_ms for r in replies]
+        else:
+            replies, ttfts = [], []
+            for prompt in prompts:  # all arrive at time 0: the k-th waits for the k-1 before it
+                replies.append(engine.generate(prompt, max_tokens=max_tokens))
+                ttfts.append((time.perf_counter() - start) * 1e3 - replies[-1].total_ms + replies[-1].ttft_ms)
+        seconds = time.perf_counter() - start
+    finally:
+        unwatch_steps(engine)
+    computed = sum(r.prompt_tokens - r.cached_tokens + len(r.token_ids) - 1 for r in replies)
+    return Run(seconds, [r.token_ids for r in replies], ttfts, steps, runner.num_steps - num_steps,
+               runner.model_runner.captures - captures, computed)
+
+
+def counted(run: Run) -> dict:
+    """A run's counts for its row: the tokens its passes computed (from the steps it ran), the
+    steps counted both ways, and the graphs captured while it was timed."""
+    return {"tokens_embedded": sum(s.tokens for s in run.steps), "tokens_replies_computed": run.computed,
+            "steps_watched": len(run.steps), "steps_run": run.steps_run, "captures_while_timed": run.captures}
 
 
 def floor_seconds(model, threads, sizes: list[tuple[int, int]]) -> float:
@@ -161,6 +194,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     parser.add_argument("--plot", type=Path, default=ASSETS / "throughput.png", help="where to save the figure")
     parser.add_argument("--quick", action="store_true", help="4 requests of 4 tokens (for tests)")
+    parser.add_argument("--padded-decode", action="store_true",
+                        help="run decode steps padded to fixed shapes, as a GPU runs them (there as CUDA graphs; "
+                        "on a CPU eagerly, to check that the counts see them)")
     args = parser.parse_args(argv)
     if args.quick:
         args.requests, args.max_tokens = [4], 4
@@ -172,6 +208,8 @@ def main(argv: list[str] | None = None) -> dict:
     first.close()  # each way below makes its own engine, and closes it before the next way runs
 
     def fresh_engine(**options) -> Engine:
+        if args.padded_decode:
+            options["static_decode"] = True
         engine = Engine(model=model, tokenizer=tokenizer, block_size=args.block_size, num_blocks=num_blocks, **options)
         engine.warm_up()
         engine.generate_batch(["warm up"] * 2, max_tokens=2)  # the batched path's first pass, untimed
@@ -185,28 +223,25 @@ def main(argv: list[str] | None = None) -> dict:
     for n in args.requests:
         prompts = prompt_sets[n]
         shared = min(len(p) for p in prompts)
-        with fresh_engine(enable_caching=False) as off, TokenCounter(model.get_input_embeddings()) as embedded:
-            run_b, embedded_b = run_ours(off, prompts, args.max_tokens, batched=True), embedded
+        with fresh_engine(enable_caching=False) as off:
+            run_b = run_ours(off, prompts, args.max_tokens, batched=True)
         with fresh_engine() as engine:
-            with TokenCounter(model.get_input_embeddings()) as embedded:
-                seconds, outputs, ttfts = run_ours(engine, prompts, args.max_tokens, batched=False)
-            steps = watch_steps(engine)  # (c)'s passes as planned: a graph replay or a padded step counts too
+            run_a = run_ours(engine, prompts, args.max_tokens, batched=False)
             run_c = run_ours(engine, prompts, args.max_tokens, batched=True)
-            unwatch_steps(engine)
-            sizes = [(s.tokens, s.samples) for s in steps]
             threads = engine.threads
+        sizes = [(s.tokens, s.samples) for s in run_c.steps]  # (c)'s passes as planned, replays and padded steps too
         floor = in_own_thread(floor_seconds, model, threads, sizes)  # after the engine's loop has ended
-        reference = outputs
-        rows = [summary("(a) sequential", seconds, outputs, ttfts, reference) | {"tokens_embedded": embedded.tokens},
-                summary("(b) batched, caching off", *run_b, reference) | {"tokens_embedded": embedded_b.tokens},
-                summary("(c) batched, caching on", *run_c, reference) | {"tokens_embedded": sum(n for n, _ in sizes)}]
+        reference = run_a.outputs
+        rows = [summary(name, run.seconds, run.outputs, run.ttfts_ms, reference) | counted(run)
+                for name, run in [("(a) sequential", run_a), ("(b) batched, caching off", run_b),
+                                  ("(c) batched, caching on", run_c)]]
         if not args.skip_transformers:
             hf_model = type(model).from_pretrained(model.name_or_path, dtype=model.dtype).to(model.device)
             with TokenCounter(hf_model.get_input_embeddings()) as embedded:  # its passes, like ours, off this thread
                 run = in_own_thread(run_transformers, hf_model, prompts, args.max_tokens, eos, args.block_size,
                                     num_blocks, budget)
             rows.append(summary("(d) transformers generate_batch", *run, reference)
-                        | {"tokens_embedded": embedded.tokens})
+                        | {"tokens_embedded": embedded.tokens})  # its own passes, eager: a hook sees each
             del hf_model
         results["runs"].append({"requests": n, "prompt_tokens_min": shared, "rows": rows,
                                 "floor_seconds": round(floor, 3), "forward_passes": len(sizes)})
@@ -230,6 +265,11 @@ def main(argv: list[str] | None = None) -> dict:
         console.print(f"(c)'s floor: its {len(sizes)} forward passes ({sum(n for n, _ in sizes):,} tokens, the logits "
                       f"of the {sum(k for _, k in sizes):,} that sampled) run plainly, with no pool to attend to, took "
                       f"{floor:.2f} s; (c) took {by_name['(c)']['seconds'] / floor:.2f}x that.")
+        if model.device.type == "cuda" or args.padded_decode:
+            captured = {r["name"][:3]: r["captures_while_timed"] for r in rows[:3]}
+            console.print("CUDA graphs captured inside the timed runs: "
+                          + ", ".join(f"{name} {count}" for name, count in captured.items())
+                          + " (each engine was warmed first; a capture inside a run is part of its time)")
     plot(results, args.plot, f"{args.model or DEFAULT_MODEL}, {args.max_tokens} new tokens each, on {device}")
     console.print(f"figure: {args.plot}")
     save_json(args.json, results, console)

@@ -22,6 +22,7 @@ from benchmarks.allocator import free_order_hit_rates
 from commands import walkthrough
 from commands.demo import run_demo
 from commands.model_flags import add_model_arguments, pool_arguments
+from engine import model_runner, static_decode
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -159,6 +160,27 @@ def test_the_throughput_benchmark_checks_every_way_gives_the_same_tokens(tiny_mo
     # of the four computes the system prompt, as with caching off (b).
     assert embedded["(c)"] == embedded["(a)"] < embedded["(d)"] == embedded["(b)"], embedded
     assert (tmp_path / "t.png").stat().st_size > 0
+
+
+def test_the_throughput_benchmark_counts_every_step_with_the_padded_decode_forced(tiny_model_dir, tmp_path,
+                                                                                   monkeypatch):
+    """Decode steps padded as a GPU runs them (where a replayed graph calls no hook), eagerly on
+    this CPU: each way's counts are the steps its runner ran and the tokens its replies say were
+    computed, and (c)'s floor runs as many passes."""
+    padded = []
+    monkeypatch.setattr(model_runner, "forward", lambda *args: padded.append(args[2:]) or static_decode.forward(*args))
+    results = throughput.main(["--model", str(tiny_model_dir), "--num-blocks", "256", "--quick", "--padded-decode",
+                               "--skip-transformers", "--plot", str(tmp_path / "t.png")])
+    (run,) = results["runs"]
+    rows = {r["name"][:3]: r for r in run["rows"]}
+    assert set(rows) == {"(a)", "(b)", "(c)"} and all(r["same_tokens_as_a"] == 4 for r in rows.values())
+    for row in rows.values():
+        assert row["steps_watched"] == row["steps_run"] > 0
+        assert row["tokens_embedded"] == row["tokens_replies_computed"] > 0
+        assert row["captures_while_timed"] == 0  # a CPU captures nothing
+    assert run["forward_passes"] == rows["(c)"]["steps_run"]
+    assert padded, "no decode step ran padded"
+    assert rows["(c)"]["tokens_embedded"] < rows["(b)"]["tokens_embedded"]  # the system prompt computed once
 
 
 def test_the_benchmarks_count_the_steps_the_scheduler_planned_padded_decodes_too(make_engine):

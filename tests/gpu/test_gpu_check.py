@@ -47,6 +47,14 @@ def test_the_tiny_check_runs_end_to_end_and_prints_one_table(tmp_path):
     runs = results["throughput"]["runs"]
     assert [run["requests"] for run in runs] == list(gpu.SMALL.requests)
     assert all(row["same_tokens_as_a"] == run["requests"] for run in runs for row in run["rows"])
+    # Counted by the runner's plans, both engines warmed first: no capture on a CPU, (c) against its floor.
+    assert all(row["steps_watched"] == row["steps_run"] > 0 and row["tokens_embedded"] == row["tokens_replies_computed"]
+               and row["captures_while_timed"] == 0 for run in runs for row in run["rows"])
+    assert all(run["c_over_floor"] > 0 for run in runs) and "against its floor" in result.stdout
+    decode = results["decode"]
+    assert decode["streams"] == gpu.DECODE_STREAMS and all(decode[k] > 0 for k in ("one_request_ms",
+                                                                                     "engine_one_stream_ms", "engine_step_ms"))
+    assert results["cuda_graphs"] == {"engine": None, "throughput": None}  # a CPU runs no graph
 
 
 def test_without_weights_it_builds_random_ones_of_the_config_and_says_so(config_dir, capsys):
