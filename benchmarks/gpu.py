@@ -29,6 +29,8 @@ It runs, one after another, then prints one table (--json writes the numbers):
    batching, is left out: it loads the model again from its files.
 5. Decode: ms a token on stage 7's path (the demo's) and through the engine loop, one stream
    and DECODE_STREAMS together (ms a step), on the model of parts 1-3.
+6. One long chat among short streams (benchmarks/padded_decode.py's scene): the padded decode
+   step of one 8,000-token chat among 63 of 64 tokens against 64 of 64 tokens.
 
 Sizes (ON_GPU) are chosen to fit in 6 minutes on an H100, within one call of a lent machine:
 24 exactness prompts of 24 new tokens (three paths, fp32 and bf16), TTFT at 1,024, 4,096 and
@@ -57,6 +59,7 @@ from transformers import AutoConfig
 
 from benchmarks import save_json
 from benchmarks.engines import device_name, open_console, stage_7, unwatch_steps, watch_steps
+from benchmarks.padded_decode import scene
 from benchmarks.throughput import counted, floor_seconds, questions, run_ours, summary
 from benchmarks.ttft import SUFFIX_LEN, cold_vs_warm, random_tokens
 from commands.demo import DEMO_MAX_TOKENS, DEMO_QUESTIONS, DEMO_SYSTEM_PROMPT
@@ -80,12 +83,14 @@ class Sizes:
     repeats: int  # TTFT: runs of each, the median reported
     requests: tuple[int, ...]  # throughput: requests at once
     new_tokens: int  # throughput: new tokens of each reply
+    long_among_short: tuple[int, int, int]  # one chat of this many tokens among (n) short ones of (tokens), n
 
 
 ON_GPU = Sizes(shared_prompts=16, long_prompts=(600, 1000, 1400, 1800), exact_tokens=24,
-               prefixes=(1024, 4096, 8128), repeats=3, requests=(16, 64), new_tokens=32)
+               prefixes=(1024, 4096, 8128), repeats=3, requests=(16, 64), new_tokens=32,
+               long_among_short=(8000, 64, 63))
 SMALL = Sizes(shared_prompts=4, long_prompts=(100, 200), exact_tokens=8,
-              prefixes=(64, 128), repeats=1, requests=(4, 8), new_tokens=4)
+              prefixes=(64, 128), repeats=1, requests=(4, 8), new_tokens=4, long_among_short=(120, 6, 3))
 DECODE_STREAMS = 16  # part 5: streams decoding together
 SHORT_PROMPTS = ["Hello", "What is two plus two?", "Name a colour.", "Tell me a story about a cat."]
 # Every path a request can take, and the Engine options of each: stage 7's (None: engine/one_request.py
@@ -210,6 +215,16 @@ def throughput(engine: Engine, sizes: Sizes) -> list[dict]:
     return runs
 
 
+def long_among_short(engine: Engine, long: int, short: int, n: int) -> dict:
+    """benchmarks/padded_decode.py's scene twice: the first decode step of n + 1 short streams,
+    and of one long chat among n short ones, each run packed and padded (a graph on a GPU):
+    what the long chat adds to the padded step, whose rows each read their own blocks."""
+    rows = {name: scene(engine, name, lengths, repeats=7, seed=seed)
+            for seed, (name, lengths) in enumerate([("short only", [short] * (n + 1)),
+                                                    ("one long", [long] + [short] * n)])}
+    return {"rows": rows, "padded_long_over_short": rows["one long"]["padded_ms"] / rows["short only"]["padded_ms"]}
+
+
 def decode_ms(engine: Engine, tokens: int, streams: int) -> dict:
     """Milliseconds a decoded token takes on each path, after a short prompt: stage 7's one
     request (the demo's), one stream through the engine loop, and `streams` streams decoding
@@ -276,6 +291,14 @@ def results_table(results: dict) -> Table:
                                      f"{decode['engine_step_streams'] or 0:g} decoding): ms a step",
                                      decode["engine_step_ms"])]):
         table.add_row("decode" if i == 0 else "", what, "-" if ms is None else f"{ms:,.2f}")
+    table.add_section()
+    scenes = results["long_among_short"]["rows"]
+    for i, (name, row) in enumerate(scenes.items()):
+        table.add_row("one long chat" if i == 0 else "", f"{name} ({len(row['context_tokens'])} streams): a decode "
+                      f"step packed / padded ms (graphed: {row['graphed']})", f"{row['packed_ms']:,.2f} / "
+                      f"{row['padded_ms']:,.2f}")
+    table.add_row("", "the padded step with the long chat over without it",
+                  f"{results['long_among_short']['padded_long_over_short']:.2f}x")
     return table
 
 
@@ -334,6 +357,10 @@ def main(argv: list[str] | None = None) -> dict:
                              "runs": throughput(throughput_engine, sizes)}
     console.print(f"[bold]5. Decode[/]: ms a token on each path, {DECODE_STREAMS} streams together")
     results["decode"] = decode_ms(engine, sizes.new_tokens * 2, DECODE_STREAMS)
+    long, short, n = sizes.long_among_short
+    console.print(f"[bold]6. One long chat among short streams[/]: a decode step with one of {long:,} tokens among "
+                  f"{n} of {short}, against {n + 1} of {short}")
+    results["long_among_short"] = long_among_short(engine, long, short, n)
     results["cuda_graphs"] = {"engine": engine.loop.runner.model_runner.graph_figures(),
                               "throughput": throughput_engine.loop.runner.model_runner.graph_figures()}
     results["seconds"] = time.perf_counter() - started

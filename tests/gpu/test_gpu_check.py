@@ -55,6 +55,11 @@ def test_the_tiny_check_runs_end_to_end_and_prints_one_table(tmp_path):
     assert decode["streams"] == gpu.DECODE_STREAMS and all(decode[k] > 0 for k in ("one_request_ms",
                                                                                      "engine_one_stream_ms", "engine_step_ms"))
     assert results["cuda_graphs"] == {"engine": None, "throughput": None}  # a CPU runs no graph
+    scenes = results["long_among_short"]["rows"]  # one of 120 tokens among 3 of 6, against 4 of 6
+    assert [len(row["context_tokens"]) for row in scenes.values()] == [4, 4]
+    assert scenes["one long"]["context_tokens"][0] > 120 and all(row["max_logit_difference"] < 1e-4
+                                                                  for row in scenes.values())
+    assert results["long_among_short"]["padded_long_over_short"] > 0
 
 
 def test_without_weights_it_builds_random_ones_of_the_config_and_says_so(config_dir, capsys):
@@ -68,7 +73,7 @@ def test_without_weights_it_builds_random_ones_of_the_config_and_says_so(config_
 def fewer(monkeypatch):
     """One prompt, one prefix, one request, two tokens: for tests of where the model comes from."""
     monkeypatch.setattr(gpu, "SMALL", gpu.Sizes(shared_prompts=1, long_prompts=(), exact_tokens=2, prefixes=(16,),
-                                                repeats=1, requests=(1,), new_tokens=2))
+                                                repeats=1, requests=(1,), new_tokens=2, long_among_short=(20, 4, 1)))
 
 
 def test_a_config_dir_with_weights_loads_them(tiny_model_dir, fewer):
