@@ -49,10 +49,11 @@ from engine.cpu_threads import ThreadChooser, in_own_thread, one_pass, synchroni
 from engine.engine_loop import (
     ClientGoneError, EngineLoop, EngineStoppedError, LoopSnapshot, QueueFullError, thaw_startup_heap,
 )
+from engine.fixed_past import FixedBuffers
 from engine.kv_pool import PagedKVPool
 from engine.model_loader import load_model
 from engine.model_runner import ModelRunner
-from engine.one_request import EngineParts, forward
+from engine.one_request import EngineParts, forward, gather
 from engine.outputs import Generation, StreamEvent
 from engine.prompts import tokenize_prompts
 from engine.request import FINISHED, Request, SamplingParams
@@ -85,7 +86,9 @@ class EngineConfig:
     (the waiting queue read least-served tenant first, and a tenant far ahead held to a
     smaller share of a step: engine/scheduler.py and engine/step_budget.py; False: arrival order),
     static_decode (a step that only decodes runs padded to fixed shapes, replayed as a CUDA
-    graph on a GPU: engine/model_runner.py; None: on a GPU only; True on a CPU runs it eagerly).
+    graph on a GPU: engine/model_runner.py, and stage 7's requests run over fixed buffers,
+    their passes replayed the same way: engine/fixed_past.py; None: on a GPU only; True on a
+    CPU runs them eagerly).
     """
 
     block_size: int = 16
@@ -276,9 +279,15 @@ class Engine:
         # One lock around every step that touches the pool or the model, so several streams
         # (a server's clients) interleave their steps token by token. Reentrant: a caller that
         # holds it can still close() a stream, whose cleanup takes it again.
+        # Stage 7's request over buffers allocated once where the decode step is padded too (on a GPU,
+        # where both are replayed as CUDA graphs; forced on a CPU, eagerly): engine/fixed_past.py.
+        fixed = None
+        if config.static_decode or (config.static_decode is None and device.type == "cuda"):
+            max_len = min(self.max_model_len or num_blocks * config.block_size, num_blocks * config.block_size)
+            fixed = in_own_thread(FixedBuffers, model, kv, max_len, graphs=device.type == "cuda")
         self._parts: EngineParts | None = EngineParts(model, tokenizer, stop_token_ids, allocator, kv, device,
                                                       lock=threading.RLock(), allocator_lock=threading.RLock(),
-                                                      threads=threads)
+                                                      threads=threads, fixed=fixed)
         # The engine's one scheduler, in a thread started by the first request.
         self.loop = EngineLoop(self.parts, **self._runner_options())
         if self.step_budget is not None:
@@ -611,15 +620,16 @@ class Engine:
         in_own_thread(self._warm_up)
 
     def _warm_up(self) -> None:
-        kv, config = self.kv, self.model.config
+        kv = self.kv
         scratch, block_size = kv.scratch_block, kv.block_size
         sampled = SamplingParams(temperature=1.0, top_p=0.9)
         with self.lock, torch.inference_mode(), one_pass(self.threads, self.device, "warm-up", may_probe=False):
-            cache = kv.gather([], config)
+            cache = gather(self.parts, [])
             logits = forward(self.model, [0] * block_size, cache)
             kv.write(cache, [scratch], 0, block_size)
             sample(logits, SamplingParams()), sample(logits, sampled, torch.Generator().manual_seed(0))
-            cache = kv.gather([scratch], config)
+            del cache  # fixed buffers (engine/fixed_past.py) serve one request at a time: this one is done
+            cache = gather(self.parts, [scratch])
             suffix = [0] * max(1, block_size // 2)
             forward(self.model, suffix, cache)
             forward(self.model, [0], cache)

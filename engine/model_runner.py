@@ -29,20 +29,16 @@ and _dummy_run in vllm/v1/worker/gpu_model_runner.py).
 
 from __future__ import annotations
 
-import logging
-import time
 from dataclasses import dataclass
 
 import torch
 
 from engine.batch_attention import StepInputs, build_step, use_pool_attention
 from engine.cpu_threads import ThreadChooser, one_pass
+from engine.cuda_graphs import Graphs
 from engine.one_request import EngineParts
 from engine.scheduler import StepPlan
 from engine.static_decode import DecodeBuffers, block_counts, decode_sizes, forward, rung
-
-log = logging.getLogger("engine")
-
 
 @dataclass(frozen=True)
 class StepFigures:
@@ -72,53 +68,17 @@ class StepFigures:
         return cls(len(plan.scheduled), plan.num_tokens, prefill, sum(s.end for s in plan.scheduled), read, read)
 
 
-class DecodeGraphs:
-    """The padded decode step (static_decode.forward) as CUDA graphs, one per (size, reads),
-    each captured the first time a step of its shape runs: a warm-up pass, then the capture
-    (torch.cuda.graph records on a side stream of its own), as nano-vllm's capture_cudagraph
-    does. nano-vllm captures every batch size when the model loads, since its attention
-    kernel reads each row's context wherever it ends; here the count of blocks read is a
-    shape too, and most (size, reads) pairs never come. Every graph allocates from the first
-    one's memory pool and writes its logits into one buffer they share: they replay one at a
-    time, so what one graph leaves there is read before the next replays.
-
-    captures: each capture's (size, reads, seconds), in order; failed: the shapes whose capture
-    failed, which run eagerly from then on (the others keep their graphs).
-    """
+class DecodeGraphs(Graphs):
+    """The padded decode step (static_decode.forward) as CUDA graphs (engine/cuda_graphs.py), one
+    per (size, reads), each captured the first time a step of its shape runs. nano-vllm captures
+    every batch size when the model loads, since its attention kernel reads each row's context
+    wherever it ends; here the count of blocks read is a shape too, and most (size, reads) pairs
+    never come."""
 
     def __init__(self, model, buffers: DecodeBuffers):
-        self.model, self.buffers = model, buffers
-        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        self.memory_pool = None
-        self.logits: torch.Tensor | None = None  # (max size, vocab), allocated by the first capture
-        self.captures: list[tuple[int, int, float]] = []
-        self.failed: set[tuple[int, int]] = set()
-
-    def has(self, size: int, reads: int) -> bool:
-        return (size, reads) in self.graphs
-
-    def replay(self, size: int, reads: int) -> torch.Tensor:
-        """Run the graph of (size, reads) over what the buffers hold now: logits (size, vocab),
-        a view of the shared buffer that the next replay writes over."""
-        self.graphs[size, reads].replay()
-        return self.logits[:size]
-
-    def capture(self, size: int, reads: int) -> None:
-        """Record the padded step of (size, reads) over the buffers (which hold a real step:
-        the warm-up writes its K/V, and so will the replay, the same values)."""
-        start = time.perf_counter()
-        logits = forward(self.model, self.buffers, size, reads)  # warm-up: lazy setup runs outside the graph
-        if self.logits is None:
-            self.logits = logits.new_empty(self.buffers.input_ids.numel(), logits.shape[-1])
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.memory_pool):
-            self.logits[:size].copy_(forward(self.model, self.buffers, size, reads))
-        self.memory_pool = graph.pool()
-        self.graphs[size, reads] = graph
-        self.captures.append((size, reads, time.perf_counter() - start))
-        log.info("captured the decode step of %d rows reading %d blocks as a CUDA graph in %.0f ms",
-                 size, reads, 1000 * self.captures[-1][2])
+        # forward looked up at each call, so a test's stand-in for it is the one captured
+        super().__init__(lambda size, reads: forward(model, buffers, size, reads), buffers.input_ids.numel(),
+                         "the decode step of (rows, blocks read)")
 
 
 class ModelRunner:
@@ -159,12 +119,10 @@ class ModelRunner:
         return len(self.graphs.captures) if self.graphs is not None else 0
 
     def graph_figures(self) -> dict | None:
-        """The decode step's CUDA graphs so far: shapes captured, the seconds their captures
-        took in all, and shapes whose capture failed; None where no graph runs (a CPU)."""
-        if self.graphs is None:
-            return None
-        return {"captured": len(self.graphs.captures), "capture_s": round(sum(c[2] for c in self.graphs.captures), 3),
-                "failed": len(self.graphs.failed)}
+        """The decode step's CUDA graphs so far (Graphs.figures): shapes captured, the seconds
+        their captures took in all, and shapes whose capture failed; None where no graph runs
+        (a CPU)."""
+        return None if self.graphs is None else self.graphs.figures()
 
     def run(self, plan: StepPlan, block_tables: dict[str, list[int]]) -> torch.Tensor:
         """One forward pass for the plan: logits (requests that sample, vocab)."""
@@ -200,14 +158,8 @@ class ModelRunner:
         if self.graphs is None:
             logits = forward(self.parts.model, self.buffers, size, reads)
         else:
-            if not self.graphs.has(size, reads):
-                try:
-                    self.graphs.capture(size, reads)
-                except Exception as err:  # an operation a graph cannot hold, or no memory for this shape
-                    log.warning("CUDA graph of the decode step of %d rows reading %d blocks failed (%s: %s); "
-                                "steps of that shape run eagerly", size, reads, type(err).__name__, err)
-                    self.graphs.failed.add((size, reads))
-                    return self.run_eager(plan, block_tables)
+            if not self.graphs.has(size, reads) and not self.graphs.try_capture(size, reads):
+                return self.run_eager(plan, block_tables)  # that shape failed: packed, eagerly
             logits = self.graphs.replay(size, reads)
         self.last_step = StepFigures.padded(plan, size, reads, self.parts.kv.block_size)
         sampling = [i for i, s in enumerate(plan.scheduled) if s.samples]

@@ -6,6 +6,7 @@ A request, from prompt to reply:
 
     allocate_with_prefix   which leading blocks are cached? take them, and new blocks for the rest
     gather                 copy the hit blocks' K/V from the pool into a fresh DynamicCache
+                           (on a GPU into fixed buffers instead: engine/fixed_past.py)
     forward                run the model on the uncached suffix only
     write                  copy the suffix's new K/V into the request's blocks
     sample                 the first token: time to first token (TTFT) ends here
@@ -45,6 +46,8 @@ from engine.outputs import Generation, ReplyBuilder, StreamEvent
 from engine.request import SamplingParams
 from engine.sampling import sample
 
+from transformers import Cache
+
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
@@ -69,6 +72,9 @@ class EngineParts:
                         never across a forward pass: a status page reads them while a step runs
         threads         the ThreadChooser run_request's passes use on a CPU (engine/cpu_threads.py),
                         or None for torch's own count; a BatchRunner is given its own
+        fixed           where a request's past_key_values live in buffers allocated once, so its
+                        passes can be replayed as CUDA graphs (engine/fixed_past.FixedBuffers, on a
+                        GPU); None: each request gathers a fresh DynamicCache
     """
 
     model: PreTrainedModel
@@ -80,6 +86,7 @@ class EngineParts:
     lock: threading.RLock
     allocator_lock: threading.RLock
     threads: ThreadChooser | None = None
+    fixed: object | None = None  # engine/fixed_past.FixedBuffers, a layer above: not imported here
 
 
 # -----------------------------------------------------------------------------
@@ -100,9 +107,19 @@ class _Stopwatch:
         return elapsed
 
 
+def gather(parts: EngineParts, block_ids: list[int]):
+    """The hit blocks' K/V as past_key_values: a fresh DynamicCache (PagedKVPool.gather), or,
+    where the engine keeps fixed buffers (parts.fixed, on a GPU), those buffers filled with them
+    (engine/fixed_past.py: the same request, its passes replayable as CUDA graphs)."""
+    past = None if parts.fixed is None else parts.fixed.fill(block_ids)
+    return past if past is not None else parts.kv.gather(block_ids, parts.model.config)
+
+
 def forward(model, token_ids: list[int], past_key_values):
     """Logits of the last position. past_key_values grows in place by len(token_ids)
     tokens; position ids continue after what it already holds."""
+    if not isinstance(past_key_values, Cache):  # fixed buffers (engine/fixed_past.py): their own padded pass
+        return past_key_values.forward(model, token_ids)
     input_ids = torch.tensor([token_ids], device=model.device)
     output = model(input_ids=input_ids, past_key_values=past_key_values, use_cache=True, logits_to_keep=1)
     return output.logits[0, -1]
@@ -148,7 +165,7 @@ def run_request(parts: EngineParts, request_id: str, prompt_ids: list[int], para
             reply.cached_tokens = num_computed = num_cached
             reply.prefill.lookup_ms = clock.lap()
             with step_pass(parts, len(prompt_ids) - num_cached, num_cached):
-                past_key_values = kv.gather(table[: num_cached // block_size], model.config)
+                past_key_values = gather(parts, table[: num_cached // block_size])
                 reply.prefill.gather_ms = clock.lap()
                 logits = forward(model, prompt_ids[num_cached:], past_key_values)
                 reply.prefill.forward_ms = clock.lap()

@@ -14,7 +14,7 @@ a request runs like this:
 
 New in this stage (marked # NEW): the gather and write between the allocator and the model.
 
-Read: engine/kv_pool.py (PagedKVPool.write) and engine/one_request.py (run_request), printed when the stage
+Read: engine/kv_pool.py (PagedKVPool.write) and engine/one_request.py (gather, run_request), printed when the stage
       starts; this stage runs each request through one_request.generate over an Engine's parts
       (its model, allocator and pool; engine.tokenize checks the prompt). The gather is
       exercise 5: the stage prints PagedKVPool.gather and .tokens_of from exercises/gather_kv.py
@@ -35,7 +35,7 @@ from benchmarks.measure import Runs, TokenCounter, conclusion, how_much_faster
 from commands.demo import DEMO_QUESTIONS, DEMO_SYSTEM_PROMPT
 from engine import Engine
 from engine.kv_pool import PagedKVPool
-from engine.one_request import generate, greedy_reference, run_request
+from engine.one_request import gather, generate, greedy_reference, run_request
 from engine.outputs import Generation
 from engine.request import SamplingParams
 from lessons import models
@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> None:
     console = Console()
     for name in ("gather", "tokens_of"):
         show_exercise(console, 5, "exercises/gather_kv.py", f"PagedKVPool.{name}", getattr(PagedKVPool, name))
-    show_code(console, PagedKVPool.write, run_request)
+    show_code(console, PagedKVPool.write, gather, run_request)
     engine = models.make_engine(args)
     console.print(models.describe(engine.model, args))
     console.print(str(engine.kv))

@@ -24,8 +24,8 @@ ROOT = Path(__file__).resolve().parents[2]
 ORDER = [
     "allocator.prefix_caching",
     "engine.model_files", "engine.model_loader", "engine.prompts", "engine.kv_pool", "engine.outputs",
-    "engine.request", "engine.sampling", "engine.cpu_threads", "engine.one_request", "engine.scheduler",
-    "engine.step_budget", "engine.batch_attention", "engine.static_decode", "engine.model_runner",
+    "engine.request", "engine.sampling", "engine.cpu_threads", "engine.cuda_graphs", "engine.one_request", "engine.scheduler",
+    "engine.step_budget", "engine.batch_attention", "engine.static_decode", "engine.fixed_past", "engine.model_runner",
     "engine.batch_engine", "engine.engine_loop", "engine.llm_engine",
     "commands.flags", "commands.walkthrough", "commands.model_flags", "commands.demo",
     "analyzer.request_logs", "analyzer.caching_models", "analyzer.llama_slots", "analyzer.kv_memory", "analyzer.fleet", "analyzer.vllm_requests",

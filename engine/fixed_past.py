@@ -1,0 +1,186 @@
+"""
+Stage 7's request with fixed shapes: its past_key_values in buffers allocated once, its passes
+padded to a ladder, what a CUDA graph can capture and replay.
+
+Read engine/one_request.py first (run_request: gather, forward, write), then
+engine/static_decode.py (the batched decode step with fixed shapes) and engine/cuda_graphs.py.
+
+On a GPU a small model's pass costs its kernel launches, hundreds of them, whatever its length:
+on an H200 one decode token of stage 7's path took 19.4 ms, the batched decode step replayed as
+a graph 3.8 (docs/measured.md, On a GPU). A graph needs fixed addresses and shapes, and stage
+7's past_key_values is a DynamicCache that grows by a token each pass. So where the engine keeps
+a FixedBuffers (on a GPU; forced on a CPU for the tests), one_request.gather hands run_request a
+FixedPast instead: the same request, its hit blocks copied into buffers of the model's whole
+length, and one_request.forward runs the FixedPast's pass:
+
+    the new tokens       padded to a rung of suffix_lengths (1, 2, 4, ... 512), their positions after
+                         the cached ones; padding sits after the real tokens, so no real token reads it
+    attention            over the first L slots of the buffers (L a rung of cache_lengths, at least the
+                         context), each token its slots up to its own position: the past_key_values a
+                         DynamicCache would hold, and the slots after them masked
+    the logits           of the last real token only (logits_to_keep)
+
+Each (tokens, L) is captured once as a CUDA graph and replayed after (engine/cuda_graphs.py);
+a pass above the ladders runs the same attention eagerly at its own shape. A single StaticCache
+of the model's whole length would make every pass attend over all of it; the ladder of L keeps
+a pass within twice its context. PagedKVPool.write copies the new K/V from the buffers into the
+pool, as it does from a DynamicCache (FixedPast yields each layer's K and V in its layout).
+
+One request holds the buffers at a time: while one FixedPast is alive, gather gives another
+request a DynamicCache (run_request's steps hold the engine's lock, but a request's tokens
+interleave with another's between them).
+
+References: transformers' StaticCache (cache_utils.py: fixed-size K/V per layer, made for
+torch.compile's CUDA graphs); vLLM's capture sizes (vllm/config/vllm.py, _set_cudagraph_sizes).
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+import torch.nn.functional as F
+
+from engine.batch_attention import use_pool_attention
+from engine.cuda_graphs import Graphs
+from engine.kv_pool import PagedKVPool
+from engine.static_decode import padded_to
+
+MAX_SUFFIX = 512  # the longest pass padded and graphed; a longer prefill runs at its own shape
+
+
+def suffix_lengths(max_suffix: int = MAX_SUFFIX) -> list[int]:
+    """New tokens a pass is padded to: powers of two up to max_suffix.
+
+    >>> suffix_lengths(16)
+    [1, 2, 4, 8, 16]
+    """
+    return [1 << i for i in range(max_suffix.bit_length()) if 1 << i <= max_suffix]
+
+
+def cache_lengths(max_len: int) -> list[int]:
+    """Slots a pass attends over: powers of two from 16, max_len the last.
+
+    >>> cache_lengths(100)
+    [16, 32, 64, 100]
+    """
+    return [1 << i for i in range(4, max_len.bit_length()) if 1 << i < max_len] + [max_len]
+
+
+class FixedBuffers:
+    """One request's K/V and a pass's inputs, allocated once, and the graphs of its passes.
+
+        kv          (layers, K/V, max_len, kv heads, dim)   token t's K/V at slot t
+        input_ids   (max_len,)      a pass's tokens, padded
+        positions   (max_len,)      their places in the request
+        last        (1,)            the last real token's index in the pass: its logits are kept
+
+    graphs: on a GPU, the padded pass per (tokens, L); None on a CPU (the pass runs eagerly).
+    """
+
+    def __init__(self, model, pool: PagedKVPool, max_len: int, graphs: bool):
+        self.model, self.pool, self.max_len = model, pool, max_len
+        device = pool.device
+        self.kv = torch.zeros(pool.num_layers, 2, max_len, pool.num_kv_heads, pool.head_dim, dtype=pool.dtype,
+                              device=device)
+        self.input_ids = torch.zeros(max_len, dtype=torch.long, device=device)  # a pass above the ladder too
+        self.positions = torch.zeros(max_len, dtype=torch.long, device=device)
+        self.last = torch.zeros(1, dtype=torch.long, device=device)
+        self.suffixes, self.lengths = suffix_lengths(), cache_lengths(max_len)
+        self.graphs = Graphs(lambda size, length: forward(model, self, size, length), 1,
+                             "stage 7's pass of (tokens, slots)") if graphs else None
+        self.holder: weakref.ref | None = None  # the FixedPast using the buffers
+        use_pool_attention(model)
+
+    def fill(self, block_ids: list[int]) -> FixedPast | None:
+        """The buffers holding `block_ids`' K/V at slots 0.., for a new request; None while
+        another request's FixedPast still holds them."""
+        if self.holder is not None and self.holder() is not None:
+            return None
+        num_cached = len(block_ids) * self.pool.block_size
+        if num_cached > self.max_len:
+            return None
+        if block_ids:  # (layers, K/V, 1, kv heads, tokens, dim) -> (layers, K/V, tokens, kv heads, dim)
+            self.kv[:, :, :num_cached].copy_(self.pool.tokens_of(block_ids)[:, :, 0].transpose(2, 3))
+        past = FixedPast(self, num_cached)
+        self.holder = weakref.ref(past)
+        return past
+
+    def figures(self) -> dict | None:
+        return None if self.graphs is None else self.graphs.figures()
+
+
+class FixedPast:
+    """What run_request gets as past_key_values where the engine keeps FixedBuffers: its
+    request's K/V so far (`length` tokens) in the buffers."""
+
+    def __init__(self, buffers: FixedBuffers, length: int):
+        self.buffers, self.length = buffers, length
+
+    def forward(self, model, token_ids: list[int]) -> torch.Tensor:
+        """The logits of the last of token_ids (vocab,), their K/V in the buffers after this
+        request's; what one_request.forward returns for a DynamicCache."""
+        buffers, n, start = self.buffers, len(token_ids), self.length
+        if start + n > buffers.max_len:
+            raise ValueError(f"{start + n} tokens do not fit the fixed buffers' {buffers.max_len}")
+        size = padded_to(buffers.suffixes, n)
+        length = None if size is None else padded_to(buffers.lengths, start + size)
+        graphed = length is not None and buffers.graphs is not None
+        if length is None:  # above the ladders: this pass at its own shape
+            size, length = n, start + n
+        device = buffers.input_ids.device
+        moved = torch.tensor([token_ids + [0] * (size - n), list(range(start, start + size))]).to(device)
+        buffers.input_ids[:size].copy_(moved[0])
+        buffers.positions[:size].copy_(moved[1])
+        buffers.last.fill_(n - 1)
+        graphs = buffers.graphs
+        if graphed and (graphs.has(size, length) or graphs.try_capture(size, length)):
+            logits = graphs.replay(size, length)[0]
+        else:
+            logits = forward(model, buffers, size, length)[0]
+        self.length += n
+        return logits.clone()  # the shared logits buffer is written over by the next replay
+
+    def __iter__(self):
+        """Each layer's (keys, values) as a DynamicCache layer holds them, (1, kv heads, slots,
+        dim), views of the buffers: what PagedKVPool.write reads the new tokens' K/V from."""
+        for layer in self.buffers.kv:
+            yield layer[0].transpose(0, 1)[None], layer[1].transpose(0, 1)[None]
+
+
+class RequestStep:
+    """What pool_attention hands a layer's work to (engine/batch_attention.py): the pass's tokens
+    write their K/V at their positions, then attend over the first `length` slots.
+
+        positions  (tokens,)                      where each token's K/V go, and how far it reads
+        mask       (group x tokens, length)       True: a slot the token reads (up to its position)
+    """
+
+    def __init__(self, buffers: FixedBuffers, positions: torch.Tensor, length: int, mask: torch.Tensor):
+        self.buffers, self.positions, self.length, self.mask = buffers, positions, length, mask
+
+    def attend(self, layer: int, query, key, value, scaling):
+        """query (1, heads, tokens, dim), key/value (1, kv heads, tokens, dim); returns (1,
+        tokens, heads, dim), as transformers' attention functions do."""
+        kv = self.buffers.kv[layer]
+        kv[0, self.positions] = key[0].transpose(0, 1).to(kv.dtype)
+        kv[1, self.positions] = value[0].transpose(0, 1).to(kv.dtype)
+        (_, heads, tokens, dim), kv_heads = query.shape, kv.shape[2]
+        keys, values = kv[:, : self.length].transpose(1, 2).to(query.dtype)  # (kv heads, length, dim) each
+        # A kv head's query heads together, as one batch of queries (no K/V repeated).
+        queries = query[0].reshape(kv_heads, heads // kv_heads * tokens, dim)
+        attended = F.scaled_dot_product_attention(queries, keys, values, attn_mask=self.mask, scale=scaling)
+        return attended.reshape(heads, tokens, dim).transpose(0, 1)[None], None
+
+
+def forward(model, buffers: FixedBuffers, size: int, length: int) -> torch.Tensor:
+    """The padded pass over the buffers' first `size` tokens, attending over `length` slots:
+    the logits of the last real token (1, vocab). The mask is computed here, inside the pass,
+    so a graph captured around this call computes it again from what the buffers then hold."""
+    positions = buffers.positions[:size]
+    group = model.config.get_text_config().num_attention_heads // buffers.pool.num_kv_heads
+    slots = torch.arange(length, device=positions.device)
+    mask = (slots[None, :] <= positions[:, None]).repeat(group, 1)
+    step = RequestStep(buffers, positions, length, mask)
+    return model(input_ids=buffers.input_ids[None, :size], position_ids=positions[None], use_cache=False,
+                 pool_step=step, logits_to_keep=buffers.last).logits[0]
