@@ -13,7 +13,9 @@ hold; the words do not. A --config-dir with weights in it loads them. --tiny run
 It runs, one after another, then prints one table (--json writes the numbers):
 
 1. The demo's requests (commands/demo.py): five questions behind one system prompt, a MISS then HITs,
-   the TTFT of each.
+   then again with the cache emptied (the steady state: every pass of a shape seen before);
+   each request's TTFT, prefill phases and the graphs captured while it ran,
+   the first round against the steady one phase by phase, and the pool after the warm-up.
 2. Exactness: prompts behind the demo's system prompt, long prompts of random tokens and short
    ones, each against plain model.generate (greedy), on every path a request can take: stage
    7's one request at a time (one_request.generate over an Engine's parts), the engine loop
@@ -149,18 +151,45 @@ def llama_1b(model) -> torch.nn.Module:
 # The parts
 
 
-def demo_requests(engine: Engine) -> list[dict]:
-    """The demo's questions one after another: the first computes the system prompt (MISS), the
-    others find its blocks in the pool (HIT)."""
-    system = {"role": "system", "content": DEMO_SYSTEM_PROMPT}
+PHASES = ("lookup", "gather", "forward", "write", "sample")  # a request's prefill (one_request.run_request)
+
+
+def demo_requests(engine: Engine) -> dict:
+    """The demo's questions one after another, twice: as a user first sees them (the first
+    computes the system prompt, a MISS; the others find its blocks, HITs), then the same again
+    with the pool's cache emptied first, every pass of the same shape as before: the steady
+    state. Each request's TTFT and prefill phases, the graphs captured while it ran, and the
+    pool after the warm-up (empty: the warm-up runs through the scratch block)."""
     engine.warm_up()
-    rows = []
-    for question in DEMO_QUESTIONS:
-        synchronize(engine.device)
-        reply = stage_7(engine, [system, {"role": "user", "content": question}], DEMO_MAX_TOKENS)
-        rows.append({"cached_tokens": reply.cached_tokens, "computed_tokens": reply.computed_prompt_tokens,
-                     "ttft_ms": reply.ttft_ms})
-    return rows
+    pool_after_warm_up = {"free_blocks": engine.allocator.num_free_blocks, "blocks": engine.allocator.num_blocks,
+                          "cached_blocks": engine.allocator.num_cached_blocks}
+    rounds = {}
+    for name in ("first", "steady"):
+        engine.allocator.reset_prefix_cache()
+        system = DEMO_SYSTEM_PROMPT
+        rows = []
+        for question in DEMO_QUESTIONS:
+            captures = captured(engine)
+            synchronize(engine.device)
+            reply = stage_7(engine, [{"role": "system", "content": system}, {"role": "user", "content": question}],
+                            DEMO_MAX_TOKENS)
+            rows.append({"cached_tokens": reply.cached_tokens, "computed_tokens": reply.computed_prompt_tokens,
+                         "ttft_ms": reply.ttft_ms, "captures": captured(engine) - captures,
+                         "phases_ms": {phase: getattr(reply.prefill, f"{phase}_ms") for phase in PHASES}})
+        rounds[name] = rows
+    first, steady = rounds["first"], rounds["steady"]
+    return {"pool_after_warm_up": pool_after_warm_up, "rounds": rounds,
+            # each phase of the first round against the steady round's, request by request (the worst)
+            "first_over_steady": {phase: max(f["phases_ms"][phase] / max(s["phases_ms"][phase], 1e-3)
+                                             for f, s in zip(first, steady)) for phase in PHASES},
+            "steady_miss_over_hits": [steady[0]["ttft_ms"] / row["ttft_ms"] for row in steady[1:]]}
+
+
+def captured(engine: Engine) -> int:
+    """CUDA graphs the engine has captured so far: stage 7's (engine/fixed_past.py) and the loop's."""
+    figures = [engine.parts.fixed.figures() if engine.parts.fixed is not None else None,
+               engine.loop.runner.model_runner.graph_figures()]
+    return sum(f["captured"] for f in figures if f is not None)
 
 
 def exactness_prompts(engine: Engine, sizes: Sizes) -> list[list[int]]:
@@ -259,12 +288,21 @@ def results_table(results: dict) -> Table:
                           f"{results['seconds']:,.0f} s", caption_justify="left")
     for column in ("part", "what", "result"):
         table.add_column(column, justify="left" if column != "result" else "right")
-    first = results["demo"][0]["ttft_ms"]
-    for i, row in enumerate(results["demo"], 1):
-        cache = "HIT" if row["cached_tokens"] else "MISS"
-        table.add_row("demo" if i == 1 else "", f"request {i}: {cache}, {row['cached_tokens']} + "
-                      f"{row['computed_tokens']} tokens cached + computed", f"TTFT {row['ttft_ms']:,.1f} ms"
-                      + (f" ({first / row['ttft_ms']:.1f}x request 1)" if i > 1 else ""))
+    demo = results["demo"]
+    pool = demo["pool_after_warm_up"]
+    table.add_row("demo", "the pool after the warm-up: free / blocks, cached",
+                  f"{pool['free_blocks']} / {pool['blocks']}, {pool['cached_blocks']}")
+    for name, rows in demo["rounds"].items():
+        first = rows[0]["ttft_ms"]
+        for i, row in enumerate(rows, 1):
+            cache = "HIT" if row["cached_tokens"] else "MISS"
+            phases = " ".join(f"{row['phases_ms'][phase]:.1f}" for phase in PHASES)
+            table.add_row("", f"{name} round, request {i}: {cache}, {row['cached_tokens']} + {row['computed_tokens']} "
+                          f"tokens; phases ms ({', '.join(PHASES)}); graphs captured",
+                          f"TTFT {row['ttft_ms']:,.1f} ms" + (f" ({first / row['ttft_ms']:.1f}x request 1)" if i > 1
+                                                             else "") + f"; {phases}; {row['captures']}")
+    table.add_row("", "first round over steady, each phase, the worst request",
+                  " ".join(f"{phase} {ratio:.2f}x" for phase, ratio in demo["first_over_steady"].items()))
     table.add_section()
     for dtype, counts in results["exactness"].items():
         for path, same in counts.items():

@@ -39,8 +39,15 @@ def test_the_tiny_check_runs_end_to_end_and_prints_one_table(tmp_path):
     results = json.loads(out.read_text())
     assert results["random_weights"] and "Random weights" in result.stdout
     assert results["torch"] in result.stdout and results["transformers"] in result.stdout and results["date"] in result.stdout
-    # The demo: the first question computes the system prompt, the others find it in the pool.
-    assert [row["cached_tokens"] > 0 for row in results["demo"]] == [False, True, True, True, True]
+    # The demo, twice: the first question computes the system prompt, the others find it in the pool.
+    demo = results["demo"]
+    for rows in demo["rounds"].values():
+        assert [row["cached_tokens"] > 0 for row in rows] == [False, True, True, True, True]
+        assert all(set(row["phases_ms"]) == set(gpu.PHASES) and row["captures"] == 0 for row in rows)
+    assert [row["computed_tokens"] for row in demo["rounds"]["steady"]] == [
+        row["computed_tokens"] for row in demo["rounds"]["first"]]  # the same requests, the cache emptied first
+    assert demo["pool_after_warm_up"] == {"free_blocks": 256, "blocks": 256, "cached_blocks": 0}
+    assert set(demo["first_over_steady"]) == set(gpu.PHASES) and len(demo["steady_miss_over_hits"]) == 4
     # Every path of the engine replies as model.generate does, in fp32 (no bf16 on a CPU).
     assert results["exactness"] == {"fp32": dict.fromkeys(gpu.PATHS, results["exactness_prompts"])}
     assert [row["prefix_tokens"] for row in results["ttft"]] == list(gpu.SMALL.prefixes)
