@@ -33,6 +33,9 @@ It runs, one after another, then prints one table (--json writes the numbers):
    and DECODE_STREAMS together (ms a step), on the model of parts 1-3.
 6. One long chat among short streams (benchmarks/padded_decode.py's scene): the padded decode
    step of one 8,000-token chat among 63 of 64 tokens against 64 of 64 tokens.
+7. TTFT cold and warm on the throughput's model (the 1B shape on CUDA) at prefixes up to 8,000
+   tokens, the cold prefill against its arithmetic floor (its multiply-adds at the rate this
+   device reaches on one large matrix product, measured in the run).
 
 Sizes (ON_GPU) are chosen to fit in 6 minutes on an H100, within one call of a lent machine:
 24 exactness prompts of 24 new tokens (three paths, fp32 and bf16), TTFT at 1,024, 4,096 and
@@ -72,6 +75,7 @@ from engine.model_files import DEFAULT_MODEL, converted_default, load_tokenizer
 from engine.model_loader import load_model, random_model, resolve_device, resolve_dtype, tiny_llama
 from engine.one_request import generate, greedy_reference
 from engine.request import SamplingParams
+from engine.step_budget import ModelShape
 
 
 @dataclass(frozen=True)
@@ -86,13 +90,15 @@ class Sizes:
     requests: tuple[int, ...]  # throughput: requests at once
     new_tokens: int  # throughput: new tokens of each reply
     long_among_short: tuple[int, int, int]  # one chat of this many tokens among (n) short ones of (tokens), n
+    floor_prefixes: tuple[int, ...]  # TTFT against the arithmetic floor, on the throughput's model
 
 
 ON_GPU = Sizes(shared_prompts=16, long_prompts=(600, 1000, 1400, 1800), exact_tokens=24,
                prefixes=(1024, 4096, 8128), repeats=3, requests=(16, 64), new_tokens=32,
-               long_among_short=(8000, 64, 63))
+               long_among_short=(8000, 64, 63), floor_prefixes=(512, 1024, 2048, 4096, 8000))
 SMALL = Sizes(shared_prompts=4, long_prompts=(100, 200), exact_tokens=8,
-              prefixes=(64, 128), repeats=1, requests=(4, 8), new_tokens=4, long_among_short=(120, 6, 3))
+              prefixes=(64, 128), repeats=1, requests=(4, 8), new_tokens=4, long_among_short=(120, 6, 3),
+              floor_prefixes=(64, 128))
 DECODE_STREAMS = 16  # part 5: streams decoding together
 SHORT_PROMPTS = ["Hello", "What is two plus two?", "Name a colour.", "Tell me a story about a cat."]
 # Every path a request can take, and the Engine options of each: stage 7's (None: engine/one_request.py
@@ -244,6 +250,37 @@ def throughput(engine: Engine, sizes: Sizes) -> list[dict]:
     return runs
 
 
+def matmul_rate(device: torch.device, dtype: torch.dtype) -> float:
+    """Floating-point operations a second of one large matrix product on `device`, measured:
+    what this device computes when nothing but arithmetic limits it."""
+    n = 4096 if device.type == "cuda" else 512
+    a, b = torch.randn(2, n, n, device=device, dtype=dtype)
+    for _ in range(2):
+        a @ b
+    synchronize(device)
+    start = time.perf_counter()
+    for _ in range(10):
+        a @ b
+    synchronize(device)
+    return 10 * 2 * n ** 3 / (time.perf_counter() - start)
+
+
+def ttft_against_floor(engine: Engine, prefixes: tuple[int, ...], repeats: int) -> dict:
+    """TTFT cold and warm at each prefix (benchmarks/ttft.py's cold_vs_warm, stage 7's path), and
+    the cold prefill's arithmetic floor: its multiply-adds (2 x the body's parameters a token, and
+    causal attention's 2 x layers x heads x head dim x tokens squared) at matmul_rate."""
+    shape, rate = ModelShape.of(engine.model), matmul_rate(engine.device, engine.dtype)
+    rng, rows = random.Random(1), []
+    for prefix in [p for p in prefixes if p + SUFFIX_LEN < engine.max_model_len]:
+        row = cold_vs_warm(engine, prefix, SUFFIX_LEN, repeats, rng)
+        tokens = prefix + SUFFIX_LEN
+        flops = 2 * shape.body_params * tokens + 2 * shape.layers * shape.heads * shape.head_dim * tokens ** 2
+        row["floor_ms"] = 1000 * flops / rate
+        row["cold_over_floor"] = row["cold_ms"] / row["floor_ms"]
+        rows.append(row)
+    return {"matmul_tflops": rate / 1e12, "rows": rows}
+
+
 def long_among_short(engine: Engine, long: int, short: int, n: int) -> dict:
     """benchmarks/padded_decode.py's scene twice: the first decode step of n + 1 short streams,
     and of one long chat among n short ones, each run packed and padded (a graph on a GPU):
@@ -337,6 +374,13 @@ def results_table(results: dict) -> Table:
                       f"{row['padded_ms']:,.2f}")
     table.add_row("", "the padded step with the long chat over without it",
                   f"{results['long_among_short']['padded_long_over_short']:.2f}x")
+    table.add_section()
+    floor = results["ttft_floor"]
+    for i, row in enumerate(floor["rows"]):
+        table.add_row(f"TTFT vs floor ({floor['matmul_tflops']:.3g} TFLOP/s)" if i == 0 else "",
+                      f"{results['throughput']['model']}, prefix {row['prefix_tokens']:,} + {row['suffix_tokens']}: "
+                      f"cold / warm / cold's floor ms", f"{row['cold_ms']:,.1f} / {row['warm_ms']:,.1f} / "
+                      f"{row['floor_ms']:,.2f} ({row['cold_over_floor']:.1f}x)")
     return table
 
 
@@ -395,6 +439,8 @@ def main(argv: list[str] | None = None) -> dict:
                              "runs": throughput(throughput_engine, sizes)}
     console.print(f"[bold]5. Decode[/]: ms a token on each path, {DECODE_STREAMS} streams together")
     results["decode"] = decode_ms(engine, sizes.new_tokens * 2, DECODE_STREAMS)
+    console.print(f"[bold]7. TTFT against its arithmetic floor[/] on {throughput_on}")
+    results["ttft_floor"] = ttft_against_floor(throughput_engine, sizes.floor_prefixes, sizes.repeats)
     long, short, n = sizes.long_among_short
     console.print(f"[bold]6. One long chat among short streams[/]: a decode step with one of {long:,} tokens among "
                   f"{n} of {short}, against {n + 1} of {short}")

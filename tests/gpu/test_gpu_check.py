@@ -67,6 +67,9 @@ def test_the_tiny_check_runs_end_to_end_and_prints_one_table(tmp_path):
     assert scenes["one long"]["context_tokens"][0] > 120 and all(row["max_logit_difference"] < 1e-4
                                                                   for row in scenes.values())
     assert results["long_among_short"]["padded_long_over_short"] > 0
+    floor = results["ttft_floor"]
+    assert floor["matmul_tflops"] > 0 and [row["prefix_tokens"] for row in floor["rows"]] == list(gpu.SMALL.floor_prefixes)
+    assert all(row["floor_ms"] > 0 and row["cold_over_floor"] == row["cold_ms"] / row["floor_ms"] for row in floor["rows"])
 
 
 def test_without_weights_it_builds_random_ones_of_the_config_and_says_so(config_dir, capsys):
@@ -80,7 +83,8 @@ def test_without_weights_it_builds_random_ones_of_the_config_and_says_so(config_
 def fewer(monkeypatch):
     """One prompt, one prefix, one request, two tokens: for tests of where the model comes from."""
     monkeypatch.setattr(gpu, "SMALL", gpu.Sizes(shared_prompts=1, long_prompts=(), exact_tokens=2, prefixes=(16,),
-                                                repeats=1, requests=(1,), new_tokens=2, long_among_short=(20, 4, 1)))
+                                                repeats=1, requests=(1,), new_tokens=2, long_among_short=(20, 4, 1),
+                                                floor_prefixes=(16,)))
 
 
 def test_a_config_dir_with_weights_loads_them(tiny_model_dir, fewer):
