@@ -267,14 +267,20 @@ def matmul_rate(device: torch.device, dtype: torch.dtype) -> float:
 
 def ttft_against_floor(engine: Engine, prefixes: tuple[int, ...], repeats: int) -> dict:
     """TTFT cold and warm at each prefix (benchmarks/ttft.py's cold_vs_warm, stage 7's path), and
-    the cold prefill's arithmetic floor: its multiply-adds (2 x the body's parameters a token, and
-    causal attention's 2 x layers x heads x head dim x tokens squared) at matmul_rate."""
-    shape, rate = ModelShape.of(engine.model), matmul_rate(engine.device, engine.dtype)
+    the cold prefill's arithmetic floor: its multiply-adds (2 x the layers' parameters a token,
+    the output layer's for the last token only, and causal attention's 2 x layers x heads x head
+    dim x tokens squared) at matmul_rate."""
+    model = engine.model
+    shape, rate = ModelShape.of(model), matmul_rate(engine.device, engine.dtype)
+    head = model.get_output_embeddings().weight
+    tied = head.data_ptr() == model.get_input_embeddings().weight.data_ptr()  # then not in body_params
+    per_token = shape.body_params - (0 if tied else head.numel())
     rng, rows = random.Random(1), []
     for prefix in [p for p in prefixes if p + SUFFIX_LEN < engine.max_model_len]:
         row = cold_vs_warm(engine, prefix, SUFFIX_LEN, repeats, rng)
         tokens = prefix + SUFFIX_LEN
-        flops = 2 * shape.body_params * tokens + 2 * shape.layers * shape.heads * shape.head_dim * tokens ** 2
+        flops = (2 * per_token * tokens + 2 * head.numel()
+                 + 2 * shape.layers * shape.heads * shape.head_dim * tokens ** 2)
         row["floor_ms"] = 1000 * flops / rate
         row["cold_over_floor"] = row["cold_ms"] / row["floor_ms"]
         rows.append(row)
