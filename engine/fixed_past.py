@@ -20,8 +20,10 @@ length, and one_request.forward runs the FixedPast's pass:
                          DynamicCache would hold, and the slots after them masked
     the logits           of the last real token only (logits_to_keep)
 
-Each (tokens, L) is captured once as a CUDA graph and replayed after (engine/cuda_graphs.py);
-a pass above the ladders runs the same attention eagerly at its own shape. A single StaticCache
+Each (tokens, L) is captured once as a CUDA graph and replayed after (engine/cuda_graphs.py):
+Engine.warm_up captures every pass of a request up to START_SLOTS tokens and every decode
+token (capture_at_start, its time logged), the others when they first come; a pass above the
+ladders runs the same attention eagerly at its own shape. A single StaticCache
 of the model's whole length would make every pass attend over all of it; the ladder of L keeps
 a pass within twice its context. PagedKVPool.write copies the new K/V from the buffers into the
 pool, as it does from a DynamicCache (FixedPast yields each layer's K and V in its layout).
@@ -47,6 +49,7 @@ from engine.kv_pool import PagedKVPool
 from engine.static_decode import padded_to
 
 MAX_SUFFIX = 512  # the longest pass padded and graphed; a longer prefill runs at its own shape
+START_SLOTS = 1024  # graphs captured before any request: every pass of a request this long, and every decode
 
 
 def suffix_lengths(max_suffix: int = MAX_SUFFIX) -> list[int]:
@@ -108,6 +111,26 @@ class FixedBuffers:
 
     def figures(self) -> dict | None:
         return None if self.graphs is None else self.graphs.figures()
+
+    def capture_at_start(self, up_to: int | None = None) -> int:
+        """Capture, before any request, every pass a request within `up_to` tokens (START_SLOTS)
+        can run:
+        (tokens, slots) for every rung of slots up to `up_to` and of tokens up to that, and the
+        decode token (1, slots) at every rung of slots. Returns how many were captured. The
+        passes run over whatever the buffers hold (their K/V are written over by each request's
+        own); nothing here reads the pool."""
+        if self.graphs is None or (self.holder is not None and self.holder() is not None):
+            return 0
+        up_to = START_SLOTS if up_to is None else up_to
+        shapes = [(size, length) for length in self.lengths if length <= up_to
+                  for size in self.suffixes if size <= length] + [(1, length) for length in self.lengths]
+        before = len(self.graphs.captures)
+        with torch.inference_mode():  # as every request's passes run: the buffers are inference tensors
+            self.last.zero_()
+            for shape in dict.fromkeys(shapes):
+                if not self.graphs.has(*shape):
+                    self.graphs.try_capture(*shape)
+        return len(self.graphs.captures) - before
 
 
 class FixedPast:

@@ -32,6 +32,7 @@ ModelRunner, and its step is schedule, run, postprocess).
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import statistics
 import threading
@@ -60,6 +61,8 @@ from engine.request import FINISHED, Request, SamplingParams
 from engine.sampling import sample
 from engine.scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS, ScheduledRequest, StepPlan, check_step_size, keys_attended
 from engine.step_budget import CALIBRATION_TOKENS, DEFAULT_TARGET_STEP_MS, ModelShape, StepBudget
+
+log = logging.getLogger("engine")
 
 # -----------------------------------------------------------------------------
 # The Engine and its configuration
@@ -616,7 +619,10 @@ class Engine:
         over it (a masked pass, as a HIT's), a decode token after it. The batched path
         (engine/model_runner.py): a prompt's chunk and a decode of it, the decode padded and
         captured as a CUDA graph where the engine runs graphs (in a runner of its own, so the
-        loop's graphs and /health count only what real steps captured)."""
+        loop's graphs and /health count only what real steps captured). Then, on a GPU, every
+        pass of stage 7's requests up to fixed_past.START_SLOTS tokens and every decode token
+        captured as a CUDA graph (FixedBuffers.capture_at_start; the time it took is logged on
+        the "engine" logger)."""
         in_own_thread(self._warm_up)
 
     def _warm_up(self) -> None:
@@ -633,6 +639,7 @@ class Engine:
             suffix = [0] * max(1, block_size // 2)
             forward(self.model, suffix, cache)
             forward(self.model, [0], cache)
+            del cache
         # A runner of its own (torch's thread count, graphs dropped after): the loop's thread
         # chooser and graphs see only real steps.
         runner = ModelRunner(self.parts, max_num_seqs=1, static_decode=self.config.static_decode)
@@ -642,6 +649,10 @@ class Engine:
             runner.run(StepPlan([ScheduledRequest(request, 0, len(suffix))], []), tables)
             request.append_output(0)
             runner.run(StepPlan([ScheduledRequest(request, len(suffix), len(suffix) + 1)], []), tables)
+            if self.parts.fixed is not None and self.parts.fixed.capture_at_start():  # on a GPU, before any request
+                figures = self.parts.fixed.figures()
+                log.info("captured %d shapes of stage 7's pass as CUDA graphs before any request, in %.1f s",
+                         figures["captured"], figures["capture_s"])
         synchronize(self.device)
 
 

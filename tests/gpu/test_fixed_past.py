@@ -134,3 +134,27 @@ def test_each_shape_is_captured_once_and_replayed_after(make_engine, monkeypatch
     assert [shape for shape, _ in buffers.graphs.captures] == [(16, 16), (1, 16)]
     assert passes == [(16, 16), (16, 16), (1, 16), (1, 16)]  # warm-up and capture of each, no pass for a replay
     assert [graph.replays for graph in FakeGraph.made] == [1, 3]
+
+
+def test_warm_up_captures_every_pass_of_a_short_request_and_every_decode(make_engine, monkeypatch, caplog):
+    """With torch's graph calls faked, an engine whose stage 7 runs graphs: warm_up captures
+    each (tokens, slots) with slots up to START_SLOTS and each decode (1, slots), says how long
+    it took, and a request within those then captures nothing while it runs."""
+    FakeGraph.made = []
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
+    monkeypatch.setattr(torch.cuda, "graph", fake_capture)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(fixed_past, "START_SLOTS", 64)
+    engine = make_engine(num_blocks=64, static_decode=True)  # 256 slots: slots of 16, 32, 64, 128, 256
+    buffers = engine.parts.fixed
+    buffers.graphs = fixed_past.Graphs(lambda size, length: fixed_past.forward(engine.model, buffers, size, length), 1,
+                                       "stage 7's pass")
+    with caplog.at_level("INFO", logger="engine"):
+        engine.warm_up()
+    shapes = [shape for shape, _ in buffers.graphs.captures]
+    want = [(s, n) for n in (16, 32, 64) for s in (1, 2, 4, 8, 16, 32, 64) if s <= n] + [(1, 128), (1, 256)]
+    assert sorted(shapes) == sorted(want)
+    assert any(f"captured {len(want)} shapes of stage 7's pass" in r.getMessage() for r in caplog.records)
+    assert engine.allocator.num_free_blocks == 64 and engine.allocator.num_cached_blocks == 0
+    reply = generate(engine.parts, "a", SYSTEM[:30], SamplingParams(max_tokens=3))  # 30 tokens: (32, 32), decodes
+    assert len(buffers.graphs.captures) == len(want) and reply.cached_tokens == 0
