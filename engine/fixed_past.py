@@ -159,8 +159,8 @@ class FixedPast:
         graphs = buffers.graphs
         if graphed and (graphs.has(size, length) or graphs.try_capture(size, length)):
             logits = graphs.replay(size, length)[0]
-        else:
-            logits = forward(model, buffers, size, length)[0]
+        else:  # a long pass from nothing (a cold prompt): plain causal attention, no mask to build
+            logits = forward(model, buffers, size, length, causal=start == 0 and length == size)[0]
         self.length += n
         return logits.clone()  # the shared logits buffer is written over by the next replay
 
@@ -176,10 +176,11 @@ class RequestStep:
     write their K/V at their positions, then attend over the first `length` slots.
 
         positions  (tokens,)                      where each token's K/V go, and how far it reads
-        mask       (group x tokens, length)       True: a slot the token reads (up to its position)
+        mask       (group x tokens, length)       True: a slot the token reads (up to its position);
+                   None: the pass starts at slot 0 and is as long as `length`, plain causal
     """
 
-    def __init__(self, buffers: FixedBuffers, positions: torch.Tensor, length: int, mask: torch.Tensor):
+    def __init__(self, buffers: FixedBuffers, positions: torch.Tensor, length: int, mask: torch.Tensor | None):
         self.buffers, self.positions, self.length, self.mask = buffers, positions, length, mask
 
     def attend(self, layer: int, query, key, value, scaling):
@@ -190,20 +191,27 @@ class RequestStep:
         kv[1, self.positions] = value[0].transpose(0, 1).to(kv.dtype)
         (_, heads, tokens, dim), kv_heads = query.shape, kv.shape[2]
         keys, values = kv[:, : self.length].transpose(1, 2).to(query.dtype)  # (kv heads, length, dim) each
+        if self.mask is None:  # no mask of tokens x length to build: a kernel that knows causal (flash on a GPU)
+            attended = F.scaled_dot_product_attention(query, keys[None], values[None], is_causal=True, scale=scaling,
+                                                      enable_gqa=True)
+            return attended.transpose(1, 2), None
         # A kv head's query heads together, as one batch of queries (no K/V repeated).
         queries = query[0].reshape(kv_heads, heads // kv_heads * tokens, dim)
         attended = F.scaled_dot_product_attention(queries, keys, values, attn_mask=self.mask, scale=scaling)
         return attended.reshape(heads, tokens, dim).transpose(0, 1)[None], None
 
 
-def forward(model, buffers: FixedBuffers, size: int, length: int) -> torch.Tensor:
+def forward(model, buffers: FixedBuffers, size: int, length: int, causal: bool = False) -> torch.Tensor:
     """The padded pass over the buffers' first `size` tokens, attending over `length` slots:
     the logits of the last real token (1, vocab). The mask is computed here, inside the pass,
-    so a graph captured around this call computes it again from what the buffers then hold."""
+    so a graph captured around this call computes it again from what the buffers then hold.
+    causal: the pass fills slots 0..length-1 (size == length), plain causal attention, no mask."""
     positions = buffers.positions[:size]
-    group = model.config.get_text_config().num_attention_heads // buffers.pool.num_kv_heads
-    slots = torch.arange(length, device=positions.device)
-    mask = (slots[None, :] <= positions[:, None]).repeat(group, 1)
+    mask = None
+    if not causal:
+        group = model.config.get_text_config().num_attention_heads // buffers.pool.num_kv_heads
+        slots = torch.arange(length, device=positions.device)
+        mask = (slots[None, :] <= positions[:, None]).repeat(group, 1)
     step = RequestStep(buffers, positions, length, mask)
     return model(input_ids=buffers.input_ids[None, :size], position_ids=positions[None], use_cache=False,
                  pool_step=step, logits_to_keep=buffers.last).logits[0]

@@ -43,13 +43,19 @@ def test_each_pass_is_padded_to_its_rungs_and_longer_ones_run_at_their_own_shape
     engine = make_engine(num_blocks=256, static_decode=True)
     shapes = []
     real = fixed_past.forward
-    monkeypatch.setattr(fixed_past, "forward", lambda model, buffers, size, length: shapes.append((size, length))
-                        or real(model, buffers, size, length))
+    monkeypatch.setattr(fixed_past, "forward", lambda model, buffers, size, length, causal=False:
+                        shapes.append((size, length, causal)) or real(model, buffers, size, length, causal))
     generate(engine.parts, "a", SYSTEM + [41, 42], SamplingParams(max_tokens=3))  # 42 new: 64 tokens over 64 slots
     generate(engine.parts, "b", SYSTEM + [7] * 9, SamplingParams(max_tokens=2))  # 40 cached, 9 new: 16 over 64
-    long = list(range(1000, 1600))  # 600 new tokens: above the ladder (512), its own shape
-    generate(engine.parts, "c", long, SamplingParams(max_tokens=1))
-    assert shapes == [(64, 64), (1, 64), (1, 64), (16, 64), (1, 64), (600, 600)]
+    long = list(range(1000, 1600))  # 600 new tokens from nothing: above the ladder (512), its own shape, causal
+    generate(engine.parts, "c", long, SamplingParams(max_tokens=2))
+    behind = long[:400] + list(range(2000, 2600))  # 400 cached (100 blocks), 600 new: its own shape, masked
+    reply = generate(engine.parts, "d", behind, SamplingParams(max_tokens=2))
+    assert reply.cached_tokens == 400 and reply.token_ids == greedy_reference(engine.model, behind, 2)
+    # A pass from slot 0 as long as its slots runs plain causal (without graphs, as here; a graph
+    # holds the masked pass), the others masked.
+    assert shapes == [(64, 64, True), (1, 64, False), (1, 64, False), (16, 64, False), (1, 64, False),
+                      (600, 600, True), (1, 1024, False), (600, 1000, False), (1, 1024, False)]
 
 
 def test_padding_is_never_read(make_engine, tiny_model):
@@ -129,7 +135,7 @@ def test_each_shape_is_captured_once_and_replayed_after(make_engine, monkeypatch
                                        "stage 7's pass")
     passes = []
     real = fixed_past.forward
-    monkeypatch.setattr(fixed_past, "forward", lambda *args: passes.append(args[2:]) or real(*args))
+    monkeypatch.setattr(fixed_past, "forward", lambda *args, **kwargs: passes.append(args[2:]) or real(*args, **kwargs))
     generate(engine.parts, "a", SYSTEM[:9], SamplingParams(max_tokens=4))  # 9 new: (16, 16); decodes (1, 16)
     assert [shape for shape, _ in buffers.graphs.captures] == [(16, 16), (1, 16)]
     assert passes == [(16, 16), (16, 16), (1, 16), (1, 16)]  # warm-up and capture of each, no pass for a replay
