@@ -14,7 +14,8 @@ It runs, one after another, then prints one table (--json writes the numbers):
 
 1. The demo's requests (commands/demo.py): five questions behind one system prompt, a MISS then HITs,
    then again with the cache emptied (the steady state: every pass of a shape seen before);
-   each request's TTFT, prefill phases and the graphs captured while it ran,
+   each request's TTFT, prefill phases and the graphs captured while it ran, one more HIT
+   under torch's profiler (kernel launches, wall time, the GPU's time in kernels),
    the first round against the steady one phase by phase, and the pool after the warm-up.
 2. Exactness: prompts behind the demo's system prompt, long prompts of random tokens and short
    ones, each against plain model.generate (greedy), on every path a request can take: stage
@@ -30,7 +31,7 @@ It runs, one after another, then prints one table (--json writes the numbers):
    tokenizer), where a batch has real work to share. throughput.py's (d), transformers' own
    batching, is left out: it loads the model again from its files.
 5. Decode: ms a token on stage 7's path (the demo's) and through the engine loop, one stream
-   and DECODE_STREAMS together (ms a step), on the model of parts 1-3.
+   and 16 together (ms a step), on the model of parts 1-3.
 6. One long chat among short streams (benchmarks/padded_decode.py's scene): the padded decode
    step of one 8,000-token chat among 63 of 64 tokens against 64 of 64 tokens.
 7. TTFT cold and warm on the throughput's model (the 1B shape on CUDA) at prefixes up to 8,000
@@ -91,15 +92,17 @@ class Sizes:
     new_tokens: int  # throughput: new tokens of each reply
     long_among_short: tuple[int, int, int]  # one chat of this many tokens among (n) short ones of (tokens), n
     floor_prefixes: tuple[int, ...]  # TTFT against the arithmetic floor, on the throughput's model
+    decode_streams: int = 16  # decode: streams decoding together
+    repeats_long: int = 7  # one long chat among short streams: runs of each step (the first two not counted)
 
 
 ON_GPU = Sizes(shared_prompts=16, long_prompts=(600, 1000, 1400, 1800), exact_tokens=24,
                prefixes=(1024, 4096, 8128), repeats=3, requests=(16, 64), new_tokens=32,
                long_among_short=(8000, 64, 63), floor_prefixes=(512, 1024, 2048, 4096, 8000))
+
 SMALL = Sizes(shared_prompts=4, long_prompts=(100, 200), exact_tokens=8,
               prefixes=(64, 128), repeats=1, requests=(4, 8), new_tokens=4, long_among_short=(120, 6, 3),
-              floor_prefixes=(64, 128))
-DECODE_STREAMS = 16  # part 5: streams decoding together
+              floor_prefixes=(64, 128), decode_streams=4, repeats_long=3)
 SHORT_PROMPTS = ["Hello", "What is two plus two?", "Name a colour.", "Tell me a story about a cat."]
 # Every path a request can take, and the Engine options of each: stage 7's (None: engine/one_request.py
 # over the engine's parts) and the engine loop's.
@@ -189,6 +192,30 @@ def demo_requests(engine: Engine) -> dict:
             "first_over_steady": {phase: max(f["phases_ms"][phase] / max(s["phases_ms"][phase], 1e-3)
                                              for f, s in zip(first, steady)) for phase in PHASES},
             "steady_miss_over_hits": [steady[0]["ttft_ms"] / row["ttft_ms"] for row in steady[1:]]}
+
+
+LAUNCHES = {"cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch"}
+
+
+def profiled_hit(engine: Engine) -> dict:
+    """One of the demo's HITs on stage 7's path (its system prompt cached by part 1), two tokens,
+    under torch's profiler: the kernel launches (a graph replay is one), the wall time, and the
+    time the GPU spent in kernels. Where the GPU's share is small, the pass is the CPU's
+    launching, which a graph replaces with one launch. Nothing of the GPU on a CPU."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if engine.device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    prompt = [{"role": "system", "content": DEMO_SYSTEM_PROMPT}, {"role": "user", "content": DEMO_QUESTIONS[1]}]
+    synchronize(engine.device)
+    with torch.profiler.profile(activities=activities) as profile:
+        start = time.perf_counter()
+        reply = stage_7(engine, prompt, 2)
+        synchronize(engine.device)
+        wall = time.perf_counter() - start
+    events = profile.key_averages()
+    return {"cached_tokens": reply.cached_tokens, "wall_ms": 1000 * wall,
+            "launches": sum(e.count for e in events if e.key in LAUNCHES),
+            "gpu_ms": sum(e.self_device_time_total for e in events) / 1000}
 
 
 def captured(engine: Engine) -> int:
@@ -287,11 +314,11 @@ def ttft_against_floor(engine: Engine, prefixes: tuple[int, ...], repeats: int) 
     return {"matmul_tflops": rate / 1e12, "rows": rows}
 
 
-def long_among_short(engine: Engine, long: int, short: int, n: int) -> dict:
+def long_among_short(engine: Engine, long: int, short: int, n: int, repeats: int) -> dict:
     """benchmarks/padded_decode.py's scene twice: the first decode step of n + 1 short streams,
     and of one long chat among n short ones, each run packed and padded (a graph on a GPU):
     what the long chat adds to the padded step, whose rows each read their own blocks."""
-    rows = {name: scene(engine, name, lengths, repeats=7, seed=seed)
+    rows = {name: scene(engine, name, lengths, repeats=repeats, seed=seed)
             for seed, (name, lengths) in enumerate([("short only", [short] * (n + 1)),
                                                     ("one long", [long] + [short] * n)])}
     return {"rows": rows, "padded_long_over_short": rows["one long"]["padded_ms"] / rows["short only"]["padded_ms"]}
@@ -346,6 +373,9 @@ def results_table(results: dict) -> Table:
                                                              else "") + f"; {phases}; {row['captures']}")
     table.add_row("", "first round over steady, each phase, the worst request",
                   " ".join(f"{phase} {ratio:.2f}x" for phase, ratio in demo["first_over_steady"].items()))
+    hit = results["profiled_hit"]
+    table.add_row("", "a HIT and one decode token under the profiler: kernel launches, wall ms, GPU ms in kernels",
+                  f"{hit['launches']:,}, {hit['wall_ms']:,.1f}, {hit['gpu_ms']:,.2f}")
     table.add_section()
     for dtype, counts in results["exactness"].items():
         for path, same in counts.items():
@@ -423,6 +453,8 @@ def main(argv: list[str] | None = None) -> dict:
     console.print(f"[bold]1. The demo's requests[/] on {device}, {results['dtype']}")
     results["demo"] = demo_requests(engine)
 
+    results["profiled_hit"] = profiled_hit(engine)
+
     console.print("[bold]2. Exactness[/] against model.generate")
     prompts = exactness_prompts(engine, sizes)
     results["exactness_prompts"] = len(prompts)
@@ -443,14 +475,14 @@ def main(argv: list[str] | None = None) -> dict:
     throughput_engine = engine if big is None else Engine(model=big, tokenizer=loaded.tokenizer, **pool)
     results["throughput"] = {"model": throughput_on, "new_tokens": sizes.new_tokens,
                              "runs": throughput(throughput_engine, sizes)}
-    console.print(f"[bold]5. Decode[/]: ms a token on each path, {DECODE_STREAMS} streams together")
-    results["decode"] = decode_ms(engine, sizes.new_tokens * 2, DECODE_STREAMS)
+    console.print(f"[bold]5. Decode[/]: ms a token on each path, {sizes.decode_streams} streams together")
+    results["decode"] = decode_ms(engine, sizes.new_tokens * 2, sizes.decode_streams)
     console.print(f"[bold]7. TTFT against its arithmetic floor[/] on {throughput_on}")
     results["ttft_floor"] = ttft_against_floor(throughput_engine, sizes.floor_prefixes, sizes.repeats)
     long, short, n = sizes.long_among_short
     console.print(f"[bold]6. One long chat among short streams[/]: a decode step with one of {long:,} tokens among "
                   f"{n} of {short}, against {n + 1} of {short}")
-    results["long_among_short"] = long_among_short(engine, long, short, n)
+    results["long_among_short"] = long_among_short(engine, long, short, n, sizes.repeats_long)
     results["cuda_graphs"] = {"engine": engine.loop.runner.model_runner.graph_figures(),
                               "throughput": throughput_engine.loop.runner.model_runner.graph_figures()}
     results["seconds"] = time.perf_counter() - started

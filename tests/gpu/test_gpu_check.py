@@ -48,6 +48,8 @@ def test_the_tiny_check_runs_end_to_end_and_prints_one_table(tmp_path):
         row["computed_tokens"] for row in demo["rounds"]["first"]]  # the same requests, the cache emptied first
     assert demo["pool_after_warm_up"] == {"free_blocks": 256, "blocks": 256, "cached_blocks": 0}
     assert set(demo["first_over_steady"]) == set(gpu.PHASES) and len(demo["steady_miss_over_hits"]) == 4
+    hit = results["profiled_hit"]  # on a CPU: no kernel launched, no time on a GPU
+    assert hit["cached_tokens"] > 0 and hit["wall_ms"] > 0 and hit["launches"] == 0 and hit["gpu_ms"] == 0
     # Every path of the engine replies as model.generate does, in fp32 (no bf16 on a CPU).
     assert results["exactness"] == {"fp32": dict.fromkeys(gpu.PATHS, results["exactness_prompts"])}
     assert [row["prefix_tokens"] for row in results["ttft"]] == list(gpu.SMALL.prefixes)
@@ -59,7 +61,7 @@ def test_the_tiny_check_runs_end_to_end_and_prints_one_table(tmp_path):
                and row["captures_while_timed"] == 0 for run in runs for row in run["rows"])
     assert all(run["c_over_floor"] > 0 for run in runs) and "against its floor" in result.stdout
     decode = results["decode"]
-    assert decode["streams"] == gpu.DECODE_STREAMS and all(decode[k] > 0 for k in ("one_request_ms",
+    assert decode["streams"] == gpu.SMALL.decode_streams and all(decode[k] > 0 for k in ("one_request_ms",
                                                                                      "engine_one_stream_ms", "engine_step_ms"))
     assert results["cuda_graphs"] == {"engine": None, "throughput": None}  # a CPU runs no graph
     scenes = results["long_among_short"]["rows"]  # one of 120 tokens among 3 of 6, against 4 of 6
@@ -72,19 +74,19 @@ def test_the_tiny_check_runs_end_to_end_and_prints_one_table(tmp_path):
     assert all(row["floor_ms"] > 0 and row["cold_over_floor"] == row["cold_ms"] / row["floor_ms"] for row in floor["rows"])
 
 
-def test_without_weights_it_builds_random_ones_of_the_config_and_says_so(config_dir, capsys):
-    results = gpu.main(["--config-dir", str(config_dir), "--device", "cpu", "--num-blocks", "256"])
-    out = capsys.readouterr().out
-    assert results["random_weights"] and "Random weights" in out and "random weights, seed 0" in results["model"]
-    assert results["exactness"]["fp32"] == dict.fromkeys(gpu.PATHS, results["exactness_prompts"])
-
-
 @pytest.fixture
 def fewer(monkeypatch):
     """One prompt, one prefix, one request, two tokens: for tests of where the model comes from."""
     monkeypatch.setattr(gpu, "SMALL", gpu.Sizes(shared_prompts=1, long_prompts=(), exact_tokens=2, prefixes=(16,),
                                                 repeats=1, requests=(1,), new_tokens=2, long_among_short=(20, 4, 1),
-                                                floor_prefixes=(16,)))
+                                                floor_prefixes=(16,), decode_streams=2, repeats_long=3))
+
+
+def test_without_weights_it_builds_random_ones_of_the_config_and_says_so(config_dir, capsys, fewer):
+    results = gpu.main(["--config-dir", str(config_dir), "--device", "cpu", "--num-blocks", "256"])
+    out = capsys.readouterr().out
+    assert results["random_weights"] and "Random weights" in out and "random weights, seed 0" in results["model"]
+    assert results["exactness"]["fp32"] == dict.fromkeys(gpu.PATHS, results["exactness_prompts"])
 
 
 def test_a_config_dir_with_weights_loads_them(tiny_model_dir, fewer):
