@@ -113,12 +113,11 @@ class FixedBuffers:
         return None if self.graphs is None else self.graphs.figures()
 
     def capture_at_start(self, up_to: int | None = None) -> int:
-        """Capture, before any request, every pass a request within `up_to` tokens (START_SLOTS)
-        can run:
-        (tokens, slots) for every rung of slots up to `up_to` and of tokens up to that, and the
-        decode token (1, slots) at every rung of slots. Returns how many were captured. The
-        passes run over whatever the buffers hold (their K/V are written over by each request's
-        own); nothing here reads the pool."""
+        """Capture, before any request, every pass a request within `up_to` tokens (default
+        START_SLOTS) can run, (tokens, slots) for each rung of slots up to `up_to` and each rung
+        of tokens up to that, and the decode token (1, slots) at every rung of slots. Returns how
+        many were captured. The passes run over whatever the buffers hold (each request writes
+        its own K/V over them); nothing here reads the pool."""
         if self.graphs is None or (self.holder is not None and self.holder() is not None):
             return 0
         up_to = START_SLOTS if up_to is None else up_to

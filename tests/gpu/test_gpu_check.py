@@ -76,10 +76,17 @@ def test_the_tiny_check_runs_end_to_end_and_prints_one_table(tmp_path):
 
 @pytest.fixture
 def fewer(monkeypatch):
-    """One prompt, one prefix, one request, two tokens: for tests of where the model comes from."""
+    """One prompt, one prefix, one request, two tokens, and none of the parts after exactness
+    that only time (the end-to-end test runs them): for tests of where the model comes from."""
     monkeypatch.setattr(gpu, "SMALL", gpu.Sizes(shared_prompts=1, long_prompts=(), exact_tokens=2, prefixes=(16,),
                                                 repeats=1, requests=(1,), new_tokens=2, long_among_short=(20, 4, 1),
                                                 floor_prefixes=(16,), decode_streams=2, repeats_long=3))
+    monkeypatch.setattr(gpu, "throughput", lambda engine, sizes: [])
+    monkeypatch.setattr(gpu, "decode_ms", lambda engine, tokens, streams: {
+        "tokens": tokens, "streams": streams, "one_request_ms": None, "engine_one_stream_ms": None,
+        "engine_step_ms": None, "engine_step_streams": None})
+    monkeypatch.setattr(gpu, "long_among_short", lambda *args: {"rows": {}, "padded_long_over_short": 0.0})
+    monkeypatch.setattr(gpu, "ttft_against_floor", lambda *args: {"matmul_tflops": 0.0, "rows": []})
 
 
 def test_without_weights_it_builds_random_ones_of_the_config_and_says_so(config_dir, capsys, fewer):
