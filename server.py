@@ -43,7 +43,8 @@ from commands.model_flags import add_model_arguments, engine_from_flags, pool_ar
 from engine.llm_engine import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, DEFAULT_TARGET_STEP_MS, EngineConfig
 from engine.model_loader import DEFAULT_MODEL
 from serving.connections import (
-    MAX_HEAD_BYTES, MAX_HEADER_FIELDS, MOST_CONNECTIONS, ClassServer, connection_cap, drain, serve_in_background,
+    MAX_HEAD_BYTES, MAX_HEADER_FIELDS, MOST_CONNECTIONS, ClassServer, bind_error, connection_cap, drain,
+    serve_in_background,
 )
 from serving.requests import (
     DEFAULT_HEAD_TIMEOUT, DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_CONNECTIONS_PER_CLIENT, DEFAULT_MAX_PROMPT_TOKENS,
@@ -164,6 +165,10 @@ def main(argv: list[str] | None = None) -> None:
         config = EngineConfig(**pool_arguments(args), **scheduler_options)
     except ValueError as err:
         parser.error(str(err).replace("max_num_", "--max-num-").replace("batched_tokens", "batched-tokens"))
+
+    taken = bind_error(args.host, args.port)  # before the model loads, which takes a while
+    if taken is not None:
+        parser.exit(2, f"error: cannot listen on {args.host}:{args.port} ({taken}); pick another --port\n")
 
     handler = RichHandler(show_path=False)
     handler.addFilter(EscapeControlCharacters())  # werkzeug's records and any library's too

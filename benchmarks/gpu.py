@@ -101,8 +101,8 @@ ON_GPU = Sizes(shared_prompts=16, long_prompts=(600, 1000, 1400, 1800), exact_to
                long_among_short=(8000, 64, 63), floor_prefixes=(512, 1024, 2048, 4096, 8000))
 
 SMALL = Sizes(shared_prompts=4, long_prompts=(100, 200), exact_tokens=8,
-              prefixes=(64, 128), repeats=1, requests=(4, 8), new_tokens=4, long_among_short=(120, 6, 3),
-              floor_prefixes=(64, 128), decode_streams=4, repeats_long=3)
+              prefixes=(64, 128), repeats=1, requests=(4,), new_tokens=4, long_among_short=(120, 6, 3),
+              floor_prefixes=(128,), decode_streams=4, repeats_long=3)
 SHORT_PROMPTS = ["Hello", "What is two plus two?", "Name a colour.", "Tell me a story about a cat."]
 # Every path a request can take, and the Engine options of each: stage 7's (None: engine/one_request.py
 # over the engine's parts) and the engine loop's.

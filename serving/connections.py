@@ -53,7 +53,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from werkzeug.serving import ThreadedWSGIServer, WSGIRequestHandler
+from werkzeug.serving import ThreadedWSGIServer, WSGIRequestHandler, get_sockaddr, select_address_family
 
 from serving.requests import (
     DEFAULT_HEAD_TIMEOUT, DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_CONNECTIONS_PER_CLIENT, DEFAULT_MAX_REQUESTS_PER_KEY,
@@ -586,6 +586,20 @@ class RequestHandler(WSGIRequestHandler):
         # follows the reply.
         self.rfile = AfterReply(self.rfile, self.tracked, self.read_timeout)
         return environ
+
+
+def bind_error(host: str, port: int) -> OSError | None:
+    """What binding host:port as ClassServer does fails with right now, or None. server.py asks
+    before the model loads, so a port another program holds is said at once instead of after
+    the load (a bind later can still lose a race, and fails the same way)."""
+    family = select_address_family(host, port)
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as werkzeug's server (allow_reuse_address)
+        try:
+            probe.bind(get_sockaddr(host, port, family))
+        except OSError as err:
+            return err
+    return None
 
 
 class ClassServer(ThreadedWSGIServer):

@@ -401,6 +401,25 @@ def test_concurrent_clients_get_the_answers_they_get_alone(engine, url):
 # --- the real thing: python server.py with the default model --------------------------------------
 
 
+def test_a_taken_port_is_said_before_the_model_loads(capsys):
+    """server.py's main (what `python server.py` runs) on a port another program listens on: a
+    clear error and status 2 at once, before any model is looked for (the one named here does
+    not exist, and nothing says "loading")."""
+    import socket
+
+    import server
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(SystemExit) as exited:
+            server.main(["--port", str(port), "--model", "/no/such/model"])
+    out, err = capsys.readouterr()
+    assert exited.value.code == 2 and "loading" not in out + err
+    assert f"cannot listen on 127.0.0.1:{port}" in err and "pick another --port" in err
+
+
 @pytest.mark.server
 @pytest.mark.real_model
 @pytest.mark.subprocess
