@@ -25,7 +25,7 @@ Engine.warm_up captures every pass of a request up to START_SLOTS tokens and eve
 token (capture_at_start, its time logged), the others when they first come; a pass above the
 ladders runs the same attention eagerly at its own shape. A single StaticCache
 of the model's whole length would make every pass attend over all of it; the ladder of L keeps
-a pass within twice its context. PagedKVPool.write copies the new K/V from the buffers into the
+a pass within twice its context and padding. PagedKVPool.write copies the new K/V from the buffers into the
 pool, as it does from a DynamicCache (FixedPast yields each layer's K and V in its layout).
 
 One request holds the buffers at a time: while one FixedPast is alive, gather gives another
