@@ -180,7 +180,7 @@ def main(argv: list[str] | None = None) -> None:
         engine = engine_from_flags(args, config=config)
     except (OSError, ValueError) as err:
         parser.exit(2, f"error: {err}\n")
-    engine.warm_up()
+    engine.warm_up(stage_7=False)  # every request of the server goes through the engine's loop
     app = create_app(engine, salt_by_api_key=args.salt_by_api_key, admin_key=args.admin_key,
                      allowed_hosts=(args.host, *args.allowed_host), max_tokens_limit=args.max_tokens_limit,
                      api_keys=api_keys, max_prompt_tokens=args.max_prompt_tokens, max_waiting=args.max_waiting_requests,

@@ -71,7 +71,8 @@ def cache_lengths(max_len: int) -> list[int]:
 
 
 class FixedBuffers:
-    """One request's K/V and a pass's inputs, allocated once, and the graphs of its passes.
+    """One request's K/V and a pass's inputs, allocated once (by the first request), and the
+    graphs of its passes.
 
         kv          (layers, K/V, max_len, kv heads, dim)   token t's K/V at slot t
         input_ids   (max_len,)      a pass's tokens, padded
@@ -83,17 +84,24 @@ class FixedBuffers:
 
     def __init__(self, model, pool: PagedKVPool, max_len: int, graphs: bool):
         self.model, self.pool, self.max_len = model, pool, max_len
-        device = pool.device
-        self.kv = torch.zeros(pool.num_layers, 2, max_len, pool.num_kv_heads, pool.head_dim, dtype=pool.dtype,
-                              device=device)
-        self.input_ids = torch.zeros(max_len, dtype=torch.long, device=device)  # a pass above the ladder too
-        self.positions = torch.zeros(max_len, dtype=torch.long, device=device)
-        self.last = torch.zeros(1, dtype=torch.long, device=device)
+        self.kv = self.input_ids = self.positions = self.last = None  # allocated by the first request (allocate)
         self.suffixes, self.lengths = suffix_lengths(), cache_lengths(max_len)
         self.graphs = Graphs(lambda size, length: forward(model, self, size, length), 1,
                              "stage 7's pass of (tokens, slots)") if graphs else None
         self.holder: weakref.ref | None = None  # the FixedPast using the buffers
         use_pool_attention(model)
+
+    def allocate(self) -> None:
+        """The buffers, the first time a request (or the warm-up) needs them: an engine that
+        serves only through its loop (server.py) never holds K/V of the model's length twice."""
+        if self.kv is not None:
+            return
+        pool, device = self.pool, self.pool.device
+        self.kv = torch.zeros(pool.num_layers, 2, self.max_len, pool.num_kv_heads, pool.head_dim, dtype=pool.dtype,
+                              device=device)
+        self.input_ids = torch.zeros(self.max_len, dtype=torch.long, device=device)  # a pass above the ladder too
+        self.positions = torch.zeros(self.max_len, dtype=torch.long, device=device)
+        self.last = torch.zeros(1, dtype=torch.long, device=device)
 
     def fill(self, block_ids: list[int]) -> FixedPast | None:
         """The buffers holding `block_ids`' K/V at slots 0.., for a new request; None while
@@ -103,6 +111,7 @@ class FixedBuffers:
         num_cached = len(block_ids) * self.pool.block_size
         if num_cached > self.max_len:
             return None
+        self.allocate()
         if block_ids:  # (layers, K/V, 1, kv heads, tokens, dim) -> (layers, K/V, tokens, kv heads, dim)
             self.kv[:, :, :num_cached].copy_(self.pool.tokens_of(block_ids)[:, :, 0].transpose(2, 3))
         past = FixedPast(self, num_cached)
@@ -121,6 +130,7 @@ class FixedBuffers:
         if self.graphs is None or (self.holder is not None and self.holder() is not None):
             return 0
         up_to = START_SLOTS if up_to is None else up_to
+        self.allocate()
         shapes = [(size, length) for length in self.lengths if length <= up_to
                   for size in self.suffixes if size <= length] + [(1, length) for length in self.lengths]
         before = len(self.graphs.captures)

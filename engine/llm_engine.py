@@ -58,7 +58,7 @@ from engine.one_request import EngineParts, forward, gather
 from engine.outputs import Generation, StreamEvent
 from engine.prompts import tokenize_prompts
 from engine.request import FINISHED, Request, SamplingParams
-from engine.sampling import sample
+from engine.sampling import sample, sample_batch
 from engine.scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS, ScheduledRequest, StepPlan, check_step_size, keys_attended
 from engine.step_budget import CALIBRATION_TOKENS, DEFAULT_TARGET_STEP_MS, ModelShape, StepBudget
 
@@ -605,7 +605,7 @@ class Engine:
                 "decodes": (timed([(block_size - 1, block_size)] * ATTENTION_DECODES),
                             timed([(long_decode - 1, long_decode)] * ATTENTION_DECODES))}
 
-    def warm_up(self) -> None:
+    def warm_up(self, stage_7: bool = True) -> None:
         """Run every kind of pass a request's path runs once, before anything is timed, so the
         first timed request pays for no one-time setup (buffers, kernel choices, the CUDA
         context, and on a GPU each kernel's first load, which cost the demo's first round
@@ -617,17 +617,40 @@ class Engine:
         Stage 7's path (one_request.run_request): an empty gather and a prefill of one block,
         its K/V written, a greedy and a sampled pick, the block gathered back and a suffix pass
         over it (a masked pass, as a HIT's), a decode token after it. The batched path
-        (engine/model_runner.py): a prompt's chunk and a decode of it, the decode padded and
+        (engine/model_runner.py): a prompt's chunk and a decode of it, greedy and sampled
+        picks from the decode's logits (sampling.sample_batch), the decode padded and
         captured as a CUDA graph where the engine runs graphs (in a runner of its own, so the
         loop's graphs and /health count only what real steps captured). Then, on a GPU, every
         pass of stage 7's requests up to fixed_past.START_SLOTS tokens and every decode token
         captured as a CUDA graph (FixedBuffers.capture_at_start; the time it took is logged on
-        the "engine" logger)."""
-        in_own_thread(self._warm_up)
+        the "engine" logger). stage_7=False: the batched path only, for an engine whose every
+        request goes through its loop (server.py): stage 7's fixed buffers are never allocated."""
+        in_own_thread(self._warm_up, stage_7)
 
-    def _warm_up(self) -> None:
+    def _warm_up(self, stage_7: bool) -> None:
+        scratch, block_size = self.kv.scratch_block, self.kv.block_size
+        suffix = [0] * max(1, block_size // 2)
+        if stage_7:
+            self._warm_up_stage_7(scratch, block_size, suffix)
+        # A runner of its own (torch's thread count, graphs dropped after): the loop's thread
+        # chooser and graphs see only real steps.
+        runner = ModelRunner(self.parts, max_num_seqs=1, static_decode=self.config.static_decode)
+        with self.lock:
+            request = Request("warm-up", suffix)
+            tables = {request.request_id: [scratch]}  # within one block
+            runner.run(StepPlan([ScheduledRequest(request, 0, len(suffix))], []), tables)
+            request.append_output(0)
+            logits = runner.run(StepPlan([ScheduledRequest(request, len(suffix), len(suffix) + 1)], []), tables)
+            sample_batch(logits.expand(2, -1), [SamplingParams(), SamplingParams(temperature=1.0, top_p=0.9)],
+                         [None, torch.Generator().manual_seed(0)])  # the step's picks, greedy and sampled
+            if stage_7 and self.parts.fixed is not None and self.parts.fixed.capture_at_start():  # on a GPU
+                figures = self.parts.fixed.figures()
+                log.info("captured %d shapes of stage 7's pass as CUDA graphs before any request, in %.1f s",
+                         figures["captured"], figures["capture_s"])
+        synchronize(self.device)
+
+    def _warm_up_stage_7(self, scratch: int, block_size: int, suffix: list[int]) -> None:
         kv = self.kv
-        scratch, block_size = kv.scratch_block, kv.block_size
         sampled = SamplingParams(temperature=1.0, top_p=0.9)
         with self.lock, torch.inference_mode(), one_pass(self.threads, self.device, "warm-up", may_probe=False):
             cache = gather(self.parts, [])
@@ -636,24 +659,9 @@ class Engine:
             sample(logits, SamplingParams()), sample(logits, sampled, torch.Generator().manual_seed(0))
             del cache  # fixed buffers (engine/fixed_past.py) serve one request at a time: this one is done
             cache = gather(self.parts, [scratch])
-            suffix = [0] * max(1, block_size // 2)
             forward(self.model, suffix, cache)
             forward(self.model, [0], cache)
             del cache
-        # A runner of its own (torch's thread count, graphs dropped after): the loop's thread
-        # chooser and graphs see only real steps.
-        runner = ModelRunner(self.parts, max_num_seqs=1, static_decode=self.config.static_decode)
-        with self.lock:
-            request = Request("warm-up", suffix)
-            tables = {request.request_id: [scratch]}  # within one block, as the suffix above
-            runner.run(StepPlan([ScheduledRequest(request, 0, len(suffix))], []), tables)
-            request.append_output(0)
-            runner.run(StepPlan([ScheduledRequest(request, len(suffix), len(suffix) + 1)], []), tables)
-            if self.parts.fixed is not None and self.parts.fixed.capture_at_start():  # on a GPU, before any request
-                figures = self.parts.fixed.figures()
-                log.info("captured %d shapes of stage 7's pass as CUDA graphs before any request, in %.1f s",
-                         figures["captured"], figures["capture_s"])
-        synchronize(self.device)
 
 
 def _close_loop(loop: EngineLoop) -> None:

@@ -19,7 +19,7 @@ from engine import llm_engine as engine_module
 from engine import Engine, EngineClosedError
 from engine.cpu_threads import in_own_thread
 from engine.engine_loop import EngineStoppedError
-from engine.one_request import greedy_reference
+from engine.one_request import generate, greedy_reference
 from engine.outputs import ReplyBuilder
 from engine.request import SamplingParams
 from helpers import assert_pool_whole
@@ -274,3 +274,23 @@ def test_warm_up_runs_every_kind_of_pass_and_leaves_the_pool_as_it_was(make_engi
     reply = engine.generate(PROMPTS[0], max_tokens=3)
     assert reply.cached_tokens == 0 and reply.token_ids == greedy_reference(tiny_model, engine.tokenize(PROMPTS[0]), 3)
     assert_pool_whole(engine)
+
+
+def test_a_server_warms_only_the_engine_loop_and_never_allocates_stage_7s_buffers(make_engine, tiny_model):
+    """warm_up(stage_7=False), as server.py calls it: the batched passes only, and the fixed
+    buffers of stage 7 (engine/fixed_past.py, where the engine pads) stay unallocated until a
+    request of stage 7 comes."""
+    engine = make_engine(static_decode=True)
+    kinds = []
+    hook = tiny_model.register_forward_pre_hook(
+        lambda module, args, kwargs: kinds.append(type(kwargs.get("pool_step")).__name__), with_kwargs=True)
+    try:
+        engine.warm_up(stage_7=False)
+    finally:
+        hook.remove()
+    assert kinds == ["StepInputs", "StaticStep"] and engine.parts.fixed.kv is None
+    assert engine.generate(PROMPTS[1], max_tokens=2).token_ids == greedy_reference(
+        tiny_model, engine.tokenize(PROMPTS[1]), 2)
+    assert engine.parts.fixed.kv is None  # the engine's own requests run in its loop
+    generate(engine.parts, "stage-7", engine.tokenize(PROMPTS[2]), SamplingParams(max_tokens=2))
+    assert engine.parts.fixed.kv is not None
