@@ -287,7 +287,7 @@ class Engine:
         fixed = None
         if config.static_decode or (config.static_decode is None and device.type == "cuda"):
             max_len = min(self.max_model_len or num_blocks * config.block_size, num_blocks * config.block_size)
-            fixed = in_own_thread(FixedBuffers, model, kv, max_len, graphs=device.type == "cuda")
+            fixed = FixedBuffers(model, kv, max_len, graphs=device.type == "cuda")  # its tensors: the first request's
         self._parts: EngineParts | None = EngineParts(model, tokenizer, stop_token_ids, allocator, kv, device,
                                                       lock=threading.RLock(), allocator_lock=threading.RLock(),
                                                       threads=threads, fixed=fixed)

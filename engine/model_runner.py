@@ -40,6 +40,7 @@ from engine.one_request import EngineParts
 from engine.scheduler import StepPlan
 from engine.static_decode import DecodeBuffers, block_counts, decode_sizes, forward, rung
 
+
 @dataclass(frozen=True)
 class StepFigures:
     """How big one step was: its requests, the tokens of its forward pass, how many of those
@@ -104,14 +105,10 @@ class ModelRunner:
         self.buffers: DecodeBuffers | None = None  # the padded decode step's inputs; None: every step eager
         self.graphs: DecodeGraphs | None = None  # its graphs, on a GPU
         if static_decode or (static_decode is None and cuda):
-            self.sizes, self.counts = decode_sizes(max_num_seqs), block_counts(self.most_reads(max_num_seqs, parts))
+            # at most every row reading the whole pool
+            self.sizes, self.counts = decode_sizes(max_num_seqs), block_counts(max_num_seqs * parts.kv.num_blocks)
             self.buffers = DecodeBuffers(parts.kv, self.sizes[-1], self.counts[-1])
             self.graphs = DecodeGraphs(parts.model, self.buffers) if cuda else None
-
-    @staticmethod
-    def most_reads(max_num_seqs: int, parts: EngineParts) -> int:
-        """The most blocks a decode step's rows can read: every row the whole pool."""
-        return max_num_seqs * parts.kv.num_blocks
 
     @property
     def captures(self) -> int:

@@ -93,42 +93,9 @@ def test_one_request_at_a_time_holds_the_buffers_the_other_gets_a_dynamic_cache(
     assert isinstance(engine.parts.fixed.fill([]), FixedPast)
 
 
-class FakeGraph:
-    """Stands in for torch.cuda.CUDAGraph on a CPU: counts replays."""
-
-    made = []
-
-    def __init__(self):
-        self.replays = 0
-        FakeGraph.made.append(self)
-
-    def pool(self):
-        return "pool"
-
-    def replay(self):
-        self.replays += 1
-
-
-class fake_capture:
-    """Stands in for torch.cuda.graph: the code inside runs eagerly."""
-
-    def __init__(self, graph, pool=None):
-        pass
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
-def test_each_shape_is_captured_once_and_replayed_after(make_engine, monkeypatch):
+def test_each_shape_is_captured_once_and_replayed_after(make_engine, monkeypatch, fake_graphs):
     """With torch's graph calls faked: a new (tokens, slots) runs a warm-up pass and a captured
     one, a later pass of it only replays, and the reply takes the replayed logits."""
-    FakeGraph.made = []
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
-    monkeypatch.setattr(torch.cuda, "graph", fake_capture)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     engine = make_engine(num_blocks=64, static_decode=True)
     buffers = engine.parts.fixed
     buffers.graphs = fixed_past.Graphs(lambda size, length: fixed_past.forward(engine.model, buffers, size, length), 1,
@@ -139,17 +106,14 @@ def test_each_shape_is_captured_once_and_replayed_after(make_engine, monkeypatch
     generate(engine.parts, "a", SYSTEM[:9], SamplingParams(max_tokens=4))  # 9 new: (16, 16); decodes (1, 16)
     assert [shape for shape, _ in buffers.graphs.captures] == [(16, 16), (1, 16)]
     assert passes == [(16, 16), (16, 16), (1, 16), (1, 16)]  # warm-up and capture of each, no pass for a replay
-    assert [graph.replays for graph in FakeGraph.made] == [1, 3]
+    assert [graph.replays for graph in fake_graphs] == [1, 3]
 
 
-def test_warm_up_captures_every_pass_of_a_short_request_and_every_decode(make_engine, monkeypatch, caplog):
+def test_warm_up_captures_every_pass_of_a_short_request_and_every_decode(make_engine, monkeypatch, caplog,
+                                                                             fake_graphs):
     """With torch's graph calls faked, an engine whose stage 7 runs graphs: warm_up captures
     each (tokens, slots) with slots up to START_SLOTS and each decode (1, slots), says how long
     it took, and a request within those then captures nothing while it runs."""
-    FakeGraph.made = []
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
-    monkeypatch.setattr(torch.cuda, "graph", fake_capture)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     monkeypatch.setattr(fixed_past, "START_SLOTS", 64)
     engine = make_engine(num_blocks=64, static_decode=True)  # 256 slots: slots of 16, 32, 64, 128, 256
     buffers = engine.parts.fixed

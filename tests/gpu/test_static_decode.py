@@ -247,49 +247,11 @@ def test_a_cpu_runs_the_packed_step_unless_asked_and_never_captures(make_engine)
     assert forced.buffers is not None and forced.graphs is None  # padded, eagerly: nothing to capture
 
 
-class FakeGraph:
-    """Stands in for torch.cuda.CUDAGraph on a CPU: counts replays, hands out a pool id."""
-
-    made = []
-
-    def __init__(self):
-        self.replays, self.captured_in = 0, "not captured"
-        FakeGraph.made.append(self)
-
-    def pool(self):
-        return ("pool of", FakeGraph.made[0])
-
-    def replay(self):
-        self.replays += 1
-
-
-class fake_capture:
-    """Stands in for torch.cuda.graph: the code inside runs eagerly, and the graph notes the pool."""
-
-    def __init__(self, graph, pool=None):
-        graph.captured_in = pool
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
-def fake_graphs(monkeypatch):
-    """torch's graph calls faked (this machine has no GPU): a capture runs its code eagerly."""
-    FakeGraph.made = []
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
-    monkeypatch.setattr(torch.cuda, "graph", fake_capture)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
-
-
-def test_each_shape_is_captured_once_after_a_warm_up_then_replayed(make_engine, monkeypatch):
+def test_each_shape_is_captured_once_after_a_warm_up_then_replayed(make_engine, monkeypatch, fake_graphs):
     """DecodeGraphs' bookkeeping, with torch's graph calls faked: a new (size, reads) runs a
     warm-up pass and a captured one, later steps of it only replay, every graph after the first
     allocates from the first one's memory pool, all of them write their logits into one buffer,
     and the runner counts its captures."""
-    fake_graphs(monkeypatch)
     passes = []
     monkeypatch.setattr(model_runner, "forward", lambda *args: passes.append(args[2:]) or forward(*args))
     engine = make_engine()
@@ -306,19 +268,18 @@ def test_each_shape_is_captured_once_after_a_warm_up_then_replayed(make_engine, 
     # 3 rows reading 3 + 1 + 2 blocks and one for the padding row; later 2 rows of 2 blocks each
     assert shapes[:2] == [(4, 8), (4, 8)] and (2, 4) in new and len(new) < len(shapes)
     assert passes == [shape for shape in new for _ in ("warm-up", "capture")]  # no pass of its own for a replay
-    assert len(FakeGraph.made) == len(new) and sum(graph.replays for graph in FakeGraph.made) == 2 * len(shapes)
-    first, *later = FakeGraph.made
+    assert len(fake_graphs) == len(new) and sum(graph.replays for graph in fake_graphs) == 2 * len(shapes)
+    first, *later = fake_graphs
     assert first.captured_in is None and all(graph.captured_in == ("pool of", first) for graph in later)
     assert len(outputs) == 1  # one logits buffer for every graph
     assert padded.captures == len(new) and [shape for shape, _ in padded.graphs.captures] == new
 
 
-def test_a_failed_capture_says_why_once_and_only_its_shape_runs_eagerly(make_engine, monkeypatch, caplog):
+def test_a_failed_capture_says_why_once_and_only_its_shape_runs_eagerly(make_engine, caplog, fake_graphs):
     """A capture that fails (an operation a graph cannot hold, or no memory for a wide shape)
     turns off that shape alone: one warning naming it, its later steps packed as the eager
     runner's (no second try), every other shape captured and replayed, every step's logits
     those of the packed step."""
-    fake_graphs(monkeypatch)
     engine = make_engine()
     eager, padded = runners(engine)
     padded.graphs = graphs = model_runner.DecodeGraphs(engine.model, padded.buffers)
@@ -364,11 +325,10 @@ def test_a_long_row_among_short_ones_reads_only_its_own_blocks(make_engine):
     steps.close()
 
 
-def test_the_engine_publishes_its_graphs_for_health(make_engine, monkeypatch):
+def test_the_engine_publishes_its_graphs_for_health(make_engine, fake_graphs):
     """What /health shows of the graphs, from the loop's snapshot: null on a CPU; with graphs
     (torch's calls faked), the shapes captured, the time they took and the shapes that failed."""
     assert make_engine().snapshot().cuda_graphs is None
-    fake_graphs(monkeypatch)
     engine = make_engine(static_decode=True)
     runner = engine.loop.runner.model_runner
     runner.graphs = model_runner.DecodeGraphs(engine.model, runner.buffers)
