@@ -64,8 +64,9 @@ class BatchRunner:
         the Engine's), or None for a new one; choose_threads=False keeps torch's own thread
         count for every step. step_budget: the budget policy (engine/step_budget.py's StepBudget,
         or any object with its budget, record and describe); None: max_num_batched_tokens
-        every step (FixedBudget). static_decode: a step that only decodes runs padded to a
-        ladder's size, a CUDA graph on a GPU (engine/model_runner.py); None: on a GPU only.
+        every step (FixedBudget). static_decode: a step that only decodes, and one with a prompt's
+        chunk of at most 512 tokens, runs padded to a ladder's shape, a CUDA graph on a GPU
+        (engine/model_runner.py); None: on a GPU only.
         scheduler_options: Scheduler's max_num_seqs, max_num_batched_tokens and
         enable_chunked_prefill."""
         self.parts = parts

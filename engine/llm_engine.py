@@ -88,8 +88,9 @@ class EngineConfig:
     where it pays), choose_threads (False keeps torch's thread count on a CPU), fair_share
     (the waiting queue read least-served tenant first, and a tenant far ahead held to a
     smaller share of a step: engine/scheduler.py and engine/step_budget.py; False: arrival order),
-    static_decode (a step that only decodes runs padded to fixed shapes, replayed as a CUDA
-    graph on a GPU: engine/model_runner.py, and stage 7's requests run over fixed buffers,
+    static_decode (a step that only decodes, and one with a prompt's chunk of at most 512
+    tokens in all, runs padded to fixed shapes, replayed as a CUDA graph on a GPU:
+    engine/model_runner.py, and stage 7's requests run over fixed buffers,
     their passes replayed the same way: engine/fixed_past.py; None: on a GPU only; True on a
     CPU runs them eagerly).
     """
@@ -618,8 +619,8 @@ class Engine:
         its K/V written, a greedy and a sampled pick, the block gathered back and a suffix pass
         over it (a masked pass, as a HIT's), a decode token after it. The batched path
         (engine/model_runner.py): a prompt's chunk and a decode of it, greedy and sampled
-        picks from the decode's logits (sampling.sample_batch), the decode padded and
-        captured as a CUDA graph where the engine runs graphs (in a runner of its own, so the
+        picks from the decode's logits (sampling.sample_batch), both padded where the engine
+        pads and captured as CUDA graphs where it runs graphs (in a runner of its own, so the
         loop's graphs and /health count only what real steps captured). Then, on a GPU, every
         pass of stage 7's requests up to fixed_past.START_SLOTS tokens and every decode token
         captured as a CUDA graph (FixedBuffers.capture_at_start; the time it took is logged on

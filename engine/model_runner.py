@@ -10,9 +10,11 @@ inputs, run_model returns the logits; its run also samples, which here stays wit
 
     StepFigures   how big one step was: requests, tokens, slots attended over and copied
     DecodeGraphs  CUDA graphs of the padded decode step, one per (size, reads) of its ladders
-    ModelRunner   run: one forward pass, eager (build_step's packed step) or, for a step that
-                  only decodes, the padded step of engine/static_decode.py, replayed as a graph on a
-                  GPU; on a CPU with the thread count engine/cpu_threads.py picks
+    ChunkGraphs   CUDA graphs of the padded step with a prompt's chunk, one per (tokens, reads)
+    ModelRunner   run: one forward pass, eager (build_step's packed step) or padded: a step
+                  that only decodes as engine/static_decode.py pads it, one with a prompt's chunk
+                  of at most 512 tokens in all as engine/static_chunk.py does, each replayed as a
+                  graph on a GPU; on a CPU with the thread count engine/cpu_threads.py picks
 
 On a GPU a decode step of a small model is mostly the CPU's work: the Python of the forward
 pass and of its attention, and one launch for each of its hundreds of kernels, while the GPU
@@ -21,8 +23,8 @@ once and replays them all with a single launch: no Python, no per-kernel launch.
 the same kernels over the same addresses and shapes, so the step's inputs are copied into
 buffers allocated once (static_decode.DecodeBuffers) and the batch is padded to a rung of a
 ladder. What a graph cannot replay is a shape it was not captured with: a step with a
-prompt's chunk changes its token count every step, and runs eagerly, as does a step larger
-than the ladders. nano-vllm captures its decode step the same way (nanovllm/engine/
+prompt's chunk changes its token count every step, so its tokens are padded to a ladder of
+their own (engine/static_chunk.py); a step larger than the ladders runs eagerly. nano-vllm captures its decode step the same way (nanovllm/engine/
 engine/model_runner.py: capture_cudagraph, and run_model, which replays it), as does vLLM (capture_model
 and _dummy_run in vllm/v1/worker/gpu_model_runner.py).
 """
@@ -38,6 +40,8 @@ from engine.cpu_threads import ThreadChooser, one_pass
 from engine.cuda_graphs import Graphs
 from engine.one_request import EngineParts
 from engine.scheduler import StepPlan
+from engine.static_chunk import ChunkBuffers, MAX_TOKENS, chunk_rung
+from engine.static_chunk import forward as chunk_forward
 from engine.static_decode import DecodeBuffers, block_counts, decode_sizes, forward, rung
 
 
@@ -62,8 +66,8 @@ class StepFigures:
                    inputs.slots_copied)
 
     @classmethod
-    def padded(cls, plan: StepPlan, size: int, reads: int, block_size: int) -> StepFigures:
-        """A padded decode step's: its `size` rows read `reads` whole blocks in all."""
+    def padded(cls, plan: StepPlan, reads: int, block_size: int) -> StepFigures:
+        """A padded step's: its requests read `reads` whole blocks in all, padding included."""
         read = reads * block_size
         prefill = sum(s.end - s.start for s in plan.scheduled if s.is_prefill)
         return cls(len(plan.scheduled), plan.num_tokens, prefill, sum(s.end for s in plan.scheduled), read, read)
@@ -82,6 +86,15 @@ class DecodeGraphs(Graphs):
                          "the decode step of (rows, blocks read)")
 
 
+class ChunkGraphs(Graphs):
+    """The padded step with a prompt's chunk (static_chunk.forward) as CUDA graphs, one per
+    (tokens, reads), each captured the first time a step of its shape runs."""
+
+    def __init__(self, model, buffers: ChunkBuffers):
+        super().__init__(lambda tokens, reads: chunk_forward(model, buffers, tokens, reads), buffers.max_rows,
+                         "the step with a prompt's chunk of (tokens, blocks read)")
+
+
 class ModelRunner:
     """Runs one step's forward pass over the paged pool for every scheduled request.
 
@@ -89,11 +102,12 @@ class ModelRunner:
     long prefix's blocks may attend over them once, where counted work says it pays
     (batch_attention.decode_groups); threads: the CPU thread policy (engine/cpu_threads.py), or None
     for torch's own count (and on a GPU, where the CPU only launches kernels); max_num_seqs:
-    the most requests a step holds, the top of the batch-size ladder. static_decode: a step
-    whose every request computes one token runs padded (engine/static_decode.py), as a CUDA graph on
-    a GPU and eagerly on a CPU; None: on a GPU only. If a shape's capture fails, the runner says
-    why once (the "engine" logger) and runs later steps of that shape eagerly, unpadded; every
-    other shape keeps its graph.
+    the most requests a step holds, the top of the batch-size ladder. static_decode: steps run
+    padded to fixed shapes, as CUDA graphs on a GPU and eagerly on a CPU: a step whose every
+    request computes one token (engine/static_decode.py), and a step with a prompt's chunk of
+    at most 512 tokens in all (engine/static_chunk.py); None: on a GPU only. If a shape's
+    capture fails, the runner says why once (the "engine" logger) and runs later steps of that
+    shape eagerly, unpadded; every other shape keeps its graph.
     """
 
     def __init__(self, parts: EngineParts, cascade_attention: bool = True, threads: ThreadChooser | None = None, *,
@@ -103,41 +117,62 @@ class ModelRunner:
         self.last_step: StepFigures | None = None  # the latest step's figures
         cuda = parts.device.type == "cuda"
         self.buffers: DecodeBuffers | None = None  # the padded decode step's inputs; None: every step eager
-        self.graphs: DecodeGraphs | None = None  # its graphs, on a GPU
+        self.chunk_buffers: ChunkBuffers | None = None  # the padded step with a prompt's chunk
+        self.graphs: DecodeGraphs | None = None  # their graphs, on a GPU
+        self.chunk_graphs: ChunkGraphs | None = None
         if static_decode or (static_decode is None and cuda):
             # at most every row reading the whole pool
             self.sizes, self.counts = decode_sizes(max_num_seqs), block_counts(max_num_seqs * parts.kv.num_blocks)
             self.buffers = DecodeBuffers(parts.kv, self.sizes[-1], self.counts[-1])
-            self.graphs = DecodeGraphs(parts.model, self.buffers) if cuda else None
+            self.chunk_buffers = ChunkBuffers(parts.kv, MAX_TOKENS, self.counts[-1], max_num_seqs)
+            if cuda:
+                self.graphs = DecodeGraphs(parts.model, self.buffers)
+                self.chunk_graphs = ChunkGraphs(parts.model, self.chunk_buffers)
+
+    def all_graphs(self) -> list[Graphs]:
+        return [g for g in (self.graphs, self.chunk_graphs) if g is not None]
 
     @property
     def captures(self) -> int:
         """How many CUDA graphs this runner has captured (0 on a CPU)."""
-        return len(self.graphs.captures) if self.graphs is not None else 0
+        return sum(len(g.captures) for g in self.all_graphs())
 
     def graph_figures(self) -> dict | None:
-        """The decode step's CUDA graphs so far (Graphs.figures): shapes captured, the seconds
-        their captures took in all, and shapes whose capture failed; None where no graph runs
-        (a CPU)."""
-        return None if self.graphs is None else self.graphs.figures()
+        """The runner's CUDA graphs so far (Graphs.figures, both kinds together): shapes
+        captured, the seconds their captures took in all, and shapes whose capture failed;
+        None where no graph runs (a CPU)."""
+        graphs = self.all_graphs()
+        if not graphs:
+            return None
+        figures = [g.figures() for g in graphs]
+        return {key: round(sum(f[key] for f in figures), 3) for key in figures[0]}
 
     def run(self, plan: StepPlan, block_tables: dict[str, list[int]]) -> torch.Tensor:
         """One forward pass for the plan: logits (requests that sample, vocab)."""
         prefill = any(s.is_prefill for s in plan.scheduled)
         kind = (prefill, plan.num_tokens.bit_length())  # steps about as big are timed together
-        padded = self.padded_rung(plan)
         with one_pass(self.threads, self.parts.device, kind, may_probe=not prefill), torch.inference_mode():
-            if padded is None:
-                return self.run_eager(plan, block_tables)
-            return self.run_padded(plan, block_tables, *padded)
+            if (shape := self.padded_rung(plan)) is not None:
+                return self.run_padded(plan, block_tables, *shape)
+            if (shape := self.chunk_rung(plan)) is not None:
+                return self.run_chunk(plan, block_tables, *shape)
+            return self.run_eager(plan, block_tables)
 
     def padded_rung(self, plan: StepPlan) -> tuple[int, int] | None:
-        """The (size, reads) the step runs padded to; None: it runs eagerly (no padded path,
-        a step with a prompt's chunk, one above the ladders, or a shape whose capture failed)."""
+        """The (size, reads) a decode-only step runs padded to; None: it does not (no padded
+        path, a step with a prompt's chunk, one above the ladders, or a shape whose capture failed)."""
         if self.buffers is None or plan.num_tokens != len(plan.scheduled):
             return None
         shape = rung(plan, self.sizes, self.counts, self.parts.kv.block_size)
         return None if self.graphs is not None and shape in self.graphs.failed else shape
+
+    def chunk_rung(self, plan: StepPlan) -> tuple[int, int] | None:
+        """The (tokens, reads) a step with a prompt's chunk runs padded to; None: it does not
+        (no padded path, a decode-only step, one above the ladders, or a shape whose capture failed)."""
+        if self.chunk_buffers is None or plan.num_tokens == len(plan.scheduled):
+            return None
+        shape = chunk_rung(plan, self.counts, self.parts.kv.block_size)
+        return None if self.chunk_graphs is not None and shape in self.chunk_graphs.failed else shape
 
     def run_eager(self, plan: StepPlan, block_tables: dict[str, list[int]]) -> torch.Tensor:
         """The step packed and grouped anew (batch_attention.build_step), shapes its own."""
@@ -149,8 +184,8 @@ class ModelRunner:
         ).logits[0]
 
     def run_padded(self, plan: StepPlan, block_tables: dict[str, list[int]], size: int, reads: int) -> torch.Tensor:
-        """The step copied into the buffers and run padded: its graph replayed on a GPU
-        (captured first if its shape is new), eagerly on a CPU."""
+        """A decode-only step copied into the buffers and run padded: its graph replayed on a
+        GPU (captured first if its shape is new), eagerly on a CPU."""
         self.buffers.fill(plan, block_tables, size, reads)
         if self.graphs is None:
             logits = forward(self.parts.model, self.buffers, size, reads)
@@ -158,9 +193,22 @@ class ModelRunner:
             if not self.graphs.has(size, reads) and not self.graphs.try_capture(size, reads):
                 return self.run_eager(plan, block_tables)  # that shape failed: packed, eagerly
             logits = self.graphs.replay(size, reads)
-        self.last_step = StepFigures.padded(plan, size, reads, self.parts.kv.block_size)
+        self.last_step = StepFigures.padded(plan, reads, self.parts.kv.block_size)
         sampling = [i for i, s in enumerate(plan.scheduled) if s.samples]
         return logits[sampling]  # a copy: the next replay writes over the graphs' logits
+
+    def run_chunk(self, plan: StepPlan, block_tables: dict[str, list[int]], tokens: int, reads: int) -> torch.Tensor:
+        """A step with a prompt's chunk copied into its buffers and run padded, as run_padded
+        runs a decode-only step."""
+        self.chunk_buffers.fill(plan, block_tables, tokens, reads)
+        if self.chunk_graphs is None:
+            logits = chunk_forward(self.parts.model, self.chunk_buffers, tokens, reads)
+        else:
+            if not self.chunk_graphs.has(tokens, reads) and not self.chunk_graphs.try_capture(tokens, reads):
+                return self.run_eager(plan, block_tables)
+            logits = self.chunk_graphs.replay(tokens, reads)
+        self.last_step = StepFigures.padded(plan, reads, self.parts.kv.block_size)
+        return logits[: sum(s.samples for s in plan.scheduled)].clone()  # the sampling requests' rows, kept
 
     def thread_count(self, chosen: bool):
         """What step costs are learned under: None on a GPU; on a CPU the thread count the

@@ -263,7 +263,7 @@ def test_warm_up_runs_every_kind_of_pass_and_leaves_the_pool_as_it_was(make_engi
     # the engine pads, stage 7's passes run over its fixed buffers (engine/fixed_past.py)
     if static_decode:
         assert seen == [("RequestStep", 4, None), ("RequestStep", 2, None), ("RequestStep", 1, None),
-                        ("StepInputs", 2, None), ("StaticStep", 1, None)]
+                        ("ChunkStep", 2, None), ("StaticStep", 1, None)]
     else:
         assert seen == [("one request", 4, 0), ("one request", 2, 4), ("one request", 1, 6),
                         ("StepInputs", 2, None), ("StepInputs", 1, None)]
@@ -288,7 +288,7 @@ def test_a_server_warms_only_the_engine_loop_and_never_allocates_stage_7s_buffer
         engine.warm_up(stage_7=False)
     finally:
         hook.remove()
-    assert kinds == ["StepInputs", "StaticStep"] and engine.parts.fixed.kv is None
+    assert kinds == ["ChunkStep", "StaticStep"] and engine.parts.fixed.kv is None
     assert engine.generate(PROMPTS[1], max_tokens=2).token_ids == greedy_reference(
         tiny_model, engine.tokenize(PROMPTS[1]), 2)
     assert engine.parts.fixed.kv is None  # the engine's own requests run in its loop

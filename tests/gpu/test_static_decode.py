@@ -116,16 +116,6 @@ def test_a_decode_step_runs_padded_to_its_rung_and_a_bigger_one_as_before(make_e
     steps.close()
 
 
-def test_a_step_with_a_prompt_chunk_is_never_padded(make_engine):
-    engine = make_engine()
-    _, padded = runners(engine)
-    runner = BatchRunner(engine.parts, choose_threads=False, max_num_seqs=4, max_num_batched_tokens=64)
-    request = runner.add("a", SHARED[:10], SamplingParams(max_tokens=2))
-    plan = runner.schedule()
-    assert plan.num_tokens == 10 and padded.padded_rung(plan) is None
-    runner.scheduler.finish(request)
-
-
 # --- the same numbers ----------------------------------------------------------------------
 
 
