@@ -239,7 +239,7 @@ def test_the_paged_benchmark_runs_both_caches_over_the_same_numbers(tiny_model_d
 def test_the_padded_decode_benchmark_times_the_same_step_both_ways(tiny_model_dir, tmp_path):
     results = padded_decode.main(["--model", str(tiny_model_dir), "--num-blocks", "256", "--quick", "--repeats", "3",
                                   "--json", str(tmp_path / "d.json")])
-    equal, long = results["rows"]
+    equal, long, chunk = results["rows"]
     # prefilled one a step (20 tokens each), the first ones decoding meanwhile
     assert equal["context_tokens"] == [25, 23, 22, 21] and equal["padded_slots_copied"] == 8 * 16
     assert all(row["max_logit_difference"] < 1e-4 and row["captures_in_timed_region"] == 0 for row in results["rows"])
@@ -249,6 +249,10 @@ def test_the_padded_decode_benchmark_times_the_same_step_both_ways(tiny_model_di
     # blocks would be 4 x 8.
     assert long["context_tokens"] == [122, 7, 7, 7]
     assert long["padded_slots_copied"] == 16 * 16 < 4 * 8 * 16
+    # Three decodes beside a new prompt's 29 tokens: 32 tokens, no padding tokens; the three
+    # contexts' 2 blocks each and the prompt's 2
+    assert chunk["tokens"] == 32 and chunk["padded_to"] == (32, 8) and chunk["requests"] == 4
+    assert chunk["padded_slots_copied"] == 8 * 16
     assert json.loads((tmp_path / "d.json").read_text())["rows"][1]["scene"] == "one long"
 
 
