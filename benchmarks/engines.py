@@ -58,6 +58,7 @@ class StepSeen(NamedTuple):
     threads: int | None  # the thread count it ran with (None: a GPU)
     tokens: int  # the tokens it computed
     samples: int  # ... and how many of them picked a next token
+    gpu_ms: float | None = None  # its pass and sampling on the GPU's clock (BatchRunner.last_gpu_ms); None on a CPU
 
 
 def watch_steps(engine: Engine) -> list[StepSeen]:
@@ -77,7 +78,7 @@ def watch_steps(engine: Engine) -> list[StepSeen]:
     def watched_postprocess(plan, tokens):
         threads = runner.threads.used if runner.threads else None
         steps.append(StepSeen(started[0], time.perf_counter(), runner.last_step.num_prefill_tokens, threads,
-                              plan.num_tokens, sum(s.samples for s in plan.scheduled)))
+                              plan.num_tokens, sum(s.samples for s in plan.scheduled), runner.last_gpu_ms))
         return postprocess(plan, tokens)
 
     runner.step, runner.postprocess = watched_step, watched_postprocess

@@ -14,7 +14,8 @@ It runs, one after another, then prints one table (--json writes the numbers):
 
 1. The demo's requests (commands/demo.py): five questions behind one system prompt, a MISS then HITs,
    then again with the cache emptied (the steady state: every pass of a shape seen before);
-   each request's TTFT, prefill phases and the graphs captured while it ran, one more HIT
+   each request's TTFT, prefill phases (on CUDA each on the GPU's own clock too, CUDA events:
+   engine/cpu_threads.GpuClock) and the graphs captured while it ran, one more HIT
    under torch's profiler (kernel launches, wall time, the GPU's time in kernels),
    the first round against the steady one phase by phase, and the pool after the warm-up.
 2. Exactness: prompts behind the demo's system prompt, long prompts of random tokens and short
@@ -31,7 +32,7 @@ It runs, one after another, then prints one table (--json writes the numbers):
    tokenizer), where a batch has real work to share. throughput.py's (d), transformers' own
    batching, is left out: it loads the model again from its files.
 5. Decode: ms a token on stage 7's path (the demo's) and through the engine loop, one stream
-   and 16 together (ms a step), on the model of parts 1-3.
+   and 16 together (ms a step, and on CUDA the step on the GPU's clock), on the model of parts 1-3.
 6. One long chat among short streams (benchmarks/padded_decode.py's scene): the padded decode
    step of one 8,000-token chat among 63 of 64 tokens against 64 of 64 tokens.
 7. TTFT cold and warm on the throughput's model (the 1B shape on CUDA) at prefixes up to 8,000
@@ -184,7 +185,8 @@ def demo_requests(engine: Engine) -> dict:
                             DEMO_MAX_TOKENS)
             rows.append({"cached_tokens": reply.cached_tokens, "computed_tokens": reply.computed_prompt_tokens,
                          "ttft_ms": reply.ttft_ms, "captures": captured(engine) - captures,
-                         "phases_ms": {phase: getattr(reply.prefill, f"{phase}_ms") for phase in PHASES}})
+                         "phases_ms": {phase: getattr(reply.prefill, f"{phase}_ms") for phase in PHASES},
+                         "phases_gpu_ms": reply.prefill.gpu_ms})  # the GPU's clock (CUDA events); None on a CPU
         rounds[name] = rows
     first, steady = rounds["first"], rounds["steady"]
     return {"pool_after_warm_up": pool_after_warm_up, "rounds": rounds,
@@ -343,6 +345,7 @@ def decode_ms(engine: Engine, tokens: int, streams: int) -> dict:
     per_token = [(r.total_ms - r.ttft_ms) / (len(r.token_ids) - 1) if len(r.token_ids) > 1 else None for r in (one, loop)]
     return {"tokens": tokens, "one_request_ms": per_token[0], "engine_one_stream_ms": per_token[1], "streams": streams,
             "engine_step_ms": 1000 * statistics.median(s.end - s.start for s in decodes) if decodes else None,
+            "engine_step_gpu_ms": statistics.median(s.gpu_ms for s in decodes) if decodes and decodes[0].gpu_ms else None,
             "engine_step_streams": statistics.median(s.tokens for s in decodes) if decodes else None}
 
 
@@ -367,8 +370,10 @@ def results_table(results: dict) -> Table:
         for i, row in enumerate(rows, 1):
             cache = "HIT" if row["cached_tokens"] else "MISS"
             phases = " ".join(f"{row['phases_ms'][phase]:.1f}" for phase in PHASES)
+            if row["phases_gpu_ms"]:  # the GPU's clock beside the wall's, phase by phase
+                phases += " (GPU " + " ".join(f"{row['phases_gpu_ms'][phase]:.1f}" for phase in PHASES) + ")"
             table.add_row("", f"{name} round, request {i}: {cache}, {row['cached_tokens']} + {row['computed_tokens']} "
-                          f"tokens; phases ms ({', '.join(PHASES)}); graphs captured",
+                          f"tokens; phases ms ({', '.join(PHASES)}; on the GPU's clock); graphs captured",
                           f"TTFT {row['ttft_ms']:,.1f} ms" + (f" ({first / row['ttft_ms']:.1f}x request 1)" if i > 1
                                                              else "") + f"; {phases}; {row['captures']}")
     table.add_row("", "first round over steady, each phase, the worst request",
@@ -402,6 +407,9 @@ def results_table(results: dict) -> Table:
                                      f"{decode['engine_step_streams'] or 0:g} decoding): ms a step",
                                      decode["engine_step_ms"])]):
         table.add_row("decode" if i == 0 else "", what, "-" if ms is None else f"{ms:,.2f}")
+    if decode["engine_step_gpu_ms"] is not None:
+        table.add_row("", "... that step on the GPU's clock (CUDA events around its pass and sampling): ms",
+                      f"{decode['engine_step_gpu_ms']:,.2f}")
     table.add_section()
     scenes = results["long_among_short"]["rows"]
     for i, (name, row) in enumerate(scenes.items()):

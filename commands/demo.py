@@ -75,6 +75,7 @@ DEMO_QUESTIONS = [
 ]
 
 DEMO_MAX_TOKENS = 48
+PASS = ("gather", "forward", "write")  # the phases of a prefill that run on the device
 
 
 def run_demo(args: argparse.Namespace) -> list[Generation]:
@@ -101,13 +102,17 @@ def run_demo(args: argparse.Namespace) -> list[Generation]:
         table = Table(title=f"request {i}: {question}", title_justify="left", title_style="bold",
                       caption=reply.text.strip() + ("…" if reply.finish_reason == "length" else ""),
                       caption_justify="left", caption_style="cyan")
-        for column in ("cache", "prompt tokens: cached + computed", "prefill (TTFT)", "speed-up vs request 1"):
+        gpu = reply.prefill.gpu_ms  # on a GPU: each phase on the GPU's own clock (CUDA events)
+        for column in ("cache", "prompt tokens: cached + computed", "prefill (TTFT)", "speed-up vs request 1",
+                       *(["gather + forward + write, wall / GPU clock"] if gpu else [])):
             table.add_column(column, justify="right")
         table.add_row(
             "[bold green]HIT" if hit else "[bold red]MISS",
             f"{reply.cached_tokens} + {reply.computed_prompt_tokens}",
             f"{reply.ttft_ms:,.0f} ms",
             f"{replies[0].ttft_ms / reply.ttft_ms:.1f}x" if i > 1 else "-",
+            *([f"{sum(getattr(reply.prefill, f'{p}_ms') for p in PASS):,.1f} / {sum(gpu[p] for p in PASS):,.1f} ms"]
+              if gpu else []),
         )
         console.print(table)
 

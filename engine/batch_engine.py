@@ -32,7 +32,7 @@ from typing import Callable
 import torch
 
 from allocator import OutOfBlocksError
-from engine.cpu_threads import ThreadChooser
+from engine.cpu_threads import GpuClock, ThreadChooser
 from engine.model_runner import ModelRunner, StepFigures
 from engine.one_request import EngineParts
 from engine.outputs import Generation, ReplyBuilder
@@ -81,6 +81,8 @@ class BatchRunner:
         self.num_steps = 0  # steps that scheduled anything: one forward pass each
         self.block_tables: dict[str, list[int]] = {}  # the latest plan's requests' tables, as planned
         self.on_bookkept: Callable[[bool], None] | None = None  # called with step_ended (see above)
+        self.gpu_clock = GpuClock(parts.device)
+        self.last_gpu_ms: float | None = None  # the latest step's pass and sampling on the GPU's clock; None on a CPU
 
     @property
     def last_step(self) -> StepFigures | None:
@@ -125,9 +127,11 @@ class BatchRunner:
             if not plan.scheduled:
                 return []
             started = time.perf_counter()
+            self.gpu_clock.start()
             logits = self.model_runner.run(plan, self.block_tables)
             sampling = [s.request for s in plan.scheduled if s.samples]
             tokens = sample_batch(logits, [r.params for r in sampling], [r.generator for r in sampling])
+            self.last_gpu_ms = self.gpu_clock.stop()
             with self.parts.allocator_lock:  # what a published snapshot reads the learned costs under
                 self.budget.record(self.thread_count(chosen=True), plan, time.perf_counter() - started)
             return self.postprocess(plan, tokens)

@@ -16,6 +16,7 @@ are not wrapped, nor are the lessons' untimed checks against them: they keep the
     GPU_ATTENTION                        the attention kernels a pass may use on a GPU: none that plans per shape
     one_pass                             the wrap for one forward pass (and its step's copies) on any device
     synchronize                          wait for a GPU's queued work before a timing stops
+    GpuClock                             CUDA events around a stretch of work: the GPU's time beside the wall's
 """
 
 from __future__ import annotations
@@ -187,6 +188,40 @@ def synchronize(device) -> None:
     after a `.tolist()` / `int()` of a result, which waits too). Nothing on a CPU."""
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
+
+
+class GpuClock:
+    """The GPU's own clock around a stretch of work, beside the wall clock's: a CUDA event
+    recorded on the stream where the stretch starts (start) and one where it ends (stop),
+    and the milliseconds between them as the GPU ran them. On a CPU stop gives None.
+
+    What it measures is the stream's time from the first event to the second, idle gaps
+    included: where the CPU launches kernels slower than the GPU runs them (a small model's
+    pass), the GPU waits between kernels and the two clocks read about the same; where they
+    part, the wall's extra is the CPU's work before the first launch or after the last
+    kernel. The GPU's busy time, kernel by kernel, is the profiler's (--bench gpu's profiled HIT).
+
+    >>> clock = GpuClock("cpu"); clock.start(); clock.stop() is None
+    True
+    """
+
+    def __init__(self, device):
+        self.on = torch.device(device).type == "cuda"
+        self.began = None
+
+    def start(self) -> None:
+        if self.on:
+            self.began = torch.cuda.Event(enable_timing=True)
+            self.began.record()
+
+    def stop(self) -> float | None:
+        """Milliseconds on the GPU since start (waiting for the stretch's work to finish); None on a CPU."""
+        if not self.on:
+            return None
+        ended = torch.cuda.Event(enable_timing=True)
+        ended.record()
+        ended.synchronize()
+        return self.began.elapsed_time(ended)
 
 
 # -----------------------------------------------------------------------------

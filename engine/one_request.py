@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Iterator
 import torch
 
 from allocator import OutOfBlocksError, PrefixCachingAllocator
-from engine.cpu_threads import ThreadChooser, one_pass, synchronize
+from engine.cpu_threads import GpuClock, ThreadChooser, one_pass, synchronize
 from engine.kv_pool import PagedKVPool
 from engine.outputs import Generation, ReplyBuilder, StreamEvent
 from engine.request import SamplingParams
@@ -94,17 +94,25 @@ class EngineParts:
 
 
 class _Stopwatch:
-    """Milliseconds between laps. On a GPU work runs asynchronously, so each lap first
-    waits for it to finish: otherwise the time lands in whichever lap waits next."""
-    def __init__(self, device):
-        self.device = device
+    """Each phase of a prefill timed into `timing` (outputs.PrefillTiming): lap("gather") sets
+    gather_ms to the milliseconds since the last lap. On a GPU work runs asynchronously, so
+    each lap first waits for it to finish (otherwise the time lands in whichever lap waits
+    next), and the phase's time on the GPU's own clock goes into timing.gpu_ms beside it."""
+    def __init__(self, device, timing):
+        self.device, self.timing = device, timing
+        self.gpu = GpuClock(device)
+        self.gpu.start()
         self.last = time.perf_counter()
 
-    def lap(self) -> float:
+    def lap(self, phase: str) -> None:
+        gpu_ms = self.gpu.stop()
         synchronize(self.device)
         now = time.perf_counter()
-        elapsed, self.last = (now - self.last) * 1e3, now
-        return elapsed
+        setattr(self.timing, f"{phase}_ms", (now - self.last) * 1e3)
+        if gpu_ms is not None:
+            self.timing.gpu_ms = (self.timing.gpu_ms or {}) | {phase: gpu_ms}
+        self.gpu.start()
+        self.last = now
 
 
 def gather(parts: EngineParts, block_ids: list[int]):
@@ -154,7 +162,7 @@ def run_request(parts: EngineParts, request_id: str, prompt_ids: list[int], para
         # caches the prompt's full blocks at once; if the lock were let go before their K/V
         # is written, another request could hit them and read slots nobody wrote yet.
         with parts.lock, torch.inference_mode():
-            clock = _Stopwatch(model.device)
+            clock = _Stopwatch(model.device, reply.prefill)
             with parts.allocator_lock:
                 try:
                     num_cached, _ = alloc.allocate_with_prefix(request_id, prompt_ids, cache_salt=cache_salt)
@@ -163,17 +171,17 @@ def run_request(parts: EngineParts, request_id: str, prompt_ids: list[int], para
                 table = list(alloc.block_tables[request_id])
             allocated = True
             reply.cached_tokens = num_computed = num_cached
-            reply.prefill.lookup_ms = clock.lap()
+            clock.lap("lookup")  # reply.prefill.lookup_ms, and the others below
             with step_pass(parts, len(prompt_ids) - num_cached, num_cached):
                 past_key_values = gather(parts, table[: num_cached // block_size])
-                reply.prefill.gather_ms = clock.lap()
+                clock.lap("gather")
                 logits = forward(model, prompt_ids[num_cached:], past_key_values)
-                reply.prefill.forward_ms = clock.lap()
+                clock.lap("forward")
                 kv.write(past_key_values, table, num_cached, len(prompt_ids))
                 num_computed = len(prompt_ids)
-                reply.prefill.write_ms = clock.lap()
+                clock.lap("write")
             token = sample(logits, params, generator)
-            reply.prefill.sample_ms = clock.lap()
+            clock.lap("sample")
         reply.ttft_ms = (time.perf_counter() - arrival) * 1e3
 
         while True:

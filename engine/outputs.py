@@ -29,6 +29,9 @@ class PrefillTiming:
     forward_ms: float = 0.0  # run the model on the uncached suffix
     write_ms: float = 0.0  # copy the suffix's new K/V into the request's blocks
     sample_ms: float = 0.0  # pick the first token
+    # On a GPU, each phase's time on the GPU's own clock (engine/cpu_threads.GpuClock: CUDA
+    # events at its start and end), by name ("gather", "forward", ...); None on a CPU
+    gpu_ms: dict[str, float] | None = None
 
 
 @dataclass

@@ -108,6 +108,10 @@ def timing_table(runs: dict[str, list[Generation]]):
     table.add_row("[bold]TTFT", *(f"[bold]{t.median:,.1f}" for t in ttft.values()))
     for step in STEPS:
         table.add_row(f"  {step}", *(f"{medians[name][step]:,.1f}" for name in runs))
+    if all(r.prefill.gpu_ms for rs in runs.values() for r in rs):  # on a GPU: its own clock, CUDA events
+        for step in STEPS:
+            table.add_row(f"  {step}, GPU clock", *(f"{Runs([r.prefill.gpu_ms[step] for r in rs]).median:,.1f}"
+                                                    for rs in runs.values()))
     table.add_row("TTFT slowest / fastest", *(f"{t.spread:.1f}x" for t in ttft.values()))
     return table
 

@@ -153,3 +153,33 @@ def make_engine(tiny_model, tokenizer):
             continue
         wait_until_idle(engine)  # a cancelled request is freed by the loop moments later
         assert_pool_whole(engine)
+
+
+class FakeEvent:
+    """Stands in for torch.cuda.Event on a CPU: records the wall clock, so a GpuClock reads the
+    wall's time and a phase's two readings can be compared."""
+
+    def __init__(self, enable_timing=False):
+        self.at = None
+
+    def record(self):
+        import time
+
+        self.at = time.perf_counter()
+
+    def synchronize(self):
+        pass
+
+    def elapsed_time(self, other) -> float:
+        return (other.at - self.at) * 1e3
+
+
+@pytest.fixture
+def gpu_clock_on(monkeypatch):
+    """engine/cpu_threads.GpuClock reading (faked) CUDA events on this CPU, as it does on a GPU."""
+    import torch
+
+    from engine.cpu_threads import GpuClock
+
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(GpuClock, "__init__", lambda self, device: setattr(self, "on", True))

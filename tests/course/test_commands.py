@@ -124,6 +124,22 @@ def test_the_demo_hits_from_the_second_question_on_unless_caching_is_off(tiny_mo
         round(r.ttft_ms, 2) for r in replies]
 
 
+def test_the_demo_prints_the_gpus_clock_beside_the_wall_where_there_is_one(tiny_model_dir, capsys, monkeypatch,
+                                                                          gpu_clock_on):
+    """On a GPU each request's table gets a column: its gather, forward and write on the wall's
+    clock and on the GPU's (CUDA events, faked here: the two clocks are one)."""
+    monkeypatch.setenv("COLUMNS", "200")  # each table's columns on one line each
+    args = argparse.Namespace(model=str(tiny_model_dir), device="cpu", dtype=None, block_size=16,
+                              num_blocks=256, no_cache=False, json=None)
+    replies = run_demo(args)
+    out = " ".join(capsys.readouterr().out.split())
+    assert out.count("wall / GPU clock") == len(replies)
+    for reply in replies:
+        wall = sum(getattr(reply.prefill, f"{phase}_ms") for phase in ("gather", "forward", "write"))
+        gpu = sum(reply.prefill.gpu_ms[phase] for phase in ("gather", "forward", "write"))
+        assert f"{wall:,.1f} / {gpu:,.1f} ms" in out and gpu <= wall
+
+
 def test_the_ttft_benchmark_reports_every_figure(tiny_model_dir, tmp_path):
     out = tmp_path / "ttft.json"
     argv = ["--model", str(tiny_model_dir), "--num-blocks", "64", "--quick",

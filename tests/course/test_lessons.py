@@ -349,3 +349,28 @@ def test_stage_6_times_a_removal_from_the_middle_every_time(monkeypatch):
     monkeypatch.setitem(stage_6.QUEUES, "recording", RecordingList)
     stage_6.seconds_per_remove(1_000, "recording", repeats=50)
     assert positions == [500] * 50
+
+
+@pytest.mark.model  # importing stage 7 loads torch and transformers
+def test_stage_7s_timing_table_adds_the_gpus_clock_only_where_every_reply_has_it():
+    from rich.console import Console
+
+    from engine.outputs import Generation
+
+    stage_7 = importlib.import_module("lessons.07_real_model")
+
+    def reply(gpu: bool) -> Generation:
+        generation = Generation("r", prompt_tokens=8, ttft_ms=5.0)
+        generation.prefill.forward_ms = 4.0
+        if gpu:
+            generation.prefill.gpu_ms = {step: 0.5 for step in stage_7.STEPS} | {"forward": 3.0}
+        return generation
+
+    def shown(gpu: bool) -> str:
+        console = Console(width=200, record=True, file=open(os.devnull, "w"))
+        console.print(stage_7.timing_table({"MISS": [reply(gpu)] * 3, "HIT": [reply(gpu)] * 3}))
+        return console.export_text()
+
+    on_gpu, on_cpu = shown(True), shown(False)
+    assert re.search(r"forward, GPU clock\s+│\s+3\.0\s+│\s+3\.0", on_gpu) and "gather, GPU clock" in on_gpu
+    assert "GPU clock" not in on_cpu and re.search(r"forward\s+│\s+4\.0\s+│\s+4\.0", on_cpu)

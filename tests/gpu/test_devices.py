@@ -1,11 +1,15 @@
 """What every pass runs with, per device (engine/cpu_threads.py, model_loader.resolve_dtype): the
 CPU side runs here; the GPU side's choices are flags and functions a CPU can check."""
 
+import time
+
+import pytest
 import torch
 
 from engine import kv_pool
 from engine import one_request
-from engine.cpu_threads import GPU_ATTENTION, ThreadChooser, one_pass
+from engine.batch_engine import BatchRunner
+from engine.cpu_threads import GPU_ATTENTION, GpuClock, ThreadChooser, one_pass
 from engine.model_loader import resolve_dtype
 from engine.request import SamplingParams
 
@@ -48,3 +52,30 @@ def test_a_requests_pool_copies_run_with_the_thread_count_its_forward_pass_gets(
     one_request.generate(engine.parts, "r", list(range(100, 120)), SamplingParams(max_tokens=3))  # stage 7's step
     assert seen == {"gather": {1}, "write": {1}}
     assert torch.get_num_threads() == most  # put back after each step
+
+
+def test_a_gpu_clock_reads_nothing_on_a_cpu():
+    clock = GpuClock("cpu")
+    clock.start()
+    assert clock.stop() is None
+
+
+def test_each_prefill_phase_and_each_batched_step_get_the_gpus_clock_beside_the_wall(make_engine, gpu_clock_on):
+    """What the demo, stage 7 and --bench gpu print on a GPU: each phase of a request's prefill
+    on the GPU's clock beside its wall time (the two clocks are one here, so each GPU reading
+    is at most its phase's wall time), and each batched step's pass and sampling."""
+    engine = make_engine()
+    reply = one_request.generate(engine.parts, "r", list(range(100, 120)), SamplingParams(max_tokens=3))
+    phases = ("lookup", "gather", "forward", "write", "sample")
+    assert set(reply.prefill.gpu_ms) == set(phases)
+    for phase in phases:
+        assert 0 <= reply.prefill.gpu_ms[phase] <= getattr(reply.prefill, f"{phase}_ms")
+    assert reply.prefill.gpu_ms["forward"] > 0
+    runner = BatchRunner(engine.parts, choose_threads=False, max_num_seqs=2, max_num_batched_tokens=64)
+    runner.add("b", list(range(200, 210)), SamplingParams(max_tokens=2))
+    started = time.perf_counter()
+    runner.step()
+    assert 0 < runner.last_gpu_ms <= (time.perf_counter() - started) * 1e3
+    for request in list(runner.scheduler.running):
+        runner.scheduler.finish(request)
+    assert make_engine().generate([5, 6, 7], max_tokens=1).prefill.gpu_ms is None  # the loop's path: no phases

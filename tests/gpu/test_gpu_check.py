@@ -84,7 +84,7 @@ def fewer(monkeypatch):
     monkeypatch.setattr(gpu, "throughput", lambda engine, sizes: [])
     monkeypatch.setattr(gpu, "decode_ms", lambda engine, tokens, streams: {
         "tokens": tokens, "streams": streams, "one_request_ms": None, "engine_one_stream_ms": None,
-        "engine_step_ms": None, "engine_step_streams": None})
+        "engine_step_ms": None, "engine_step_gpu_ms": None, "engine_step_streams": None})
     monkeypatch.setattr(gpu, "long_among_short", lambda *args: {"rows": {}, "padded_long_over_short": 0.0})
     monkeypatch.setattr(gpu, "ttft_against_floor", lambda *args: {"matmul_tflops": 0.0, "rows": []})
 
