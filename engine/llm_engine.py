@@ -621,10 +621,13 @@ class Engine:
         (engine/model_runner.py): a prompt's chunk and a decode of it, greedy and sampled
         picks from the decode's logits (sampling.sample_batch), both padded where the engine
         pads and captured as CUDA graphs where it runs graphs (in a runner of its own, so the
-        loop's graphs and /health count only what real steps captured). Then, on a GPU, every
-        pass of stage 7's requests up to fixed_past.START_SLOTS tokens and every decode token
-        captured as a CUDA graph (FixedBuffers.capture_at_start; the time it took is logged on
-        the "engine" logger). stage_7=False: the batched path only, for an engine whose every
+        loop's graphs count only the shapes below and what real steps captured). Then, on a
+        GPU, CUDA graphs captured before any request, each logged on the "engine" logger with
+        the time it took: every pass of stage 7's requests up to fixed_past.START_SLOTS tokens
+        and every decode token (FixedBuffers.capture_at_start), and the engine loop's decode
+        steps and steps with a prompt's chunk whose contexts are within
+        model_runner.START_TOKENS tokens (ModelRunner.capture_at_start), so /health counts them
+        from the start. stage_7=False: the batched path only, for an engine whose every
         request goes through its loop (server.py): stage 7's fixed buffers are never allocated."""
         in_own_thread(self._warm_up, stage_7)
 
@@ -647,6 +650,11 @@ class Engine:
             if stage_7 and self.parts.fixed is not None and self.parts.fixed.capture_at_start():  # on a GPU
                 figures = self.parts.fixed.figures()
                 log.info("captured %d shapes of stage 7's pass as CUDA graphs before any request, in %.1f s",
+                         figures["captured"], figures["capture_s"])
+            loop_runner = self.loop.runner.model_runner
+            if loop_runner.capture_at_start():  # on a GPU
+                figures = loop_runner.graph_figures()
+                log.info("captured %d shapes of the engine loop's steps as CUDA graphs before any request, in %.1f s",
                          figures["captured"], figures["capture_s"])
         synchronize(self.device)
 

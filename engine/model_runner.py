@@ -40,9 +40,14 @@ from engine.cpu_threads import ThreadChooser, one_pass
 from engine.cuda_graphs import Graphs
 from engine.one_request import EngineParts
 from engine.scheduler import StepPlan
-from engine.static_chunk import ChunkBuffers, MAX_TOKENS, chunk_rung
+from engine.static_chunk import MAX_SCORES, MAX_TOKENS, ChunkBuffers, chunk_rung, chunk_sizes
 from engine.static_chunk import forward as chunk_forward
-from engine.static_decode import DecodeBuffers, block_counts, decode_sizes, forward, rung
+from engine.static_decode import DecodeBuffers, block_counts, decode_sizes, forward, padded_to, rung
+
+# capture_at_start's bound: steps whose contexts are within this many tokens (a row's, for a
+# decode step; all of a step's requests', for a step with a prompt's chunk), as stage 7's
+# passes are captured up to engine/fixed_past.py's START_SLOTS
+START_TOKENS = 1024
 
 
 @dataclass(frozen=True)
@@ -146,6 +151,47 @@ class ModelRunner:
             return None
         figures = [g.figures() for g in graphs]
         return {key: round(sum(f[key] for f in figures), 3) for key in figures[0]}
+
+    def start_shapes(self, up_to: int = START_TOKENS) -> dict[str, list[tuple[int, int]]]:
+        """The shapes capture_at_start captures: every decode step whose rows' contexts are
+        each within `up_to` tokens (each size of the ladder, each rung of blocks read from one a
+        row to `up_to` tokens a row), and every step with a prompt's chunk whose requests'
+        contexts are within `up_to` tokens in all (each rung of tokens up to 512, each rung of
+        blocks read from the chunk's own to `up_to` tokens' worth). Empty where nothing pads."""
+        if self.buffers is None:
+            return {"decode": [], "chunk": []}
+        block_size = self.parts.kv.block_size
+        per_row = -(-up_to // block_size)
+
+        def reads(least: int, most: int) -> list[int]:
+            low, high = padded_to(self.counts, least), padded_to(self.counts, most) or self.counts[-1]
+            return [count for count in self.counts if low is not None and low <= count <= high]
+
+        decode = [(size, count) for size in self.sizes for count in reads(size, size * per_row)]
+        chunk = [(tokens, count) for tokens in chunk_sizes() if 1 < tokens <= up_to
+                 for count in reads(-(-tokens // block_size) + 1, per_row + 1)
+                 if tokens * count * block_size <= MAX_SCORES]
+        return {"decode": decode, "chunk": chunk}
+
+    def capture_at_start(self, up_to: int = START_TOKENS) -> int:
+        """Capture start_shapes(up_to) as CUDA graphs before any request (on a GPU; nothing on
+        a CPU), each over a step of padding only: every token on the pool's scratch block, so
+        no request's K/V is read or written. Returns how many were captured; shapes captured
+        already are skipped, and one that fails is marked failed as in a real step."""
+        if not self.all_graphs():
+            return 0
+        before, empty = self.captures, StepPlan([], [])
+        shapes = self.start_shapes(up_to)
+        with torch.inference_mode():
+            for shape in shapes["decode"]:
+                if not self.graphs.has(*shape) and shape not in self.graphs.failed:
+                    self.buffers.fill(empty, {}, *shape)
+                    self.graphs.try_capture(*shape)
+            for shape in shapes["chunk"]:
+                if not self.chunk_graphs.has(*shape) and shape not in self.chunk_graphs.failed:
+                    self.chunk_buffers.fill(empty, {}, *shape)
+                    self.chunk_graphs.try_capture(*shape)
+        return self.captures - before
 
     def run(self, plan: StepPlan, block_tables: dict[str, list[int]]) -> torch.Tensor:
         """One forward pass for the plan: logits (requests that sample, vocab)."""

@@ -221,3 +221,36 @@ def test_each_chunk_shape_is_captured_once_then_replayed_and_a_failed_one_runs_p
     assert new and [shape for shape, _ in graphs.captures] == new and len(fake_graphs) == len(new)
     assert sum(graph.replays for graph in fake_graphs) == len([s for s in shapes if s != failing])
     assert padded.captures == len(new) and padded.graph_figures()["failed"] == 1
+
+
+# --- captured before any request -------------------------------------------------------------
+
+
+def test_the_loops_graphs_are_captured_at_start_over_padding_only_and_replayed_after(make_engine, fake_graphs,
+                                                                                    monkeypatch):
+    """ModelRunner.capture_at_start (torch's graph calls faked): every decode shape of rows
+    within the bound and every chunk shape within it, each captured once over padding (the
+    allocator's blocks untouched), none twice; later steps of those shapes only replay.
+    Engine.warm_up calls it on the loop's runner."""
+    engine = make_engine(static_decode=True, max_num_seqs=4, num_blocks=64)
+    runner = engine.loop.runner.model_runner
+    runner.graphs = model_runner.DecodeGraphs(engine.model, runner.buffers)
+    runner.chunk_graphs = model_runner.ChunkGraphs(engine.model, runner.chunk_buffers)
+    shapes = runner.start_shapes(up_to=16)  # 4 blocks of 4 a row
+    # sizes 1, 2, 4; each reading from one block a row to four; chunks of 2 to 16 tokens
+    assert shapes["decode"] == [(1, 1), (1, 2), (1, 4), (2, 2), (2, 4), (2, 8), (4, 4), (4, 8), (4, 16)]
+    assert shapes["chunk"] == [(2, 2), (2, 4), (2, 8), (4, 2), (4, 4), (4, 8), (8, 4), (8, 8), (16, 8)]
+    before = engine.kv.data.clone()
+    assert runner.capture_at_start(up_to=16) == 18 and runner.capture_at_start(up_to=16) == 0
+    assert torch.equal(engine.kv.data, before)
+    assert [s for s, _ in runner.graphs.captures] == shapes["decode"]
+    assert [s for s, _ in runner.chunk_graphs.captures] == shapes["chunk"]
+    captured = runner.captures
+    engine.generate_batch([[5, 6, 7], [8, 9]], max_tokens=3)  # a chunk of 5 (8, 4), then decodes (2, 2)
+    assert runner.captures == captured  # those shapes were there: replayed, none captured
+    calls = []
+    real = model_runner.ModelRunner.capture_at_start
+    monkeypatch.setattr(model_runner.ModelRunner, "capture_at_start",
+                        lambda self, *args: calls.append(self) or real(self, *args))
+    engine.warm_up(stage_7=False)
+    assert runner in calls
