@@ -71,6 +71,9 @@ def main(argv: list[str] | None = None) -> None:
         demo_parser = argparse.ArgumentParser(prog="prefix_caching.py --demo", description=demo.__doc__.strip().split("\n")[0])
         demo_parser.add_argument("--no-cache", action="store_true", help="the same requests with prefix caching off")
         demo_parser.add_argument("--json", metavar="PATH", help="also write each request's tokens and TTFT as JSON")
+        demo_parser.add_argument("--long-prefix", action=argparse.BooleanOptionalAction, default=None,
+                                 help="then ask again behind the course reader (4,000+ shared tokens) and find where a "
+                                      "HIT starts to pay (default: on a GPU only)")
         add_model_arguments(demo_parser)
         demo.run_demo(demo_parser.parse_args(rest))
     elif args.help:

@@ -123,15 +123,16 @@ class FixedBuffers:
 
     def capture_at_start(self, up_to: int | None = None) -> int:
         """Capture, before any request, every pass a request within `up_to` tokens (default
-        START_SLOTS) can run, (tokens, slots) for each rung of slots up to `up_to` and each rung
-        of tokens up to that, and the decode token (1, slots) at every rung of slots. Returns how
+        START_SLOTS) can run, (tokens, slots) for each rung of slots up to the one that holds
+        `up_to` and each rung of tokens up to that, and the decode token (1, slots) at every rung of slots. Returns how
         many were captured. The passes run over whatever the buffers hold (each request writes
         its own K/V over them); nothing here reads the pool."""
         if self.graphs is None or (self.holder is not None and self.holder() is not None):
             return 0
         up_to = START_SLOTS if up_to is None else up_to
         self.allocate()
-        shapes = [(size, length) for length in self.lengths if length <= up_to
+        most = padded_to(self.lengths, up_to) or self.lengths[-1]  # the slots a request of up_to tokens may attend
+        shapes = [(size, length) for length in self.lengths if length <= most
                   for size in self.suffixes if size <= length] + [(1, length) for length in self.lengths]
         before = len(self.graphs.captures)
         with torch.inference_mode():  # as every request's passes run: the buffers are inference tensors

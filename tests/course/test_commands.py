@@ -20,6 +20,7 @@ from benchmarks import attention, busy, chunked_prefill, padded_decode, paged, s
 from benchmarks.engines import unwatch_steps, watch_steps
 from benchmarks.allocator import free_order_hit_rates
 from commands import walkthrough
+from commands import demo
 from commands.demo import run_demo
 from commands.model_flags import add_model_arguments, pool_arguments
 from engine import model_runner, static_decode
@@ -138,6 +139,43 @@ def test_the_demo_prints_the_gpus_clock_beside_the_wall_where_there_is_one(tiny_
         wall = sum(getattr(reply.prefill, f"{phase}_ms") for phase in ("gather", "forward", "write"))
         gpu = sum(reply.prefill.gpu_ms[phase] for phase in ("gather", "forward", "write"))
         assert f"{wall:,.1f} / {gpu:,.1f} ms" in out and gpu <= wall
+
+
+def test_the_demos_long_prefix_is_the_course_reader_behind_the_system_prompt(tokenizer):
+    """What the demo asks behind on a GPU: at least 4,000 tokens every question shares."""
+    from engine.prompts import tokenize_prompts
+
+    system = f"{demo.DEMO_SYSTEM_PROMPT}\n\n{demo.COURSE_READER}"
+    ids = tokenize_prompts(tokenizer, [demo.demo_prompt(system, q) for q in demo.DEMO_QUESTIONS], None)
+    assert demo.shared_tokens(ids) >= 4000 and max(map(len, ids)) < 8192 - demo.DEMO_MAX_TOKENS
+
+
+@pytest.mark.parametrize("long_prefix", [None, True], ids=["cpu-default", "asked"])
+def test_the_demo_asks_again_behind_the_course_reader_on_a_gpu_or_when_asked(tiny_model_dir, capsys, monkeypatch,
+                                                                            long_prefix):
+    """On a CPU the demo's output does not change unless --long-prefix asks; asked, the same
+    questions behind a long shared prefix (the reader, cut to fit the tiny model's 1,024
+    tokens): a MISS with nothing cached (the cache emptied first), then HITs of its full
+    blocks, then the crossover's MISS and HIT at each length, and where the HIT paid."""
+    monkeypatch.setenv("COLUMNS", "200")
+    monkeypatch.setattr(demo, "COURSE_READER", demo.COURSE_READER[:1800])
+    args = argparse.Namespace(model=str(tiny_model_dir), device="cpu", dtype=None, block_size=16,
+                              num_blocks=256, no_cache=False, json=None, long_prefix=long_prefix)
+    short = run_demo(args)
+    out = capsys.readouterr().out
+    assert [r.cached_tokens > 0 for r in short] == [False, True, True, True, True]
+    if long_prefix is None:
+        assert "course reader" not in out
+        return
+    shared = int(re.search(r"prompt, ([\d,]+) shared tokens", out).group(1).replace(",", ""))
+    assert 600 < shared < 1000
+    assert "The cache is emptied first" in " ".join(out.split())
+    rows = re.findall(r"│\s+([\d,]+)\s+│\s+[\d.,]+ ms\s+│\s+[\d.,]+ ms \(([\d,]+) cached\)\s+│\s+([\d.]+)x", out)
+    assert [int(n.replace(",", "")) for n, _, _ in rows] == [256, 512, shared]
+    assert [int(c.replace(",", "")) for _, c, _ in rows] == [256, 512, shared // 16 * 16]
+    sentence = re.search(r"a HIT came 2x sooner than its MISS (from ([\d,]+) tokens|at none)", " ".join(out.split()))
+    paid = [int(n.replace(",", "")) for n, _, ratio in rows if float(ratio) >= 2.0]
+    assert sentence and (sentence.group(2) == f"{paid[0]:,}" if paid else sentence.group(1) == "at none")
 
 
 def test_the_ttft_benchmark_reports_every_figure(tiny_model_dir, tmp_path):
