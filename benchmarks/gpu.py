@@ -22,8 +22,10 @@ It runs, one after another, then prints one table (--json writes the numbers):
    ones, each against plain model.generate (greedy), on every path a request can take: stage
    7's one request at a time (one_request.generate over an Engine's parts), the engine loop
    with shared-prefix (cascade) attention allowed, and without. Required in fp32: a reply that
-   differs makes the exit status 1. On CUDA also in bf16, reported only: random weights give near-flat logits, and a near-tie can flip with the
-   shape of the batch.
+   differs makes the exit status 1. On CUDA also in bf16, reported only: random weights give
+   near-flat logits, and a near-tie can flip with the shape of the batch. Scaling the output
+   layer would not make a mismatch mean more: the rounding of the hidden state reaches the
+   logits through the same weights, so it grows with the margins between them.
 3. TTFT cold vs warm (benchmarks/ttft.py's cold_vs_warm), prefixes up to the model's context.
 4. Throughput (benchmarks/throughput.py's run_ours): (a) sequential, (b) batched with caching
    off, (c) batched with caching on, both engines warmed first, each way's steps counted from
