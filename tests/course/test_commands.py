@@ -114,6 +114,7 @@ def test_the_demo_hits_from_the_second_question_on_unless_caching_is_off(tiny_mo
     assert hits == ([False] * 5 if no_cache else [False, True, True, True, True])
     out = " ".join(capsys.readouterr().out.split())  # rich wraps lines
     assert "MISS" in out and ("HIT" in out) != no_cache and "hit rate" in out
+    assert "course reader" not in out and "GPU clock" not in out  # a CPU's demo: nothing more unless asked
     # The sentence about the shared prompt counts as the table does: every hit is its full blocks,
     # or one block more where a question's first tokens fill the next block as an earlier one's did.
     shared, full, over = map(int, re.search(r"The first (\d+) tokens .*?: (\d+) full blocks of 16, and (\d+) tokens", out).groups())
@@ -125,22 +126,6 @@ def test_the_demo_hits_from_the_second_question_on_unless_caching_is_off(tiny_mo
         round(r.ttft_ms, 2) for r in replies]
 
 
-def test_the_demo_prints_the_gpus_clock_beside_the_wall_where_there_is_one(tiny_model_dir, capsys, monkeypatch,
-                                                                          gpu_clock_on):
-    """On a GPU each request's table gets a column: its gather, forward and write on the wall's
-    clock and on the GPU's (CUDA events, faked here: the two clocks are one)."""
-    monkeypatch.setenv("COLUMNS", "200")  # each table's columns on one line each
-    args = argparse.Namespace(model=str(tiny_model_dir), device="cpu", dtype=None, block_size=16,
-                              num_blocks=256, no_cache=False, json=None)
-    replies = run_demo(args)
-    out = " ".join(capsys.readouterr().out.split())
-    assert out.count("wall / GPU clock") == len(replies)
-    for reply in replies:
-        wall = sum(getattr(reply.prefill, f"{phase}_ms") for phase in ("gather", "forward", "write"))
-        gpu = sum(reply.prefill.gpu_ms[phase] for phase in ("gather", "forward", "write"))
-        assert f"{wall:,.1f} / {gpu:,.1f} ms" in out and gpu <= wall
-
-
 def test_the_demos_long_prefix_is_the_course_reader_behind_the_system_prompt(tokenizer):
     """What the demo asks behind on a GPU: at least 4,000 tokens every question shares."""
     from engine.prompts import tokenize_prompts
@@ -150,26 +135,28 @@ def test_the_demos_long_prefix_is_the_course_reader_behind_the_system_prompt(tok
     assert demo.shared_tokens(ids) >= 4000 and max(map(len, ids)) < 8192 - demo.DEMO_MAX_TOKENS
 
 
-@pytest.mark.parametrize("long_prefix", [None, True], ids=["cpu-default", "asked"])
-def test_the_demo_asks_again_behind_the_course_reader_on_a_gpu_or_when_asked(tiny_model_dir, capsys, monkeypatch,
-                                                                            long_prefix):
-    """On a CPU the demo's output does not change unless --long-prefix asks; asked, the same
-    questions behind a long shared prefix (the reader, cut to fit the tiny model's 1,024
-    tokens): a MISS with nothing cached (the cache emptied first), then HITs of its full
-    blocks, then the crossover's MISS and HIT at each length, and where the HIT paid."""
-    monkeypatch.setenv("COLUMNS", "200")
+def test_the_demo_asks_again_behind_the_course_reader_when_asked_with_the_gpus_clock(tiny_model_dir, capsys,
+                                                                                   monkeypatch, gpu_clock_on):
+    """--long-prefix (a GPU's default): the same questions behind a long shared prefix (the
+    reader, cut to fit the tiny model's 1,024 tokens): a MISS with nothing cached (the cache
+    emptied first), then HITs of its full blocks, then the crossover's MISS and HIT at each
+    length, and where the HIT paid. And, as on a GPU, each request's table gets its gather,
+    forward and write on the wall's clock and on the GPU's (CUDA events, faked here: the two
+    clocks are one)."""
+    monkeypatch.setenv("COLUMNS", "200")  # each table's columns on one line each
     monkeypatch.setattr(demo, "COURSE_READER", demo.COURSE_READER[:1800])
     args = argparse.Namespace(model=str(tiny_model_dir), device="cpu", dtype=None, block_size=16,
-                              num_blocks=256, no_cache=False, json=None, long_prefix=long_prefix)
+                              num_blocks=256, no_cache=False, json=None, long_prefix=True)
     short = run_demo(args)
     out = capsys.readouterr().out
     assert [r.cached_tokens > 0 for r in short] == [False, True, True, True, True]
-    if long_prefix is None:
-        assert "course reader" not in out
-        return
+    assert " ".join(out.split()).count("wall / GPU clock") == 10  # the short questions' tables, then the reader's
+    for reply in short:
+        wall = sum(getattr(reply.prefill, f"{phase}_ms") for phase in ("gather", "forward", "write"))
+        gpu = sum(reply.prefill.gpu_ms[phase] for phase in ("gather", "forward", "write"))
+        assert f"{wall:,.1f} / {gpu:,.1f} ms" in out and gpu <= wall
     shared = int(re.search(r"prompt, ([\d,]+) shared tokens", out).group(1).replace(",", ""))
-    assert 600 < shared < 1000
-    assert "The cache is emptied first" in " ".join(out.split())
+    assert 600 < shared < 1000 and "The cache is emptied first" in " ".join(out.split())
     rows = re.findall(r"│\s+([\d,]+)\s+│\s+[\d.,]+ ms\s+│\s+[\d.,]+ ms \(([\d,]+) cached\)\s+│\s+([\d.]+)x", out)
     assert [int(n.replace(",", "")) for n, _, _ in rows] == [256, 512, shared]
     assert [int(c.replace(",", "")) for _, c, _ in rows] == [256, 512, shared // 16 * 16]
