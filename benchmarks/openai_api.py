@@ -221,6 +221,6 @@ def start_server(args: argparse.Namespace, **engine_options):
 
     logging.getLogger("werkzeug").setLevel(logging.WARNING)  # no line per request on the screen
     engine = Engine(args.model, device=args.device, dtype=args.dtype, **pool_arguments(args), **engine_options)
-    engine.warm_up()
+    engine.warm_up(stage_7=False)  # as server.py warms its engine
     url, server = serve_in_background(create_app(engine))
     return url, server, engine

@@ -11,9 +11,13 @@ counted in one part:
     attention  everything inside batch_attention.pool_attention: writing the step's K/V into
                the pool, copying each group's context out, the softmax, the merge
     model      every other operator of the forward pass: norms, rotary embeddings, the
-               activation, the embedding, residual adds
+               activation, the embedding, residual adds (on a GPU, where a decode step is
+               replayed as a CUDA graph, no operator runs on the CPU: its whole pass is here)
     engine     what the step does around the forward pass in Python: schedule, build_step,
-               sampling, the finisher (BatchRunner.step's wall time minus the forward pass)
+               sampling, the finisher (BatchRunner.step's wall time minus the runner's pass)
+
+On a GPU the decode steps' graphs are captured before the clock (ModelRunner.capture_at_start),
+and the output says how many were captured while timed.
 
 The parts are printed as a share of the step, from one run. The profiler's own bookkeeping
 slows each operator a little, so the shares matter more than the milliseconds.
@@ -44,6 +48,7 @@ from benchmarks.throughput import questions
 from commands.flags import positive_int
 from commands.model_flags import add_model_arguments
 from engine import batch_attention, batch_engine
+from engine import model_runner as engine_model_runner
 from engine.batch_engine import BatchRunner
 from engine.cpu_threads import synchronize
 from engine.model_loader import DEFAULT_MODEL
@@ -51,6 +56,7 @@ from engine.request import SamplingParams
 
 LINEAR = {"aten::linear", "aten::mm", "aten::addmm", "aten::matmul"}
 ATTENTION = "pool_attention"  # the record_function label the profile wraps batch_attention's function in
+BUILD = "build_step"  # ... and batch_attention.build_step, as the runner calls it
 
 
 def profiled_steps(engine, n: int, steps: int) -> dict:
@@ -62,26 +68,37 @@ def profiled_steps(engine, n: int, steps: int) -> dict:
     while any(not r.output_ids for r in [*runner.scheduler.running, *runner.scheduler.waiting]):
         runner.step()
     runner.step()  # one decode step untimed: the first of a shape sets up buffers
+    model_runner = runner.model_runner
+    model_runner.capture_at_start()  # on a GPU: the decode steps' graphs, before the clock
+    captures = model_runner.captures
 
     forward_ms, step_ms = [], []
-    model = engine.model
 
-    def timed_forward(*args, **kwargs):
+    def timed_run(*args, **kwargs):
+        # Around the runner's pass, not the model's forward: a step replayed as a CUDA graph
+        # calls no forward, and a wait inside a capture would break the capture.
         start = time.perf_counter()
         try:
-            return real_forward(*args, **kwargs)
+            return real_run(*args, **kwargs)
         finally:
-            synchronize(model.device)
+            synchronize(engine.device)
             forward_ms.append((time.perf_counter() - start) * 1e3)
 
-    real_forward, real_attention = model.forward, batch_attention.pool_attention
-    model.forward = timed_forward
+    real_run, real_attention = model_runner.run, batch_attention.pool_attention
+    model_runner.run = timed_run
 
     def labelled_attention(*args, **kwargs):
         with torch.profiler.record_function(ATTENTION):
             return real_attention(*args, **kwargs)
 
     AttentionInterface.register(batch_attention.POOL_ATTENTION, labelled_attention)
+    real_build = engine_model_runner.build_step
+
+    def labelled_build(*args, **kwargs):  # the packed step's inputs: the engine's Python, inside the runner's pass
+        with torch.profiler.record_function(BUILD):
+            return real_build(*args, **kwargs)
+
+    engine_model_runner.build_step = labelled_build
     try:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
             for _ in range(steps):
@@ -89,7 +106,8 @@ def profiled_steps(engine, n: int, steps: int) -> dict:
                 runner.step()
                 step_ms.append((time.perf_counter() - start) * 1e3)
     finally:
-        model.forward = real_forward
+        del model_runner.run
+        engine_model_runner.build_step = real_build
         AttentionInterface.register(batch_attention.POOL_ATTENTION, real_attention)
         for request in list(runner.scheduler.running):
             runner.scheduler.finish(request)
@@ -99,12 +117,14 @@ def profiled_steps(engine, n: int, steps: int) -> dict:
     # Self times: a linear layer's aten::linear calls addmm, whose time is its own. Attention
     # multiplies with einsum and SDPA (bmm), none of these.
     linear = sum(e.self_cpu_time_total for e in events if e.key in LINEAR) / 1e3
-    forward = sum(forward_ms)
+    build = sum(e.cpu_time_total for e in events if e.key == BUILD) / 1e3
+    forward = sum(forward_ms) - build
     total = sum(step_ms)
     parts = {"linear": linear, "attention": attention, "model": max(0.0, forward - linear - attention),
              "engine": max(0.0, total - forward)}
     return {"requests": n, "step_ms": statistics.median(step_ms),
-            "shares": {name: ms / total for name, ms in parts.items()}}
+            "shares": {name: ms / total for name, ms in parts.items()},
+            "captures_while_timed": model_runner.captures - captures}
 
 
 def engine_python(engine, n: int, steps: int) -> dict:
@@ -181,7 +201,8 @@ def main(argv: list[str] | None = None) -> dict:
         table.add_row(str(row["requests"]), f"{row['step_ms']:,.0f} ms",
                       *(f"{shares[name]:.1%}" for name in ("linear", "attention", "model", "engine")))
     console.print(table)
-    console.print(f"One run on {device}; the profiler slows each operator a little, so read the shares.")
+    console.print(f"One run on {device}; the profiler slows each operator a little, so read the shares. "
+                  f"CUDA graphs captured while timed: {sum(row['captures_while_timed'] for row in rows)}.")
     python = [engine_python(engine, n, args.steps) for n in args.requests]
     table = Table("decodes", "forward pass", "schedule", "sample", "record", "schedule + sample + record",
                   "postprocess", title="the engine's Python around a decode step, its loop's runner, medians")

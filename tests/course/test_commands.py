@@ -172,6 +172,7 @@ def test_the_ttft_benchmark_reports_every_figure(tiny_model_dir, tmp_path):
     results = ttft.main(argv)
     assert json.loads(out.read_text()) == results
     assert [row["prefix_tokens"] for row in results["cold_vs_warm"]] == [64, 128]
+    assert all(row["captures_while_timed"] == 0 for row in results["cold_vs_warm"])
     assert set(results["cold_vs_warm"][0]["warm_breakdown_ms"]) == {"lookup_ms", "gather_ms", "forward_ms", "write_ms", "sample_ms"}
     assert "overhead" in results["no_sharing"] and (tmp_path / "ttft.png").stat().st_size > 0
 
@@ -304,6 +305,7 @@ def test_the_stalls_benchmark_measures_both_budgets_beside_streams(tiny_model_di
     assert set(results["ways"]) == {"target", "fixed"} and results["http"] == http
     for way in results["ways"].values():
         assert way["gap_longest_during_ms"] > 0 and way["ttft_s"] > 0 and way["ttft_alone_s"] > 0
+        assert way["captures_while_timed"] == 0
 
 
 def test_the_step_profile_splits_a_step_into_parts(tiny_model_dir, tmp_path):
@@ -312,7 +314,7 @@ def test_the_step_profile_splits_a_step_into_parts(tiny_model_dir, tmp_path):
     (row,) = results["rows"]
     assert set(row["shares"]) == {"linear", "attention", "model", "engine"}
     assert all(share >= 0 for share in row["shares"].values()) and 0.9 < sum(row["shares"].values()) < 1.1
-    assert row["shares"]["linear"] > 0 and row["shares"]["attention"] > 0
+    assert row["shares"]["linear"] > 0 and row["shares"]["attention"] > 0 and row["captures_while_timed"] == 0
     (python,) = results["engine_python"]  # the loop's runner, decode steps after the last prompt's
     assert python["requests"] == 4 and 1 <= python["decodes"] <= 4 and python["steps"] >= 2
     assert set(python["ms"]) == {"schedule", "forward", "sample", "record", "postprocess"}
