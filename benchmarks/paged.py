@@ -15,9 +15,11 @@ laptop CPU and says nothing about a decode step): one context is, and its K/V ar
 every request's own blocks while their prompt step skips the model; the contiguous cache is
 then copied out of the pool, so both attend over the very same numbers. The first step of
 each is checked against the other (in fp32 their logits agree to ~1e-4 of the logits' size),
-then --steps steps of each are timed in turn. Both run with torch's thread
-count (the engine's thread choice is off here: one policy for both). Reported for each N: the
-median step, the ratio (target: paged at most 1.2x contiguous), the time inside the attention
+then --steps steps of each are timed in turn. Both run with torch's thread count (the
+engine's thread choice is off here: one policy for both), and both eagerly, on a GPU too: the
+bench compares where the K/V live, and a CUDA graph around one of them would compare launches
+instead (python prefix_caching.py --bench padded_decode times the graphed step). Reported for
+each N: the median step, the ratio (target: paged at most 1.2x contiguous), the time inside the attention
 function (both call it: transformers' sdpa when no pool step is given), and the K/V a paged
 layer copies out of the pool, in slots and bytes. The floor: the same N tokens through the
 model with nothing to attend to.
@@ -73,7 +75,7 @@ def prefilled_runner(engine: Engine, n: int, context: int, steps: int, seed: int
     # One context computed for real: its K/V are what every request's blocks get (random
     # numbers of the wrong size would make logits disagree for reasons no model has).
     runner = BatchRunner(engine.parts, cascade_attention=False, choose_threads=False, max_num_seqs=n,
-                         max_num_batched_tokens=n * context)  # every prompt in one step
+                         max_num_batched_tokens=n * context, static_decode=False)  # every prompt in one step; eager
     real = runner.add("model", prompts[n], SamplingParams(max_tokens=2), None)
     runner.step()
     context_kv = engine.kv.data[:, :, engine.allocator.block_tables["model"]].clone()
