@@ -71,10 +71,8 @@ def pool_attention(module, query, key, value, attention_mask, scaling=None, drop
         return pool_step.attend(module.layer_idx, query, key, value, scaling)
     step: StepInputs = pool_step
     pool, layer = step.pool, module.layer_idx
-    flat = pool.slots(layer)  # (2, slots, kv heads, dim)
     # Write first: every new key and value of the step lands in its slot before anyone reads.
-    flat[0, step.slot_mapping] = key[0].transpose(0, 1).to(flat.dtype)
-    flat[1, step.slot_mapping] = value[0].transpose(0, 1).to(flat.dtype)
+    pool.write_slots(layer, step.slot_mapping, key, value)
     # Then read: each request's context, block by block through its block table, a group at a time.
     packed = query[0].transpose(0, 1)  # (T, heads, dim)
     out = packed.new_empty(packed.shape)

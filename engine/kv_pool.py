@@ -145,6 +145,14 @@ class PagedKVPool:
         the scratch block's slots last."""
         return self._memory[layer].view(2, (self.num_blocks + 1) * self.block_size, self.num_kv_heads, self.head_dim)
 
+    def write_slots(self, layer: int, slot_mapping: torch.Tensor, key, value) -> None:
+        """A step's new K/V into their slots of layer `layer`: key and value (1, kv heads,
+        tokens, dim), as an attention layer gets them; slot_mapping (tokens,). Every attention
+        of the batched path writes first, then reads: a token's own K/V are among what it reads."""
+        flat = self.slots(layer)
+        flat[0, slot_mapping] = key[0].transpose(0, 1).to(flat.dtype)
+        flat[1, slot_mapping] = value[0].transpose(0, 1).to(flat.dtype)
+
     def blocks(self, layer: int):
         """Layer `layer` of the pool as (K/V, block, offset, kv heads, dim), the scratch block last."""
         return self._memory[layer]

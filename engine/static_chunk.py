@@ -170,10 +170,7 @@ class ChunkStep:
     def attend(self, layer: int, query, key, value, scaling):
         """query (1, heads, tokens, dim), key/value (1, kv heads, tokens, dim); returns
         (1, tokens, heads, dim), as transformers' attention functions do."""
-        flat = self.pool.slots(layer)
-        # Write first: a chunk's tokens see each other's K/V, and their own.
-        flat[0, self.slot_mapping] = key[0].transpose(0, 1).to(flat.dtype)
-        flat[1, self.slot_mapping] = value[0].transpose(0, 1).to(flat.dtype)
+        self.pool.write_slots(layer, self.slot_mapping, key, value)  # a chunk's tokens see each other's K/V
         kv = self.pool.blocks(layer).index_select(1, self.read_blocks)  # (K/V, reads, block size, kv heads, dim)
         # Every token's scores and weights span every slot read, masked ones at weight 0; 0
         # times a NaN is NaN, so what the scratch block holds is not multiplied at all: its

@@ -186,10 +186,7 @@ class StaticStep:
     def attend(self, layer: int, query, key, value, scaling):
         """query (1, heads, rows, dim), key/value (1, kv heads, rows, dim); returns
         (1, rows, heads, dim), as transformers' attention functions do."""
-        flat = self.pool.slots(layer)
-        # Write first, as pool_attention does: a row's own token is among the keys it reads.
-        flat[0, self.slot_mapping] = key[0].transpose(0, 1).to(flat.dtype)
-        flat[1, self.slot_mapping] = value[0].transpose(0, 1).to(flat.dtype)
+        self.pool.write_slots(layer, self.slot_mapping, key, value)  # first: a row's own token is among its keys
         rows, (_, heads, _, dim), kv_heads = self.slot_mapping.numel(), query.shape, self.pool.num_kv_heads
         # A fresh copy, not read_blocks' buffer: a graph keeps the addresses it was captured
         # with, and that buffer is given back when the eager path grows it.

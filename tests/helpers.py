@@ -244,3 +244,13 @@ class StubWorker(BaseHTTPRequestHandler):
 
     def do_GET(self):
         self.reply({"served_model_name": self.model_name} if self.path == "/server_info" else {"status": "ok"})
+
+
+def random_prompts(rng, count: tuple[int, int], own: int, shared: list[int]) -> list[list[int]]:
+    """count[0] to count[1] prompts of 1 to `own` random token ids, about half of them behind
+    the first 4 or more tokens of `shared` (the padded steps' tests: hits beside misses)."""
+    prompts = []
+    for _ in range(rng.randint(*count)):
+        ids = [rng.randrange(100, 2000) for _ in range(rng.randint(1, own))]
+        prompts.append(shared[: rng.randint(4, len(shared))] + ids if rng.random() < 0.5 else ids)
+    return prompts

@@ -14,6 +14,7 @@ from engine import model_runner
 from engine.batch_engine import BatchRunner
 from engine.model_runner import ModelRunner
 from engine.one_request import greedy_reference
+from helpers import random_prompts
 from engine.request import SamplingParams
 from engine.static_chunk import MAX_SCORES, chunk_rung, chunk_sizes, forward
 
@@ -118,10 +119,7 @@ def test_random_chunked_steps_give_the_same_logits_padded_or_packed(make_engine,
     """Prompts of many lengths, some behind one cached shared prefix, arriving at different
     steps: chunks of one and of several prompts beside decodes, every one padded."""
     rng = random.Random(seed)
-    prompts = []
-    for _ in range(rng.randint(3, 6)):
-        own = [rng.randrange(100, 2000) for _ in range(rng.randint(1, 25))]
-        prompts.append(SHARED[: rng.randint(4, 30)] + own if rng.random() < 0.5 else own)
+    prompts = random_prompts(rng, (3, 6), 25, SHARED)
     engine = make_engine(num_blocks=128)
     engine.generate(SHARED + [99], max_tokens=1)  # SHARED's blocks cached: hits beside misses
     eager, padded = runners(engine)

@@ -15,6 +15,7 @@ from engine.batch_engine import BatchRunner
 
 from engine.model_runner import ModelRunner
 from engine.one_request import greedy_reference
+from helpers import random_prompts
 from engine.request import SamplingParams
 from engine.static_decode import block_counts, decode_sizes, forward, padded_to, rung
 
@@ -124,10 +125,7 @@ def test_random_decode_batches_give_the_same_logits_padded_or_packed(make_engine
     """Prompts of many lengths, some behind one shared prefix (cached), batches of 1 to 7
     that pad (3 to 4, 5 to 8) as requests finish."""
     rng = random.Random(seed)
-    prompts = []
-    for i in range(rng.randint(3, 7)):
-        own = [rng.randrange(100, 2000) for _ in range(rng.randint(1, 14))]
-        prompts.append(SHARED[: rng.randint(4, 30)] + own if rng.random() < 0.5 else own)
+    prompts = random_prompts(rng, (3, 7), 14, SHARED)
     engine = make_engine(num_blocks=96)
     eager, padded = runners(engine)
     lengths = [2 + i for i in range(len(prompts))]  # requests finish one a step: every batch size down to 1
