@@ -62,6 +62,7 @@ OMITTED = {
     ("PoolBase", "shape_from_config"): "the engines size a pool from a model; exercise 5's tests give the shape",
     ("PoolBase", "bytes_per_block"): "the engines' sizing, which no exercise uses",
     ("PoolBase", "slots"): "the batching engine's writes, which no exercise makes",
+    ("PoolBase", "write_slots"): "the batching engine's writes of a step's K/V, which no exercise makes",
     ("PoolBase", "read_blocks"): "the batching engine's attention, which no exercise runs",
     ("PoolBase", "blocks"): "the padded decode step's attention (engine/static_decode.py), which no exercise runs",
     ("PoolBase", "scratch_block"): "where a padded decode step's padding goes (engine/static_decode.py); no exercise pads",
