@@ -606,7 +606,7 @@ class Engine:
                 "decodes": (timed([(block_size - 1, block_size)] * ATTENTION_DECODES),
                             timed([(long_decode - 1, long_decode)] * ATTENTION_DECODES))}
 
-    def warm_up(self, stage_7: bool = True) -> None:
+    def warm_up(self, stage_7: bool = True, loop_graphs: bool = True) -> None:
         """Run every kind of pass a request's path runs once, before anything is timed, so the
         first timed request pays for no one-time setup (buffers, kernel choices, the CUDA
         context, and on a GPU each kernel's first load, which cost the demo's first round
@@ -628,10 +628,12 @@ class Engine:
         steps and steps with a prompt's chunk whose contexts are within
         model_runner.START_TOKENS tokens (ModelRunner.capture_at_start), so /health counts them
         from the start. stage_7=False: the batched path only, for an engine whose every
-        request goes through its loop (server.py): stage 7's fixed buffers are never allocated."""
-        in_own_thread(self._warm_up, stage_7)
+        request goes through its loop (server.py): stage 7's fixed buffers are never allocated.
+        loop_graphs=False: no graph of the loop's captured, for a command whose every request
+        runs stage 7's path (the demo)."""
+        in_own_thread(self._warm_up, stage_7, loop_graphs)
 
-    def _warm_up(self, stage_7: bool) -> None:
+    def _warm_up(self, stage_7: bool, loop_graphs: bool) -> None:
         scratch, block_size = self.kv.scratch_block, self.kv.block_size
         suffix = [0] * max(1, block_size // 2)
         if stage_7:
@@ -652,7 +654,7 @@ class Engine:
                 log.info("captured %d shapes of stage 7's pass as CUDA graphs before any request, in %.1f s",
                          figures["captured"], figures["capture_s"])
             loop_runner = self.loop.runner.model_runner
-            if loop_runner.capture_at_start():  # on a GPU
+            if loop_graphs and loop_runner.capture_at_start():  # on a GPU
                 figures = loop_runner.graph_figures()
                 log.info("captured %d shapes of the engine loop's steps as CUDA graphs before any request, in %.1f s",
                          figures["captured"], figures["capture_s"])

@@ -229,7 +229,7 @@ def test_the_loops_graphs_are_captured_at_start_over_padding_only_and_replayed_a
     """ModelRunner.capture_at_start (torch's graph calls faked): every decode shape of rows
     within the bound and every chunk shape within it, each captured once over padding (the
     allocator's blocks untouched), none twice; later steps of those shapes only replay.
-    Engine.warm_up calls it on the loop's runner."""
+    Engine.warm_up calls it on the loop's runner, unless told the loop will not run (the demo)."""
     engine = make_engine(static_decode=True, max_num_seqs=4, num_blocks=64)
     runner = engine.loop.runner.model_runner
     runner.graphs = model_runner.DecodeGraphs(engine.model, runner.buffers)
@@ -251,4 +251,6 @@ def test_the_loops_graphs_are_captured_at_start_over_padding_only_and_replayed_a
     monkeypatch.setattr(model_runner.ModelRunner, "capture_at_start",
                         lambda self, *args: calls.append(self) or real(self, *args))
     engine.warm_up(stage_7=False)
-    assert runner in calls
+    assert calls == [runner]
+    engine.warm_up(loop_graphs=False)  # the demo's: its requests never run in the loop
+    assert calls == [runner]
