@@ -230,31 +230,35 @@ class ModelRunner:
         ).logits[0]
 
     def run_padded(self, plan: StepPlan, block_tables: dict[str, list[int]], size: int, reads: int) -> torch.Tensor:
-        """A decode-only step copied into the buffers and run padded: its graph replayed on a
-        GPU (captured first if its shape is new), eagerly on a CPU."""
+        """A decode-only step copied into the buffers and run padded (padded_pass)."""
         self.buffers.fill(plan, block_tables, size, reads)
-        if self.graphs is None:
-            logits = forward(self.parts.model, self.buffers, size, reads)
-        else:
-            if not self.graphs.has(size, reads) and not self.graphs.try_capture(size, reads):
-                return self.run_eager(plan, block_tables)  # that shape failed: packed, eagerly
-            logits = self.graphs.replay(size, reads)
+        logits = self.padded_pass(self.graphs, lambda: forward(self.parts.model, self.buffers, size, reads), size, reads)
+        if logits is None:
+            return self.run_eager(plan, block_tables)  # that shape's capture failed: packed, eagerly
         self.last_step = StepFigures.padded(plan, reads, self.parts.kv.block_size)
         sampling = [i for i, s in enumerate(plan.scheduled) if s.samples]
         return logits[sampling]  # a copy: the next replay writes over the graphs' logits
 
     def run_chunk(self, plan: StepPlan, block_tables: dict[str, list[int]], tokens: int, reads: int) -> torch.Tensor:
-        """A step with a prompt's chunk copied into its buffers and run padded, as run_padded
-        runs a decode-only step."""
+        """A step with a prompt's chunk copied into its buffers and run padded (padded_pass)."""
         self.chunk_buffers.fill(plan, block_tables, tokens, reads)
-        if self.chunk_graphs is None:
-            logits = chunk_forward(self.parts.model, self.chunk_buffers, tokens, reads)
-        else:
-            if not self.chunk_graphs.has(tokens, reads) and not self.chunk_graphs.try_capture(tokens, reads):
-                return self.run_eager(plan, block_tables)
-            logits = self.chunk_graphs.replay(tokens, reads)
+        logits = self.padded_pass(self.chunk_graphs,
+                                  lambda: chunk_forward(self.parts.model, self.chunk_buffers, tokens, reads), tokens, reads)
+        if logits is None:
+            return self.run_eager(plan, block_tables)
         self.last_step = StepFigures.padded(plan, reads, self.parts.kv.block_size)
         return logits[: sum(s.samples for s in plan.scheduled)].clone()  # the sampling requests' rows, kept
+
+    @staticmethod
+    def padded_pass(graphs: Graphs | None, run, *shape) -> torch.Tensor | None:
+        """The padded pass of `shape` over what its buffers hold: run() eagerly where no graph
+        runs (a CPU), else its graph replayed, captured first if the shape is new; None if that
+        capture failed (the caller runs the step packed)."""
+        if graphs is None:
+            return run()
+        if not graphs.has(*shape) and not graphs.try_capture(*shape):
+            return None
+        return graphs.replay(*shape)
 
     def thread_count(self, chosen: bool):
         """What step costs are learned under: None on a GPU; on a CPU the thread count the
