@@ -49,6 +49,15 @@ def stage_7(engine: Engine, prompt, max_tokens: int) -> Generation:
     return generate(engine.parts, f"bench-{next(REQUEST_IDS)}", engine.tokenize(prompt), SamplingParams(max_tokens))
 
 
+def captured(engine: Engine) -> int:
+    """CUDA graphs the engine has captured so far: stage 7's (engine/fixed_past.py) and its
+    loop's (engine/model_runner.py); 0 on a CPU. A bench counts it before and after what it
+    times, and prints the difference."""
+    figures = [engine.parts.fixed.figures() if engine.parts.fixed is not None else None,
+               engine.loop.runner.model_runner.graph_figures()]
+    return sum(f["captured"] for f in figures if f is not None)
+
+
 class StepSeen(NamedTuple):
     """One step an engine's loop ran (watch_steps): when, and what its scheduler planned."""
 

@@ -68,7 +68,7 @@ from rich.table import Table
 from transformers import AutoConfig
 
 from benchmarks import save_json
-from benchmarks.engines import device_name, open_console, stage_7, unwatch_steps, watch_steps
+from benchmarks.engines import captured, device_name, open_console, stage_7, unwatch_steps, watch_steps
 from benchmarks.padded_decode import scene
 from benchmarks.throughput import counted, floor_seconds, questions, run_ours, summary
 from benchmarks.ttft import SUFFIX_LEN, cold_vs_warm, random_tokens
@@ -232,13 +232,6 @@ def profiled_hit(engine: Engine) -> dict:
     return {"cached_tokens": reply.cached_tokens, "wall_ms": 1000 * wall,
             "launches": sum(e.count for e in events if e.key in LAUNCHES),
             "gpu_ms": sum(e.self_device_time_total for e in events) / 1000}
-
-
-def captured(engine: Engine) -> int:
-    """CUDA graphs the engine has captured so far: stage 7's (engine/fixed_past.py) and the loop's."""
-    figures = [engine.parts.fixed.figures() if engine.parts.fixed is not None else None,
-               engine.loop.runner.model_runner.graph_figures()]
-    return sum(f["captured"] for f in figures if f is not None)
 
 
 def exactness_prompts(engine: Engine, sizes: Sizes) -> list[list[int]]:

@@ -32,7 +32,7 @@ import torch
 from rich.table import Table
 
 from benchmarks import save_json
-from benchmarks.engines import StepSeen, open_engine, watch_steps
+from benchmarks.engines import StepSeen, captured, open_engine, watch_steps
 from benchmarks.openai_api import start_server
 from benchmarks.throughput import TOPICS
 from commands.demo import DEMO_SYSTEM_PROMPT
@@ -179,12 +179,12 @@ def main(argv: list[str] | None = None) -> dict:
             stream = engine_stream(serving)
         steps = watch_steps(serving)
         stream([SYSTEM, {"role": "user", "content": "Hi"}], 4, None, threading.Event(), [])  # first steps: untimed
-        captures = serving.loop.runner.model_runner.captures  # CUDA graphs (none on a CPU)
+        captures = captured(serving)  # CUDA graphs (none on a CPU)
         scene = run_scene(stream, long_messages, args, salt=f"{way}-with-streams")
         scene["prefill"] = while_prefilling(steps, scene.pop("arrival"), scene.pop("first"))
         scene["ttft_alone_s"] = alone(stream, long_messages, salt=f"{way}-alone")
         scene["ttft_ratio"] = scene["ttft_s"] / scene["ttft_alone_s"]
-        scene["captures_while_timed"] = serving.loop.runner.model_runner.captures - captures
+        scene["captures_while_timed"] = captured(serving) - captures
         results["ways"][way] = scene
         if server is not None:
             server.shutdown()

@@ -28,7 +28,7 @@ import statistics
 from pathlib import Path
 
 from benchmarks import save_json
-from benchmarks.engines import device_name, stage_7
+from benchmarks.engines import captured, device_name, stage_7
 from commands.model_flags import add_model_arguments, pool_arguments
 from engine.cpu_threads import synchronize
 from engine.llm_engine import Engine
@@ -47,10 +47,9 @@ def cold_vs_warm(engine: Engine, prefix_len: int, suffix_len: int, repeats: int,
     stage 7's passes run as CUDA graphs (a GPU), every pass of a request this long is
     captured before the clock; captures_while_timed counts any that were not."""
     vocab_size = engine.model.get_input_embeddings().num_embeddings
-    fixed = engine.parts.fixed
-    if fixed is not None:
-        fixed.capture_at_start(up_to=prefix_len + suffix_len)
-    captures = 0 if fixed is None or fixed.graphs is None else len(fixed.graphs.captures)
+    if engine.parts.fixed is not None:
+        engine.parts.fixed.capture_at_start(up_to=prefix_len + suffix_len)
+    captures = captured(engine)
     cold, warm, parts = [], [], []
     for _ in range(repeats):  # a fresh prefix each time, so the cold request is truly cold
         prefix = random_tokens(rng, prefix_len, vocab_size)
@@ -77,7 +76,7 @@ def cold_vs_warm(engine: Engine, prefix_len: int, suffix_len: int, repeats: int,
         "ideal_ratio": suffix_len / (prefix_len + suffix_len),
         "speedup": cold_ms / warm_ms,
         "warm_breakdown_ms": breakdown,
-        "captures_while_timed": 0 if fixed is None or fixed.graphs is None else len(fixed.graphs.captures) - captures,
+        "captures_while_timed": captured(engine) - captures,
     }
 
 
