@@ -72,7 +72,7 @@ def test_help_after_a_mode_lists_that_modes_flags(mode, capsys):
     assert exit.value.code in (0, None), out
     assert f"prefix_caching.py {' '.join(mode)}" in out  # the mode's own usage line
     if mode == ["--demo"]:
-        assert "--no-cache" in out
+        assert "--no-cache" in out and "--long-prefix" in out
 
 
 @pytest.mark.subprocess
@@ -145,9 +145,9 @@ def test_the_demo_asks_again_behind_the_course_reader_when_asked_with_the_gpus_c
     clocks are one)."""
     monkeypatch.setenv("COLUMNS", "200")  # each table's columns on one line each
     monkeypatch.setattr(demo, "COURSE_READER", demo.COURSE_READER[:1800])
-    args = argparse.Namespace(model=str(tiny_model_dir), device="cpu", dtype=None, block_size=16,
-                              num_blocks=256, no_cache=False, json=None, long_prefix=True)
-    short = run_demo(args)
+    short = []  # the command as typed (cli.main is what python prefix_caching.py runs), its replies kept
+    monkeypatch.setattr(demo, "run_demo", lambda args: short.extend(run_demo(args)))
+    cli.main(["--demo", "--long-prefix", "--model", str(tiny_model_dir), "--device", "cpu", "--num-blocks", "256"])
     out = capsys.readouterr().out
     assert [r.cached_tokens > 0 for r in short] == [False, True, True, True, True]
     assert " ".join(out.split()).count("wall / GPU clock") == 10  # the short questions' tables, then the reader's
